@@ -1,0 +1,22 @@
+"""polykv: compose KV-cache compression per transformer layer and per phase.
+
+Data flows one way: profile -> solver -> plan -> runtime -> study.
+"""
+
+__version__ = "0.1.0"
+
+from polykv.hookspecs import hookimpl  # noqa: E402
+from polykv.plan import (FULL_OP, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings,  # noqa: E402
+                         full_plan, load_plan, per_layer_plan, uniform_plan)
+from polykv.registry import get_registry  # noqa: E402
+
+
+def apply(model, plan, **kwargs):
+    """Run ``plan`` on ``model`` inside a ``with`` block; see :func:`polykv.runtime.apply`."""
+    from polykv.runtime import apply as _apply
+
+    return _apply(model, plan, **kwargs)
+
+
+__all__ = ["__version__", "hookimpl", "get_registry", "load_plan", "Plan", "LayerPlan", "OpSpec", "ModelInfo",
+           "Provenance", "TriggerSettings", "FULL_OP", "uniform_plan", "full_plan", "per_layer_plan", "apply"]

@@ -1,0 +1,136 @@
+"""Model geometry: the shape facts of a decoder that plans, memory and the runtime depend on.
+
+Built from any transformers decoder config (Llama, Qwen2, Qwen3, Mistral, Gemma 3, ...). The
+fingerprint ties plans and profiles to one model: a digest of the config's shape fields plus,
+when weights are given, a cheap digest of a few weight tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import attrs
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ModelGeometry:
+    """Shape of a decoder's attention stack."""
+
+    model_type: str
+    """transformers ``model_type`` (e.g. ``"llama"``)."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (GQA groups)."""
+    head_dim: int
+    """Per-head dimension d."""
+    rope_theta: float | None
+    """RoPE base of the full-attention layers (None when unknown)."""
+    rope_type: str = "default"
+    """transformers rope_type (``default``, ``llama3``, ``yarn``, ...)."""
+    max_positions: int | None = None
+    """``max_position_embeddings``."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer ``"full_attention"`` or ``"sliding_attention"``."""
+    sliding_window: int | None = None
+    """Window of the sliding layers (None when there are none)."""
+    fingerprint: str | None = None
+    """Identity of the model (config digest, plus weights digest when known)."""
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING
+
+    def full_cache_bytes(self, tokens: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
+        """Bytes of an uncompressed K+V cache holding ``tokens`` tokens in every layer."""
+        return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * tokens * dtype_bytes
+
+    def summary(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def geometry_from_config(config: Any, *, weights_digest: str | None = None) -> ModelGeometry:
+    """Geometry of a transformers decoder config (the text config of multimodal wrappers)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_layers = int(cfg.num_hidden_layers)
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and FULL in rope:  # per-layer-type rope (Gemma 3)
+        rope = rope[FULL]
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None)) if isinstance(rope, dict) else None
+    rope_type = (rope.get("rope_type") if isinstance(rope, dict) else None) or "default"
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        types = [SLIDING if window else FULL] * n_layers
+    types = tuple(SLIDING if t == SLIDING else FULL for t in types)
+    if SLIDING not in types:
+        window = None
+    geo = ModelGeometry(
+        model_type=str(getattr(cfg, "model_type", "unknown")),
+        num_layers=n_layers,
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(head_dim),
+        rope_theta=float(theta) if theta is not None else None,
+        rope_type=str(rope_type),
+        max_positions=getattr(cfg, "max_position_embeddings", None),
+        layer_types=types,
+        sliding_window=window,
+    )
+    return attrs.evolve(geo, fingerprint=fingerprint(geo, weights_digest))
+
+
+def fingerprint(geo: ModelGeometry, weights_digest: str | None = None) -> str:
+    """``cfg-<12 hex>`` from the shape fields, ``+w-<12 hex>`` appended when weights are known."""
+    shape = attrs.asdict(geo)
+    shape.pop("fingerprint", None)
+    text = json.dumps(shape, sort_keys=True, default=str)
+    out = "cfg-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+    if weights_digest:
+        out += "+w-" + weights_digest[:12]
+    return out
+
+
+def weights_digest(model: Any, *, max_tensors: int = 4, max_values: int = 4096) -> str:
+    """Cheap digest of a model's weights: the first ``max_values`` values of a few named tensors."""
+    import torch
+
+    h = hashlib.sha256()
+    names = sorted(n for n, _ in model.named_parameters())
+    picked = names[:max_tensors // 2] + names[-(max_tensors - max_tensors // 2):]
+    params = dict(model.named_parameters())
+    for name in picked:
+        t = params[name].detach().reshape(-1)[:max_values].to("cpu", torch.float32)
+        h.update(name.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def geometry_of_model(model: Any) -> ModelGeometry:
+    """Geometry plus a weights-aware fingerprint of a loaded transformers model."""
+    return geometry_from_config(model.config, weights_digest=weights_digest(model))
+
+
+def fingerprints_match(a: str | None, b: str | None) -> bool:
+    """True unless both are known and differ. A config-only fingerprint matches any weights suffix."""
+    if not a or not b:
+        return True
+    if a == b:
+        return True
+    ca, cb = a.split("+", 1)[0], b.split("+", 1)[0]
+    if ca != cb:
+        return False
+    return "+" not in a or "+" not in b

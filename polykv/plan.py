@@ -1,0 +1,252 @@
+"""Plans: for every layer and phase, which retention rule runs, how much it keeps, and at how many bits.
+
+A plan is a plain JSON file (``schema_version`` 1), written deterministically so that it diffs well
+and round-trips byte for byte: top-level fields one per line, one line per layer. Load with
+:func:`load_plan`, save with :meth:`Plan.save` (atomic). Build plans in Python with
+:func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is documented
+in ``docs/plan-format.md``; :mod:`polykv.plan_io` parses and checks files strictly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+
+SCHEMA_VERSION = 1
+FULL_RULE = "full"
+DEFAULT_QUANTIZER = "kivi"
+PASSTHROUGH_BITS = 16
+
+
+def _frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(value or {})
+
+
+@attrs.define(frozen=True, kw_only=True)
+class OpSpec:
+    """What one layer does in one phase."""
+
+    rule: str = FULL_RULE
+    """Registered retention rule name (``"full"`` keeps everything)."""
+    capacity: int | None = None
+    """Tokens the layer keeps (an absolute count), or None."""
+    capacity_ratio: float | None = None
+    """Fraction of the context the layer keeps, in (0, 1], or None."""
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """Rule parameters; missing ones take the rule's reference defaults."""
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.rule == FULL_RULE
+
+    def resolve_capacity(self, context_tokens: int) -> int | None:
+        """Token capacity for a context of ``context_tokens`` tokens (None = unlimited).
+
+        A ratio resolves to ``ceil(ratio * context_tokens)``, at least 1.
+        """
+        if self.keeps_everything:
+            return None
+        if self.capacity is not None:
+            return self.capacity
+        assert self.capacity_ratio is not None
+        return max(1, math.ceil(self.capacity_ratio * context_tokens - 1e-9))
+
+    def describe(self) -> str:
+        if self.keeps_everything:
+            return "full"
+        cap = f"{self.capacity}" if self.capacity is not None else f"{self.capacity_ratio:g}x"
+        return f"{self.rule}@{cap}"
+
+
+FULL_OP = OpSpec()
+
+
+@attrs.define(frozen=True, kw_only=True)
+class LayerPlan:
+    """One decoder layer: a prefill op, a decode op, and K/V bit widths."""
+
+    layer: int
+    """Layer index (must equal the position in the plan's layer list)."""
+    prefill: OpSpec = FULL_OP
+    """Applied once to the prompt, after prefill attention and before storage."""
+    decode: OpSpec = FULL_OP
+    """Applied during generation whenever storage exceeds capacity + decode slack."""
+    k_bits: int = PASSTHROUGH_BITS
+    """Key storage width; 16 stores keys unquantized in the model's dtype."""
+    v_bits: int = PASSTHROUGH_BITS
+    """Value storage width; 16 stores values unquantized in the model's dtype."""
+    quantizer: str = DEFAULT_QUANTIZER
+    """Registered quantizer used for widths below 16."""
+    quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """Quantizer parameters; missing ones take its defaults."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits != PASSTHROUGH_BITS or self.v_bits != PASSTHROUGH_BITS
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+
+
+@attrs.define(frozen=True, kw_only=True)
+class TriggerSettings:
+    """When decode-time eviction fires."""
+
+    decode_slack: int = 128
+    """Evict when storage exceeds capacity + slack (1 = evict on every step past capacity)."""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ModelInfo:
+    """The model a plan was made for."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    name: str = ""
+    fingerprint: str | None = None
+
+
+@attrs.define(frozen=True, kw_only=True)
+class Provenance:
+    """Where a plan came from."""
+
+    solver: str | None = None
+    """Solver name, or None for a hand-made plan."""
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """Solver parameters."""
+    budget: dict[str, Any] | None = None
+    """The budget as given (e.g. ``{"bytes": ...}``, ``{"ratio": 8}``, ``{"tokens_per_layer": 256}``)."""
+    context_tokens: int | None = None
+    """Context length the budget and predictions refer to."""
+    predicted_loss: float | None = None
+    """Sum of per-layer profile losses the solver predicts."""
+    predicted_bytes: int | None = None
+    """Nominal KV bytes the solver predicts at ``context_tokens``."""
+    profile_fingerprint: str | None = None
+    polykv_version: str | None = None
+    created: str | None = None
+    """ISO-8601 UTC time."""
+    note: str = ""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class Plan:
+    """A per-layer, per-phase compression plan."""
+
+    layers: tuple[LayerPlan, ...] = attrs.field(converter=tuple)
+    model: ModelInfo | None = None
+    trigger: TriggerSettings = TriggerSettings()
+    provenance: Provenance = Provenance()
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> LayerPlan:
+        return self.layers[layer]
+
+    @property
+    def keeps_everything(self) -> bool:
+        return all(lp.keeps_everything for lp in self.layers)
+
+    def with_layer(self, layer: int, **changes: Any) -> "Plan":
+        """A copy with ``changes`` applied to one layer."""
+        layers = list(self.layers)
+        layers[layer] = attrs.evolve(layers[layer], **changes)
+        return attrs.evolve(self, layers=tuple(layers))
+
+    def rules_used(self) -> set[str]:
+        return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}
+
+    # -- files -----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        from polykv.plan_io import dumps
+
+        return dumps(self)
+
+    def save(self, path: str) -> None:
+        """Write the plan atomically (temp file + rename): an existing file is never half-written."""
+        from polykv.plan_io import save
+
+        save(self, path)
+
+    def validate(self, *, registry=None, geometry=None, source: str = "<plan>") -> "Plan":
+        """Check names/params against the registry and shape against a model geometry; returns self."""
+        from polykv.plan_io import validate
+
+        validate(self, registry=registry, geometry=geometry, source=source)
+        return self
+
+
+def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
+    """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
+    from polykv.plan_io import load
+
+    return load(path, registry=registry, geometry=geometry)
+
+
+def _model_info(geometry, name: str = "") -> ModelInfo:
+    return ModelInfo(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads,
+                     head_dim=geometry.head_dim, name=name or geometry.model_type,
+                     fingerprint=geometry.fingerprint)
+
+
+def _as_op(op: OpSpec | str | None, capacity: int | None, ratio: float | None,
+           params: Mapping[str, Any] | None) -> OpSpec:
+    if isinstance(op, OpSpec):
+        return op
+    if op is None or op == FULL_RULE:
+        return FULL_OP
+    return OpSpec(rule=op, capacity=capacity, capacity_ratio=ratio, params=dict(params or {}))
+
+
+def uniform_plan(geometry, *, prefill: OpSpec | str | None = None, decode: OpSpec | str | None = None,
+                 capacity: int | None = None, capacity_ratio: float | None = None,
+                 params: Mapping[str, Any] | None = None, k_bits: int = 16, v_bits: int = 16,
+                 quantizer: str = DEFAULT_QUANTIZER, quantizer_params: Mapping[str, Any] | None = None,
+                 decode_slack: int = 128, provenance: Provenance | None = None) -> Plan:
+    """The same ops and bits on every layer.
+
+    >>> uniform_plan(geo, prefill="snapkv", decode="tova", capacity=256, k_bits=8, v_bits=4)  # doctest: +SKIP
+    """
+    pre = _as_op(prefill, capacity, capacity_ratio, params)
+    dec = _as_op(decode, capacity, capacity_ratio, params)
+    layers = [LayerPlan(layer=i, prefill=pre, decode=dec, k_bits=k_bits, v_bits=v_bits,
+                        quantizer=quantizer, quantizer_params=dict(quantizer_params or {}))
+              for i in range(geometry.num_layers)]
+    return Plan(layers=layers, model=_model_info(geometry), trigger=TriggerSettings(decode_slack=decode_slack),
+                provenance=provenance or Provenance())
+
+
+def full_plan(geometry) -> Plan:
+    """Keep everything at 16 bits on every layer: must reproduce vanilla generation."""
+    return uniform_plan(geometry)
+
+
+def per_layer_plan(geometry, layers: Sequence[Mapping[str, Any] | LayerPlan], *, decode_slack: int = 128,
+                   provenance: Provenance | None = None) -> Plan:
+    """A plan from one entry per layer: LayerPlan objects or dicts of LayerPlan fields (``layer`` implied).
+
+    >>> per_layer_plan(geo, [{"prefill": OpSpec(rule="tova", capacity=512)}] * geo.num_layers)  # doctest: +SKIP
+    """
+    if len(layers) != geometry.num_layers:
+        from polykv.errors import PlanError
+
+        raise PlanError(f"got {len(layers)} layer entries for a {geometry.num_layers}-layer model",
+                        field="layers", hint="give exactly one entry per layer")
+    out = []
+    for i, entry in enumerate(layers):
+        out.append(attrs.evolve(entry, layer=i) if isinstance(entry, LayerPlan)
+                   else LayerPlan(layer=i, **dict(entry)))
+    return Plan(layers=out, model=_model_info(geometry), trigger=TriggerSettings(decode_slack=decode_slack),
+                provenance=provenance or Provenance())
+
+
+def layer_ops(layers: Iterable[LayerPlan]) -> list[tuple[int, str, OpSpec]]:
+    """Flatten to (layer, phase, op) triples."""
+    return [(lp.layer, ph, getattr(lp, ph)) for lp in layers for ph in ("prefill", "decode")]

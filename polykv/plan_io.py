@@ -1,0 +1,351 @@
+"""Plan files: deterministic JSON writing, strict parsing, and validation with precise errors.
+
+Every error is a :class:`polykv.errors.PlanError` naming the file, the layer (when there is one)
+and the dotted field, and saying what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import attrs
+
+from polykv.atomic import write_text_atomic
+from polykv.errors import PlanError, RegistryError
+from polykv.plan import (FULL_RULE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec, Plan,
+                         Provenance, TriggerSettings)
+
+PHASES = ("prefill", "decode")
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+def _op_dict(op: OpSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"rule": op.rule}
+    if op.capacity is not None:
+        out["capacity"] = op.capacity
+    if op.capacity_ratio is not None:
+        out["capacity_ratio"] = op.capacity_ratio
+    if op.params:
+        out["params"] = dict(sorted(op.params.items()))
+    return out
+
+
+def layer_dict(lp: LayerPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {"layer": lp.layer, "prefill": _op_dict(lp.prefill), "decode": _op_dict(lp.decode),
+                           "k_bits": lp.k_bits, "v_bits": lp.v_bits, "quantizer": lp.quantizer}
+    if lp.quantizer_params:
+        out["quantizer_params"] = dict(sorted(lp.quantizer_params.items()))
+    return out
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    return {
+        "schema_version": plan.schema_version,
+        "model": attrs.asdict(plan.model) if plan.model else None,
+        "trigger": attrs.asdict(plan.trigger),
+        "provenance": attrs.asdict(plan.provenance),
+        "layers": [layer_dict(lp) for lp in plan.layers],
+    }
+
+
+def dumps(plan: Plan) -> str:
+    """Stable text: one top-level field per line, one layer per line, trailing newline."""
+    d = plan_dict(plan)
+    enc = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)  # noqa: E731
+    lines = ["{"]
+    for key in ("schema_version", "model", "trigger", "provenance"):
+        lines.append(f'  "{key}": {enc(d[key])},')
+    lines.append('  "layers": [')
+    rows = [f"    {enc(row)}" for row in d["layers"]]
+    lines.append(",\n".join(rows))
+    lines.append("  ]")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def save(plan: Plan, path: str) -> None:
+    write_text_atomic(path, dumps(plan))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+class _Reader:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, msg: str, *, layer: int | None = None, field: str | None = None, hint: str | None = None):
+        raise PlanError(msg, source=self.source, layer=layer, field=field, hint=hint)
+
+    def obj(self, value: Any, field: str, allowed: dict[str, bool], layer: int | None = None) -> dict:
+        """``allowed`` maps key -> required."""
+        if not isinstance(value, dict):
+            self.fail(f"expected a JSON object, got {type(value).__name__}", layer=layer, field=field)
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            self.fail(f"unknown key(s) {unknown}", layer=layer, field=field,
+                      hint=f"allowed keys: {sorted(allowed)}")
+        for key, required in allowed.items():
+            if required and key not in value:
+                self.fail("missing required key", layer=layer, field=_join(field, key))
+        return value
+
+    def int_(self, value: Any, field: str, *, layer: int | None = None, minimum: int | None = None,
+             optional: bool = False) -> int | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(f"expected an integer, got {value!r}", layer=layer, field=field)
+        if minimum is not None and value < minimum:
+            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
+        return value
+
+    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> float | None:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(f"expected a finite number, got {value!r}", layer=layer, field=field)
+        return float(value)
+
+    def str_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            self.fail(f"expected a string, got {value!r}", layer=layer, field=field)
+        return value
+
+    def dict_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> dict | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, dict):
+            self.fail(f"expected a JSON object, got {value!r}", layer=layer, field=field)
+        return value
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def parse_plan_text(text: str, source: str = "<plan>") -> Plan:
+    """Parse plan JSON text strictly (no registry or model checks)."""
+    try:
+        raw = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", source=source,
+                        hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
+    except ValueError as exc:
+        raise PlanError(f"malformed JSON: {exc}", source=source) from None
+    return parse_plan_dict(raw, source)
+
+
+def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
+    r = _Reader(source)
+    if not isinstance(raw, dict):
+        r.fail(f"a plan must be a JSON object, got {type(raw).__name__}")
+    if "schema_version" not in raw:
+        r.fail("missing required key", field="schema_version", hint=f"plans written by polykv carry "
+               f"\"schema_version\": {SCHEMA_VERSION}")
+    version = raw["schema_version"]
+    if version != SCHEMA_VERSION:
+        r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
+               field="schema_version", hint="upgrade polykv or re-save the plan with this version")
+    r.obj(raw, "", {"schema_version": True, "model": False, "trigger": False, "provenance": False,
+                    "layers": True})
+    model = _parse_model(r, raw.get("model"))
+    trigger = _parse_trigger(r, raw.get("trigger"))
+    prov = _parse_provenance(r, raw.get("provenance"))
+    layers_raw = raw["layers"]
+    if not isinstance(layers_raw, list) or not layers_raw:
+        r.fail("expected a non-empty list of layer entries", field="layers")
+    layers = [_parse_layer(r, i, entry) for i, entry in enumerate(layers_raw)]
+    if model is not None and model.num_layers != len(layers):
+        r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
+               field="model.num_layers", hint="give exactly one entry per layer")
+    return Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version)
+
+
+def _parse_model(r: _Reader, raw: Any) -> ModelInfo | None:
+    if raw is None:
+        return None
+    r.obj(raw, "model", {"num_layers": True, "num_kv_heads": True, "head_dim": True, "name": False,
+                         "fingerprint": False})
+    return ModelInfo(num_layers=r.int_(raw["num_layers"], "model.num_layers", minimum=1),
+                     num_kv_heads=r.int_(raw["num_kv_heads"], "model.num_kv_heads", minimum=1),
+                     head_dim=r.int_(raw["head_dim"], "model.head_dim", minimum=1),
+                     name=r.str_(raw.get("name", ""), "model.name"),
+                     fingerprint=r.str_(raw.get("fingerprint"), "model.fingerprint", optional=True))
+
+
+def _parse_trigger(r: _Reader, raw: Any) -> TriggerSettings:
+    if raw is None:
+        return TriggerSettings()
+    r.obj(raw, "trigger", {"decode_slack": False})
+    return TriggerSettings(decode_slack=r.int_(raw.get("decode_slack", 128), "trigger.decode_slack", minimum=1))
+
+
+def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
+    if raw is None:
+        return Provenance()
+    fields = {f.name: False for f in attrs.fields(Provenance)}
+    r.obj(raw, "provenance", fields)
+    f = "provenance."
+    return Provenance(
+        solver=r.str_(raw.get("solver"), f + "solver", optional=True),
+        params=r.dict_(raw.get("params", {}), f + "params"),
+        budget=r.dict_(raw.get("budget"), f + "budget", optional=True),
+        context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1, optional=True),
+        predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True),
+        predicted_bytes=r.int_(raw.get("predicted_bytes"), f + "predicted_bytes", minimum=0, optional=True),
+        profile_fingerprint=r.str_(raw.get("profile_fingerprint"), f + "profile_fingerprint", optional=True),
+        polykv_version=r.str_(raw.get("polykv_version"), f + "polykv_version", optional=True),
+        created=r.str_(raw.get("created"), f + "created", optional=True),
+        note=r.str_(raw.get("note", ""), f + "note"),
+    )
+
+
+def _parse_op(r: _Reader, layer: int, phase: str, raw: Any) -> OpSpec:
+    field = f"layers[{layer}].{phase}"
+    r.obj(raw, field, {"rule": True, "capacity": False, "capacity_ratio": False, "params": False}, layer)
+    rule = r.str_(raw["rule"], field + ".rule", layer=layer)
+    if not rule:
+        r.fail("rule name is empty", layer=layer, field=field + ".rule")
+    cap = raw.get("capacity")
+    ratio = raw.get("capacity_ratio")
+    cap = r.int_(cap, field + ".capacity", layer=layer, optional=True)
+    ratio = r.float_(ratio, field + ".capacity_ratio", layer=layer, optional=True)
+    params = r.dict_(raw.get("params", {}), field + ".params", layer=layer)
+    op = OpSpec(rule=rule, capacity=cap, capacity_ratio=ratio, params=params)
+    check_op(op, layer=layer, phase=phase, source=r.source)
+    return op
+
+
+def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
+    """Capacity rules every op obeys, whatever rule it names."""
+    field = f"layers[{layer}].{phase}"
+    if op.rule == FULL_RULE:
+        if op.capacity is not None or op.capacity_ratio is not None:
+            raise PlanError("rule 'full' keeps everything and takes no capacity", source=source, layer=layer,
+                            field=field + ".capacity", hint="remove the capacity or name a retention rule")
+        return
+    if (op.capacity is None) == (op.capacity_ratio is None):
+        raise PlanError(f"rule '{op.rule}' needs exactly one of 'capacity' (tokens) or 'capacity_ratio'",
+                        source=source, layer=layer, field=field + ".capacity",
+                        hint="e.g. \"capacity\": 256 or \"capacity_ratio\": 0.25")
+    if op.capacity is not None and op.capacity < 1:
+        raise PlanError(f"capacity must be a positive number of tokens, got {op.capacity}", source=source,
+                        layer=layer, field=field + ".capacity", hint="use at least 1, or rule 'full'")
+    if op.capacity_ratio is not None and not (0.0 < op.capacity_ratio <= 1.0):
+        raise PlanError(f"capacity_ratio must be in (0, 1], got {op.capacity_ratio}", source=source,
+                        layer=layer, field=field + ".capacity_ratio", hint="e.g. 0.25 keeps a quarter")
+
+
+def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
+    field = f"layers[{i}]"
+    r.obj(raw, field, {"layer": True, "prefill": True, "decode": True, "k_bits": False, "v_bits": False,
+                       "quantizer": False, "quantizer_params": False}, i)
+    idx = r.int_(raw["layer"], field + ".layer", layer=i)
+    if idx != i:
+        r.fail(f"entry {i} says layer {idx}", layer=i, field=field + ".layer",
+               hint="list layers in order, 0 to L-1, each exactly once")
+    kb = r.int_(raw.get("k_bits", PASSTHROUGH_BITS), field + ".k_bits", layer=i)
+    vb = r.int_(raw.get("v_bits", PASSTHROUGH_BITS), field + ".v_bits", layer=i)
+    for name, bits in (("k_bits", kb), ("v_bits", vb)):
+        if bits not in (2, 4, 8, 16):
+            r.fail(f"unsupported bit width {bits}", layer=i, field=f"{field}.{name}",
+                   hint="use 16 (unquantized), 8, 4 or 2")
+    return LayerPlan(
+        layer=i,
+        prefill=_parse_op(r, i, "prefill", raw["prefill"]),
+        decode=_parse_op(r, i, "decode", raw["decode"]),
+        k_bits=kb, v_bits=vb,
+        quantizer=r.str_(raw.get("quantizer", "kivi"), field + ".quantizer", layer=i),
+        quantizer_params=r.dict_(raw.get("quantizer_params", {}), field + ".quantizer_params", layer=i),
+    )
+
+
+def load(path: str, *, registry=None, geometry=None) -> Plan:
+    source = str(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise PlanError("no such file", source=source, hint="check the path") from None
+    except UnicodeDecodeError:
+        raise PlanError("not a UTF-8 text file", source=source) from None
+    plan = parse_plan_text(text, source)
+    if registry is not None or geometry is not None:
+        validate(plan, registry=registry, geometry=geometry, source=source)
+    return plan
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> None:
+    """Check op capacities, names and params against ``registry`` and shape against ``geometry``."""
+    for lp in plan.layers:
+        for phase in PHASES:
+            check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
+    if registry is not None:
+        _validate_registry(plan, registry, source)
+    if geometry is not None:
+        validate_geometry(plan, geometry, source)
+
+
+def _validate_registry(plan: Plan, registry, source: str) -> None:
+    for lp in plan.layers:
+        for phase in PHASES:
+            op = getattr(lp, phase)
+            field = f"layers[{lp.layer}].{phase}"
+            try:
+                cls = registry.operator(op.rule)
+            except RegistryError as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".rule") from None
+            if phase not in cls.phases:
+                raise PlanError(f"rule '{op.rule}' does not run in the {phase} phase (it supports "
+                                f"{sorted(cls.phases)})", source=source, layer=lp.layer, field=field + ".rule",
+                                hint=f"choose a rule that supports {phase}, or 'full'")
+            try:
+                cls(**op.params)
+            except (TypeError, ValueError) as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".params") from None
+        if lp.quantized:
+            field = f"layers[{lp.layer}]"
+            try:
+                qcls = registry.quantizer(lp.quantizer)
+            except RegistryError as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".quantizer") from None
+            for name in ("k_bits", "v_bits"):
+                bits = getattr(lp, name)
+                if bits != PASSTHROUGH_BITS and bits not in qcls.bits:
+                    raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
+                                    f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
+                                    field=f"{field}.{name}", hint="pick a supported width or 16")
+            try:
+                qcls(**lp.quantizer_params)
+            except (TypeError, ValueError) as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer,
+                                field=field + ".quantizer_params") from None
+
+
+def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
+    from polykv.geometry import fingerprints_match
+
+    if plan.num_layers != geometry.num_layers:
+        raise PlanError(f"the plan has {plan.num_layers} layers but the model has {geometry.num_layers}",
+                        source=source, field="layers", hint="use a plan made for this model (polykv solve)")
+    m = plan.model
+    if m is None:
+        return
+    if m.num_kv_heads != geometry.num_kv_heads:
+        raise PlanError(f"the plan was made for {m.num_kv_heads} KV heads but the model has "
+                        f"{geometry.num_kv_heads}", source=source, field="model.num_kv_heads",
+                        hint="use a plan made for this model")
+    if m.head_dim != geometry.head_dim:
+        raise PlanError(f"the plan was made for head_dim {m.head_dim} but the model has {geometry.head_dim}",
+                        source=source, field="model.head_dim", hint="use a plan made for this model")
+    if not fingerprints_match(m.fingerprint, geometry.fingerprint):
+        raise PlanError(f"the plan was made for model {m.fingerprint} but this model is {geometry.fingerprint}",
+                        source=source, field="model.fingerprint",
+                        hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")

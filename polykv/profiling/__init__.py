@@ -1,0 +1,1 @@
+"""Profiles: per-layer sensitivity tables measured offline on a model."""

@@ -1,0 +1,193 @@
+"""The plugin manager: built-in and third-party adapters register through the same hooks.
+
+Built-ins are the modules in ``DEFAULT_PLUGINS``; third-party plugins are found through the
+``polykv`` entry-point group (skipped when the environment variable ``POLYKV_NO_PLUGINS`` is set
+to anything but ``""`` or ``"0"``). Each hook receives a ``register`` callable, so the registry
+records which plugin provided which name and two plugins claiming one name is an error that
+names both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import threading
+from typing import Any, Iterator
+
+import attrs
+import pluggy
+
+from polykv import hookspecs
+from polykv.errors import RegistryError
+
+ENTRY_POINT_GROUP = hookspecs.PROJECT
+DISABLE_ENV = "POLYKV_NO_PLUGINS"
+KINDS = ("operator", "quantizer", "solver", "task")
+_HOOK_FOR_KIND = {
+    "operator": "register_operators",
+    "quantizer": "register_quantizers",
+    "solver": "register_solvers",
+    "task": "register_tasks",
+}
+DEFAULT_PLUGINS = (
+    "polykv.adapters.rules",
+    "polykv.adapters.quantizers",
+    "polykv.solvers.builtin",
+    "polykv.studies.builtin_tasks",
+)
+
+
+@attrs.define(frozen=True)
+class Entry:
+    """One registered name: what it is, the class, and which plugin (and version) provided it."""
+
+    kind: str
+    name: str
+    obj: Any
+    plugin: str
+    version: str
+
+
+class Registry:
+    """All registered operators, quantizers, solvers and tasks, by kind and name."""
+
+    def __init__(self, *, load_entry_points: bool | None = None):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._versions: dict[str, str] = {}
+        self._entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        for modname in DEFAULT_PLUGINS:
+            mod = importlib.import_module(modname)
+            self.pm.register(mod, name=modname)
+            self._versions[modname] = _own_version()
+        if load_entry_points is None:
+            load_entry_points = os.environ.get(DISABLE_ENV, "") in ("", "0")
+        if load_entry_points:
+            self._load_entry_points()
+        self.pm.check_pending()
+        self._collect()
+
+    def _load_entry_points(self) -> None:
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group != ENTRY_POINT_GROUP:
+                    continue
+                name = ep.name
+                if self.pm.get_plugin(name) is not None or self.pm.is_blocked(name):
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    raise RegistryError(
+                        f"plugin '{name}' from distribution '{dist.metadata['name']}' failed to load: {exc!r}. "
+                        f"Fix or uninstall it, or set {DISABLE_ENV}=1 to skip third-party plugins."
+                    ) from exc
+                self.pm.register(plugin, name=name)
+                self._versions[name] = dist.version
+
+    def register_plugin(self, plugin: Any, name: str | None = None, version: str = "0") -> str:
+        """Register a plugin object (module or class instance) at run time; returns its name."""
+        name = self.pm.register(plugin, name=name)
+        self._versions[name] = version
+        self.pm.check_pending()
+        self._collect()
+        return name
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove a plugin registered with :meth:`register_plugin` and everything it provided."""
+        self.pm.unregister(name=name)
+        self._versions.pop(name, None)
+        self._collect()
+
+    def _collect(self) -> None:
+        entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
+        for kind, hookname in _HOOK_FOR_KIND.items():
+            hook = getattr(self.pm.hook, hookname)
+            for impl in hook.get_hookimpls():
+                plugin_name = impl.plugin_name
+
+                def register(obj: Any, _kind=kind, _plugin=plugin_name) -> None:
+                    name = getattr(obj, "name", None)
+                    if not isinstance(name, str) or not name:
+                        raise RegistryError(
+                            f"plugin '{_plugin}' registered a {_kind} without a string 'name' attribute: {obj!r}"
+                        )
+                    have = entries[_kind].get(name)
+                    if have is not None:
+                        raise RegistryError(
+                            f"{_kind} name '{name}' is registered twice: by plugin '{have.plugin}' and by "
+                            f"plugin '{_plugin}'. Uninstall one of them or rename its {_kind}."
+                        )
+                    entries[_kind][name] = Entry(_kind, name, obj, _plugin, self._versions.get(_plugin, "0"))
+
+                impl.function(register=register)
+        self._entries = entries
+
+    # -- look-ups --------------------------------------------------------------------------------
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._entries[kind])
+
+    def entries(self, kind: str | None = None) -> Iterator[Entry]:
+        for k in ([kind] if kind else KINDS):
+            yield from (self._entries[k][n] for n in sorted(self._entries[k]))
+
+    def get(self, kind: str, name: str) -> Any:
+        """The registered class for ``name``; an unknown name lists what is available."""
+        try:
+            return self._entries[kind][name].obj
+        except KeyError:
+            raise RegistryError(unknown_name_message(kind, name, self.names(kind))) from None
+
+    def entry(self, kind: str, name: str) -> Entry:
+        self.get(kind, name)
+        return self._entries[kind][name]
+
+    def has(self, kind: str, name: str) -> bool:
+        return name in self._entries[kind]
+
+    def operator(self, name: str):
+        return self.get("operator", name)
+
+    def quantizer(self, name: str):
+        return self.get("quantizer", name)
+
+    def solver(self, name: str):
+        return self.get("solver", name)
+
+    def task(self, name: str):
+        return self.get("task", name)
+
+
+def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
+    avail = ", ".join(available) or "(none)"
+    return (
+        f"unknown {kind} '{name}'. Available: {avail}. A plugin that provides it must be installed "
+        f"(pip install the package that declares it in the '{ENTRY_POINT_GROUP}' entry-point group)."
+    )
+
+
+def _own_version() -> str:
+    from polykv import __version__
+
+    return __version__
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = Registry()
+        return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (the next :func:`get_registry` rebuilds it)."""
+    global _registry
+    with _lock:
+        _registry = None

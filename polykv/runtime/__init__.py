@@ -1,0 +1,1 @@
+"""Runtime: execute a Plan on a transformers model."""

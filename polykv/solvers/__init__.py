@@ -1,0 +1,1 @@
+"""Solvers: turn a Profile and a budget into a Plan."""

@@ -1,0 +1,1 @@
+"""Studies: compare plans head-to-head on tasks at matched memory."""
