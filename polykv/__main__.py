@@ -1,0 +1,5 @@
+import sys
+
+from polykv.cli import main
+
+sys.exit(main())
