@@ -1,0 +1,100 @@
+"""TriAttention: score stored keys with a trigonometric series built from offline query centers.
+
+Mao et al., "TriAttention: Efficient Long Reasoning with Trigonometric KV Compression",
+arXiv:2604.04921 (2026). Reference code: https://github.com/WeianMao/triattention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from polykv.operators import PHASES, SIGNAL_PREROPE_STATS, ScoredRule, SelectionContext
+
+STATS_KEY = "triattention"
+
+
+class TriAttentionRule(ScoredRule):
+    """Keep, per KV head, the keys a typical future query is predicted to attend to most.
+
+    Offline statistics per layer and query head (:mod:`polykv.profiling.query_stats`) give the
+    mean pre-RoPE query ``mu_f`` (complex, "half" pairing) and mean magnitude ``a_f`` per RoPE
+    frequency f. For a stored post-RoPE key ``k~_f = k~[f] + i k~[f + d/2]`` the score of query head
+    h is, with ``t_j = t0 + delta_j``, ``t0 = ctx.tokens_seen`` and ``delta_j = 1, 2, 4, ..., max_offset``::
+
+        S_trig = mean_j sum_f s^2 Re(mu_f conj(k~_f) exp(i omega_f t_j))
+        S_norm = sum_f s^2 (a_f - |mu_f|) |k~_f|
+        score  = S_trig + S_norm
+
+    which equals the paper's pre-RoPE form ``sum_f s^2 |mu_f||k_f| cos(omega_f D_j + phi_f)`` with
+    ``D_j = t_j - p`` (p the key's original position) without inverting RoPE. Each query head's
+    scores are z-scored over the stored tokens; a KV head takes the max over its G query heads.
+    Every stored token is a candidate (the reference's truncation of a long prompt to its first
+    ``budget`` tokens is not reproduced). The reference prunes during decode every 128 steps;
+    here the runtime's trigger slack sets the cadence, and prefill is supported too.
+
+    ``ctx.model_data["triattention"]`` must hold a :class:`~polykv.profiling.query_stats.QueryStats`
+    measured on this model.
+
+    Parameters
+    ----------
+    max_offset : int, default 65536
+        Largest future offset; the offsets are the powers of two 1..max_offset (17 by default).
+    """
+
+    name = "triattention"
+    phases = frozenset(PHASES)
+    signal = SIGNAL_PREROPE_STATS
+    defaults = {"max_offset": 65536}
+    shared_across_heads = False
+    paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "
+             "arXiv:2604.04921 (2026)")
+
+    def offsets(self) -> list[int]:
+        """The future offsets delta_j: powers of two from 1 to ``max_offset``."""
+        m = int(self.params["max_offset"])
+        if m < 1:
+            raise ValueError(f"rule 'triattention': max_offset must be >= 1, got {m}")
+        return [2 ** j for j in range(int(math.log2(m)) + 1)]
+
+    def _stats(self, ctx: SelectionContext):
+        stats = ctx.model_data.get(STATS_KEY) if ctx.model_data is not None else None
+        if stats is None:
+            raise ValueError(
+                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'triattention' needs query statistics in "
+                f"model_data['{STATS_KEY}']. Compute them once with "
+                f"polykv.profiling.query_stats.compute_query_stats(model, token_batches).save('stats.safetensors') "
+                f"over any plain text, then pass QueryStats.load('stats.safetensors') to the runtime"
+            )
+        return stats
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        """Per-KV-head max of per-query-head z-scored trigonometric scores: [B, Hkv, T] float32."""
+        stats = self._stats(ctx)
+        B, Hkv, T, d = ctx.keys.shape
+        if stats.head_dim != d or stats.num_heads % Hkv:
+            raise ValueError(
+                f"layer {ctx.layer_idx}: query statistics are for {stats.num_heads} query heads of dim "
+                f"{stats.head_dim}, the layer stores {Hkv} KV heads of dim {d}; recompute them on this model"
+            )
+        if ctx.rope_inv_freq is not None:
+            stats.check_inv_freq(ctx.rope_inv_freq, where=f"layer {ctx.layer_idx}")
+        dev, F = ctx.keys.device, d // 2
+        G = stats.num_heads // Hkv
+        mu, mean_abs = stats.layer(ctx.layer_idx)                          # (H, F) complex, (H, F)
+        mu, mean_abs = mu.to(dev), mean_abs.to(dev)
+        k = ctx.keys.float()
+        kc = torch.complex(k[..., :F], k[..., F:])                         # (B, Hkv, T, F)
+        # Average of exp(i omega_f t_j) over the future offsets; angles reduced in float64.
+        t = ctx.tokens_seen + torch.tensor(self.offsets(), dtype=torch.float64, device=dev)  # (J,)
+        ang = torch.remainder(stats.inv_freq.to(dev, torch.float64)[None, :] * t[:, None], 2 * math.pi)
+        rot = torch.polar(torch.ones_like(ang, dtype=torch.float32), ang.float()).mean(dim=0)  # (F,)
+        s2 = float(ctx.rope_scaling) ** 2
+        weight = (mu * rot).view(Hkv, G, F)                                # (Hkv, G, F)
+        trig = torch.einsum("kgf,bktf->bkgt", weight, kc.conj()).real    # (B, Hkv, G, T)
+        spread = (mean_abs - mu.abs()).view(Hkv, G, F)                     # (Hkv, G, F)
+        norm = torch.einsum("kgf,bktf->bkgt", spread, kc.abs())          # (B, Hkv, G, T)
+        score = s2 * (trig + norm)
+        z = (score - score.mean(dim=-1, keepdim=True)) / (score.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
+        return z.amax(dim=2)                                               # (B, Hkv, T)
