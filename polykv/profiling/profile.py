@@ -1,0 +1,310 @@
+"""Profiles: per-layer sensitivity tables measured offline, the only input a solver reads.
+
+A :class:`Profile` holds the model's shape and fingerprint, the candidate configs (rule, phase,
+keep ratio, K bits, V bits), one or more metric tables ``metric[layer, config]`` (lower is better,
+e.g. ``"l2"``: MoE-nD's relative attention-output error, or ``"kl"``), optional named statistic
+tables with their own column labels (PolyKV's per-(layer, rule) cosine or delta-PPL at a common
+calibration capacity, per-layer attention entropy), and provenance. The file is plain JSON
+(``schema_version`` 1), one config or table row per line; see ``docs/profiles.md``. Loading is
+strict: every error is a :class:`~polykv.errors.ProfileError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from polykv.atomic import write_text_atomic
+from polykv.errors import ProfileError
+
+SCHEMA_VERSION = 1
+FORMAT = "polykv-profile"
+PHASES = ("prefill", "decode", "both")
+BITS = (2, 4, 8, 16)
+FULL_RULE = "full"
+
+
+def _fail(source: str, field: str | None, message: str, hint: str | None = None):
+    where = ", ".join(x for x in (source, f"field '{field}'" if field else "") if x)
+    raise ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
+
+
+@attrs.define(frozen=True, kw_only=True)
+class CandidateConfig:
+    """One candidate per-layer setting: a rule at a keep ratio, in a phase, with K/V bit widths."""
+
+    rule: str
+    """Registered retention rule name (``"full"`` only with keep 1.0)."""
+    keep: float
+    """Fraction of the context kept, in (0, 1]; 1.0 keeps everything (the plan says rule 'full')."""
+    phase: str = "both"
+    """Phase the rule runs in: ``"prefill"``, ``"decode"`` or ``"both"``."""
+    k_bits: int = 16
+    """Key width (16 = unquantized)."""
+    v_bits: int = 16
+    """Value width (16 = unquantized)."""
+    params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """Rule parameters used at calibration; copied into the plan's op."""
+
+    @property
+    def label(self) -> str:
+        """``rule@keep/phase/K<k>V<v>``, unique within a profile."""
+        extra = "" if not self.params else json.dumps(self.params, sort_keys=True, separators=(",", ":"))
+        return f"{self.rule}@{self.keep:g}/{self.phase}/K{self.k_bits}V{self.v_bits}{extra}"
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.keep >= 1.0
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ProfileModel:
+    """The model a profile was measured on (enough for the nominal bytes model and plan headers)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int | None = None
+    model_type: str = "unknown"
+    fingerprint: str | None = None
+    """:func:`polykv.geometry.fingerprint` of the model; None when unknown (matches any model)."""
+    geometry: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """Full :meth:`polykv.geometry.ModelGeometry.summary` when the profile came from a model."""
+
+
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class StatTable:
+    """A named per-layer statistic with its own column labels (e.g. one column per rule)."""
+
+    columns: tuple[str, ...] = attrs.field(converter=tuple)
+    """Column labels: rule names for per-(layer, rule) statistics, e.g. ``("entropy",)`` otherwise."""
+    values: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.float64))
+    """[L, len(columns)] float64."""
+    higher_is_better: bool
+    """True for cosine similarity, False for delta-PPL or errors."""
+    phase: str = "both"
+    """Phase the statistic was measured in."""
+    capacity: int | None = None
+    """Common calibration capacity in tokens (PolyKV uses 256), when one applies."""
+    description: str = ""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ProfileProvenance:
+    corpus: str = ""
+    """What the calibration ran on (name, number of sequences, lengths)."""
+    seed: int | None = None
+    context_tokens: int | None = None
+    """Calibration sequence length."""
+    versions: dict[str, str] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """Package versions (polykv, torch, transformers, ...)."""
+    created: str | None = None
+    """ISO-8601 UTC time."""
+    note: str = ""
+
+
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class Profile:
+    """Sensitivity tables of one model; see the module docstring. Checked on construction."""
+
+    model: ProfileModel
+    configs: tuple[CandidateConfig, ...] = attrs.field(converter=tuple)
+    metrics: dict[str, np.ndarray] = attrs.field(
+        converter=lambda d: {str(k): np.asarray(v, dtype=np.float64) for k, v in dict(d).items()})
+    """Metric name -> [L, C] table, lower is better."""
+    stats: dict[str, StatTable] = attrs.field(factory=dict, converter=dict)
+    provenance: ProfileProvenance = ProfileProvenance()
+    schema_version: int = SCHEMA_VERSION
+    source: str = attrs.field(default="<profile>", eq=False, repr=False)
+    """File the profile was read from (for error messages)."""
+
+    def __attrs_post_init__(self):
+        check(self, self.source)
+
+    # -- access ----------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.model.num_layers
+
+    @property
+    def default_metric(self) -> str:
+        return "l2" if "l2" in self.metrics else sorted(self.metrics)[0]
+
+    def table(self, metric: str | None = None) -> np.ndarray:
+        """The [L, C] table of ``metric`` (default: ``"l2"`` when present, else the first by name)."""
+        name = metric or self.default_metric
+        if name not in self.metrics:
+            _fail(self.source, f"metrics.{name}", "no such metric table",
+                  f"this profile has: {', '.join(sorted(self.metrics))}")
+        return self.metrics[name]
+
+    def stat(self, name: str) -> StatTable:
+        if name not in self.stats:
+            _fail(self.source, f"stats.{name}", "no such statistic table",
+                  f"this profile has: {', '.join(sorted(self.stats)) or '(none)'}")
+        return self.stats[name]
+
+    @property
+    def fingerprint(self) -> str:
+        """``prof-<12 hex>``: digest of the profile's content (provenance excluded)."""
+        from polykv.profiling.profile_io import to_dict
+
+        d = to_dict(self)
+        d.pop("provenance")
+        text = json.dumps(d, sort_keys=True, allow_nan=False)
+        return "prof-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def check_model(self, geometry: Any) -> "Profile":
+        """Raise ProfileError unless this profile was measured on ``geometry`` (a ModelGeometry)."""
+        from polykv.geometry import fingerprints_match
+
+        m = self.model
+        for field in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(m, field) != getattr(geometry, field):
+                _fail(self.source, f"model.{field}", f"the profile was measured on {field}={getattr(m, field)} "
+                      f"but the model has {getattr(geometry, field)}", "calibrate a profile for this model")
+        if not fingerprints_match(m.fingerprint, getattr(geometry, "fingerprint", None)):
+            _fail(self.source, "model.fingerprint", f"the profile was measured on model {m.fingerprint} but "
+                  f"this model is {geometry.fingerprint}", "calibrate a profile for this model (polykv calibrate)")
+        return self
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_table(cls, table: Any, configs: Iterable[Any], geometry_or_dims: Any, *, metric: str = "l2",
+                   stats: Mapping[str, StatTable] | None = None,
+                   provenance: ProfileProvenance | None = None) -> "Profile":
+        """A profile from a table measured elsewhere.
+
+        Parameters
+        ----------
+        table : array-like, [L, C]
+            Loss of config c applied to layer l alone (lower is better).
+        configs : iterable of CandidateConfig, dicts of its fields, or (rule, phase, keep, k_bits, v_bits)
+            One per column of ``table``.
+        geometry_or_dims : ModelGeometry, dict with num_layers / num_kv_heads / head_dim, or (L, Hkv, d)
+        """
+        cfgs = tuple(_as_config(c) for c in configs)
+        return cls(model=model_info(geometry_or_dims), configs=cfgs, metrics={metric: table},
+                   stats=dict(stats or {}), provenance=provenance or ProfileProvenance(created=now_iso()))
+
+    # -- files -----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        from polykv.profiling.profile_io import dumps
+
+        return dumps(self)
+
+    def save(self, path: str) -> None:
+        """Write atomically (temp file + rename)."""
+        from polykv.profiling.profile_io import dumps
+
+        write_text_atomic(path, dumps(self))
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def model_info(geometry_or_dims: Any) -> ProfileModel:
+    """A :class:`ProfileModel` from a ModelGeometry, a ProfileModel, a dict or ``(L, Hkv, d)``."""
+    g = geometry_or_dims
+    if isinstance(g, ProfileModel):
+        return g
+    if isinstance(g, (tuple, list)) and len(g) == 3:
+        return ProfileModel(num_layers=int(g[0]), num_kv_heads=int(g[1]), head_dim=int(g[2]))
+    if isinstance(g, Mapping):
+        known = {f.name for f in attrs.fields(ProfileModel)}
+        return ProfileModel(**{k: v for k, v in g.items() if k in known})
+    if all(hasattr(g, a) for a in ("num_layers", "num_kv_heads", "head_dim", "summary")):
+        return ProfileModel(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                            num_heads=g.num_heads, model_type=g.model_type, fingerprint=g.fingerprint,
+                            geometry=json.loads(json.dumps(g.summary(), default=str)))
+    raise ProfileError(f"cannot read model dimensions from {type(g).__name__}: pass a ModelGeometry, a dict with "
+                       "num_layers, num_kv_heads and head_dim, or a (layers, kv_heads, head_dim) tuple")
+
+
+def _as_config(c: Any) -> CandidateConfig:
+    if isinstance(c, CandidateConfig):
+        return c
+    if isinstance(c, Mapping):
+        return CandidateConfig(**c)
+    rule, phase, keep, kb, vb = c
+    return CandidateConfig(rule=rule, phase=phase, keep=float(keep), k_bits=int(kb), v_bits=int(vb))
+
+
+def moend_configs(rule: str, phase: str = "both", *, keeps: Sequence[float] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+                  k_bits: Sequence[int] = (16, 8, 4), v_bits: Sequence[int] = (16, 8, 4)) -> list[CandidateConfig]:
+    """MoE-nD's design space for one rule: keep x K bits x V bits (54 configs by default)."""
+    return [CandidateConfig(rule=rule, phase=phase, keep=float(k), k_bits=kb, v_bits=vb)
+            for k in keeps for kb in k_bits for vb in v_bits]
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+def check(p: Profile, source: str) -> None:
+    """Every rule a profile obeys, whether built in Python or read from a file."""
+    if p.schema_version != SCHEMA_VERSION:
+        _fail(source, "schema_version", f"unknown schema version {p.schema_version!r}; this polykv reads "
+              f"version {SCHEMA_VERSION}", "upgrade polykv or re-save the profile with this version")
+    m = p.model
+    for field in ("num_layers", "num_kv_heads", "head_dim"):
+        v = getattr(m, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _fail(source, f"model.{field}", f"must be a positive integer, got {v!r}")
+    if not p.configs:
+        _fail(source, "configs", "the profile lists no candidate configs", "give one config per table column")
+    seen: dict[str, int] = {}
+    for i, c in enumerate(p.configs):
+        f = f"configs[{i}]"
+        if not isinstance(c.rule, str) or not c.rule:
+            _fail(source, f + ".rule", f"expected a rule name, got {c.rule!r}")
+        if c.phase not in PHASES:
+            _fail(source, f + ".phase", f"unknown phase {c.phase!r}", f"use one of {', '.join(PHASES)}")
+        if isinstance(c.keep, bool) or not isinstance(c.keep, (int, float)) or not 0.0 < c.keep <= 1.0:
+            _fail(source, f + ".keep", f"keep ratio must be in (0, 1], got {c.keep!r}")
+        if c.rule == FULL_RULE and c.keep < 1.0:
+            _fail(source, f + ".keep", f"rule 'full' keeps everything; keep must be 1.0, got {c.keep}")
+        for name in ("k_bits", "v_bits"):
+            if getattr(c, name) not in BITS:
+                _fail(source, f"{f}.{name}", f"unsupported bit width {getattr(c, name)!r}",
+                      "use 16 (unquantized), 8, 4 or 2")
+        if c.label in seen:
+            _fail(source, f, f"duplicate config {c.label} (also configs[{seen[c.label]}])", "list each config once")
+        seen[c.label] = i
+    if not p.metrics:
+        _fail(source, "metrics", "the profile has no metric table", "give at least one table, e.g. 'l2'")
+    shape = (m.num_layers, len(p.configs))
+    for name, t in p.metrics.items():
+        _check_array(source, f"metrics.{name}", t, shape, "rows are layers, columns are the configs in order")
+    for name, st in p.stats.items():
+        f = f"stats.{name}"
+        if not st.columns or len(set(st.columns)) != len(st.columns):
+            _fail(source, f + ".columns", f"column labels must be non-empty and unique, got {list(st.columns)}")
+        if st.phase not in PHASES:
+            _fail(source, f + ".phase", f"unknown phase {st.phase!r}", f"use one of {', '.join(PHASES)}")
+        _check_array(source, f + ".values", st.values, (m.num_layers, len(st.columns)),
+                     "rows are layers, columns are the table's column labels")
+
+
+def _check_array(source: str, field: str, a: np.ndarray, shape: tuple[int, int], what: str) -> None:
+    if a.size == 0:
+        _fail(source, field, "the table is empty", what)
+    if a.shape != shape:
+        _fail(source, field, f"expected shape {list(shape)}, got {list(a.shape)}", what)
+    bad = np.argwhere(~np.isfinite(a))
+    if len(bad):
+        l, c = (int(x) for x in bad[0])
+        _fail(source, field, f"non-finite value {a[l, c]} at layer {l}, column {c} ({len(bad)} in all)",
+              "re-measure or drop the config; NaN and infinity are not losses")
+
+
+def load_profile(path: str) -> Profile:
+    """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
+    from polykv.profiling.profile_io import load_profile as _load
+
+    return _load(path)
