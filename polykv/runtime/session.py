@@ -1,0 +1,232 @@
+"""``apply(model, plan)``: validate a plan against a model, then run it inside a ``with`` block.
+
+>>> with polykv.apply(model, plan) as session:                     # doctest: +SKIP
+...     out = model.generate(input_ids, max_new_tokens=64)
+...     print(session.resident_bytes().total)
+
+Inside the block the model's attention implementation is ``polykv`` and ``model.generate`` gets a
+fresh plan cache unless one is passed; manual loops pass ``past_key_values=session.new_cache()``
+(then ``session.cache``). On exit the attention implementation is restored and ``generate`` is
+unpatched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+from polykv.errors import RuntimeConfigError
+from polykv.geometry import SLIDING, geometry_of_model
+from polykv.plan import Plan
+from polykv.runtime import attention
+from polykv.runtime.cache import LayerSpec, PlanCache
+from polykv.runtime.signals import SignalNeeds
+
+SUPPORTED_ATTN = ("sdpa", "eager")
+_MISSING = object()
+
+
+@attrs.define(frozen=True)
+class ResidentBytes:
+    """Bytes a cache holds, per layer and in total; metadata is reported apart from K/V."""
+
+    per_layer: tuple[int, ...]
+    """K + V store bytes per layer: codes + scales/zeros + full-precision residuals."""
+    metadata_per_layer: tuple[dict, ...]
+    """Per layer: ``positions`` (int64 [B, Hkv, T]), ``accumulated`` (float32 [B, Hkv, T], H2O),
+    ``query_window`` (kept queries [B, H, w, d] in the compute dtype + int64 positions [w])."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer)
+
+    @property
+    def metadata_total(self) -> int:
+        return sum(sum(m.values()) for m in self.metadata_per_layer)
+
+
+def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
+          seed: int = 0) -> "Session":
+    """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
+
+    Raises
+    ------
+    PlanError
+        The plan names unknown rules/quantizers, a rule in a phase it does not support, or was made
+        for another model (layer count, KV heads, head dim, fingerprint).
+    RuntimeConfigError
+        The model has sliding-window layers or an attention implementation the runtime cannot serve.
+    """
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    geometry = geometry_of_model(model)
+    sliding = [i for i in range(geometry.num_layers) if geometry.layer_types[i] == SLIDING]
+    if sliding:
+        raise RuntimeConfigError(
+            f"model type '{geometry.model_type}' has sliding-window attention on layers {sliding}; the polykv "
+            f"runtime serves full-attention layers only (those layers already keep their own window)")
+    impl = model.config._attn_implementation
+    if impl not in SUPPORTED_ATTN:
+        raise RuntimeConfigError(
+            f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
+            f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
+    plan.validate(registry=registry, geometry=geometry)
+    modules = _attention_modules(model, geometry.num_layers)
+    return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed)
+
+
+def _attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
+    found: dict[int, torch.nn.Module] = {}
+    for _, m in model.named_modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(m, "num_key_value_groups") and type(m).__name__.endswith("Attention"):
+            found.setdefault(idx, m)
+    if sorted(found) != list(range(num_layers)):
+        raise RuntimeConfigError(
+            f"{type(model).__name__}: found attention modules for layers {sorted(found)}, expected 0..{num_layers - 1}; "
+            f"the polykv runtime serves decoders whose attention uses the transformers AttentionInterface")
+    return [found[i] for i in range(num_layers)]
+
+
+def _rope(model) -> tuple[torch.Tensor | None, float]:
+    for _, m in model.named_modules():
+        inv = getattr(m, "inv_freq", None)
+        if isinstance(inv, torch.Tensor) and type(m).__name__.endswith("RotaryEmbedding"):
+            return inv.detach().float(), float(getattr(m, "attention_scaling", 1.0) or 1.0)
+    return None, 1.0
+
+
+class Session:
+    """A plan applied to a model; the live state of one ``with`` block."""
+
+    def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int):
+        self.model, self.plan, self.registry, self.seed = model, plan, registry, seed
+        self.model_data = model_data
+        self._modules = modules
+        self._specs = [self._layer_spec(lp) for lp in plan.layers]
+        self.rope_inv_freq, self.rope_scaling = _rope(model)
+        self._cache: PlanCache | None = None
+        self._active = False
+        self._saved_impl: list[tuple[Any, Any]] = []
+        self._saved_generate = _MISSING
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _layer_spec(self, lp) -> LayerSpec:
+        rules, pre_needs, dec_needs = {}, [], []
+        for phase in ("prefill", "decode"):
+            op = getattr(lp, phase)
+            if op.keeps_everything:
+                rules[phase] = None
+                continue
+            cls = self.registry.operator(op.rule)
+            rules[phase] = cls(**op.params)
+            pre_needs.append((cls, op.params))
+            if phase == "decode":
+                dec_needs.append((cls, op.params))
+        return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
+                         prefill_needs=SignalNeeds.of(pre_needs), decode_needs=SignalNeeds.of(dec_needs))
+
+    # -- context manager ---------------------------------------------------------------------------
+    def __enter__(self) -> "Session":
+        if self._active:
+            raise RuntimeConfigError("this session is already active; nest a new polykv.apply(...) instead")
+        attention.register()
+        configs = {id(c): c for c in [self.model.config] + [getattr(m, "config", None) for m in self._modules]
+                   if c is not None}
+        self._saved_impl = [(c, c._attn_implementation_internal) for c in configs.values()]
+        for m in self._modules:
+            attention.bind(m, self)
+        for c in configs.values():
+            c._attn_implementation_internal = attention.NAME
+        self._saved_generate = self.model.__dict__.get("generate", _MISSING)
+        self.model.generate = self._generate
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for c, impl in self._saved_impl:
+            c._attn_implementation_internal = impl
+        for m in self._modules:
+            attention.unbind(m)
+        if self._saved_generate is _MISSING:
+            self.model.__dict__.pop("generate", None)
+        else:
+            self.model.generate = self._saved_generate
+        self._active = False
+
+    def _require_active(self) -> None:
+        if not self._active:
+            raise RuntimeConfigError("use the session inside its with-block: 'with polykv.apply(model, plan) as s:'")
+
+    # -- caches ----------------------------------------------------------------------------------
+    def new_cache(self) -> PlanCache:
+        """A fresh, empty plan cache; it becomes :attr:`cache`."""
+        self._require_active()
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
+        self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
+                                rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
+                                generator=gen)
+        return self._cache
+
+    @property
+    def cache(self) -> PlanCache | None:
+        """The live cache: the last one created by :meth:`new_cache`, ``generate`` or :meth:`prefill`."""
+        return self._cache
+
+    def _layer_for(self, layer_idx: int, key: torch.Tensor):
+        cache = self._cache
+        layer = cache.layers[layer_idx] if cache is not None else None
+        if layer is None or layer._attend_k is not key:
+            raise RuntimeConfigError(
+                f"layer {layer_idx} attended keys that did not come from this session's cache: pass "
+                f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
+        return layer
+
+    def _generate(self, *args, **kwargs):
+        self._require_active()
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            attention.polykv_mask(attention_mask=mask)
+        given = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+        if given is None:
+            kwargs[self._cache_kw] = self.new_cache()
+        elif given is not self._cache:
+            raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
+                                     "session.cache or session.new_cache(), or no cache at all")
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+    def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
+        """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
+
+        Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
+        model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
+        """
+        cache = self.new_cache()
+        T = input_ids.shape[1]
+        step = chunk_size or T
+        if step < 1:
+            raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        out = None
+        for start in range(0, T, step):
+            cache.prefill_continues = start + step < T
+            out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
+                             **model_kwargs)
+        cache.prefill_continues = False
+        return out
+
+    def resident_bytes(self) -> ResidentBytes:
+        """K/V bytes per layer and in total, with metadata reported separately (see docs/runtime.md)."""
+        if self._cache is None:
+            raise RuntimeConfigError("no cache yet: run generate(), prefill() or a forward with session.new_cache()")
+        layers = self._cache.layers
+        return ResidentBytes(per_layer=tuple(layer.kv_bytes() for layer in layers),
+                             metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers))
