@@ -1,0 +1,82 @@
+"""The ``kivi`` quantizer: asymmetric min-max, keys per channel, values per token, packed codes.
+
+KIVI: "A Tuning-Free Asymmetric 2bit Quantization for KV Cache", Liu et al., ICML 2024
+(arXiv 2402.02750). Keys are quantized per channel in groups of ``group_size`` consecutive
+tokens, a block of ``residual`` keys at a time (the newest incomplete block stays in full
+precision); values are quantized per token in groups of ``group_size`` channels, the newest
+``residual`` values stay in full precision. Codes are bit-packed into uint8 (8 bits: one byte,
+4 bits: half a byte, 2 bits: a quarter per element); scales and minima are stored in the compute
+dtype. 16 bits means passthrough (:class:`PassthroughStore`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polykv.operators import KVStore, Quantizer
+from polykv.adapters.quantizers.kivi_keys import KiviKeyStore, key_bytes
+from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bytes
+from polykv.adapters.quantizers.passthrough import PassthroughStore, passthrough_bytes
+
+STREAMS = ("key", "value")
+
+
+class KiviQuantizer(Quantizer):
+    """KIVI-style quantizer; parameters ``group_size`` (G, default 32) and ``residual`` (R, default 32).
+
+    ``residual`` must be a positive multiple of ``group_size``; the head dim must be a multiple of
+    ``group_size`` (value groups) and fill whole bytes at the chosen width.
+    """
+
+    name = "kivi"
+    bits = frozenset({2, 4, 8})
+    defaults = {"group_size": 32, "residual": 32}
+    paper = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024, arXiv 2402.02750"
+
+    def __init__(self, **params: Any):
+        super().__init__(**params)
+        G, R = self.params["group_size"], self.params["residual"]
+        for key, val in (("group_size", G), ("residual", R)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"quantizer 'kivi': parameter '{key}' must be a positive integer, got {val!r}")
+        if R % G:
+            raise ValueError(f"quantizer 'kivi': residual={R} must be a multiple of group_size={G} "
+                             f"(keys are quantized a block of R tokens at a time, in groups of G)")
+
+    def _check(self, stream: str, bits: int) -> None:
+        if stream not in STREAMS:
+            raise ValueError(f"quantizer 'kivi': unknown stream {stream!r}; use one of {STREAMS}")
+        if bits != 16 and bits not in self.bits:
+            raise ValueError(f"quantizer 'kivi' stores {sorted(self.bits)} bits (or 16 = unquantized), not {bits}")
+
+    def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
+        """An empty store: :class:`KiviKeyStore` / :class:`KiviValueStore`, or passthrough for 16 bits."""
+        self._check(stream, bits)
+        if bits == 16:
+            return PassthroughStore(dtype=dtype, device=device)
+        cls = KiviKeyStore if stream == "key" else KiviValueStore
+        return cls(bits=bits, group_size=self.params["group_size"], residual=self.params["residual"],
+                   dtype=dtype, device=device)
+
+    def predict_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
+                      tokens: int, dtype_bytes: int) -> int:
+        """Exact resident bytes after ``tokens`` appends (any chunking), no eviction.
+
+        Keys: ``Tq = floor(T / R) * R`` quantized tokens cost ``d * bits / 8`` bytes each plus, per
+        group of G tokens, a scale and a minimum per channel (``2 * d * dtype_bytes``); the other
+        ``T - Tq`` keys cost ``d * dtype_bytes``. Values: ``Tq = max(T - R, 0)`` quantized tokens cost
+        ``d * bits / 8 + 2 * (d / G) * dtype_bytes`` each; the last ``min(T, R)`` cost ``d * dtype_bytes``.
+        Everything is per (batch row, KV head).
+        """
+        self._check(stream, bits)
+        shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, dtype_bytes=dtype_bytes)
+        if bits == 16:
+            return passthrough_bytes(**shape)
+        G, R = self.params["group_size"], self.params["residual"]
+        if stream == "value" and head_dim % G:
+            raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
+                             f"set quantizer_params.group_size to a divisor of {head_dim}")
+        fn = key_bytes if stream == "key" else value_bytes
+        return fn(bits=bits, group_size=G, residual=R, **shape)

@@ -1,0 +1,185 @@
+"""KIVI key storage: per-channel quantization in groups of G consecutive tokens, R-token residual.
+
+KIVI: "A Tuning-Free Asymmetric 2bit Quantization for KV Cache", Liu et al., ICML 2024
+(arXiv 2402.02750). Keys gather in full precision until a block of R tokens is complete; the
+block is then quantized per channel, in R / G groups of G consecutive tokens (R % G == 0).
+
+Layout (logical storage order = quantized tokens, then residual tokens):
+``codes`` [B, Hkv, Tq, d * bits / 8] uint8; ``scale`` and ``zero`` [B, Hkv, Ng, d] in the compute
+dtype, one row per group; ``group_ids`` [B, Hkv, Tq] int32, the group row of every quantized token,
+or None while groups are implicit (token i belongs to group i // G, true until the first gather);
+``residual`` [B, Hkv, Tr, d] in the compute dtype, Tr < R without eviction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polykv.operators import KVStore
+from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers.packing import pack, packed_width, unpack
+from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
+
+
+class KiviKeyStore(KVStore):
+    """Keys of one layer at ``bits`` in {2, 4, 8}; see the module docstring for the layout."""
+
+    def __init__(self, *, bits: int, group_size: int, residual: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.bits, self.group_size, self.residual_len = bits, group_size, residual
+        self.dtype, self.device = dtype, torch.device(device)
+        self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
+        self.codes = self.scale = self.zero = self.residual = None
+        self.group_ids: torch.Tensor | None = None
+
+    def _init(self, B: int, H: int, d: int) -> None:
+        kw = dict(device=self.device)
+        self.codes = torch.empty(B, H, 0, packed_width(d, self.bits), dtype=torch.uint8, **kw)
+        self.scale = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+        self.zero = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+
+    @property
+    def num_quantized(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[2]
+
+    def __len__(self) -> int:
+        return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
+
+    def token_group_ids(self) -> torch.Tensor:
+        """[B, Hkv, Tq] int64: the group row of every quantized token (materialised if implicit)."""
+        if self.group_ids is not None:
+            return self.group_ids.long()
+        B, H, _ = self._shape
+        ids = torch.arange(self.num_quantized, device=self.device) // self.group_size
+        return ids.expand(B, H, -1)
+
+    # -- quantization -----------------------------------------------------------------------------
+    def _quantize_blocks(self, x: torch.Tensor) -> None:
+        """Quantize completed blocks x [B, H, n, d] (n a multiple of G) and append them."""
+        B, H, n, d = x.shape
+        G = self.group_size
+        g = x.float().reshape(B, H, n // G, G, d)  # (B, H, groups, G, d): a group = G tokens of one channel
+        scale, zero = minmax.group_params(g.amin(3), g.amax(3), self.bits, self.dtype)
+        q = minmax.encode(g, scale.unsqueeze(3), zero.unsqueeze(3), self.bits).reshape(B, H, n, d)
+        if self.group_ids is not None:
+            first = self.scale.shape[2]
+            new_ids = first + torch.arange(n, device=self.device, dtype=torch.int32) // G
+            self.group_ids = torch.cat([self.group_ids, new_ids.expand(B, H, n)], dim=2)
+        self.codes = torch.cat([self.codes, pack(q, self.bits)], dim=2)
+        self.scale = torch.cat([self.scale, scale], dim=2)
+        self.zero = torch.cat([self.zero, zero], dim=2)
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x`` [B, Hkv, t, d]; every completed block of ``residual`` keys is quantized."""
+        if self._shape is None:
+            self._shape = check_chunk(x, None, "kivi keys")
+            self._init(*self._shape)
+        check_chunk(x, self._shape, "kivi keys")
+        if not x.shape[2]:
+            return
+        x = own_copy(x, dtype=self.dtype, device=self.device)
+        res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
+        full = res.shape[2] // self.residual_len * self.residual_len
+        if full:
+            self._quantize_blocks(res[:, :, :full])
+            res = res[:, :, full:].clone()  # own storage: a slice would keep the whole buffer alive
+        self.residual = res
+
+    # -- reads ------------------------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """[B, Hkv, T, d] in the compute dtype: quantized tokens, then the residual."""
+        if self._shape is None:
+            raise ValueError("kivi keys: the store is empty; append tokens before reading it")
+        B, H, d = self._shape
+        Tq, G = self.num_quantized, self.group_size
+        q = unpack(self.codes, self.bits)  # (B, H, Tq, d)
+        if self.group_ids is None:  # implicit groups: G consecutive tokens per row
+            g = q.reshape(B, H, Tq // G, G, d)
+            x = minmax.decode(g, self.scale.unsqueeze(3), self.zero.unsqueeze(3)).reshape(B, H, Tq, d)
+        else:
+            ids = self.group_ids.long()
+            x = minmax.decode(q, gather_tokens(self.scale, ids), gather_tokens(self.zero, ids))
+        return torch.cat([x.to(self.dtype), self.residual], dim=2)
+
+    def gather(self, index: torch.Tensor) -> None:
+        """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.
+
+        Survivors keep their codes; a group's scale and minimum are kept while any member survives
+        in that head (rows are compacted per head and padded to the longest head). Heads may keep
+        different numbers of residual tokens; every head keeps as many residual tokens as the head
+        that kept fewest, and a head's older residual survivors are quantized now, once, as new
+        groups of up to G of them per channel (their first quantization).
+        """
+        index = check_index(index.to(self.device), self._shape, len(self), "kivi keys")
+        B, H, d = self._shape
+        Tq, k, G = self.num_quantized, index.shape[2], self.group_size
+        n_res = (index >= Tq).sum(-1)  # (B, H)
+        keep_res = int(n_res.min()) if k else 0
+        nq = k - keep_res
+        iq, ir = index[..., :nq], index[..., nq:] - Tq
+        promoted = iq >= Tq  # (B, H, nq)
+        if Tq:
+            at = iq.clamp(max=Tq - 1)
+            codes = gather_tokens(self.codes, at)
+            ids = torch.gather(self.token_group_ids(), 2, at)
+        else:
+            codes = torch.zeros(B, H, nq, self.codes.shape[3], dtype=torch.uint8, device=self.device)
+            ids = torch.zeros(B, H, nq, dtype=torch.int64, device=self.device)
+        scale, zero = self.scale, self.zero
+        n_promoted = int((n_res - keep_res).max()) if k else 0
+        if nq and n_promoted:
+            codes, ids, scale, zero = self._promote(iq, promoted, n_promoted, codes, ids)
+        self.codes = codes
+        self.group_ids, self.scale, self.zero = self._compact(ids, scale, zero)
+        self.residual = gather_tokens(self.residual, ir)
+
+    def _promote(self, iq, promoted, n_promoted, codes, ids):
+        """Quantize the residual survivors marked ``promoted`` [B, H, nq] as new groups of up to G."""
+        B, H, d = self._shape
+        G, Tq, first = self.group_size, self.num_quantized, self.scale.shape[2]
+        x = gather_tokens(self.residual, (iq - Tq).clamp(min=0)).float()  # (B, H, nq, d)
+        n_new = -(-n_promoted // G)
+        rank = torch.cumsum(promoted, dim=-1) - 1
+        slot = torch.where(promoted, rank // G, torch.full_like(rank, n_new))  # n_new = discard row
+        at = slot.unsqueeze(-1).expand(B, H, slot.shape[2], d)
+        inf = torch.full((B, H, n_new + 1, d), float("inf"), device=self.device)
+        mn = inf.scatter_reduce(2, at, x, "amin")[:, :, :n_new]
+        mx = (-inf).scatter_reduce(2, at, x, "amax")[:, :, :n_new]
+        empty = torch.isinf(mn)  # a row no token of this head uses: never read, kept finite
+        mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+        pscale, pzero = minmax.group_params(mn, mx, self.bits, self.dtype)  # (B, H, n_new, d)
+        row = slot.clamp(max=n_new - 1)
+        q = minmax.encode(x, gather_tokens(pscale, row), gather_tokens(pzero, row), self.bits)
+        codes = torch.where(promoted.unsqueeze(-1), pack(q, self.bits), codes)
+        ids = torch.where(promoted, first + slot, ids)
+        return (codes, ids, torch.cat([self.scale, pscale], dim=2), torch.cat([self.zero, pzero], dim=2))
+
+    def _compact(self, ids: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        """Drop group rows no surviving token uses, per head; renumber ``ids`` [B, H, n] (non-decreasing)."""
+        B, H, n = ids.shape
+        d = scale.shape[3]
+        if not n:
+            empty = scale[:, :, :0].clone()
+            return None, empty, zero[:, :, :0].clone()
+        step = (ids[..., 1:] != ids[..., :-1]).long()
+        new_ids = torch.cat([torch.zeros(B, H, 1, dtype=torch.long, device=ids.device),
+                             torch.cumsum(step, dim=-1)], dim=-1)  # (B, H, n)
+        rows = int(new_ids[..., -1].max()) + 1
+        source = torch.zeros(B, H, rows, dtype=torch.long, device=ids.device).scatter_(2, new_ids, ids)
+        # Rows past a head's own count repeat row 0's source: padding, never read by that head.
+        return new_ids.to(torch.int32), gather_tokens(scale, source), gather_tokens(zero, source)
+
+    def resident_bytes(self) -> int:
+        return held_bytes(self.codes, self.scale, self.zero, self.group_ids, self.residual)
+
+
+def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
+              tokens: int, dtype_bytes: int) -> int:
+    """Resident bytes of a :class:`KiviKeyStore` after ``tokens`` appends and no eviction."""
+    tq = tokens // residual * residual
+    tr = tokens - tq
+    per_head = (tq * packed_width(head_dim, bits)                        # codes
+                + 2 * (tq // group_size) * head_dim * dtype_bytes        # scale + minimum per group row
+                + tr * head_dim * dtype_bytes)                           # full-precision residual
+    return batch * kv_heads * per_head

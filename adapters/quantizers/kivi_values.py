@@ -1,0 +1,134 @@
+"""KIVI value storage: per-token quantization in groups of G channels, last R tokens full precision.
+
+KIVI: "A Tuning-Free Asymmetric 2bit Quantization for KV Cache", Liu et al., ICML 2024
+(arXiv 2402.02750). Values are quantized per token; the ``residual`` most recent values stay in
+the compute dtype and the oldest one is quantized as each new value arrives.
+
+Layout (logical storage order = quantized tokens, then residual tokens):
+``codes`` [B, Hkv, Tq, d * bits / 8] uint8, ``scale`` and ``zero`` [B, Hkv, Tq, d / G] in the
+compute dtype, ``residual`` [B, Hkv, Tr, d] in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polykv.operators import KVStore
+from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers.packing import pack, packed_width, unpack
+from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
+
+
+class KiviValueStore(KVStore):
+    """Values of one layer at ``bits`` in {2, 4, 8}; see the module docstring for the layout."""
+
+    def __init__(self, *, bits: int, group_size: int, residual: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.bits, self.group_size, self.residual_len = bits, group_size, residual
+        self.dtype, self.device = dtype, torch.device(device)
+        self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
+        self.codes = self.scale = self.zero = self.residual = None
+
+    # -- shape ------------------------------------------------------------------------------------
+    def _init(self, B: int, H: int, d: int) -> None:
+        G = self.group_size
+        if d % G:
+            raise ValueError(f"kivi values: head_dim {d} is not a multiple of group_size={G}; set the layer's "
+                             f"quantizer_params.group_size to a divisor of {d}")
+        width = packed_width(d, self.bits)
+        kw = dict(device=self.device)
+        self.codes = torch.empty(B, H, 0, width, dtype=torch.uint8, **kw)
+        self.scale = torch.empty(B, H, 0, d // G, dtype=self.dtype, **kw)
+        self.zero = torch.empty(B, H, 0, d // G, dtype=self.dtype, **kw)
+        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+
+    @property
+    def num_quantized(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[2]
+
+    def __len__(self) -> int:
+        return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
+
+    # -- quantization -----------------------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, H, n, d] -> (packed codes [B, H, n, d*b/8], scale [B, H, n, d/G], zero [B, H, n, d/G])."""
+        B, H, n, d = x.shape
+        G = self.group_size
+        g = x.float().reshape(B, H, n, d // G, G)  # (B, H, n, groups, G)
+        scale, zero = minmax.group_params(g.amin(-1), g.amax(-1), self.bits, self.dtype)
+        q = minmax.encode(g, scale.unsqueeze(-1), zero.unsqueeze(-1), self.bits).reshape(B, H, n, d)
+        return pack(q, self.bits), scale, zero
+
+    def append(self, x: torch.Tensor) -> None:
+        """Append ``x`` [B, Hkv, t, d]; values older than the last ``residual`` are quantized."""
+        if self._shape is None:
+            self._shape = check_chunk(x, None, "kivi values")
+            self._init(*self._shape)
+        check_chunk(x, self._shape, "kivi values")
+        if not x.shape[2]:
+            return
+        x = own_copy(x, dtype=self.dtype, device=self.device)
+        res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
+        excess = res.shape[2] - self.residual_len
+        if excess > 0:
+            codes, scale, zero = self._quantize(res[:, :, :excess])
+            self.codes = torch.cat([self.codes, codes], dim=2)
+            self.scale = torch.cat([self.scale, scale], dim=2)
+            self.zero = torch.cat([self.zero, zero], dim=2)
+            res = res[:, :, excess:].clone()  # own storage: a slice would keep the whole buffer alive
+        self.residual = res
+
+    # -- reads ------------------------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """[B, Hkv, T, d] in the compute dtype: quantized tokens, then the residual."""
+        if self._shape is None:
+            raise ValueError("kivi values: the store is empty; append tokens before reading it")
+        B, H, d = self._shape
+        Tq, G = self.num_quantized, self.group_size
+        q = unpack(self.codes, self.bits).reshape(B, H, Tq, d // G, G)
+        x = minmax.decode(q, self.scale.unsqueeze(-1), self.zero.unsqueeze(-1)).reshape(B, H, Tq, d)
+        return torch.cat([x.to(self.dtype), self.residual], dim=2)
+
+    def gather(self, index: torch.Tensor) -> None:
+        """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.
+
+        Survivors keep their codes, scales and minima. Heads may keep different numbers of residual
+        tokens; every head keeps as many residual tokens as the head that kept fewest (``r``), and
+        a head's older residual survivors are quantized now, once (their first quantization).
+        """
+        index = check_index(index.to(self.device), self._shape, len(self), "kivi values")
+        Tq, k = self.num_quantized, index.shape[2]
+        n_res = (index >= Tq).sum(-1)  # (B, H) residual survivors per head
+        keep_res = int(n_res.min()) if k else 0
+        nq = k - keep_res
+        iq, ir = index[..., :nq], index[..., nq:] - Tq
+        promoted = iq >= Tq  # (B, H, nq) residual tokens that move to the quantized part
+        if Tq:
+            at = iq.clamp(max=Tq - 1)
+            codes, scale, zero = (gather_tokens(t, at) for t in (self.codes, self.scale, self.zero))
+        if nq and int(n_res.max()) > keep_res:
+            pcodes, pscale, pzero = self._quantize(gather_tokens(self.residual, (iq - Tq).clamp(min=0)))
+            if Tq:
+                m = promoted.unsqueeze(-1)
+                codes, scale, zero = (torch.where(m, p, o) for p, o in
+                                      ((pcodes, codes), (pscale, scale), (pzero, zero)))
+            else:
+                codes, scale, zero = pcodes, pscale, pzero
+        elif not Tq:  # nothing quantized survives and nothing is promoted: nq == 0
+            codes, scale, zero = self.codes, self.scale, self.zero
+        self.codes, self.scale, self.zero = codes, scale, zero
+        self.residual = gather_tokens(self.residual, ir)
+
+    def resident_bytes(self) -> int:
+        return held_bytes(self.codes, self.scale, self.zero, self.residual)
+
+
+def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
+                tokens: int, dtype_bytes: int) -> int:
+    """Resident bytes of a :class:`KiviValueStore` after ``tokens`` appends and no eviction."""
+    tq = max(tokens - residual, 0)
+    tr = tokens - tq
+    per_head = (tq * packed_width(head_dim, bits)                       # codes
+                + 2 * tq * (head_dim // group_size) * dtype_bytes       # scale + minimum
+                + tr * head_dim * dtype_bytes)                          # full-precision residual
+    return batch * kv_heads * per_head
