@@ -1,8 +1,23 @@
 """Built-in study tasks, registered through the same hook a third-party plugin uses."""
 
 from polykv.hookspecs import hookimpl
+from polykv.studies.tasks.continuation import ContinuationTask
+from polykv.studies.tasks.files import LongBenchFileTask, RulerFileTask
+from polykv.studies.tasks.niah import NeedleMultiKeyTask, NeedleMultiValueTask, NeedleSingleTask, NeedleTask
+from polykv.studies.tasks.passkey import PasskeyTask
+from polykv.studies.tasks.variable_tracking import VariableTrackingTask
 
-TASKS: tuple = ()
+TASKS: tuple = (
+    PasskeyTask,
+    NeedleTask,
+    NeedleSingleTask,
+    NeedleMultiKeyTask,
+    NeedleMultiValueTask,
+    VariableTrackingTask,
+    ContinuationTask,
+    LongBenchFileTask,
+    RulerFileTask,
+)
 
 
 @hookimpl

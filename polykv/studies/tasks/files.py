@@ -1,0 +1,193 @@
+"""Benchmark files a user already has on disk: LongBench and RULER JSONL, read offline.
+
+LongBench (Bai et al., 2023, "LongBench: A Bilingual, Multitask Benchmark for Long Context
+Understanding") lines carry ``context``, ``input``, ``answers``, ``all_classes``, ``length``, ``dataset``
+and ``_id``; the context is compressed and the question (``input`` in ``question_template``) is fed
+afterwards. The metric follows LongBench's dataset-to-metric table for the English datasets.
+
+RULER (Hsieh et al., 2024) lines carry ``input`` (context and question in one prompt), ``outputs``,
+``length`` and ``index`` (and, in newer files, ``answer_prefix``). RULER's templates end with the
+question on its own last line, so the question is everything after the last ``question_separator``;
+the answer prefix, when present, is appended to it.
+
+A malformed line is a :class:`~polykv.errors.StudyError` naming the file, the line number and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Iterator, Mapping
+
+from polykv.errors import StudyError
+from polykv.studies.tasks.base import Task, TaskItem
+from polykv.studies.tasks.metrics import METRICS
+
+LONGBENCH_FIELDS = ("context", "input", "answers", "all_classes", "length", "dataset", "_id")
+RULER_FIELDS = ("input", "outputs", "length", "index")
+
+# LongBench's eval.py dataset2metric and dataset2maxlen (English datasets; "_e" suffixes are LongBench-E).
+LONGBENCH_METRIC = {
+    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "hotpotqa": "qa_f1",
+    "2wikimqa": "qa_f1", "musique": "qa_f1", "triviaqa": "qa_f1", "gov_report": "rouge_l", "qmsum": "rouge_l",
+    "multi_news": "rouge_l", "samsum": "rouge_l", "trec": "classification", "passage_retrieval_en": "retrieval",
+    "passage_count": "count", "lcc": "code_sim", "repobench-p": "code_sim",
+}
+# LongBench's eval.py scores only the first line of the prediction for these datasets.
+LONGBENCH_FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})
+LONGBENCH_MAXLEN = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
+    "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64,
+}
+
+
+def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, dict]]:
+    if not path:
+        raise StudyError(f"a {fmt} task needs path= pointing at a {fmt} JSONL file on disk")
+    if not os.path.isfile(path):
+        raise StudyError(f"{path}: no such {fmt} JSONL file")
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise StudyError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                                 f"{fmt} files hold one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise StudyError(f"{path} line {lineno}: expected a JSON object with fields {list(fields)}, "
+                                 f"got {type(record).__name__}")
+            missing = [f for f in fields if f not in record]
+            if missing:
+                raise StudyError(f"{path} line {lineno}: missing field(s) {missing}; {fmt} lines carry "
+                                 f"{list(fields)}. Is this a {fmt} file?")
+            yield lineno, record
+
+
+def _str_list(value, path: str, lineno: int, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, (str, int, float)) for v in value):
+        raise StudyError(f"{path} line {lineno}: field '{field}' must be a non-empty list of strings; got {value!r}")
+    return tuple(str(v) for v in value)
+
+
+def _text(value, path: str, lineno: int, field: str) -> str:
+    if not isinstance(value, str):
+        raise StudyError(f"{path} line {lineno}: field '{field}' must be a string; got {type(value).__name__}")
+    return value
+
+
+def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}\nAnswer:",
+                   metric: str | None = None) -> list[TaskItem]:
+    """Every item of a LongBench JSONL file, in file order.
+
+    Parameters
+    ----------
+    path : str
+        A LongBench ``<dataset>.jsonl`` (or LongBench-E ``<dataset>_e.jsonl``) file.
+    question_template : str
+        Format string for the question fed after the compressed context; ``{input}`` is the line's input.
+    metric : str, optional
+        Force a metric from :data:`~polykv.studies.tasks.metrics.METRICS`; by default LongBench's own
+        metric for the line's dataset (Chinese datasets need an explicit choice: LongBench scores them
+        with jieba word segmentation, which polykv does not ship).
+    """
+    if metric is not None and metric not in METRICS:
+        raise StudyError(f"unknown metric {metric!r} for LongBench file {path}; available: {sorted(METRICS)}")
+    items = []
+    for lineno, rec in _lines(path, LONGBENCH_FIELDS, "LongBench"):
+        dataset = _text(rec["dataset"], path, lineno, "dataset")
+        base = dataset[:-2] if dataset.endswith("_e") else dataset
+        chosen = metric or LONGBENCH_METRIC.get(base)
+        if chosen is None:
+            raise StudyError(f"{path} line {lineno}: no built-in LongBench metric for dataset '{dataset}' "
+                             f"(supported: {sorted(LONGBENCH_METRIC)}); pass metric= explicitly")
+        all_classes = rec["all_classes"]
+        if all_classes is not None and not isinstance(all_classes, list):
+            raise StudyError(f"{path} line {lineno}: field 'all_classes' must be a list or null")
+        items.append(TaskItem(
+            task=LongBenchFileTask.name, id=str(rec["_id"]), context=_text(rec["context"], path, lineno, "context"),
+            question=question_template.format(input=_text(rec["input"], path, lineno, "input")),
+            answers=_str_list(rec["answers"], path, lineno, "answers"), metric=chosen,
+            max_new_tokens=LONGBENCH_MAXLEN.get(base, 128),
+            meta={"dataset": dataset, "all_classes": all_classes, "length": rec["length"], "source": path,
+                  "line": lineno, "first_line_only": base in LONGBENCH_FIRST_LINE}))
+    return items
+
+
+def load_ruler(path: str, *, metric: str = "string_match_all", question_separator: str = "\n",
+               max_new_tokens: int = 128) -> list[TaskItem]:
+    """Every item of a RULER JSONL file, in file order, with the question split off the prompt.
+
+    Parameters
+    ----------
+    path : str
+        A RULER ``validation.jsonl`` file.
+    metric : str
+        ``"string_match_all"`` (RULER's default) or ``"string_match_part"`` (RULER's qa tasks).
+    question_separator : str
+        The question starts after the last occurrence of this string in ``input``.
+    max_new_tokens : int
+        Tokens to generate (RULER uses 128 for niah, 30 for vt, 32 for qa).
+    """
+    if metric not in METRICS:
+        raise StudyError(f"unknown metric {metric!r} for RULER file {path}; available: {sorted(METRICS)}")
+    items = []
+    for lineno, rec in _lines(path, RULER_FIELDS, "RULER"):
+        prompt = _text(rec["input"], path, lineno, "input")
+        cut = prompt.rstrip().rfind(question_separator)
+        if cut <= 0:
+            raise StudyError(f"{path} line {lineno}: field 'input' has no {question_separator!r} before its last "
+                             f"line, so the question cannot be split from the context; pass question_separator=")
+        prefix = rec.get("answer_prefix") or ""
+        items.append(TaskItem(
+            task=RulerFileTask.name, id=str(rec["index"]), context=prompt[:cut], question=prompt[cut:] + prefix,
+            answers=_str_list(rec["outputs"], path, lineno, "outputs"), metric=metric,
+            max_new_tokens=int(max_new_tokens),
+            meta={"length": rec["length"], "source": path, "line": lineno}))
+    return items
+
+
+def _choose(items: list[TaskItem], n: int | None, seed: int, task: str, path: str) -> list[TaskItem]:
+    if n is None or n == len(items):
+        return items
+    if n < 0 or n > len(items):
+        raise StudyError(f"task '{task}': asked for {n} items but {path} holds {len(items)}")
+    keep = sorted(random.Random(f"{task}:{seed}").sample(range(len(items)), n))
+    return [items[i] for i in keep]
+
+
+class LongBenchFileTask(Task):
+    """Items from a LongBench JSONL file on disk (``path=``); n items drawn by seed, in file order."""
+
+    name = "longbench_file"
+    description = "LongBench items from a JSONL file on disk"
+    defaults: Mapping[str, Any] = {"path": None, "question_template": "\n\nQuestion: {input}\nAnswer:",
+                                   "metric": None}
+
+    def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
+        p = self.params(**params)
+        items = load_longbench(p["path"], question_template=p["question_template"], metric=p["metric"])
+        return _choose(items, n, seed, self.name, p["path"])
+
+    def score(self, item: TaskItem, generated_text: str) -> float:
+        if item.meta.get("first_line_only"):
+            generated_text = generated_text.lstrip("\n").split("\n")[0]
+        return super().score(item, generated_text)
+
+
+class RulerFileTask(Task):
+    """Items from a RULER JSONL file on disk (``path=``); n items drawn by seed, in file order."""
+
+    name = "ruler_file"
+    description = "RULER items from a JSONL file on disk"
+    defaults: Mapping[str, Any] = {"path": None, "metric": "string_match_all", "question_separator": "\n",
+                                   "max_new_tokens": 128}
+
+    def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
+        p = self.params(**params)
+        items = load_ruler(p["path"], metric=p["metric"], question_separator=p["question_separator"],
+                           max_new_tokens=p["max_new_tokens"])
+        return _choose(items, n, seed, self.name, p["path"])

@@ -1,0 +1,61 @@
+"""Passkey retrieval: a random number hidden at a random depth of long real filler text.
+
+After Mohtashami & Jaggi (2023), "Landmark Attention: Random-Access Infinite Context Length for
+Transformers" (the passkey test), as a plain completion prompt: the context is an instruction, the
+filler and one line "The pass key is 71432. Remember it."; the question "What is the pass key? The
+pass key is" is fed through the compressed cache and the first number generated must be the key.
+The filler is real prose from the offline corpus (:mod:`polykv.studies.corpus`), not the repeated
+"The grass is green" lines of the original, so positions differ in content.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping
+
+from polykv.errors import StudyError
+from polykv.studies.tasks.base import (Task, TaskItem, build_haystack, check_length, count_tokens, draw_number,
+                                       filler_units, fit_length)
+
+INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+               "Find it and memorize it. I will quiz you about it.\n\n")
+NEEDLE = "The pass key is {key}. Remember it."
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+class PasskeyTask(Task):
+    """Passkey retrieval at a requested prompt length (context + question tokens)."""
+
+    name = "passkey"
+    description = "retrieve a random number hidden at a random depth of real filler text"
+    defaults: Mapping[str, Any] = {
+        "length": 2048,       # prompt tokens: context + question, tokenized separately
+        "depth": None,        # fraction of the filler before the needle; None draws it uniformly per item
+        "digits": 5,          # digits of the key (no leading zero)
+        "filler": "prose",    # corpus kind of the filler: "prose" or "code"
+        "max_new_tokens": 8,  # tokens generated for the answer
+    }
+
+    def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:
+        length, depth, digits = int(params["length"]), params["depth"], int(params["digits"])
+        if depth is None:
+            depth = rng.random()
+        if not 0.0 <= float(depth) <= 1.0:
+            raise StudyError(f"task 'passkey': depth must lie in [0, 1] or be None; got {depth}")
+        if digits < 1:
+            raise StudyError(f"task 'passkey': digits must be >= 1; got {digits}")
+        units = filler_units(tokenizer, length, kind=params["filler"], seed=rng.randrange(2 ** 31))
+        key = draw_number(rng, digits, "".join(units))
+        needle = NEEDLE.format(key=key)
+
+        def build(k: int) -> tuple[str, str]:
+            return INSTRUCTION + build_haystack(units, k, [(float(depth), needle)]), QUESTION
+
+        where = f"task 'passkey' item {index}"
+        k = fit_length(tokenizer, build, len(units), length, where)
+        context, question = build(k)
+        tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
+        check_length(tokens, length, where)
+        return TaskItem(task=self.name, id=f"passkey-{index}", context=context, question=question, answers=(key,),
+                        metric="first_number", max_new_tokens=int(params["max_new_tokens"]),
+                        meta={"depth": float(depth), "key": key, "tokens": tokens, "length": length})

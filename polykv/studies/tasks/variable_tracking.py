@@ -1,0 +1,78 @@
+"""Variable tracking, RULER style: follow chains of assignments hidden in long filler text.
+
+After Hsieh et al. (2024), "RULER: What's the Real Context Size of Your Long-Context Language Models?"
+(``scripts/data/synthetic/variable_tracking.py``). A chain starts with "VAR ABCDE = 12345." and each
+hop assigns the previous variable to a new one ("VAR FGHIJ = VAR ABCDE."); statements appear in chain
+order at random depths of the haystack. The question asks for every variable that holds the first
+chain's value; the score is RULER's ``string_match_all`` over that chain's variable names. Extra chains
+(``num_chains`` > 1) are distractors with their own values.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from typing import Any, Mapping
+
+from polykv.errors import StudyError
+from polykv.studies.tasks.base import (Task, TaskItem, build_haystack, check_length, count_tokens, draw_number,
+                                       filler_units, fit_length)
+
+INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+            "Answer: According to the chain(s) of variables in the text above, {count} variables are assigned "
+            "the value {value}, they are:")
+
+
+class VariableTrackingTask(Task):
+    """Multi-hop variable tracking at a requested prompt length."""
+
+    name = "variable_tracking"
+    description = "RULER variable tracking: list every variable bound to a value through a chain of assignments"
+    defaults: Mapping[str, Any] = {
+        "length": 2048,       # prompt tokens: context + question, tokenized separately
+        "num_chains": 1,      # chains in the haystack (the first is queried)
+        "num_hops": 4,        # assignments after the initial one (a chain names num_hops + 1 variables)
+        "digits": 5,          # digits of each chain's value
+        "filler": "prose",
+        "max_new_tokens": 30,
+    }
+
+    def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:
+        chains_n, hops, length = int(params["num_chains"]), int(params["num_hops"]), int(params["length"])
+        where = f"task '{self.name}' item {index}"
+        if chains_n < 1 or hops < 1:
+            raise StudyError(f"{where}: need num_chains >= 1 and num_hops >= 1; got {chains_n}, {hops}")
+        units = filler_units(tokenizer, length, kind=params["filler"], seed=rng.randrange(2 ** 31))
+        filler = "".join(units)
+        names: set[str] = set()
+
+        def new_name() -> str:
+            while True:
+                name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+                if name not in names and name not in filler:
+                    names.add(name)
+                    return name
+
+        chains, values, needles = [], [], []
+        for _ in range(chains_n):
+            chain = [new_name() for _ in range(hops + 1)]
+            value = draw_number(rng, int(params["digits"]), filler, set(values))
+            chains.append(chain)
+            values.append(value)
+            depths = sorted(rng.random() for _ in chain)
+            statements = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+            needles.extend(zip(depths, statements))
+        question = QUESTION.format(value=values[0], count=hops + 1)
+
+        def build(k: int) -> tuple[str, str]:
+            return INSTRUCTION + build_haystack(units, k, needles), question
+
+        k = fit_length(tokenizer, build, len(units), length, where)
+        context, question = build(k)
+        tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
+        check_length(tokens, length, where)
+        return TaskItem(task=self.name, id=f"{self.name}-{index}", context=context, question=question,
+                        answers=tuple(chains[0]), metric="string_match_all",
+                        max_new_tokens=int(params["max_new_tokens"]),
+                        meta={"chains": chains, "values": values, "tokens": tokens, "length": length})
