@@ -181,3 +181,27 @@ def load_default_model(*, dtype: torch.dtype = torch.float32, cache_dir: str | o
     if dtype != torch.float32:
         model = model.to(dtype)
     return model, tokenizer
+
+
+def default_model_config(*, cache_dir: str | os.PathLike | None = None):
+    """The default model's transformers config, without loading weights.
+
+    Read from the cached copy when there is one (milliseconds), else from the GGUF header (seconds).
+    """
+    import transformers
+
+    folder = cached_model_dir(cache_dir)
+    if (folder / _COMPLETE_MARK).is_file():
+        return transformers.AutoConfig.from_pretrained(str(folder))
+    gguf = default_model_path()
+    config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def default_geometry(*, cache_dir: str | os.PathLike | None = None):
+    """:class:`polykv.geometry.ModelGeometry` of the default model, with a config-only fingerprint."""
+    from polykv.geometry import geometry_from_config
+
+    return geometry_from_config(default_model_config(cache_dir=cache_dir))

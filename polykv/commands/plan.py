@@ -1,0 +1,126 @@
+"""``polykv plan show`` and ``polykv plan validate``: read a plan file, check it, print what it does."""
+
+from __future__ import annotations
+
+import os
+
+from polykv.errors import PolykvError
+
+DEFAULT_SHOW_CONTEXT = 2048
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="show or validate a plan file",
+                              description="Inspect plan files (see docs/plan-format.md).")
+    sub = p.add_subparsers(dest="plan_command", metavar="ACTION", required=True)
+
+    show = sub.add_parser("show", help="print a plan's per-layer ops, bits and predicted memory")
+    show.add_argument("plan", help="plan file (JSON)")
+    show.add_argument("--context", type=int, default=None, metavar="N",
+                      help="context length for capacities and memory (default: the plan's "
+                           f"provenance.context_tokens, else {DEFAULT_SHOW_CONTEXT})")
+    show.add_argument("--model", default=None, metavar="MODEL",
+                      help="'default' or a local model folder; default: the shape recorded in the plan")
+    show.set_defaults(func=run_show)
+
+    val = sub.add_parser("validate", help="check a plan against the installed plugins (and a model)")
+    val.add_argument("plan", help="plan file (JSON)")
+    val.add_argument("--model", default=None, metavar="MODEL",
+                     help="also check layer count, KV heads and head_dim against 'default' (SmolLM2-135M) "
+                          "or a local model folder holding config.json")
+    val.set_defaults(func=run_validate)
+
+
+def model_geometry(spec: str):
+    """Geometry for ``--model``: ``"default"`` or a local folder with a transformers ``config.json``."""
+    from polykv.geometry import geometry_from_config
+
+    if spec == "default":
+        from polykv.models import default_geometry
+
+        return default_geometry()
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise PolykvError(f"--model {spec!r}: expected 'default' or a local model folder holding config.json "
+                          f"(models are never downloaded)")
+    import transformers
+
+    return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
+
+
+def geometry_from_plan(plan, source: str):
+    """Shape recorded in the plan's ``model`` block (query heads are not recorded; memory needs none)."""
+    from polykv.geometry import ModelGeometry
+
+    m = plan.model
+    if m is None:
+        raise PolykvError(f"{source}: the plan records no model shape (field 'model' is null); pass "
+                          f"--model default or --model FOLDER")
+    return ModelGeometry(model_type=m.name or "unknown", num_layers=m.num_layers, num_heads=m.num_kv_heads,
+                         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=None,
+                         fingerprint=m.fingerprint)
+
+
+def _load(path: str, geometry=None):
+    from polykv.plan import load_plan
+    from polykv.registry import get_registry
+
+    return load_plan(path, registry=get_registry(), geometry=geometry)
+
+
+def run_validate(args) -> int:
+    geometry = model_geometry(args.model) if args.model else None
+    plan = _load(args.plan, geometry)
+    target = f" for model {geometry.fingerprint}" if geometry is not None else ""
+    print(f"{args.plan}: valid plan, {plan.num_layers} layers{target}")
+    return 0
+
+
+def run_show(args) -> int:
+    if args.context is not None and args.context < 1:
+        raise PolykvError(f"--context must be a positive number of tokens, got {args.context}")
+    geometry = model_geometry(args.model) if args.model else None
+    plan = _load(args.plan, geometry)
+    if geometry is None:
+        geometry = geometry_from_plan(plan, args.plan)
+    context = args.context or plan.provenance.context_tokens
+    context_note = ""
+    if context is None:
+        context, context_note = DEFAULT_SHOW_CONTEXT, " (the default: the plan records none; set --context N)"
+    print(format_plan(plan, args.plan, context, context_note))
+    try:
+        from polykv.memory import memory_report
+    except ImportError as exc:
+        raise PolykvError(f"cannot predict memory: polykv.memory is not available in this installation "
+                          f"({exc}); reinstall polykv (bash scripts/setup.sh)") from None
+    print()
+    print(memory_report(plan, geometry, context).format_table())
+    return 0
+
+
+def format_plan(plan, source: str, context: int, context_note: str = "") -> str:
+    """Header, provenance and one row per layer: ops with capacities resolved at ``context``."""
+    prov = plan.provenance
+    lines = [f"plan {source}  (schema {plan.schema_version}, {plan.num_layers} layers)"]
+    if plan.model is not None:
+        m = plan.model
+        lines.append(f"model    {m.name or '?'}  kv_heads={m.num_kv_heads} head_dim={m.head_dim} "
+                     f"fingerprint={m.fingerprint or '-'}")
+    lines.append(f"solver   {prov.solver or 'hand-made'}  budget={prov.budget or '-'}")
+    if prov.predicted_loss is not None or prov.predicted_bytes is not None:
+        lines.append(f"predicts loss={prov.predicted_loss}  bytes={prov.predicted_bytes} "
+                     f"at {prov.context_tokens} tokens")
+    if prov.note:
+        lines.append(f"note     {prov.note}")
+    lines.append(f"decode eviction fires past capacity + {plan.trigger.decode_slack} tokens")
+    lines.append(f"context  {context} tokens{context_note}")
+    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER")]
+    for lp in plan.layers:
+        ops = []
+        for op in (lp.prefill, lp.decode):
+            cap = op.resolve_capacity(context)
+            ops.append(op.describe() if cap is None or op.capacity is not None else f"{op.describe()}={cap}")
+        rows.append((str(lp.layer), ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
+                     lp.quantizer if lp.quantized else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join(lines)
