@@ -85,8 +85,8 @@ class _Reader:
             self.fail(f"expected a JSON object, got {type(value).__name__}", layer=layer, field=field)
         unknown = sorted(set(value) - set(allowed))
         if unknown:
-            self.fail(f"unknown key(s) {unknown}", layer=layer, field=field,
-                      hint=f"allowed keys: {sorted(allowed)}")
+            self.fail(f"unknown key(s) {unknown}", layer=layer, field=_join(field, unknown[0]),
+                      hint=f"allowed keys here: {sorted(allowed)}")
         for key, required in allowed.items():
             if required and key not in value:
                 self.fail("missing required key", layer=layer, field=_join(field, key))

@@ -87,11 +87,21 @@ class Registry:
                 self._versions[name] = dist.version
 
     def register_plugin(self, plugin: Any, name: str | None = None, version: str = "0") -> str:
-        """Register a plugin object (module or class instance) at run time; returns its name."""
+        """Register a plugin object (module or class instance) at run time; returns its name.
+
+        If the plugin is broken (a misspelled hook, a name another plugin already registered), the
+        error propagates and the registry is left exactly as it was before the call.
+        """
         name = self.pm.register(plugin, name=name)
         self._versions[name] = version
-        self.pm.check_pending()
-        self._collect()
+        try:
+            self.pm.check_pending()
+            self._collect()
+        except BaseException:
+            self.pm.unregister(name=name)
+            self._versions.pop(name, None)
+            self._collect()
+            raise
         return name
 
     def unregister_plugin(self, name: str) -> None:
