@@ -78,6 +78,14 @@ class SnapKVRule(ScoredRule):
         window_scores = votes.new_full((B, Hkv, w), math.inf)
         return torch.cat([votes, window_scores], dim=-1)                # (B, Hkv, T)
 
+    def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
+        """[B, Hkv, capacity] kept indices; the last ``capacity`` tokens when the window fills it."""
+        if capacity <= self._window(ctx):
+            B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
+            last = torch.arange(T - capacity, T, device=ctx.keys.device)
+            return last.view(1, 1, capacity).expand(B, Hkv, capacity).clone()
+        return super().select(ctx, capacity)
+
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(0, window): the observation window is always kept (truncated to the capacity)."""
         return 0, self._window(ctx)

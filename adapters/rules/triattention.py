@@ -71,6 +71,12 @@ class TriAttentionRule(ScoredRule):
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Per-KV-head max of per-query-head z-scored trigonometric scores: [B, Hkv, T] float32."""
+        score = self.head_scores(ctx)                                      # (B, Hkv, G, T)
+        z = (score - score.mean(dim=-1, keepdim=True)) / (score.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
+        return z.amax(dim=2)                                               # (B, Hkv, T)
+
+    def head_scores(self, ctx: SelectionContext) -> torch.Tensor:
+        """Raw ``S_trig + S_norm`` of every query head: [B, Hkv, G, T] float32 (query head = kv * G + g)."""
         stats = self._stats(ctx)
         B, Hkv, T, d = ctx.keys.shape
         if stats.head_dim != d or stats.num_heads % Hkv:
@@ -95,6 +101,4 @@ class TriAttentionRule(ScoredRule):
         trig = torch.einsum("kgf,bktf->bkgt", weight, kc.conj()).real    # (B, Hkv, G, T)
         spread = (mean_abs - mu.abs()).view(Hkv, G, F)                     # (Hkv, G, F)
         norm = torch.einsum("kgf,bktf->bkgt", spread, kc.abs())          # (B, Hkv, G, T)
-        score = s2 * (trig + norm)
-        z = (score - score.mean(dim=-1, keepdim=True)) / (score.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
-        return z.amax(dim=2)                                               # (B, Hkv, T)
+        return s2 * (trig + norm)

@@ -1,0 +1,59 @@
+"""Shared fixtures for the retention-rule tests: small random selection contexts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polykv.operators import SelectionContext
+
+
+def _context(*, B=2, H=4, Hkv=2, T=12, d=8, w=4, phase="prefill", seed=0, gaps=False, layer_idx=0,
+             model_data=None):
+    """A context with every signal filled: keys, positions, last ``w`` queries, accumulated sums.
+
+    With ``gaps`` the stored positions are a sorted random subset of a longer history (as after
+    earlier evictions), identical for every head, and the queries sit at the newest stored positions.
+    """
+    w = min(w, T)  # a prompt of T tokens has at most T queries
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, Hkv, T, d, generator=g)
+    if gaps:
+        pos = torch.sort(torch.randperm(3 * T, generator=g)[:T]).values
+        pos[-w:] = torch.arange(3 * T - w, 3 * T)  # the newest stored tokens are the last w queries
+        pos = torch.sort(torch.unique(pos)).values
+        assert pos.numel() == T
+    else:
+        pos = torch.arange(T)
+    positions = pos.view(1, 1, T).expand(B, Hkv, T).clone()
+    queries = torch.randn(B, H, w, d, generator=g)
+    acc = torch.rand(B, Hkv, T, generator=g) * 5
+    counts = torch.randint(1, 20, (B, Hkv, T), generator=g)
+    return SelectionContext(
+        layer_idx=layer_idx, phase=phase, keys=keys, positions=positions, tokens_seen=int(pos[-1]) + 1,
+        scaling=d ** -0.5, queries=queries, query_positions=pos[-w:].clone(), accumulated=acc,
+        query_counts=counts, generator=torch.Generator().manual_seed(seed + 1),
+        model_data=model_data or {},
+    )
+
+
+@pytest.fixture
+def make_ctx():
+    """Factory: ``make_ctx(B=, H=, Hkv=, T=, d=, w=, phase=, seed=, gaps=)`` -> SelectionContext."""
+    return _context
+
+
+def naive_top(scores, k, forced=()):
+    """Plain-Python selection: every index in ``forced`` plus the best-scoring others (ties: earlier).
+
+    ``scores`` is a list of floats; returns the sorted kept indices.
+    """
+    forced = list(dict.fromkeys(forced))[:k]
+    rest = [j for j in range(len(scores)) if j not in forced]
+    rest.sort(key=lambda j: (-scores[j], j))
+    return sorted(forced + rest[: k - len(forced)])
+
+
+@pytest.fixture
+def top():
+    return naive_top

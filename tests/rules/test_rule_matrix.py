@@ -1,0 +1,57 @@
+"""Every registered built-in rule x every phase it supports returns [B, Hkv, capacity] ascending unique indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polykv.adapters.rules import RULES
+from polykv.operators import PHASES, SIGNALS, RetentionRule
+from polykv.profiling.query_stats import QueryStats
+from polykv.registry import Registry
+
+REGISTRY = Registry(load_entry_points=False)
+NAMES = REGISTRY.names("operator")
+CASES = [(n, p) for n in NAMES for p in PHASES if p in REGISTRY.operator(n).phases]
+
+
+def stats(L=1, H=4, d=8):
+    g = torch.Generator().manual_seed(0)
+    mu_r, mu_i = torch.randn(L, H, d // 2, generator=g), torch.randn(L, H, d // 2, generator=g)
+    return QueryStats(mu_real=mu_r, mu_imag=mu_i, mean_abs=torch.complex(mu_r, mu_i).abs() + 0.5,
+                      inv_freq=torch.tensor([100.0 ** (-2 * i / d) for i in range(d // 2)]))
+
+
+def test_every_builtin_rule_is_registered_and_declared():
+    assert sorted(r.name for r in RULES) == NAMES == sorted(
+        ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm"])
+    for rule in RULES:
+        assert issubclass(rule, RetentionRule)
+        assert rule.phases and rule.phases <= set(PHASES)
+        assert rule.signal in SIGNALS
+        assert rule.paper, f"{rule.name} must cite its paper"
+        assert REGISTRY.entry("operator", rule.name).plugin == "polykv.adapters.rules"
+        rule(**rule.defaults)  # every default is an accepted parameter
+
+
+@pytest.mark.parametrize("name,phase", CASES)
+@pytest.mark.parametrize("capacity", [1, 7, 15])
+def test_selection_shape_and_order(make_ctx, name, phase, capacity):
+    rule = REGISTRY.operator(name)()
+    ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
+                   model_data={"triattention": stats()})
+    if name == "full":
+        with pytest.raises(ValueError, match="keeps every token"):
+            rule.select(ctx, capacity)
+        return
+    idx = rule.select(ctx, capacity)
+    assert idx.shape == (2, 2, capacity) and idx.dtype == torch.int64
+    assert bool((idx >= 0).all()) and bool((idx < 16).all())
+    assert bool((idx[..., 1:] > idx[..., :-1]).all()), "indices must be strictly ascending (unique)"
+    if rule.shared_across_heads:
+        assert torch.equal(idx[:, 0], idx[:, 1])
+
+
+def test_snapkv_is_prefill_only():
+    assert REGISTRY.operator("snapkv").phases == frozenset({"prefill"})
+    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n != "snapkv")
