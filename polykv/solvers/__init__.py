@@ -1,1 +1,26 @@
-"""Solvers: turn a Profile and a budget into a Plan."""
+"""Solvers: turn a Profile and a budget into a Plan.
+
+>>> plan = solve(profile, Budget.parse("8x", 4096), solver="exact")  # doctest: +SKIP
+
+Built-in solvers (``polykv.solvers.builtin.SOLVERS``): ``uniform``, ``moend-greedy``, ``quant-only``,
+``exact``, ``pyramid``, ``profile-route``, ``random-placement``. See ``docs/solvers.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, **params: Any):
+    """Run the registered solver ``solver`` on ``profile`` at ``budget``.
+
+    ``geometry`` (a :class:`polykv.geometry.ModelGeometry`), when given, must be the model the
+    profile was measured on (else :class:`polykv.errors.ProfileError`).
+    """
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    if geometry is not None:
+        profile.check_model(geometry)
+    return registry.solver(solver)(registry=registry).solve(profile, budget, **params)

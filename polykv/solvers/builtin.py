@@ -1,8 +1,13 @@
 """Built-in solvers, registered through the same hook a third-party plugin uses."""
 
 from polykv.hookspecs import hookimpl
+from polykv.solvers.exact import Exact
+from polykv.solvers.greedy import MoendGreedy
+from polykv.solvers.pyramid import Pyramid
+from polykv.solvers.route import ProfileRoute, RandomPlacement
+from polykv.solvers.uniform import QuantOnly, Uniform
 
-SOLVERS: tuple = ()
+SOLVERS: tuple = (Uniform, MoendGreedy, QuantOnly, Exact, Pyramid, ProfileRoute, RandomPlacement)
 
 
 @hookimpl

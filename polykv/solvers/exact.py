@@ -1,0 +1,67 @@
+"""``exact``: the provably optimal plan for the additive loss model.
+
+Under the additive model of MoE-nD (arXiv 2604.17695) a plan's loss is sum_l S[l, c_l] and its
+nominal size is sum_l m(c_l); choosing one config per layer to minimise the loss within the budget
+is a multiple-choice knapsack, solved exactly by :func:`polykv.solvers.mckp.solve_mckp` (Pareto
+dynamic programming with linear-relaxation bounds; the optimality argument is in that module and in
+``docs/solvers.md``). Unlike ``moend-greedy`` it needs no keep x K x V grid and may mix rules and
+phases: every config the profile lists is a candidate on every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from polykv.errors import SolverError
+from polykv.profiling.budget import Budget
+from polykv.profiling.profile import Profile
+from polykv.solvers.base import Solver, config_bits, min_bytes_message
+from polykv.solvers.mckp import Infeasible, solve_mckp
+
+
+def candidate_columns(solver: Solver, profile: Profile, rules: Any) -> np.ndarray:
+    """Config columns allowed by ``rules`` (None = all; keep-1.0 configs always stay), phase-checked."""
+    if isinstance(rules, str):
+        rules = [r for r in rules.split(",") if r]
+    cols = [i for i, c in enumerate(profile.configs)
+            if rules is None or c.rule in rules or c.keeps_everything]
+    if not cols:
+        raise SolverError(f"solver '{solver.name}': no config of rules {rules} in the profile; it has "
+                          f"{sorted({c.rule for c in profile.configs})}")
+    checked = set()
+    for i in cols:
+        c = profile.configs[i]
+        if not c.keeps_everything and (c.rule, c.phase) not in checked:
+            solver.check_phase(c.rule, c.phase, f"{profile.source}: configs[{i}] ({c.label})")
+            checked.add((c.rule, c.phase))
+    return np.asarray(cols, np.int64)
+
+
+def optimal_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray,
+                    what: str) -> tuple[list[int], float, int]:
+    """Optimal column per layer among ``cols``; (columns, loss, bits). Fails with the minimum budget."""
+    bits = config_bits(profile, budget.context_tokens)
+    try:
+        choice, loss, used = solve_mckp(table[:, cols], bits[cols], budget.to_bits(profile.model))
+    except Infeasible as exc:
+        raise SolverError(min_bytes_message(solver.name, exc.need, budget, what)) from None
+    return [int(cols[c]) for c in choice], loss, used
+
+
+class Exact(Solver):
+    """Optimal multiple-choice knapsack. Params: ``metric``, ``rules`` (comma list or list; None = all)."""
+
+    name = "exact"
+    defaults = {"metric": None, "rules": None}
+    paper = "MoE-nD additive model, arXiv 2604.17695; exact multiple-choice knapsack"
+
+    def solve(self, profile: Profile, budget: Budget, **params: Any):
+        p = self.params(params)
+        table = profile.table(p["metric"])
+        cols = candidate_columns(self, profile, p["rules"])
+        chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
+        layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(chosen)]
+        return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
+                         note="optimal under the additive loss model")

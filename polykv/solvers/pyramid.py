@@ -1,0 +1,94 @@
+"""``pyramid``: the PyramidKV capacity schedule with SnapKV scoring.
+
+PyramidKV (Cai et al., arXiv 2406.02069): lower layers keep more, upper layers less, in a linear
+staircase around an average budget M (tokens per layer, window w included), beta = 20:
+
+    min = floor((M - w) / beta);  max = 2 (M - w) - min
+    if max >= T - w:  max = T - w;  min = 2 (M - w) - max
+    step = floor((max - min) / (L - 1));  layer l keeps (max - l * step) + w
+
+No compression when T < M; a uniform M (= (M - w) + w) per layer when T < 2 (M - w). M is the
+budget's 16-bit tokens per layer. The floor in ``step`` can make the staircase sum exceed L * M by
+up to L (L - 1) / 2 tokens; polykv removes that excess one token at a time from the largest
+layers (lowest index first) so the plan stays within the budget, and says so in the plan's note.
+Prefill only (SnapKV's phase); decode keeps everything. ``predicted_loss`` is null: a profile
+measures keep ratios, not this schedule. When the rule declares a ``window`` parameter it is set
+to ``w`` so scoring and schedule agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polykv.errors import SolverError
+from polykv.plan import FULL_OP, OpSpec
+from polykv.profiling.budget import Budget, slot_bits
+from polykv.profiling.profile import Profile
+from polykv.solvers.base import Solver, min_bytes_message
+
+
+def pyramid_capacities(num_layers: int, context_tokens: int, average: int, *, window: int = 8,
+                       beta: int = 20) -> list[int] | None:
+    """Tokens each layer keeps, or None for no compression (``context_tokens < average``)."""
+    L, T, M, w = num_layers, context_tokens, average, window
+    if T < M:
+        return None
+    if M <= w:
+        raise SolverError(f"pyramid: the average budget {M} tokens must exceed the window {w}; raise the budget "
+                          "or lower --param window")
+    if T < 2 * (M - w) or L == 1:
+        return [M] * L
+    lo = (M - w) // beta
+    hi = 2 * (M - w) - lo
+    if hi >= T - w:
+        hi = T - w
+        lo = 2 * (M - w) - hi
+    step = (hi - lo) // (L - 1)
+    caps = [(hi - l * step) + w for l in range(L)]
+    if caps[-1] < 1:
+        raise SolverError(f"pyramid: layer {L - 1} would keep {caps[-1]} tokens; raise the budget or the window")
+    return caps
+
+
+def trim_to(caps: list[int], total: int) -> tuple[list[int], int]:
+    """Remove tokens from the largest layers (lowest index first) until ``sum(caps) <= total``."""
+    caps, excess = list(caps), sum(caps) - total
+    removed = max(excess, 0)
+    while excess > 0:
+        i = max(range(len(caps)), key=lambda j: (caps[j], -j))
+        caps[i] -= 1
+        excess -= 1
+    return caps, removed
+
+
+class Pyramid(Solver):
+    """PyramidKV schedule (module docstring). Params: ``window`` 8, ``beta`` 20, ``rule`` snapkv, ``rule_params``."""
+
+    name = "pyramid"
+    defaults = {"window": 8, "beta": 20, "rule": "snapkv", "rule_params": None}
+    paper = "PyramidKV, arXiv 2406.02069"
+
+    def solve(self, profile: Profile, budget: Budget, **params: Any):
+        p = self.params(params)
+        L, model, T = profile.num_layers, profile.model, budget.context_tokens
+        M = budget.uniform_tokens(model)
+        w = int(p["window"])
+        if M < 1:
+            raise SolverError(min_bytes_message(self.name, L * slot_bits(model, 16, 16), budget,
+                                                "one token per layer at 16 bits"))
+        caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]))
+        per_token = slot_bits(model, 16, 16)
+        if caps is None:
+            layers = [{"prefill": FULL_OP, "decode": FULL_OP}] * L
+            return self.plan(profile, budget, layers, p, predicted_loss=None, predicted_bits=L * T * per_token,
+                             note=f"T={T} < M={M}: no compression")
+        self.check_phase(p["rule"], "prefill", f"solver '{self.name}'")
+        caps, removed = trim_to(caps, budget.to_bits(model) // per_token)
+        rule_params = dict(p["rule_params"] or {})
+        if "window" in self.registry.operator(p["rule"]).defaults:
+            rule_params.setdefault("window", w)
+        layers = [{"prefill": FULL_OP if c >= T else OpSpec(rule=p["rule"], capacity=c, params=rule_params),
+                   "decode": FULL_OP} for c in caps]
+        bits = sum(min(c, T) for c in caps) * per_token
+        note = f"capacities {caps[0]}..{caps[-1]}" + (f"; {removed} tokens trimmed to fit" if removed else "")
+        return self.plan(profile, budget, layers, p, predicted_loss=None, predicted_bits=bits, note=note)

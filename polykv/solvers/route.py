@@ -1,0 +1,209 @@
+"""``profile-route`` and ``random-placement``: PolyKV's routing of the rule's identity per layer.
+
+PolyKV (arXiv 2606.15157): each candidate rule is profiled at a common calibration capacity; a
+per-(layer, rule) statistic ``g`` (cosine of the layer's mean output hidden state under full KV vs
+under the rule, higher is better; or delta-PPL when only layer l uses the rule, lower is better)
+ranks the rules, and the route is the top-ranked rule on every layer for the chosen scope
+(``prefill``, ``decode``, or ``both`` = one rule that runs in both phases; inactive phases keep
+everything). The total capacity per phase is fixed (L x the budget's 16-bit tokens per layer) and
+split by ``allocation``:
+
+* ``uniform``: the same tokens on every layer;
+* ``entropy``: in proportion to the layer's attention entropy H_l (statistic ``entropy_statistic``);
+* ``delta-ppl``: in proportion to max_r delta-PPL[l, r] (statistic ``delta_ppl_statistic``),
+  clipped at its ``clip_percentile`` (95th) percentile over layers; negative scores count as 0.
+
+Proportional splits give every layer one token first, then share the rest by the scores, never
+above the context T (a layer at T keeps everything), rounding by largest remainders so the total is
+exact. ``random-placement`` builds the same route and capacities, then returns the ``index``-th of
+``count`` unique, seeded random placements of the route's rules over the layers (method counts
+fixed, the guided route itself excluded): the count-matched controls of the rank test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from polykv.errors import SolverError
+from polykv.plan import FULL_OP, FULL_RULE, OpSpec
+from polykv.profiling.budget import Budget, slot_bits
+from polykv.profiling.profile import Profile
+from polykv.solvers.base import Solver, min_bytes_message
+
+ALLOCATIONS = ("uniform", "entropy", "delta-ppl")
+SCOPES = ("prefill", "decode", "both")
+
+
+def allocate(total: int, scores: np.ndarray, cap: int) -> list[int]:
+    """Split ``total`` tokens over layers in proportion to ``scores`` (>= 0): at least 1, at most ``cap``."""
+    L = len(scores)
+    if total >= L * cap:
+        return [cap] * L
+    x = np.ones(L)
+    rest, free = float(total - L), np.ones(L, bool)
+    s = np.clip(np.asarray(scores, np.float64), 0.0, None)
+    while rest > 1e-9 and free.any():
+        w = s * free
+        if w.sum() <= 0:
+            w = free.astype(np.float64)  # no signal left among free layers: share the rest evenly
+        add = rest * w / w.sum()
+        room = cap - x
+        add = np.minimum(add, room)
+        x += add
+        rest -= add.sum()
+        free &= x < cap - 1e-9
+    out = np.floor(x + 1e-9).astype(np.int64)
+    short = int(total - out.sum())
+    order = np.argsort(-(x - out), kind="stable")
+    for i in order:
+        if short <= 0:
+            break
+        if out[i] < cap:
+            out[i] += 1
+            short -= 1
+    return [int(v) for v in out]
+
+
+class ProfileRoute(Solver):
+    """PolyKV route construction and allocation (module docstring)."""
+
+    name = "profile-route"
+    defaults = {"statistic": "cosine", "scope": None, "allocation": "uniform", "rules": None,
+                "entropy_statistic": "entropy", "delta_ppl_statistic": "delta_ppl", "clip_percentile": 95.0}
+    paper = "PolyKV, arXiv 2606.15157"
+
+    def route(self, profile: Profile, p: dict[str, Any]) -> tuple[str, list[str]]:
+        """(scope, top-ranked rule per layer)."""
+        st = profile.stat(p["statistic"])
+        scope = p["scope"] or st.phase
+        if scope not in SCOPES:
+            raise SolverError(f"solver '{self.name}': unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
+        needed = {"prefill", "decode"} if scope == "both" else {scope}
+        rules = p["rules"].split(",") if isinstance(p["rules"], str) else p["rules"]
+        cols = []
+        for j, rule in enumerate(st.columns):
+            if rule == FULL_RULE or (rules is not None and rule not in rules):
+                continue
+            if not self.registry.has("operator", rule):
+                self.check_phase(rule, scope, f"{profile.source}: stats.{p['statistic']} column '{rule}'")
+            if needed <= set(self.registry.operator(rule).phases):
+                cols.append(j)
+        if not cols:
+            raise SolverError(f"solver '{self.name}': no column of stats.{p['statistic']} ({list(st.columns)}) "
+                              f"names a rule that runs in scope '{scope}'" + (f" among {rules}" if rules else ""))
+        vals = st.values[:, cols]
+        best = np.argmax(vals, axis=1) if st.higher_is_better else np.argmin(vals, axis=1)
+        return scope, [st.columns[cols[int(b)]] for b in best]
+
+    def capacities(self, profile: Profile, budget: Budget, p: dict[str, Any]) -> list[int]:
+        L, T = profile.num_layers, budget.context_tokens
+        b = budget.uniform_tokens(profile.model)
+        if b < 1:
+            raise SolverError(min_bytes_message(self.name, L * slot_bits(profile.model, 16, 16), budget,
+                                                "one token per layer at 16 bits"))
+        alloc = p["allocation"]
+        if alloc == "uniform":
+            return [min(b, T)] * L
+        if alloc == "entropy":
+            st = profile.stat(p["entropy_statistic"])
+            if len(st.columns) != 1:
+                raise SolverError(f"solver '{self.name}': stats.{p['entropy_statistic']} must have one column "
+                                  f"(per-layer entropy), it has {list(st.columns)}")
+            scores = st.values[:, 0]
+        elif alloc == "delta-ppl":
+            per_layer = profile.stat(p["delta_ppl_statistic"]).values.max(axis=1)
+            scores = np.minimum(per_layer, np.percentile(per_layer, float(p["clip_percentile"])))
+        else:
+            raise SolverError(f"solver '{self.name}': unknown allocation {alloc!r}; use one of "
+                              f"{', '.join(ALLOCATIONS)}")
+        return allocate(L * b, scores, T)
+
+    def build(self, profile: Profile, budget: Budget, p: dict[str, Any], scope: str, route: list[str],
+              caps: list[int], note: str):
+        T = budget.context_tokens
+        for rule in sorted(set(route)):
+            self.check_phase(rule, scope, f"route rule '{rule}'")
+        layers = []
+        for rule, cap in zip(route, caps):
+            op = FULL_OP if cap >= T else OpSpec(rule=rule, capacity=cap)
+            layers.append({"prefill": op if scope in ("prefill", "both") else FULL_OP,
+                           "decode": op if scope in ("decode", "both") else FULL_OP})
+        bits = sum(min(c, T) for c in caps) * slot_bits(profile.model, 16, 16)
+        counts = ", ".join(f"{r} x{n}" for r, n in sorted(Counter(route).items()))
+        return self.plan(profile, budget, layers, {**p, "scope": scope, "route": route}, predicted_loss=None,
+                         predicted_bits=bits, note=f"{note}; {counts}")
+
+    def solve(self, profile: Profile, budget: Budget, **params: Any):
+        p = self.params(params)
+        scope, route = self.route(profile, p)
+        return self.build(profile, budget, p, scope, route, self.capacities(profile, budget, p),
+                          f"guided route by {p['statistic']}, allocation {p['allocation']}")
+
+
+def distinct_placements(route: list[str]) -> int:
+    """Number of distinct arrangements of ``route``'s rules over its layers (a multinomial)."""
+    n = math.factorial(len(route))
+    for c in Counter(route).values():
+        n //= math.factorial(c)
+    return n
+
+
+def random_placements(route: list[str], count: int, seed: int) -> list[list[str]]:
+    """``count`` unique seeded permutations of ``route`` (method counts fixed), never ``route`` itself."""
+    available = distinct_placements(route) - 1
+    if count > available:
+        raise SolverError(f"random-placement: only {available} placements differ from the route {route}; "
+                          f"ask for at most that many (--param count=N)")
+    rng = np.random.default_rng(seed)
+    seen = {tuple(route)}
+    out: list[list[str]] = []
+    if available <= 20000:
+        pool = [pl for pl in _multiset_permutations(sorted(route)) if pl not in seen]
+        for i in rng.permutation(len(pool))[:count]:
+            out.append(list(pool[int(i)]))
+        return out
+    while len(out) < count:
+        perm = tuple(route[i] for i in rng.permutation(len(route)))
+        if perm not in seen:
+            seen.add(perm)
+            out.append(list(perm))
+    return out
+
+
+def _multiset_permutations(items: list[str]):
+    """Distinct permutations of ``items`` in lexicographic order (``items`` sorted)."""
+    if not items:
+        yield ()
+        return
+    for i, x in enumerate(items):
+        if i and items[i - 1] == x:
+            continue
+        for rest in _multiset_permutations(items[:i] + items[i + 1:]):
+            yield (x,) + rest
+
+
+class RandomPlacement(ProfileRoute):
+    """Count-matched control: the ``index``-th of ``count`` seeded random placements of the guided route."""
+
+    name = "random-placement"
+    defaults = {**ProfileRoute.defaults, "route": None, "seed": 0, "count": 99, "index": 0}
+
+    def solve(self, profile: Profile, budget: Budget, **params: Any):
+        p = self.params(params)
+        scope, route = self.route(profile, p)
+        if p["route"] is not None:
+            given = p["route"].split(",") if isinstance(p["route"], str) else list(p["route"])
+            if len(given) != profile.num_layers:
+                raise SolverError(f"random-placement: route lists {len(given)} rules for {profile.num_layers} layers")
+            route = given
+        count, index = int(p["count"]), int(p["index"])
+        if not 0 <= index < count:
+            raise SolverError(f"random-placement: index {index} is outside 0..{count - 1} (--param index=I)")
+        placement = random_placements(route, count, int(p["seed"]))[index]
+        return self.build(profile, budget, {**p, "guided_route": route}, scope, placement,
+                          self.capacities(profile, budget, p),
+                          f"random placement {index} of {count} (seed {p['seed']})")
