@@ -1,0 +1,57 @@
+"""``polykv solve``: turn a profile file and a memory budget into a plan file."""
+
+from __future__ import annotations
+
+import json
+
+from polykv.errors import SolverError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "solve", help="make a plan from a profile at a memory budget",
+        description="Run a registered solver on a profile (see docs/solvers.md) and write the plan. "
+                    "Example: polykv solve profiles/x.json --budget 8x --context 4096 --solver exact -o plan.json")
+    p.add_argument("profile", help="profile file (JSON, see docs/profiles.md)")
+    p.add_argument("--budget", required=True, metavar="B",
+                   help="bytes (1048576 or 3MiB), a ratio against a full 16-bit cache (8x), "
+                        "or average tokens per layer at 16 bits (256tok)")
+    p.add_argument("--context", required=True, type=int, metavar="N",
+                   help="context length in tokens the budget and predictions refer to")
+    p.add_argument("--solver", default="exact", metavar="NAME",
+                   help="registered solver (default: exact); `polykv plugins` lists them")
+    p.add_argument("--param", action="append", default=[], metavar="K=V",
+                   help="solver parameter; V is read as JSON when it parses (3, 0.5, null, [..]), else a string")
+    p.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write (atomically)")
+    p.set_defaults(func=run)
+
+
+def parse_params(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SolverError(f"--param {item!r}: expected KEY=VALUE, e.g. --param rule=tova")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run(args) -> int:
+    from polykv.profiling.budget import Budget
+    from polykv.profiling.profile import load_profile
+    from polykv.solvers import solve
+
+    profile = load_profile(args.profile)
+    budget = Budget.parse(args.budget, args.context)
+    plan = solve(profile, budget, args.solver, **parse_params(args.param))
+    plan.save(args.output)
+    prov = plan.provenance
+    loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"
+    limit = budget.to_bytes(profile.model)
+    print(f"{args.output}: {args.solver}, {plan.num_layers} layers, budget {budget.describe()} = {limit} bytes; "
+          f"predicted {prov.predicted_bytes} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), loss {loss}"
+          + (f"; {prov.note}" if prov.note else ""))
+    return 0
