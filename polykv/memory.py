@@ -1,0 +1,284 @@
+"""The bytes model of a plan: nominal bytes (MoE-nD), exact resident bytes, metadata, ratios.
+
+Two numbers per layer, for a context of ``T`` tokens:
+
+* **nominal** bytes, MoE-nD's formula (arXiv 2604.17695):
+  ``m_l = keep_l * T * Hkv * d * (k_bits_l + v_bits_l) / 8`` with ``keep_l * T = min(capacity_l, T)``
+  whole tokens (a ratio capacity resolves with :meth:`polykv.OpSpec.resolve_capacity`). Scales,
+  minima and full-precision residuals are not counted; this is what solvers budget against.
+* **resident** bytes: exactly what the runtime's stores hold, via each quantizer's
+  ``predict_bytes`` (16-bit streams: ``tokens * Hkv * d * dtype_bytes`` per batch row). Metadata
+  the runtime keeps beside the stores is reported separately.
+
+Which op bounds storage (``phase=``):
+
+* ``"prefill"``: right after prefill, the layer holds ``min(prefill capacity, T)`` tokens. Resident
+  bytes are exact for this phase: the runtime selects on the full-precision prompt and appends only
+  the survivors, so the quantizer stores see no eviction.
+* ``"decode"``: once generation runs, a decode op that evicts bounds storage at
+  ``min(decode capacity, T)`` (right after each eviction; up to ``decode_slack`` more tokens
+  accumulate between evictions); with a ``full`` decode op nothing is evicted during generation
+  and the prefill bound stands. Resident bytes here are those of stores holding that many tokens
+  appended without eviction: an estimate, since per-head gathers can change a quantized store's
+  layout (see docs/quantizers.md).
+
+Metadata right after prefill (the runtime keeps only what the decode rule needs):
+positions int64 ``[B, Hkv, kept]``; accumulated attention float32 ``[B, Hkv, kept]`` when the decode
+rule reads accumulated attention (H2O); a query window ``[B, H, w, d]`` in the compute dtype plus
+int64 positions ``[w]`` when the decode rule reads recent queries (``w = min(window, T)``). The
+window needs the number of query heads: from the geometry (a :class:`polykv.geometry.ModelGeometry`)
+or ``num_heads=``; without it the window is reported as not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from polykv.errors import PlanError
+from polykv.operators import SIGNAL_ACCUMULATED
+from polykv.plan import PASSTHROUGH_BITS, LayerPlan, OpSpec
+
+MEMORY_PHASES = ("prefill", "decode")
+
+
+def _geometry(plan: Any, geometry: Any) -> Any:
+    geo = geometry if geometry is not None else getattr(plan, "model", None)
+    if geo is None:
+        raise PlanError("no model geometry: the plan has no 'model' record and none was given", field="model",
+                        hint="pass a geometry (polykv.geometry.geometry_from_config(config)) or a plan with a model")
+    n = len(plan.layers)
+    if int(geo.num_layers) != n:
+        raise PlanError(f"the plan has {n} layers but the model geometry has {geo.num_layers}", field="layers",
+                        hint="use a plan made for this model")
+    return geo
+
+
+def _check(context_tokens: int, phase: str) -> None:
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"context_tokens must be a positive integer, got {context_tokens!r}")
+    if phase not in MEMORY_PHASES:
+        raise ValueError(f"phase must be one of {MEMORY_PHASES}, got {phase!r}")
+
+
+def _kept(op: OpSpec, context_tokens: int) -> int:
+    cap = op.resolve_capacity(context_tokens)
+    return context_tokens if cap is None else min(cap, context_tokens)
+
+
+def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill") -> int:
+    """Tokens a layer holds for a ``context_tokens`` context in ``phase`` (see the module docstring)."""
+    _check(context_tokens, phase)
+    after_prefill = _kept(layer.prefill, context_tokens)
+    if phase == "decode" and not layer.decode.keeps_everything:
+        return _kept(layer.decode, context_tokens)
+    return after_prefill
+
+
+def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str = "prefill") -> list[int]:
+    """MoE-nD nominal bytes per layer: ``kept * Hkv * d * (k_bits + v_bits) / 8`` (rounded up to a byte).
+
+    ``geometry`` needs ``num_layers``, ``num_kv_heads``, ``head_dim``; None uses ``plan.model``.
+    """
+    geo = _geometry(plan, geometry)
+    slot = int(geo.num_kv_heads) * int(geo.head_dim)
+    return [-(-kept_tokens(lp, context_tokens, phase) * slot * (lp.k_bits + lp.v_bits) // 8) for lp in plan.layers]
+
+
+@attrs.define(frozen=True, kw_only=True)
+class MemoryRow:
+    """Bytes of one layer."""
+
+    layer: int
+    prefill: str
+    """The prefill op (``rule@capacity``)."""
+    decode: str
+    """The decode op."""
+    k_bits: int
+    v_bits: int
+    kept_tokens: int
+    """Tokens held in the reported phase."""
+    nominal_bytes: int
+    """MoE-nD nominal bytes."""
+    key_bytes: int
+    """Resident bytes of the key store (codes, scales, minima, residual)."""
+    value_bytes: int
+    """Resident bytes of the value store."""
+    metadata: dict[str, int | None]
+    """Bytes beside the stores: ``positions``, ``accumulated``, ``query_window`` (None = not counted)."""
+    full_bytes: int
+    """Bytes of this layer's 16-bit K+V cache holding the whole context (batch and dtype as given)."""
+    full_nominal_bytes: int
+    """Nominal bytes of the whole context at 16-bit K and V: ``T * Hkv * d * 4``."""
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.key_bytes + self.value_bytes
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Sum of the counted metadata."""
+        return sum(v for v in self.metadata.values() if v is not None)
+
+
+def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
+                     registry: Any = None, phase: str = "prefill", num_heads: int | None = None) -> list[MemoryRow]:
+    """Per-layer bytes the runtime holds for a ``context_tokens`` prompt (exact for ``phase="prefill"``).
+
+    Parameters
+    ----------
+    plan : Plan
+        Anything with ``.layers`` of :class:`polykv.LayerPlan`.
+    geometry : object or None
+        ``num_layers``, ``num_kv_heads``, ``head_dim`` (and ``num_heads`` for query windows); None
+        uses ``plan.model``.
+    context_tokens : int
+        Prompt length T.
+    batch : int
+        Batch rows B.
+    dtype_bytes : int
+        Element size of the compute dtype (2 for bf16/fp16, 4 for float32).
+    registry : polykv.registry.Registry, optional
+        Where quantizers and rules are looked up (default: the process-wide registry).
+    phase : str
+        ``"prefill"`` or ``"decode"`` (see the module docstring).
+    num_heads : int, optional
+        Query heads H, when the geometry does not carry ``num_heads``.
+    """
+    from polykv.registry import get_registry
+
+    _check(context_tokens, phase)
+    geo = _geometry(plan, geometry)
+    registry = registry if registry is not None else get_registry()
+    heads = num_heads if num_heads is not None else getattr(geo, "num_heads", None)
+    Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
+    nominal = nominal_bytes(plan, geo, context_tokens, phase=phase)
+    rows = []
+    for lp, nom in zip(plan.layers, nominal):
+        kept = kept_tokens(lp, context_tokens, phase)
+        shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
+        stream_bytes = []
+        for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
+            if bits == PASSTHROUGH_BITS:
+                stream_bytes.append(batch * Hkv * kept * d * dtype_bytes)
+                continue
+            try:
+                quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
+                stream_bytes.append(int(quantizer.predict_bytes(stream, bits, **shape)))
+            except (ValueError, KeyError) as exc:
+                raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
+                                hint="fix the layer's quantizer, bits or parameters") from None
+        rows.append(MemoryRow(
+            layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
+            v_bits=lp.v_bits, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
+            value_bytes=stream_bytes[1], metadata=_metadata(lp, registry, batch, Hkv, d, heads, kept,
+                                                           context_tokens, dtype_bytes),
+            full_bytes=2 * batch * Hkv * context_tokens * d * dtype_bytes,
+            full_nominal_bytes=4 * Hkv * context_tokens * d))
+    return rows
+
+
+def _metadata(lp: LayerPlan, registry: Any, batch: int, Hkv: int, d: int, heads: int | None, kept: int,
+              context_tokens: int, dtype_bytes: int) -> dict[str, int | None]:
+    """positions, accumulated attention and query window bytes kept beside the stores (decode needs)."""
+    accumulated, window = False, 0
+    if not lp.decode.keeps_everything:
+        rule = registry.operator(lp.decode.rule)
+        accumulated = rule.signal == SIGNAL_ACCUMULATED
+        window = min(int(rule.query_window(lp.decode.params)), context_tokens)
+    out: dict[str, int | None] = {"positions": 8 * batch * Hkv * kept,
+                                  "accumulated": 4 * batch * Hkv * kept if accumulated else 0,
+                                  "query_window": 0}
+    if window:
+        out["query_window"] = None if heads is None else batch * int(heads) * window * d * dtype_bytes + 8 * window
+    return out
+
+
+@attrs.define(frozen=True, kw_only=True)
+class MemoryReport:
+    """Per-layer and total bytes of a plan at one context length, batch and dtype."""
+
+    rows: tuple[MemoryRow, ...] = attrs.field(converter=tuple)
+    context_tokens: int
+    batch: int
+    dtype_bytes: int
+    phase: str
+
+    @property
+    def nominal_total(self) -> int:
+        return sum(r.nominal_bytes for r in self.rows)
+
+    @property
+    def resident_total(self) -> int:
+        """Key + value store bytes over all layers (metadata excluded)."""
+        return sum(r.resident_bytes for r in self.rows)
+
+    @property
+    def metadata_total(self) -> int:
+        return sum(r.metadata_bytes for r in self.rows)
+
+    @property
+    def metadata_complete(self) -> bool:
+        """False when some metadata could not be counted (query windows without ``num_heads``)."""
+        return all(v is not None for r in self.rows for v in r.metadata.values())
+
+    @property
+    def full_total(self) -> int:
+        """Bytes of a 16-bit full K+V cache holding the whole context in every layer."""
+        return sum(r.full_bytes for r in self.rows)
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: 16-bit full cache bytes / resident K+V bytes."""
+        return self.full_total / self.resident_total
+
+    @property
+    def ratio_with_metadata(self) -> float:
+        """16-bit full cache bytes / (resident K+V + counted metadata)."""
+        return self.full_total / (self.resident_total + self.metadata_total)
+
+    @property
+    def nominal_ratio(self) -> float:
+        """Nominal compression: 16-bit nominal bytes of the whole context / the plan's nominal bytes."""
+        return sum(r.full_nominal_bytes for r in self.rows) / self.nominal_total
+
+    def format_table(self) -> str:
+        """A plain-text table: one line per layer, then totals and ratios."""
+        head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
+        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits), f"{r.kept_tokens:,}",
+                 f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
+                 f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
+                for r in self.rows]
+        total = ("total", "", "", "", "", "", f"{self.nominal_total:,}", f"{self.resident_total:,}",
+                 f"{self.metadata_total:,}" + ("" if self.metadata_complete else "+?"))
+        lines = _align([head] + body + [total], right_from=3)
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        lines += [
+            f"context {self.context_tokens:,} tokens, batch {self.batch}, {self.dtype_bytes}-byte compute dtype, "
+            f"phase {self.phase} ({'right after prefill' if self.phase == 'prefill' else 'decode bound'})",
+            f"16-bit full cache {self.full_total:,} B; compression {self.ratio:.2f}x resident "
+            f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal",
+        ]
+        if not self.metadata_complete:
+            lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
+        return "\n".join(lines)
+
+
+def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *, batch: int = 1,
+                  dtype_bytes: int = 2, registry: Any = None, phase: str = "prefill",
+                  num_heads: int | None = None) -> MemoryReport:
+    """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`).
+
+    >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
+    """
+    rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
+                            registry=registry, phase=phase, num_heads=num_heads)
+    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase)
