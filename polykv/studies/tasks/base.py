@@ -185,8 +185,8 @@ def draw_number(rng: random.Random, digits: int, avoid: str, taken: set[str] = f
     raise StudyError(f"could not draw a {digits}-digit number absent from the filler; use more digits")
 
 
-def check_length(tokens: int, target: int, where: str, tolerance: float = 0.05) -> None:
-    """Raise when a built prompt misses its requested length by more than ``tolerance``."""
-    if abs(tokens - target) > tolerance * target:
+def check_length(tokens: int, target: int, where: str, tolerance: float = 0.05, slack: int = 0) -> None:
+    """Raise when a built text misses its requested length by more than ``tolerance`` (or ``slack`` tokens)."""
+    if abs(tokens - target) > max(tolerance * target, slack):
         raise StudyError(f"{where}: built a {tokens}-token prompt for a requested {target} tokens (more than "
                          f"{tolerance:.0%} off); the filler units are too coarse for this tokenizer")
