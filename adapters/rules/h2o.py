@@ -6,6 +6,8 @@ Models", NeurIPS 2023 (arXiv:2306.14048). Reference code: https://github.com/FMI
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
@@ -63,4 +65,4 @@ class H2ORule(ScoredRule):
         ratio = float(self.params["recent_ratio"])
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"rule 'h2o': recent_ratio must lie in [0, 1], got {ratio}")
-        return 0, int(ratio * capacity)
+        return 0, math.floor(ratio * capacity + 1e-9)  # guard 0.29 * 100 = 28.999...
