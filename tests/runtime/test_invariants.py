@@ -87,6 +87,25 @@ def test_chunked_prefill_selects_like_one_shot_prefill(llama, prompt):
     assert (a_next - b_next).abs().max() < 1e-4
 
 
+def test_generate_continues_a_compressed_context_like_a_manual_loop(llama, prompt):
+    """The evaluation protocol: compress the context, feed the question through the cache, generate."""
+    model, geo = llama
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=12, params={"window": 4}),
+                               decode=OpSpec(rule="tova", capacity=16), decode_slack=1)
+    context, question = prompt(1, 40, seed=3), prompt(1, 5, seed=4)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        session.prefill(context)
+        out = model.generate(torch.cat([context, question], 1), past_key_values=session.cache,
+                             max_new_tokens=6, do_sample=False)
+        session.prefill(context)
+        step = model(question, past_key_values=session.cache, use_cache=True)
+        manual = []
+        for _ in range(6):
+            manual.append(step.logits[:, -1:].argmax(-1))
+            step = model(manual[-1], past_key_values=session.cache, use_cache=True)
+    assert torch.equal(out[:, 45:], torch.cat(manual, 1))
+
+
 def test_accumulated_attention_equals_eager_column_sums(prompt):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 20, 8, generator=g)
