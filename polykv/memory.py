@@ -108,7 +108,7 @@ class MemoryRow:
     metadata: dict[str, int | None]
     """Bytes beside the stores: ``positions``, ``accumulated``, ``query_window`` (None = not counted)."""
     full_bytes: int
-    """Bytes of this layer's 16-bit K+V cache holding the whole context (batch and dtype as given)."""
+    """Bytes of this layer's uncompressed K+V cache holding the whole context (batch and dtype as given)."""
     full_nominal_bytes: int
     """Nominal bytes of the whole context at 16-bit K and V: ``T * Hkv * d * 4``."""
 
@@ -225,17 +225,17 @@ class MemoryReport:
 
     @property
     def full_total(self) -> int:
-        """Bytes of a 16-bit full K+V cache holding the whole context in every layer."""
+        """Bytes of an uncompressed K+V cache (compute dtype; 16-bit by default) holding the whole context."""
         return sum(r.full_bytes for r in self.rows)
 
     @property
     def ratio(self) -> float:
-        """Compression ratio: 16-bit full cache bytes / resident K+V bytes."""
+        """Compression ratio: full cache bytes / resident K+V bytes."""
         return self.full_total / self.resident_total
 
     @property
     def ratio_with_metadata(self) -> float:
-        """16-bit full cache bytes / (resident K+V + counted metadata)."""
+        """Full cache bytes / (resident K+V + counted metadata)."""
         return self.full_total / (self.resident_total + self.metadata_total)
 
     @property
@@ -258,7 +258,7 @@ class MemoryReport:
         lines += [
             f"context {self.context_tokens:,} tokens, batch {self.batch}, {self.dtype_bytes}-byte compute dtype, "
             f"phase {self.phase} ({'right after prefill' if self.phase == 'prefill' else 'decode bound'})",
-            f"16-bit full cache {self.full_total:,} B; compression {self.ratio:.2f}x resident "
+            f"full cache (whole context, compute dtype) {self.full_total:,} B; compression {self.ratio:.2f}x resident "
             f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal",
         ]
         if not self.metadata_complete:
