@@ -90,15 +90,17 @@ class TriAttentionRule(ScoredRule):
         G = stats.num_heads // Hkv
         mu, mean_abs = stats.layer(ctx.layer_idx)                          # (H, F) complex, (H, F)
         mu, mean_abs = mu.to(dev), mean_abs.to(dev)
-        k = ctx.keys.float()
-        kc = torch.complex(k[..., :F], k[..., F:])                         # (B, Hkv, T, F)
+        k = ctx.keys.float()                                               # (B, Hkv, T, d) = [Re k~_f | Im k~_f]
+        k_abs = torch.sqrt(k[..., :F] ** 2 + k[..., F:] ** 2)             # (B, Hkv, T, F) |k~_f|
         # Average of exp(i omega_f t_j) over the future offsets; angles reduced in float64.
         t = ctx.tokens_seen + torch.tensor(self.offsets(), dtype=torch.float64, device=dev)  # (J,)
         ang = torch.remainder(stats.inv_freq.to(dev, torch.float64)[None, :] * t[:, None], 2 * math.pi)
         rot = torch.polar(torch.ones_like(ang, dtype=torch.float32), ang.float()).mean(dim=0)  # (F,)
         s2 = float(ctx.rope_scaling) ** 2
-        weight = (mu * rot).view(Hkv, G, F)                                # (Hkv, G, F)
-        trig = torch.einsum("kgf,bktf->bkgt", weight, kc.conj()).real    # (B, Hkv, G, T)
+        # Re(w conj(k~)) = Re(w) Re(k~) + Im(w) Im(k~): one real contraction over the stored layout.
+        w = mu * rot                                                       # (H, F) complex
+        weight = torch.cat([w.real, w.imag], dim=-1).view(Hkv, G, 2 * F)  # (Hkv, G, d)
+        trig = torch.einsum("kgd,bktd->bkgt", weight, k)                  # (B, Hkv, G, T)
         spread = (mean_abs - mu.abs()).view(Hkv, G, F)                     # (Hkv, G, F)
-        norm = torch.einsum("kgf,bktf->bkgt", spread, kc.abs())          # (B, Hkv, G, T)
+        norm = torch.einsum("kgf,bktf->bkgt", spread, k_abs)             # (B, Hkv, G, T)
         return s2 * (trig + norm)
