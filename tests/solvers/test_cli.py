@@ -1,0 +1,72 @@
+"""``polykv solve``: profile file + budget -> plan file, and clear errors (exit 2) on bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polykv import get_registry, load_plan
+from polykv.cli import main
+from polykv.profiling.budget import Budget
+from polykv.profiling.profile import Profile, ProfileModel, StatTable, moend_configs
+from polykv.solvers import solve
+
+
+@pytest.fixture()
+def profile_path(tmp_path):
+    rng = np.random.default_rng(0)
+    stats = {"cosine": StatTable(columns=["tova", "h2o"], values=rng.random((4, 2)), higher_is_better=True)}
+    p = Profile.from_table(rng.random((4, 54)), moend_configs("tova"), (4, 2, 16), stats=stats)
+    path = tmp_path / "profile.json"
+    p.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("budget,solver,params", [
+    ("4x", "exact", []),
+    ("30000", "moend-greedy", ["--param", "rule=tova"]),
+    ("128tok", "profile-route", ["--param", "allocation=uniform", "--param", "scope=both"]),
+    ("128tok", "random-placement", ["--param", "count=3", "--param", "index=2"]),
+    ("128tok", "uniform", ["--param", "mode=1d"]),
+])
+def test_solve_writes_a_valid_plan(tmp_path, capsys, profile_path, budget, solver, params):
+    out = str(tmp_path / "plan.json")
+    rc = main(["solve", profile_path, "--budget", budget, "--context", "1024", "--solver", solver, *params, "-o", out])
+    stdout = capsys.readouterr().out
+    assert rc == 0 and out in stdout and "predicted" in stdout
+    plan = load_plan(out, registry=get_registry())
+    prov = plan.provenance
+    assert prov.solver == solver and prov.context_tokens == 1024 and prov.polykv_version and prov.created
+    b = Budget.parse(budget, 1024)
+    assert prov.budget == b.as_dict()
+    assert prov.predicted_bytes <= b.to_bytes(ProfileModel(num_layers=4, num_kv_heads=2, head_dim=16))
+
+
+def test_cli_plan_equals_python_plan(tmp_path, profile_path):
+    from polykv.profiling.profile import load_profile
+
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", profile_path, "--budget", "5x", "--context", "700", "-o", out]) == 0
+    py = solve(load_profile(profile_path), Budget.parse("5x", 700), "exact")
+    assert load_plan(out).layers == py.layers
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--budget", "huge"], "cannot read budget 'huge'"),
+    (["--budget", "10"], "minimum feasible budget is"),
+    (["--budget", "4x", "--solver", "nope"], "unknown solver 'nope'. Available: exact"),
+    (["--budget", "4x", "--param", "rule"], "expected KEY=VALUE"),
+    (["--budget", "4x", "--param", "colour=red"], r"no parameter\(s\) \['colour'\]"),
+])
+def test_bad_input_exits_2_with_a_message(tmp_path, capsys, profile_path, args, pattern):
+    import re
+
+    rc = main(["solve", profile_path, "--context", "1024", "-o", str(tmp_path / "p.json"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and re.search(pattern, err) and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_missing_profile_file(tmp_path, capsys):
+    rc = main(["solve", str(tmp_path / "none.json"), "--budget", "4x", "--context", "8", "-o", str(tmp_path / "p")])
+    assert rc == 2 and "none.json: no such file" in capsys.readouterr().err
