@@ -36,7 +36,7 @@ CORPUS_RECIPE = "stdlib-r1"
 KINDS = ("prose", "code", "mixed")
 _MIN_DOCSTRING = 400
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "turtledemo",
-                        "__pycache__", "pydoc_data", "lib2to3", "ensurepip", "config-3"})
+                        "__pycache__", "pydoc_data", "lib2to3", "ensurepip"})
 
 
 @attrs.define(frozen=True)
@@ -92,17 +92,22 @@ def _code_documents() -> tuple[Document, ...]:
 
 
 def _docstrings(rel: str, source: str) -> list[Document]:
+    """Long module, class and function docstrings of one file, named by qualified name."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     out = []
-    nodes = [("", tree)] + [(n.name, n) for n in ast.walk(tree)
-                            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-    for name, node in nodes:
+
+    def visit(node, qualname: str) -> None:
         doc = ast.get_docstring(node, clean=True)
         if doc and len(doc) >= _MIN_DOCSTRING:
-            out.append(Document(f"doc:{rel}:{name}" if name else f"doc:{rel}", "prose", doc))
+            out.append(Document(f"doc:{rel}:{qualname}" if qualname else f"doc:{rel}", "prose", doc))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{qualname}.{child.name}" if qualname else child.name)
+
+    visit(tree, "")
     return out
 
 
@@ -113,7 +118,7 @@ def _prose_documents() -> tuple[Document, ...]:
     docs = [Document(f"topics:{key}", "prose", topics[key]) for key in sorted(topics)]
     for code in _code_documents():
         docs.extend(_docstrings(code.source[len("code:"):], code.text))
-    # Several names may share one source (same docstring reached twice): keep the first of each name.
+    # A name can repeat only for conditional definitions (if/else branches): keep the first of each.
     seen, unique = set(), []
     for d in sorted(docs, key=lambda d: d.source):
         if d.source not in seen:

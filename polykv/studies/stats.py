@@ -247,6 +247,8 @@ def _correlate(x, y, *, method: str, permutations: int, seed: int, alternative: 
     x, y = _paired(x, y, ("x", "y"))
     if x.size < 3:
         raise StudyError(f"a correlation needs at least 3 paired observations; got {x.size}")
+    if permutations < 1:
+        raise StudyError(f"a permutation test needs at least one shuffle; got {permutations}")
     if alternative not in ("two-sided", "greater", "less"):
         raise StudyError(f"alternative must be 'two-sided', 'greater' or 'less'; got {alternative!r}")
     if method == "spearman":

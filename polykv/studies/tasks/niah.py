@@ -60,7 +60,8 @@ class NeedleTask(Task):
                              f"got {nk}, {nv}, {nq}")
         units = filler_units(tokenizer, length, kind=params["filler"], seed=rng.randrange(2 ** 31))
         filler = "".join(units)
-        keys = [f"{a}-{n}" for a, n in rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], nk)]
+        pool = [f"{a}-{n}" for a in ADJECTIVES for n in NOUNS]
+        keys = rng.sample([k for k in pool if k not in filler], nk)
         queries = keys[:nq]
         taken: set[str] = set()
         values: dict[str, list[str]] = {}
