@@ -258,6 +258,8 @@ def compute_query_stats(model: Any, token_batches: Iterable[torch.Tensor]) -> Qu
         target = m.q_norm if isinstance(getattr(m, "q_norm", None), torch.nn.Module) else m.q_proj
         handles.append(target.register_forward_hook(hook_for(i)))
     device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # dropout would perturb the queries being averaged
     try:
         for batch in token_batches:
             ids = torch.as_tensor(batch)
@@ -269,6 +271,7 @@ def compute_query_stats(model: Any, token_batches: Iterable[torch.Tensor]) -> Qu
     finally:
         for h in handles:
             h.remove()
+        model.train(was_training)
     if count[0] == 0:
         raise ProfileError("compute_query_stats got no tokens; pass at least one batch of plain-text token ids")
     mean = (sums / count[0]).float()
