@@ -123,6 +123,7 @@ class Profile:
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""
+    _fingerprint: str | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         check(self, self.source)
@@ -152,13 +153,19 @@ class Profile:
 
     @property
     def fingerprint(self) -> str:
-        """``prof-<12 hex>``: digest of the profile's content (provenance excluded)."""
-        from polykv.profiling.profile_io import to_dict
+        """``prof-<12 hex>``: digest of the profile's content (provenance excluded), computed once."""
+        if self._fingerprint is None:
+            from polykv.profiling.profile_io import to_dict
 
-        d = to_dict(self)
-        d.pop("provenance")
-        text = json.dumps(d, sort_keys=True, allow_nan=False)
-        return "prof-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+            d = to_dict(self, tables=False)
+            d.pop("provenance")
+            h = hashlib.sha256(json.dumps(d, sort_keys=True, allow_nan=False).encode())
+            for name in sorted(self.metrics):
+                h.update(name.encode() + self.metrics[name].astype("<f8").tobytes())
+            for name in sorted(self.stats):
+                h.update(name.encode() + self.stats[name].values.astype("<f8").tobytes())
+            object.__setattr__(self, "_fingerprint", "prof-" + h.hexdigest()[:12])
+        return self._fingerprint
 
     def check_model(self, geometry: Any) -> "Profile":
         """Raise ProfileError unless this profile was measured on ``geometry`` (a ModelGeometry)."""

@@ -18,15 +18,17 @@ from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, P
 
 # -- files ------------------------------------------------------------------------------------------
 
-def to_dict(p: Profile) -> dict[str, Any]:
+def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
+    """Plain data of a profile; ``tables=False`` leaves out the table values (shapes stay implied)."""
     return {
         "schema_version": p.schema_version,
         "format": FORMAT,
         "model": attrs.asdict(p.model),
         "configs": [_config_dict(c) for c in p.configs],
-        "metrics": {k: p.metrics[k].tolist() for k in sorted(p.metrics)},
+        "metrics": {k: p.metrics[k].tolist() if tables else None for k in sorted(p.metrics)},
         "stats": {k: {"columns": list(s.columns), "higher_is_better": s.higher_is_better, "phase": s.phase,
-                      "capacity": s.capacity, "description": s.description, "values": s.values.tolist()}
+                      "capacity": s.capacity, "description": s.description,
+                      "values": s.values.tolist() if tables else None}
                   for k, s in sorted(p.stats.items())},
         "provenance": attrs.asdict(p.provenance),
     }

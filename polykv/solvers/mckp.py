@@ -134,23 +134,25 @@ def solve_mckp(loss: np.ndarray, weight: np.ndarray, capacity: int,
 
 
 def _suffix_relaxations(eff_w, eff_s, segs) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For k = 0..L, breakpoints (remaining capacity, loss) of the LP relaxation of layers k..L-1."""
+    """For k = 0..L, breakpoints (remaining capacity, loss) of the LP relaxation of layers k..L-1.
+
+    The relaxation of layers k.. takes their hull segments steepest first; sorting every segment
+    once and keeping those of layers >= k gives each suffix's order without sorting again.
+    """
     L = len(eff_w)
-    out: list[tuple[np.ndarray, np.ndarray]] = [None] * (L + 1)  # type: ignore[list-item]
-    out[L] = (np.zeros(1), np.zeros(1))
-    base_w, base_s = 0.0, 0.0
-    all_dw: list[np.ndarray] = []
-    all_ds: list[np.ndarray] = []
-    for k in range(L - 1, -1, -1):
-        base_w += float(eff_w[k][0])
-        base_s += float(eff_s[k][0])
-        all_dw.append(segs[k][0])
-        all_ds.append(segs[k][1])
-        dw, ds = np.concatenate(all_dw), np.concatenate(all_ds)
-        order = np.argsort(ds / dw, kind="stable")  # steepest loss decrease per unit weight first
-        xp = base_w + np.concatenate(([0.0], np.cumsum(dw[order])))
-        fp = base_s + np.concatenate(([0.0], np.cumsum(ds[order])))
-        out[k] = (xp, fp)
+    layer_of = np.concatenate([np.full(len(segs[k][0]), k) for k in range(L)]).astype(np.int64)
+    dw = np.concatenate([segs[k][0] for k in range(L)])
+    ds = np.concatenate([segs[k][1] for k in range(L)])
+    order = np.argsort(ds / dw, kind="stable") if len(dw) else np.zeros(0, np.int64)
+    layer_of, dw, ds = layer_of[order], dw[order], ds[order]
+    base_w = np.concatenate((np.cumsum([float(w[0]) for w in eff_w][::-1])[::-1], [0.0]))
+    base_s = np.concatenate((np.cumsum([float(s[0]) for s in eff_s][::-1])[::-1], [0.0]))
+    out = []
+    for k in range(L + 1):
+        sel = layer_of >= k
+        xp = base_w[k] + np.concatenate(([0.0], np.cumsum(dw[sel])))
+        fp = base_s[k] + np.concatenate(([0.0], np.cumsum(ds[sel])))
+        out.append((xp, fp))
     return out
 
 
