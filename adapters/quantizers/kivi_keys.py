@@ -17,7 +17,7 @@ import torch
 
 from polykv.operators import KVStore
 from polykv.adapters.quantizers import minmax
-from polykv.adapters.quantizers.packing import pack, packed_width, unpack
+from polykv.adapters.quantizers.packing import pack, packed_width
 from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
 
 
@@ -93,14 +93,16 @@ class KiviKeyStore(KVStore):
             raise ValueError("kivi keys: the store is empty; append tokens before reading it")
         B, H, d = self._shape
         Tq, G = self.num_quantized, self.group_size
-        q = unpack(self.codes, self.bits)  # (B, H, Tq, d)
+        out = torch.empty(B, H, len(self), d, dtype=self.dtype, device=self.device)
         if self.group_ids is None:  # implicit groups: G consecutive tokens per row
-            g = q.reshape(B, H, Tq // G, G, d)
-            x = minmax.decode(g, self.scale.unsqueeze(3), self.zero.unsqueeze(3)).reshape(B, H, Tq, d)
+            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, self.scale.unsqueeze(3),
+                               self.zero.unsqueeze(3), (B, H, Tq // G, G, d))
         else:
             ids = self.group_ids.long()
-            x = minmax.decode(q, gather_tokens(self.scale, ids), gather_tokens(self.zero, ids))
-        return torch.cat([x.to(self.dtype), self.residual], dim=2)
+            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, gather_tokens(self.scale, ids),
+                               gather_tokens(self.zero, ids), (B, H, Tq, d))
+        out[:, :, Tq:] = self.residual
+        return out
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.

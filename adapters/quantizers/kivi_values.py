@@ -15,7 +15,7 @@ import torch
 
 from polykv.operators import KVStore
 from polykv.adapters.quantizers import minmax
-from polykv.adapters.quantizers.packing import pack, packed_width, unpack
+from polykv.adapters.quantizers.packing import pack, packed_width
 from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
 
 
@@ -85,9 +85,11 @@ class KiviValueStore(KVStore):
             raise ValueError("kivi values: the store is empty; append tokens before reading it")
         B, H, d = self._shape
         Tq, G = self.num_quantized, self.group_size
-        q = unpack(self.codes, self.bits).reshape(B, H, Tq, d // G, G)
-        x = minmax.decode(q, self.scale.unsqueeze(-1), self.zero.unsqueeze(-1)).reshape(B, H, Tq, d)
-        return torch.cat([x.to(self.dtype), self.residual], dim=2)
+        out = torch.empty(B, H, len(self), d, dtype=self.dtype, device=self.device)
+        minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, self.scale.unsqueeze(-1),
+                           self.zero.unsqueeze(-1), (B, H, Tq, d // G, G))
+        out[:, :, Tq:] = self.residual
+        return out
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.

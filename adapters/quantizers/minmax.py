@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from polykv.adapters.quantizers.packing import unpack_into
+
 
 def group_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, minimum) of groups with minimum ``mn`` and maximum ``mx`` (any shape), stored in ``dtype``."""
@@ -26,11 +28,30 @@ def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
     return q.clamp_(0, (1 << bits) - 1).to(torch.uint8)
 
 
-def decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """float32 ``codes * scale + zero`` (broadcastable operands).
+def decode_into(out: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+                grouped: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize packed codes into ``out``: ``codes * scale + zero``, computed in float32.
+
+    Parameters
+    ----------
+    out : torch.Tensor
+        [B, H, n, d] destination in the compute dtype (may be a slice of a larger tensor).
+    packed : torch.Tensor
+        [B, H, n, d * bits / 8] uint8 packed codes.
+    bits : int
+        Code width.
+    scale, zero : torch.Tensor
+        Broadcastable against ``out.view(grouped)`` (one value per group).
+    grouped : tuple of int
+        A view of [B, H, n, d] that exposes the groups (e.g. [B, H, n / G, G, d] for keys).
 
     A separate multiply and add (two IEEE-rounded steps, never a fused multiply-add) make the
     result independent of broadcasting and kernel choice, so a survivor dequantizes to the same
     bits before and after a gather.
     """
-    return codes.float() * scale.float() + zero.float()
+    x = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    unpack_into(x, packed, bits)
+    g = x.view(grouped)
+    g.mul_(scale.float())
+    g.add_(zero.float())
+    return out if x is out else out.copy_(x)

@@ -53,9 +53,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
     grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], width, 8 // bits)  # (..., n/k, k)
-    shifted = grouped << _shifts(bits, codes.device)
-    # Fields do not overlap, so a sum equals a bitwise OR and cannot overflow a byte.
-    return shifted.sum(dim=-1, dtype=torch.uint8)
+    out = grouped[..., 0].clone()
+    for j in range(1, 8 // bits):  # k <= 4 fields per byte, never a loop over tokens
+        out |= grouped[..., j] << (j * bits)
+    return out
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -64,5 +65,24 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     k = per_byte(bits)
     mask = (1 << bits) - 1
-    fields = (packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask  # (..., m, k)
+    fields = packed.unsqueeze(-1) >> _shifts(bits, packed.device)  # (..., m, k)
+    fields &= mask
     return fields.reshape(*packed.shape[:-1], packed.shape[-1] * k)
+
+
+def unpack_into(dst: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unpack ``packed`` [..., m] into ``dst`` [..., m * 8 / bits] of any dtype (e.g. float32 directly).
+
+    ``dst`` may be a strided view whose last dim is contiguous. Each of the ``8 // bits`` fields is
+    extracted with one shift and mask over the packed bytes and cast while it is written, so no
+    uint8 copy of the unpacked codes is made.
+    """
+    if bits == 8:
+        return dst.copy_(packed)
+    k = per_byte(bits)
+    fields = dst.view(*dst.shape[:-1], packed.shape[-1], k)  # (..., m, k)
+    mask = (1 << bits) - 1
+    for j in range(k):  # k <= 4 fields per byte, never a loop over tokens
+        field = packed >> (j * bits) if j else packed
+        fields[..., j].copy_(field & mask if j < k - 1 else field)
+    return dst

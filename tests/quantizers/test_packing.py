@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polykv.adapters.quantizers.packing import pack, packed_width, unpack
+from polykv.adapters.quantizers.packing import pack, packed_width, unpack, unpack_into
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -27,3 +27,15 @@ def test_width_must_fill_whole_bytes():
         packed_width(6, 2)
     with pytest.raises(ValueError, match="supported widths"):
         packed_width(8, 3)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_unpack_into_a_strided_view_of_any_dtype(bits, dtype, device):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (2, 3, 5, 16), generator=g, dtype=torch.uint8).to(device)
+    dst = torch.full((2, 3, 9, 16), 9, device=device).to(dtype)
+    before = dst.clone()
+    unpack_into(dst[:, :, 2:7], pack(codes, bits), bits)  # a non-contiguous slice of a larger tensor
+    assert torch.equal(dst[:, :, 2:7], codes.to(dtype))
+    assert torch.equal(dst[:, :, :2], before[:, :, :2]) and torch.equal(dst[:, :, 7:], before[:, :, 7:])
