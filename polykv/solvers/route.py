@@ -14,8 +14,8 @@ split by ``allocation``:
   clipped at its ``clip_percentile`` (95th) percentile over layers; negative scores count as 0.
 
 Proportional splits give every layer one token first, then share the rest by the scores, never
-above the context T (a layer at T keeps everything), rounding by largest remainders so the total is
-exact. ``random-placement`` builds the same route and capacities, then returns the ``index``-th of
+above the context T (a layer at T keeps everything), evenly when the remaining scores are all zero,
+rounding by largest remainders so the total is exact. ``random-placement`` builds the same route and capacities, then returns the ``index``-th of
 ``count`` unique, seeded random placements of the route's rules over the layers (method counts
 fixed, the guided route itself excluded): the count-matched controls of the rank test.
 """
@@ -39,7 +39,11 @@ SCOPES = ("prefill", "decode", "both")
 
 
 def allocate(total: int, scores: np.ndarray, cap: int) -> list[int]:
-    """Split ``total`` tokens over layers in proportion to ``scores`` (>= 0): at least 1, at most ``cap``."""
+    """Split ``total`` tokens over layers in proportion to ``scores``: at least 1, at most ``cap`` each.
+
+    Negative scores count as 0; when every layer still below ``cap`` scores 0, the rest is shared evenly.
+    Rounds by largest remainders (ties to the lower layer), so the result sums to ``min(total, L * cap)``.
+    """
     L = len(scores)
     if total >= L * cap:
         return [cap] * L
