@@ -1,0 +1,65 @@
+"""Shared test set-up.
+
+Tests import polykv as installed (editable or wheel), never through the checkout's root folder:
+``python -m pytest`` puts the current folder first on ``sys.path``, which would make the repository's
+``adapters/`` folder importable as a bare top-level ``adapters`` module (a name that belongs to an
+unrelated PyPI library). The built-in adapters are only ever ``polykv.adapters``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_repo_root(entry: str) -> bool:
+    try:
+        return Path(entry or os.getcwd()).resolve() == REPO_ROOT
+    except OSError:
+        return False
+
+
+sys.path[:] = [p for p in sys.path if not _is_repo_root(p)]
+
+# One intra-op thread unless the caller chose: tests run on small 2-core machines, often beside other
+# work, where OpenMP threads spinning for a busy core make a 16-token generation ten times slower.
+# Set POLYKV_TEST_THREADS (or OMP_NUM_THREADS) to override.
+_threads = os.environ.get("POLYKV_TEST_THREADS") or os.environ.get("OMP_NUM_THREADS")
+if _threads is None or _threads.isdigit():
+    import torch
+
+    torch.set_num_threads(int(_threads or 1))
+
+try:
+    from hypothesis import settings
+except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
+    pass
+else:
+    # No deadlines: timing on a shared 2-core machine is not a property of the code under test.
+    settings.register_profile("polykv", deadline=None, database=None, print_blob=True)
+    settings.load_profile("polykv")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded once per session.
+
+    The first load on a machine converts the GGUF and caches a copy (``$POLYKV_CACHE`` or
+    ``~/.cache/polykv``); later sessions load the copy in about a second.
+    """
+    from polykv.models import load_default_model
+
+    return load_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_geometry(default_model):
+    """ModelGeometry (with weights fingerprint) of the default model."""
+    from polykv.geometry import geometry_of_model
+
+    return geometry_of_model(default_model[0])
