@@ -16,8 +16,8 @@ import torch
 
 from polykv.operators import SIGNAL_ACCUMULATED
 
-_CHUNK_ELEMENTS = 1 << 23
-"""Float32 logits per query chunk of the column sums (32 MiB)."""
+_CHUNK_ELEMENTS = 1 << 21
+"""Float32 logits per query chunk of the column sums (8 MiB)."""
 
 
 @attrs.define(frozen=True)
@@ -61,7 +61,7 @@ def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
 
     Returns
     -------
-    [B, Hkv, K] float32 column sums, computed in query chunks of at most 32 MiB of logits.
+    [B, Hkv, K] float32 column sums, computed in query chunks of at most 8 MiB of logits.
     """
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
@@ -75,8 +75,9 @@ def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         logits = torch.matmul(qg[:, :, :, start:stop].float(), kt) * scaling  # (B, Hkv, G, c, K)
         if q > 1:
             visible = lower_right_causal(q, K, key.device)[start:stop]     # (c, K)
-            logits = logits.masked_fill(~visible, float("-inf"))
+            logits.masked_fill_(~visible, float("-inf"))
         out += torch.softmax(logits, dim=-1).sum(dim=(2, 3))
+        del logits
     return out
 
 
