@@ -47,19 +47,6 @@ def model_geometry(spec: str):
     return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
 
 
-def geometry_from_plan(plan, source: str):
-    """Shape recorded in the plan's ``model`` block (query heads are not recorded; memory needs none)."""
-    from polykv.geometry import ModelGeometry
-
-    m = plan.model
-    if m is None:
-        raise PolykvError(f"{source}: the plan records no model shape (field 'model' is null); pass "
-                          f"--model default or --model FOLDER")
-    return ModelGeometry(model_type=m.name or "unknown", num_layers=m.num_layers, num_heads=m.num_kv_heads,
-                         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=None,
-                         fingerprint=m.fingerprint)
-
-
 def _load(path: str, geometry=None):
     from polykv.plan import load_plan
     from polykv.registry import get_registry
@@ -70,7 +57,10 @@ def _load(path: str, geometry=None):
 def run_validate(args) -> int:
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
-    target = f" for model {geometry.fingerprint}" if geometry is not None else ""
+    target = ""
+    if geometry is not None:
+        _memory(plan, geometry, args.plan, plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT)
+        target = f" for model {geometry.fingerprint}"
     print(f"{args.plan}: valid plan, {plan.num_layers} layers{target}")
     return 0
 
@@ -80,21 +70,42 @@ def run_show(args) -> int:
         raise PolykvError(f"--context must be a positive number of tokens, got {args.context}")
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
-    if geometry is None:
-        geometry = geometry_from_plan(plan, args.plan)
+    if geometry is None and plan.model is None:
+        raise PolykvError(f"{args.plan}: the plan records no model shape (field 'model' is null); pass "
+                          f"--model default or --model FOLDER to predict its memory")
     context = args.context or plan.provenance.context_tokens
     context_note = ""
     if context is None:
         context, context_note = DEFAULT_SHOW_CONTEXT, " (the default: the plan records none; set --context N)"
+    report = _memory(plan, geometry, args.plan, context)
     print(format_plan(plan, args.plan, context, context_note))
+    print()
+    print(report.format_table())
+    return 0
+
+
+def _memory(plan, geometry, source: str, context: int):
+    """The plan's memory report; also proves every layer's quantizer can store this model's heads."""
+    from polykv.errors import PlanError
+
     try:
         from polykv.memory import memory_report
     except ImportError as exc:
-        raise PolykvError(f"cannot predict memory: polykv.memory is not available in this installation "
-                          f"({exc}); reinstall polykv (bash scripts/setup.sh)") from None
-    print()
-    print(memory_report(plan, geometry, context).format_table())
-    return 0
+        raise PolykvError(f"cannot predict memory: polykv.memory failed to import ({exc}); reinstall polykv "
+                          f"with bash scripts/setup.sh") from None
+    try:
+        return memory_report(plan, geometry, context)
+    except PlanError as exc:
+        if exc.source:
+            raise
+        raise PlanError(exc.message, source=source, layer=exc.layer,
+                        field=_layer_field(exc.layer, exc.field), hint=exc.hint) from None
+
+
+def _layer_field(layer, field):
+    if layer is None or not field or field.startswith("layers["):
+        return field
+    return f"layers[{layer}].{field}"
 
 
 def format_plan(plan, source: str, context: int, context_note: str = "") -> str:
