@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs

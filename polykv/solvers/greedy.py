@@ -20,6 +20,7 @@ from polykv.plan import FULL_RULE
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, config_bits, min_bytes_message
+from polykv.solvers.mckp import Infeasible
 
 
 def rule_grid(profile: Profile, rule: str | None, solver: str) -> tuple[str, np.ndarray, list[tuple]]:
@@ -71,16 +72,14 @@ def moend_greedy(S: np.ndarray, m: np.ndarray, capacity: int) -> tuple[np.ndarra
     Returns
     -------
     (position [L, 3] grid coordinates chosen, steps [(layer, axis), ...] in the order applied).
-    Raises SolverError (with ``need``) when the cheapest plan exceeds ``capacity``.
+    Raises :class:`~polykv.solvers.mckp.Infeasible` (with ``need``) when the cheapest plan exceeds ``capacity``.
     """
     L = S.shape[0]
     dims = np.array(m.shape)
     pos = np.zeros((L, 3), np.int64)
     used = int(L * m[0, 0, 0])
     if used > capacity:
-        err = SolverError("cheapest plan over budget")
-        err.need = used
-        raise err
+        raise Infeasible(used, capacity)
     gain = np.zeros((L, 3))
     cost = np.zeros((L, 3), np.int64)
     valid = np.zeros((L, 3), bool)
@@ -131,12 +130,9 @@ class MoendGreedy(Solver):
         capacity = budget.to_bits(profile.model)
         try:
             pos, steps = moend_greedy(table[:, grid], bits[grid], capacity)
-        except SolverError as exc:
-            need = getattr(exc, "need", None)
-            if need is None:
-                raise
+        except Infeasible as exc:
             c = profile.configs[grid[0, 0, 0]]
-            raise SolverError(min_bytes_message(self.name, need, budget, f"keep {c.keep:g}, K{c.k_bits}, "
+            raise SolverError(min_bytes_message(self.name, exc.need, budget, f"keep {c.keep:g}, K{c.k_bits}, "
                                                 f"V{c.v_bits} on every layer")) from None
         cols = [int(grid[tuple(x)]) for x in pos]
         layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(cols)]

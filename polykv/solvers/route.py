@@ -15,7 +15,9 @@ split by ``allocation``:
 
 Proportional splits give every layer one token first, then share the rest by the scores, never
 above the context T (a layer at T keeps everything), evenly when the remaining scores are all zero,
-rounding by largest remainders so the total is exact. ``random-placement`` builds the same route and capacities, then returns the ``index``-th of
+rounding by largest remainders so the total is exact.
+
+``random-placement`` builds the same route and capacities, then returns the ``index``-th of
 ``count`` unique, seeded random placements of the route's rules over the layers (method counts
 fixed, the guided route itself excluded): the count-matched controls of the rank test.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from polykv.errors import SolverError
+from polykv.errors import RegistryError, SolverError
 from polykv.plan import FULL_OP, FULL_RULE, OpSpec
 from polykv.profiling.budget import Budget, slot_bits
 from polykv.profiling.profile import Profile
@@ -92,9 +94,11 @@ class ProfileRoute(Solver):
         for j, rule in enumerate(st.columns):
             if rule == FULL_RULE or (rules is not None and rule not in rules):
                 continue
-            if not self.registry.has("operator", rule):
-                self.check_phase(rule, scope, f"{profile.source}: stats.{p['statistic']} column '{rule}'")
-            if needed <= set(self.registry.operator(rule).phases):
+            try:
+                phases = self.registry.operator(rule).phases
+            except RegistryError as exc:
+                raise SolverError(f"{profile.source}: stats.{p['statistic']} column '{rule}': {exc}") from None
+            if needed <= set(phases):  # rules that cannot run in the scope are not candidates
                 cols.append(j)
         if not cols:
             raise SolverError(f"solver '{self.name}': no column of stats.{p['statistic']} ({list(st.columns)}) "

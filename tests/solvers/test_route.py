@@ -96,3 +96,12 @@ def test_random_placement_solver_permutes_the_guided_route():
     assert plans[0].provenance.params["guided_route"] == guided
     with pytest.raises(SolverError, match="index 11 is outside"):
         solve(p, budget, "random-placement", count=11, index=11)
+
+
+def test_a_statistic_column_naming_no_installed_rule_is_an_error():
+    p = route_profile()
+    stats = dict(p.stats, cosine=StatTable(columns=["tova", "mystery"], values=np.ones((4, 2)),
+                                           higher_is_better=True))
+    bad = Profile(model=p.model, configs=p.configs, metrics=p.metrics, stats=stats)
+    with pytest.raises(SolverError, match=r"stats.cosine column 'mystery': unknown operator 'mystery'"):
+        solve(bad, Budget.of_tokens(100, 1000), "profile-route")
