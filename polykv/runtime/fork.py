@@ -165,3 +165,10 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
         layer.signals = sig
         layer._finish_prefill(snap.scaling)
     return cache
+
+
+def forward(session, input_ids: torch.Tensor):
+    """Run ``input_ids`` [B, q] through the model with the session's live cache (decode phase)."""
+    if session.cache is None:
+        raise RuntimeConfigError("the session has no cache yet: restore_prefill() or session.prefill() first")
+    return session.model(input_ids, use_cache=True, **{session._cache_kw: session.cache})

@@ -1,0 +1,205 @@
+"""Study designs: the policies a spec expands into, and the paired comparisons a report draws from them.
+
+Policies (:func:`build_policies`, before any model loads): the full cache (``full``), each plan file,
+and each solver entry at each budget (``<name>@<budget>``); a ``random-placement`` entry with count N
+gives N policies ``<name>#<i>@<budget>``, the count-matched placements of its guided route.
+
+Comparisons (all paired over the same items, :mod:`polykv.studies.stats`):
+
+- MoE-nD's ablation chain (arXiv 2604.17695) per budget: ``d_quant`` = 2d - 2d_uniform,
+  ``d_evict`` = 2d_hetero - 2d, from the policies whose roles are those names.
+- PolyKV's factorial (arXiv 2606.15157) per budget: (homogeneous | routed) x (uniform | allocated).
+- PolyKV's controls per budget: the guided route's rank among count-matched random placements with a
+  one-sided Monte Carlo p, and Spearman between each route's profile score
+  S = sum_l g[l, rule_l] (g the routing statistic, sign-flipped when lower is better) and its accuracy,
+  with a permutation p.
+- The fixed-route budget sweep: a profile-route entry's accuracy at every budget (the route is fixed
+  by the profile; only the capacity changes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from polykv.errors import PolykvError, StudyError
+from polykv.plan import Plan
+from polykv.studies import stats
+from polykv.studies.spec import FULL_POLICY, ROLES, StudySpec
+
+
+@attrs.define(frozen=True, kw_only=True)
+class Policy:
+    """One plan the study runs, with where it came from."""
+
+    name: str
+    method: str
+    """The spec entry (plan name, solver entry name, or ``full``)."""
+    budget: str | None
+    """Budget the plan was solved at (None for plan files and the full cache)."""
+    role: str
+    plan: Plan
+    solver: str | None = None
+    index: int | None = None
+    """Placement index of a random-placement policy."""
+    guided: str | None = None
+    """For placements: the method whose route they control for."""
+    profile_score: float | None = None
+    """S = sum over layers of the routing statistic of the layer's rule (routes only)."""
+
+    def record(self, geometry, context_tokens: int) -> dict[str, Any]:
+        """The ``policy`` line of the results file."""
+        from polykv.memory import nominal_bytes, predict_resident
+        from polykv.plan_io import plan_dict
+
+        nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
+        resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
+                                                                      dtype_bytes=2))
+        full16 = 4 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * context_tokens
+        return {"kind": "policy", "policy": self.name, "method": self.method, "budget": self.budget,
+                "role": self.role, "solver": self.solver, "index": self.index, "guided": self.guided,
+                "profile_score": self.profile_score, "nominal_bytes": int(nominal),
+                "predicted_resident_bytes_16bit": int(resident16), "full_bytes_16bit": int(full16),
+                "plan": plan_dict(self.plan)}
+
+
+def _route_score(profile, plan: Plan) -> float | None:
+    params = plan.provenance.params or {}
+    route, statistic = params.get("route"), params.get("statistic")
+    if not route or not statistic:
+        return None
+    st = profile.stat(statistic)
+    col = {c: j for j, c in enumerate(st.columns)}
+    sign = 1.0 if st.higher_is_better else -1.0
+    return float(sign * sum(st.values[layer, col[rule]] for layer, rule in enumerate(route)))
+
+
+def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
+    """Solve every solver entry at every budget and load every plan file (no model needed)."""
+    from polykv.plan import full_plan, load_plan
+    from polykv.profiling.budget import Budget
+    from polykv.solvers import solve
+
+    out: list[Policy] = []
+    profile = None
+    if spec.profile is not None:
+        from polykv.profiling.profile import load_profile
+
+        profile = load_profile(spec.profile)
+    if spec.baseline:
+        model = profile.model if profile is not None else None
+        if model is None:
+            first = next(iter(spec.plans.values()), None)
+            model = load_plan(first, registry=registry).model if first else None
+        if model is None:
+            raise StudyError(f"{spec.source}: the full baseline needs the model's shape from a profile or a plan "
+                             "file; add \"profile\" or set \"baseline\": false")
+        out.append(Policy(name=FULL_POLICY, method=FULL_POLICY, budget=None, role="full", plan=full_plan(model)))
+    for name, path in spec.plans.items():
+        out.append(Policy(name=name, method=name, budget=None, role=name if name in ROLES else "",
+                          plan=load_plan(path, registry=registry)))
+    for entry in spec.solvers:
+        for b in spec.budgets:
+            budget = Budget.parse(b, spec.context_tokens)
+            indices = [None] if entry.count is None else list(range(entry.count))
+            for i in indices:
+                params = dict(entry.params)
+                name = f"{entry.name}@{b}" if i is None else f"{entry.name}#{i}@{b}"
+                if i is not None:
+                    params.update(index=i, count=entry.count)
+                try:
+                    plan = solve(profile, budget, entry.solver, registry=registry, **params)
+                except PolykvError as exc:
+                    raise StudyError(f"{spec.source}: policy '{name}' (solver '{entry.solver}'): {exc}") from None
+                guided = entry.guided
+                if i is not None and guided is None:
+                    guided = next((s.name for s in spec.solvers if s.solver == "profile-route"), None)
+                out.append(Policy(name=name, method=entry.name, budget=b, role=entry.role, plan=plan,
+                                  solver=entry.solver, index=i, guided=guided,
+                                  profile_score=_route_score(profile, plan)))
+    return out
+
+
+# -- comparisons ---------------------------------------------------------------------------------
+def _by_role(results, budget: str | None, roles) -> dict[str, str]:
+    """role -> policy name at ``budget`` (the full baseline counts at every budget)."""
+    out = {}
+    for name, rec in results.policies.items():
+        role = rec.get("role") or ""
+        if role in roles and (rec.get("budget") == budget or role == "full"):
+            out.setdefault(role, name)
+    return out
+
+
+def budgets(results) -> list[str]:
+    seen = []
+    for rec in results.policies.values():
+        b = rec.get("budget")
+        if b is not None and b not in seen:
+            seen.append(b)
+    return seen
+
+
+def moend_chain(results, task: str, budget: str, **kw) -> dict[str, Any] | None:
+    """MoE-nD's ablation at ``budget``: policies by role and paired intervals; None without 2d roles."""
+    roles = _by_role(results, budget, ("full", "1d", "2d_uniform", "2d", "2d_hetero"))
+    if not {"2d_uniform", "2d", "2d_hetero"} <= set(roles):
+        return None
+    scores = {role: results.scores(name, task) for role, name in roles.items()}
+    return {"policies": roles, "intervals": stats.moend_ablation(scores, **kw)}
+
+
+def factorial(results, task: str, budget: str, **kw) -> dict[str, Any] | None:
+    """PolyKV's 2 x 2 at ``budget``; None unless all four cells have a policy."""
+    roles = _by_role(results, budget, stats.FACTORIAL_CELLS)
+    if set(roles) != set(stats.FACTORIAL_CELLS):
+        return None
+    scores = {role: results.scores(name, task) for role, name in roles.items()}
+    return {"policies": roles, "intervals": stats.polykv_factorial(scores, **kw)}
+
+
+def placement(results, task: str, budget: str, *, seed: int = 0) -> dict[str, Any] | None:
+    """Guided route vs its count-matched random placements at ``budget``, and profile-score Spearman."""
+    randoms = [n for n, r in results.policies.items() if r.get("role") == "placement" and r.get("budget") == budget]
+    if not randoms:
+        return None
+    method = results.policies[randoms[0]].get("guided")
+    guided = next((n for n, r in results.policies.items() if r.get("method") == method
+                   and r.get("budget") == budget and r.get("index") is None), None)
+    if guided is None:
+        return None
+    mean = {n: float(results.scores(n, task).mean()) for n in [guided] + randoms}
+    out: dict[str, Any] = {"guided": guided, "random": randoms,
+                           "control": stats.placement_control(mean[guided], [mean[n] for n in randoms])}
+    names = [n for n in [guided] + randoms if results.policies[n].get("profile_score") is not None]
+    x = [results.policies[n]["profile_score"] for n in names]
+    y = [mean[n] for n in names]
+    try:
+        out["spearman"] = stats.spearman(x, y, seed=seed, alternative="greater")
+    except StudyError as exc:  # fewer than 3 routes, or a constant side: say why instead of a number
+        out["spearman"] = None
+        out["spearman_note"] = str(exc)
+    out["profile_scores"] = dict(zip(names, x))
+    out["mean_scores"] = mean
+    return out
+
+
+def budget_sweep(results, task: str) -> dict[str, list[tuple[str, str]]]:
+    """For every profile-route method: [(budget, policy)] across budgets (the route held fixed)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name, rec in results.policies.items():
+        if rec.get("solver") == "profile-route" and rec.get("budget") is not None:
+            out.setdefault(rec["method"], []).append((rec["budget"], name))
+    return {m: v for m, v in out.items() if len(v) > 1}
+
+
+def paired_vs(results, task: str, a: str, b: str, **kw) -> stats.Interval:
+    """Paired bootstrap interval of mean(score of a) - mean(score of b) over the shared items."""
+    return stats.paired_bootstrap(results.scores(a, task), results.scores(b, task), **kw)
+
+
+def mean_bytes(results, policy: str, task: str, field: str = "kv_bytes") -> float:
+    values = results.field(policy, task, field)
+    return float(np.mean(values)) if values.size else float("nan")

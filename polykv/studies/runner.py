@@ -1,0 +1,213 @@
+"""Run a study: every policy on every item, scored, with measured KV bytes, resumable at any point.
+
+Protocol per item (DESIGN.md, evaluation protocol): prefill the *context*, compress it with the
+policy's plan, THEN feed the *question* through the compressed cache in one forward, then generate
+greedily. Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the
+same for every policy; with ``reuse_prefill`` (the default) the context runs through the model once
+per item and every policy's cache is restored from that snapshot (:mod:`polykv.runtime.fork`, exact:
+the same tokens, logits and bytes as a prefill per policy).
+
+Order of work: :func:`prepare` checks the spec, the results file and solves every plan, all before a
+model is loaded, so bad input fails in seconds; :func:`run_study` then loads the model and appends one
+durable result line per (policy, task, item), skipping those already in the results file.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from polykv.errors import StudyError
+from polykv.plan import Plan
+from polykv.studies.designs import Policy, build_policies
+from polykv.studies.results import ResultsWriter
+from polykv.studies.spec import StudySpec
+
+QUERY_STATS_TOKENS = 512
+"""Tokens per calibration text when a plan's TriAttention rule needs query statistics."""
+
+
+@attrs.define
+class Prepared:
+    """A checked study ready to run: spec, solved policies and the results writer's path."""
+
+    spec: StudySpec
+    policies: list[Policy]
+    results_path: str
+
+
+def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
+    """Check the results file against the spec and solve every policy; loads no model."""
+    ResultsWriter.check(results_path, spec.hash)
+    return Prepared(spec=spec, policies=build_policies(spec, registry=registry), results_path=results_path)
+
+
+class CharTokenizer:
+    """Character tokenizer for tiny random-weight models: ids 1..vocab-1 (0 is the pad token)."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1 + ord(c) % (self.vocab - 1) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + (int(i) - 1) % 95) for i in ids)
+
+
+def load_model(spec: StudySpec):
+    """(model, tokenizer) named by ``spec.model``: the default SmolLM2 or a tiny random model."""
+    dtype = getattr(torch, spec.dtype)
+    if spec.model == "default":
+        from polykv.models import load_default_model
+
+        return load_default_model(dtype=dtype)
+    from polykv.testing import tiny_model
+
+    kw = dict(spec.model["tiny"])
+    model = tiny_model(dtype=dtype, **kw)
+    return model, CharTokenizer(model.config.vocab_size)
+
+
+def _model_data(model, tokenizer, plans: list[Plan]) -> dict[str, Any]:
+    """Query statistics for TriAttention when a plan uses it (computed once on the offline corpus)."""
+    if not any("triattention" in p.rules_used() for p in plans):
+        return {}
+    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.studies.corpus import corpus_texts
+
+    device = next(model.parameters()).device
+    batches = [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:QUERY_STATS_TOKENS]], device=device)
+               for t in corpus_texts("mixed", 4, min_chars=4 * QUERY_STATS_TOKENS, seed=0)]
+    return {"triattention": compute_query_stats(model, batches)}
+
+
+def _encode(tokenizer, text: str, device) -> torch.Tensor:
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long, device=device)
+
+
+def _greedy(session, question: torch.Tensor, max_new_tokens: int, eos: int | None) -> list[int]:
+    """Feed ``question`` [1, q] through the compressed cache, then generate greedily."""
+    from polykv.runtime.fork import forward
+
+    out, tokens = forward(session, question), []
+    for _ in range(max_new_tokens):
+        nxt = out.logits[:, -1:].argmax(-1)                       # (1, 1)
+        tokens.append(int(nxt))
+        if (eos is not None and tokens[-1] == eos) or len(tokens) == max_new_tokens:
+            break
+        out = forward(session, nxt)
+    return tokens
+
+
+def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool = True,
+              on_result: Callable[[dict], None] | None = None, registry=None) -> dict[str, int]:
+    """Run every pending (policy, task, item); return counts ``{"run": n, "skipped": m}``.
+
+    Parameters
+    ----------
+    prepared : Prepared
+        From :func:`prepare`.
+    model, tokenizer
+        Already loaded model and tokenizer; default: :func:`load_model` of the spec.
+    progress : bool
+        Show a progress bar (tqdm, on stderr).
+    on_result : callable, optional
+        Called with every result record right after it is written.
+    """
+    import polykv
+    from polykv.registry import get_registry
+    from polykv.runtime.fork import capture_prefill, restore_prefill
+
+    spec, policies = prepared.spec, prepared.policies
+    writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
+    if model is None:
+        model, tokenizer = load_model(spec)
+    from polykv.geometry import geometry_of_model
+
+    geo = geometry_of_model(model)
+    if spec.profile is not None:
+        from polykv.profiling.profile import load_profile
+
+        load_profile(spec.profile).check_model(geo)
+    for pol in policies:
+        pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
+        if pol.name not in writer.policies:
+            writer.append(pol.record(geo, spec.context_tokens))
+    device = next(model.parameters()).device
+    model_data = _model_data(model, tokenizer, [p.plan for p in policies])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    elem = next(model.parameters()).element_size()
+    counts = {"run": 0, "skipped": 0}
+    work = []
+    for t in spec.tasks:
+        task = (registry or get_registry()).task(t.task)()
+        for item in task.make_items(tokenizer, t.samples, t.seed, **t.params):
+            todo = [p for p in policies if (p.name, t.task, item.id) not in writer.done]
+            counts["skipped"] += len(policies) - len(todo)
+            if todo:
+                work.append((task, item, todo))
+    bar = _bar(sum(len(w[2]) for w in work), progress, spec.name)
+    try:
+        with torch.no_grad():
+            for task, item, todo in work:
+                ctx, question = _encode(tokenizer, item.context, device), _encode(tokenizer, item.question, device)
+                snap = None
+                if spec.reuse_prefill:
+                    start = time.perf_counter()
+                    snap = capture_prefill(model, ctx, [p.plan for p in todo], registry=registry,
+                                           chunk_size=spec.chunk_size)
+                    prefill_s = time.perf_counter() - start
+                for pol in todo:
+                    start = time.perf_counter()
+                    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
+                        if snap is not None:
+                            restore_prefill(session, snap)
+                        else:
+                            session.prefill(ctx, chunk_size=spec.chunk_size)
+                        kv = session.resident_bytes()
+                        tokens = _greedy(session, question, item.max_new_tokens, eos)
+                        end = session.resident_bytes()
+                    text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    T = ctx.shape[1]
+                    record = {
+                        "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
+                        "score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
+                        "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer),
+                        "metadata_bytes": kv.metadata_total, "kv_bytes_end": end.total,
+                        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem,
+                        "context_tokens": T, "question_tokens": int(question.shape[1]),
+                        "new_tokens": len(tokens), "seconds": time.perf_counter() - start,
+                        "prefill_seconds": prefill_s if snap is not None else None,
+                        "reused_prefill": snap is not None,
+                        "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
+                    }
+                    writer.append(record)
+                    counts["run"] += 1
+                    bar.update(1)
+                    if on_result is not None:
+                        on_result(record)
+    finally:
+        bar.close()
+    return counts
+
+
+def _bar(total: int, enabled: bool, name: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc=f"study {name}", unit="run", dynamic_ncols=True)
+
+
+def check_finished(prepared: Prepared) -> None:
+    """Raise unless every (policy, task, item) of the spec has a result (for reports of partial runs)."""
+    writer = ResultsWriter(prepared.results_path, prepared.spec.hash,
+                           ResultsWriter.check(prepared.results_path, prepared.spec.hash))
+    want = sum(t.samples for t in prepared.spec.tasks) * len(prepared.policies)
+    if len(writer.done) < want:
+        raise StudyError(f"{prepared.results_path}: {len(writer.done)} of {want} results; run the study again "
+                         "to finish it")

@@ -1,0 +1,309 @@
+"""Study specs: which model, which policies (plan files, or solvers x budgets), which tasks and items.
+
+A spec is a JSON file (paths inside it are relative to the file's folder)::
+
+    {
+      "name": "demo",
+      "model": "default",                       # SmolLM2-135M, or {"tiny": {"family": "llama", ...}}
+      "dtype": "float32",
+      "context_tokens": 2048,                   # T the budgets refer to
+      "profile": "../profiles/smollm2.json",   # needed by solver entries
+      "budgets": ["8x", "4x"],                  # bytes ("3MiB"), ratio ("8x") or tokens per layer ("256tok")
+      "baseline": true,                         # also run the full cache ("full")
+      "plans": {"mine": "plans/mine.json"},     # plan files, run as they are
+      "solvers": [{"name": "2d_hetero", "solver": "moend-greedy", "params": {}},
+                  {"name": "random", "solver": "random-placement", "count": 9, "guided": "route"}],
+      "tasks": [{"task": "passkey", "params": {"length": 2048}, "samples": 20, "seed": 0}]
+    }
+
+Every solver entry runs at every budget as policy ``<name>@<budget>``. A ``random-placement`` entry
+with ``count`` N expands into N policies ``<name>#<i>@<budget>`` (index i of N count-matched
+placements of the guided route). ``role`` names the entry's place in a study design (MoE-nD's chain:
+``full``, ``1d``, ``2d_uniform``, ``2d``, ``2d_hetero``; PolyKV's factorial cells
+``homogeneous_uniform`` ...); an entry named like a role takes that role.
+
+:func:`load_spec` checks everything that can be checked without the model (names, parameters, files,
+budgets) and raises :class:`~polykv.errors.StudyError` naming the file and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Mapping
+
+import attrs
+
+from polykv.errors import PolykvError, StudyError
+
+CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
+FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_uniform", "routed_allocated")
+ROLES = CHAIN_ROLES + FACTORIAL_ROLES + ("placement", "")
+FULL_POLICY = "full"
+_TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "baseline", "plans", "solvers", "tasks",
+        "reuse_prefill", "chunk_size"}
+_SOLVER = {"name", "solver", "params", "role", "count", "guided"}
+_TASK = {"task", "params", "samples", "seed"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SolverEntry:
+    name: str
+    """Method name (a line in the score-vs-memory plot)."""
+    solver: str
+    """Registered solver."""
+    params: dict[str, Any] = attrs.field(factory=dict)
+    role: str = ""
+    """Place in a design (see the module docstring); "" for none."""
+    count: int | None = None
+    """``random-placement`` only: number of count-matched placements."""
+    guided: str | None = None
+    """``random-placement`` only: the entry whose route the placements control for."""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class TaskEntry:
+    task: str
+    params: dict[str, Any] = attrs.field(factory=dict)
+    samples: int = 20
+    """Items per policy."""
+    seed: int = 0
+
+
+@attrs.define(frozen=True, kw_only=True)
+class StudySpec:
+    """A checked study spec; see the module docstring for the file format."""
+
+    name: str
+    model: Any
+    """``"default"`` or ``{"tiny": {...}}`` (keyword arguments of :func:`polykv.testing.tiny_model`)."""
+    dtype: str
+    context_tokens: int
+    profile: str | None
+    budgets: tuple[str, ...]
+    baseline: bool
+    plans: dict[str, str]
+    solvers: tuple[SolverEntry, ...]
+    tasks: tuple[TaskEntry, ...]
+    reuse_prefill: bool = True
+    """Run each context through the model once and restore every policy from it (exact)."""
+    chunk_size: int | None = None
+    source: str = "<spec>"
+    digests: dict[str, str] = attrs.field(factory=dict)
+    """sha256 of every file the spec reads (plans, profile, task files), keyed by path."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as written (paths resolved), for the results header."""
+        d = attrs.asdict(self, recurse=True)
+        d.pop("source")
+        d.pop("digests")
+        return d
+
+    @property
+    def hash(self) -> str:
+        """``spec-<16 hex>``: content of the spec and of every file it reads."""
+        text = json.dumps({"spec": self.as_dict(), "files": sorted(self.digests.values())}, sort_keys=True,
+                          default=str)
+        return "spec-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _fail(source: str, field: str, message: str, hint: str = "") -> StudyError:
+    return StudyError(f"{source}: field '{field}': {message}" + (f" ({hint})" if hint else ""))
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _path(base: str, value: Any, source: str, field: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(source, field, f"expected a file path, got {value!r}")
+    path = value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
+    if not os.path.isfile(path):
+        raise _fail(source, field, f"no such file: {path}", "fix the path (relative to the spec's folder)")
+    return path
+
+
+def _int(raw: Mapping, key: str, default: Any, source: str, field: str, minimum: int = 0) -> Any:
+    v = raw.get(key, default)
+    if v is None and default is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise _fail(source, field, f"expected an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _keys(raw: Any, allowed: set, source: str, field: str) -> dict:
+    if not isinstance(raw, Mapping):
+        raise _fail(source, field, f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise _fail(source, f"{field}.{unknown[0]}" if field else unknown[0], "unknown key",
+                    f"known keys: {', '.join(sorted(allowed))}")
+    return dict(raw)
+
+
+def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=None) -> StudySpec:
+    """Check a spec dict (as read from JSON) and return a :class:`StudySpec`; never loads a model."""
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    raw = _keys(raw, _TOP, source, "")
+    digests: dict[str, str] = {}
+    name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "study")
+    model = raw.get("model", "default")
+    if not (model == "default" or (isinstance(model, Mapping) and set(model) == {"tiny"}
+                                   and isinstance(model["tiny"], Mapping))):
+        raise _fail(source, "model", f"expected \"default\" or {{\"tiny\": {{...}}}}, got {model!r}")
+    dtype = raw.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise _fail(source, "dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    T = _int(raw, "context_tokens", 2048, source, "context_tokens", 1)
+    budgets = raw.get("budgets", [])
+    if not isinstance(budgets, list) or not all(isinstance(b, (str, int)) for b in budgets):
+        raise _fail(source, "budgets", f"expected a list of budgets like [\"8x\", \"3MiB\"], got {budgets!r}")
+    from polykv.profiling.budget import Budget
+
+    for i, b in enumerate(budgets):
+        try:
+            Budget.parse(str(b), T)
+        except PolykvError as exc:
+            raise _fail(source, f"budgets[{i}]", str(exc)) from None
+    budgets = tuple(str(b) for b in budgets)
+    if len(set(budgets)) != len(budgets):
+        raise _fail(source, "budgets", f"duplicate budgets in {list(budgets)}")
+    plans = raw.get("plans", {})
+    if not isinstance(plans, Mapping):
+        raise _fail(source, "plans", f"expected an object of name -> plan file, got {type(plans).__name__}")
+    plans = dict(plans)
+    from polykv.plan import load_plan
+
+    for pname, value in list(plans.items()):
+        path = _path(base, value, source, f"plans.{pname}")
+        try:
+            load_plan(path, registry=registry)
+        except PolykvError as exc:
+            raise _fail(source, f"plans.{pname}", str(exc)) from None
+        plans[pname], digests[path] = path, _digest(path)
+    solvers = _solver_entries(raw.get("solvers", []), source, registry)
+    profile = raw.get("profile")
+    if profile is not None:
+        profile = _path(base, profile, source, "profile")
+        digests[profile] = _digest(profile)
+        from polykv.profiling.profile import load_profile
+
+        try:
+            load_profile(profile)
+        except PolykvError as exc:
+            raise _fail(source, "profile", str(exc)) from None
+    if solvers and profile is None:
+        raise _fail(source, "profile", "solver entries need a profile file", "add \"profile\": \"path.json\"")
+    if solvers and not budgets:
+        raise _fail(source, "budgets", "solver entries need at least one budget", "add \"budgets\": [\"8x\"]")
+    tasks = _task_entries(raw.get("tasks"), base, source, registry, digests)
+    baseline = raw.get("baseline", True)
+    if not isinstance(baseline, bool):
+        raise _fail(source, "baseline", f"expected true or false, got {baseline!r}")
+    reuse = raw.get("reuse_prefill", True)
+    if not isinstance(reuse, bool):
+        raise _fail(source, "reuse_prefill", f"expected true or false, got {reuse!r}")
+    names = set(plans) | {s.name for s in solvers} | ({FULL_POLICY} if baseline else set())
+    if len(names) != len(plans) + len(solvers) + int(baseline):
+        raise _fail(source, "solvers", "policy names must be unique across plans, solvers and 'full'")
+    if not (plans or solvers or baseline):
+        raise _fail(source, "plans", "the spec names no policy", "add plans, solvers or \"baseline\": true")
+    return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
+                     baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
+                     chunk_size=_int(raw, "chunk_size", None, source, "chunk_size", 1), source=source,
+                     digests=digests)
+
+
+def _solver_entries(raw: Any, source: str, registry) -> tuple[SolverEntry, ...]:
+    if not isinstance(raw, list):
+        raise _fail(source, "solvers", f"expected a list of solver entries, got {type(raw).__name__}")
+    out = []
+    for i, e in enumerate(raw):
+        f = f"solvers[{i}]"
+        e = _keys(e, _SOLVER, source, f)
+        if not isinstance(e.get("name"), str) or not e["name"] or any(c in e["name"] for c in "@#"):
+            raise _fail(source, f + ".name", f"expected a name without '@' or '#', got {e.get('name')!r}")
+        try:
+            cls = registry.solver(e.get("solver"))
+        except PolykvError as exc:
+            raise _fail(source, f + ".solver", str(exc)) from None
+        params = e.get("params", {})
+        try:
+            cls(registry=registry).params(params)
+        except PolykvError as exc:
+            raise _fail(source, f + ".params", str(exc)) from None
+        role = e.get("role", e["name"] if e["name"] in ROLES else "")
+        if role not in ROLES:
+            raise _fail(source, f + ".role", f"unknown role {role!r}", f"use one of {', '.join(r for r in ROLES if r)}")
+        count = guided = None
+        if e["solver"] == "random-placement":
+            count = _int(e, "count", 1, source, f + ".count", 1)
+            guided = e.get("guided")
+            role = role or "placement"
+        elif "count" in e or "guided" in e:
+            raise _fail(source, f + ".count", "only random-placement entries take 'count' and 'guided'")
+        out.append(SolverEntry(name=e["name"], solver=e["solver"], params=dict(params), role=role, count=count,
+                               guided=guided))
+    names = {s.name for s in out}
+    for i, s in enumerate(out):
+        if s.guided is not None and s.guided not in names:
+            raise _fail(source, f"solvers[{i}].guided", f"no solver entry named {s.guided!r}")
+    return tuple(out)
+
+
+def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> tuple[TaskEntry, ...]:
+    from polykv.studies.tasks.base import GENERATE
+
+    if not isinstance(raw, list) or not raw:
+        raise _fail(source, "tasks", "expected a non-empty list of tasks",
+                    "e.g. [{\"task\": \"passkey\", \"samples\": 20}]")
+    out = []
+    for i, e in enumerate(raw):
+        f = f"tasks[{i}]"
+        e = _keys(e, _TASK, source, f)
+        try:
+            cls = registry.task(e.get("task"))
+        except PolykvError as exc:
+            raise _fail(source, f + ".task", str(exc)) from None
+        if cls.mode != GENERATE:
+            raise _fail(source, f + ".task", f"task '{cls.name}' is {cls.mode}; the study runner scores generated "
+                        "answers only", "choose a generate task (passkey, niah, variable_tracking, file tasks)")
+        params = dict(_keys(e.get("params", {}), set(cls.defaults), source, f + ".params"))
+        samples = _int(e, "samples", 20, source, f + ".samples", 1)
+        seed = _int(e, "seed", 0, source, f + ".seed", 0)
+        if "path" in cls.defaults:  # a file task: read and check the file now, before any model loads
+            params["path"] = _path(base, params.get("path"), source, f + ".params.path")
+            digests[params["path"]] = _digest(params["path"])
+            try:
+                cls().make_items(None, samples, seed, **params)
+            except PolykvError as exc:
+                raise _fail(source, f + ".params.path", str(exc)) from None
+        else:
+            try:
+                cls().params(**params)
+            except PolykvError as exc:
+                raise _fail(source, f + ".params", str(exc)) from None
+        out.append(TaskEntry(task=cls.name, params=params, samples=samples, seed=seed))
+    if len(set(t.task for t in out)) != len(out):
+        raise _fail(source, "tasks", "each task may appear once (results are keyed by task name)")
+    return tuple(out)
+
+
+def load_spec(path: str, *, registry=None) -> StudySpec:
+    """Read and check a spec file (see the module docstring); nothing here loads a model."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except FileNotFoundError:
+        raise StudyError(f"{path}: no such study spec file") from None
+    except json.JSONDecodeError as exc:
+        raise StudyError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    return parse_spec(raw, base=os.path.dirname(os.path.abspath(path)), source=path, registry=registry)
