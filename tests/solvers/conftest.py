@@ -43,15 +43,11 @@ def brute_force(profile: Profile, budget) -> float | None:
 
 
 def plan_bits(plan, profile: Profile, T: int) -> int:
-    """Nominal bits of a plan's layers recomputed from its ops (independent of the solver's count)."""
+    """Nominal bits of a plan's layers once generation runs, from polykv.memory (not the solver's count)."""
+    from polykv.memory import kept_tokens
     from polykv.profiling.budget import slot_bits
 
-    total = 0
-    for lp in plan.layers:
-        caps = [op.resolve_capacity(T) for op in (lp.prefill, lp.decode) if not op.keeps_everything]
-        tokens = min(min(caps), T) if caps else T
-        total += tokens * slot_bits(profile.model, lp.k_bits, lp.v_bits)
-    return total
+    return sum(kept_tokens(lp, T, "decode") * slot_bits(profile.model, lp.k_bits, lp.v_bits) for lp in plan.layers)
 
 
 @pytest.fixture(scope="session")

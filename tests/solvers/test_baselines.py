@@ -7,6 +7,7 @@ import pytest
 
 from polykv import get_registry
 from polykv.errors import SolverError
+from polykv.memory import nominal_bytes
 from polykv.profiling.budget import Budget, full_cache_bytes
 from polykv.profiling.profile import CandidateConfig, Profile
 from polykv.solvers import solve
@@ -113,5 +114,6 @@ def test_every_solver_stays_within_budget(profile, kit):
                              ("uniform", {"mode": "2d_uniform"}), ("quant-only", {}), ("pyramid", {})]:
             plan = solve(profile, budget, name, **params)
             assert kit.plan_bits(plan, profile, T) <= budget.to_bits(profile.model), (name, params, frac)
+            assert plan.provenance.predicted_bytes == sum(nominal_bytes(plan, None, T, phase="decode"))
             assert plan.provenance.solver == name and plan.provenance.context_tokens == T
             assert plan.provenance.profile_fingerprint == profile.fingerprint
