@@ -9,7 +9,8 @@ Every configuration runs in the same process on the same prompt (random token id
 * ``mixed``: a per-layer plan cycling rules, half the layers at K8/V4 (KIVI).
 
 Measured per configuration and context: prefill seconds (one forward over the prompt), decode
-tokens/s (greedy steps after it), peak memory above the pre-run baseline (CUDA: allocator peak;
+tokens/s (greedy steps after it; both compute only the last row's logits, as ``generate`` does),
+peak memory above the pre-run baseline (CUDA: allocator peak;
 CPU: resident set size sampled every 2 ms, because CPU tensor memory is invisible to tracemalloc),
 and resident KV bytes after decoding (vanilla: the DynamicCache tensors; polykv: stores, with
 metadata apart).
@@ -102,7 +103,7 @@ def run_one(model, ids, steps, plan=None, model_data=None):
         if plan is None:
             _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            out = model(ids, use_cache=True)
+            out = model(ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
@@ -110,7 +111,7 @@ def run_one(model, ids, steps, plan=None, model_data=None):
             session = polykv.apply(model, plan, model_data=model_data).__enter__()
             _sync(device)
             t0, c0 = time.perf_counter(), time.process_time()
-            out = session.prefill(ids)
+            out = session.prefill(ids, logits_to_keep=1)
             _sync(device)
             prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
             cache = session.cache
