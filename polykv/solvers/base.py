@@ -93,10 +93,9 @@ class Solver:
         return per_layer_plan(profile.model, list(layers), provenance=prov)
 
 
-def config_bits(profile: Profile, context_tokens: int, columns: Sequence[int] | None = None) -> np.ndarray:
-    """[C] int64 nominal bits per layer of each config (or of ``columns``) at ``context_tokens``."""
-    cfgs = profile.configs if columns is None else [profile.configs[c] for c in columns]
-    return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, context_tokens) for c in cfgs],
+def config_bits(profile: Profile, context_tokens: int) -> np.ndarray:
+    """[C] int64 nominal bits one layer takes under each config at ``context_tokens``."""
+    return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, context_tokens) for c in profile.configs],
                     dtype=np.int64)
 
 
