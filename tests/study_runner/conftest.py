@@ -60,3 +60,44 @@ def write_spec(folder, profile_path, **overrides) -> str:
     path = folder / "spec.json"
     path.write_text(json.dumps(spec, indent=1))
     return str(path)
+
+
+SMALL_SOLVERS = [
+    {"name": "2d_hetero", "solver": "exact"},
+    {"name": "route", "solver": "profile-route", "role": "routed_uniform"},
+]
+
+
+@pytest.fixture(scope="session")
+def small_study(tmp_path_factory, profile_path):
+    """A finished small study (full, 2d_hetero, route x 3 passkey items): (spec path, results path, records)."""
+    from polykv.studies.results import read_records
+    from polykv.studies.runner import prepare, run_study
+    from polykv.studies.spec import load_spec
+
+    folder = tmp_path_factory.mktemp("small")
+    spec_path = write_spec(folder, profile_path, solvers=SMALL_SOLVERS)
+    results = str(folder / "results.jsonl")
+    run_study(prepare(load_spec(spec_path), results), progress=False)
+    return spec_path, results, read_records(results)
+
+
+def result_view(records) -> dict:
+    """(policy, task, item) -> what must not change between equivalent runs."""
+    return {(r["policy"], r["task"], r["item"]): (r["score"], r["generated"], r["kv_bytes"], r["kv_bytes_per_layer"],
+                                                  r["kv_bytes_end"], r["context_tokens"])
+            for r in records if r["kind"] == "result"}
+
+
+@pytest.fixture
+def spec_writer(profile_path):
+    """``spec_writer(folder, **overrides)`` -> path of a spec over the small policy set (see SMALL_SOLVERS)."""
+    def write(folder, **overrides):
+        return write_spec(folder, profile_path, **{"solvers": SMALL_SOLVERS, **overrides})
+    return write
+
+
+@pytest.fixture
+def view():
+    """The :func:`result_view` of a list of records."""
+    return result_view

@@ -1,0 +1,44 @@
+"""``polykv study SPEC``: run a study spec (policies x tasks x items), resumably, into a JSONL results file."""
+
+from __future__ import annotations
+
+import os
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "study", help="run plans head-to-head on tasks at matched memory (resumable)",
+        description="Check the spec (plans, solvers, budgets, tasks, files) before loading the model, solve every "
+                    "plan, then run each (policy, task, item) and append its score and measured KV bytes to the "
+                    "results file. Run the same command again to resume an interrupted study. See "
+                    "docs/studies-guide.md.")
+    p.add_argument("spec", help="study spec file (JSON)")
+    p.add_argument("--results", metavar="PATH", default=None,
+                   help="results file (JSONL); default results/<spec name>/results.jsonl")
+    p.add_argument("--report", metavar="DIR", default=None, help="also write the report into DIR when finished")
+    p.add_argument("--check", action="store_true", help="check the spec and solve the plans, then stop")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from polykv.studies.runner import prepare, run_study
+    from polykv.studies.spec import load_spec
+
+    spec = load_spec(args.spec)
+    results = args.results or os.path.join("results", spec.name, "results.jsonl")
+    prepared = prepare(spec, results)
+    print(f"{args.spec}: {len(prepared.policies)} policies x {sum(t.samples for t in spec.tasks)} items "
+          f"({spec.hash}) -> {results}")
+    if args.check:
+        for pol in prepared.policies:
+            print(f"  {pol.name}: {pol.plan.provenance.note or pol.method}")
+        return 0
+    counts = run_study(prepared, progress=not args.no_progress)
+    print(f"ran {counts['run']}, skipped {counts['skipped']} already recorded")
+    if args.report:
+        from polykv.studies.report import write_report
+
+        for path in write_report(results, args.report):
+            print(f"wrote {path}")
+    return 0

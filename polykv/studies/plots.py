@@ -1,0 +1,138 @@
+"""Report figures (matplotlib, Agg backend): score vs measured memory, route strips, sensitivity heatmap."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from polykv.studies import stats  # noqa: E402
+
+_RULE_COLOURS = {"full": "#bbbbbb", "snapkv": "#1f77b4", "h2o": "#ff7f0e", "tova": "#2ca02c",
+                 "triattention": "#d62728", "streamingllm": "#9467bd", "key_norm": "#8c564b", "random": "#e377c2",
+                 "pyramid": "#17becf"}
+_EXTRA = ["#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
+_OTHER: dict[str, str] = {}
+"""Colours handed to rules outside the built-in palette, in order of first use."""
+
+
+def rule_colour(rule: str) -> str:
+    """A fixed colour per built-in rule; third-party rules get the next spare colour."""
+    if rule in _RULE_COLOURS:
+        return _RULE_COLOURS[rule]
+    return _OTHER.setdefault(rule, _EXTRA[len(_OTHER) % len(_EXTRA)])
+
+
+def score_vs_memory(points: Sequence[dict], path: str, *, title: str, full: dict | None = None) -> str:
+    """One line per method: accuracy (Wilson 95% bars) against mean measured KV bytes.
+
+    Parameters
+    ----------
+    points : sequence of dict
+        ``method``, ``budget``, ``bytes`` (mean measured resident KV bytes), ``k`` correct, ``n`` items.
+    full : dict, optional
+        The full-cache point (``bytes``, ``k``, ``n``), drawn as a star and a dashed accuracy line.
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    methods = list(dict.fromkeys(p["method"] for p in points))
+    markers = "osD^vP*X<>"
+    for i, m in enumerate(methods):
+        pts = sorted((p for p in points if p["method"] == m), key=lambda p: p["bytes"])
+        x = np.array([p["bytes"] for p in pts]) / 2 ** 20
+        iv = [stats.wilson_interval(p["k"], p["n"]) for p in pts]
+        y = np.array([v.estimate for v in iv])
+        err = np.array([[v.estimate - v.low for v in iv], [v.high - v.estimate for v in iv]])
+        ax.errorbar(x, y, yerr=err, marker=markers[i % len(markers)], capsize=3, label=m, linewidth=1.4)
+    if full is not None:
+        fiv = stats.wilson_interval(full["k"], full["n"])
+        ax.axhline(fiv.estimate, color="black", linestyle="--", linewidth=0.8)
+        ax.plot([full["bytes"] / 2 ** 20], [fiv.estimate], marker="*", markersize=13, color="black",
+                linestyle="none", label="full cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("measured resident KV bytes after compressing the context (MiB, log scale)")
+    ax.set_ylabel("accuracy (Wilson 95% interval)")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def route_strip(rows: Sequence[dict], path: str, *, context_tokens: int, title: str) -> str:
+    """Per-layer route strips, one row per policy: rule colour, capacity bar, K/V bits.
+
+    Parameters
+    ----------
+    rows : sequence of dict
+        ``name`` and ``layers``: per layer a dict with ``rule`` (the prefill rule, else the decode rule),
+        ``kept`` (tokens kept after the context) and ``k_bits``/``v_bits``.
+    context_tokens : int
+        T, the full height of a bar.
+    """
+    n = len(rows)
+    L = max(len(r["layers"]) for r in rows)
+    fig, axes = plt.subplots(n, 1, figsize=(max(7.0, 0.33 * L + 2.5), 1.05 * n + 0.9), squeeze=False)
+    rules = []
+    for ax, row in zip(axes[:, 0], rows):
+        for i, lay in enumerate(row["layers"]):
+            frac = min(1.0, lay["kept"] / max(context_tokens, 1))
+            ax.bar(i, frac, width=0.85, color=rule_colour(lay["rule"]), edgecolor="black", linewidth=0.3)
+            ax.bar(i, 1.0 - frac, bottom=frac, width=0.85, color="none", edgecolor="#dddddd", linewidth=0.3)
+            if lay["k_bits"] != 16 or lay["v_bits"] != 16:
+                ax.text(i, 0.5, f"{lay['k_bits']}/{lay['v_bits']}", ha="center", va="center", fontsize=5.5,
+                        rotation=90)
+            rules.append(lay["rule"])
+        ax.set_xlim(-0.6, L - 0.4)
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        ax.set_ylabel(row["name"], rotation=0, ha="right", va="center", fontsize=8)
+        ax.set_xticks(range(L))
+        ax.tick_params(axis="x", labelsize=6)
+    axes[-1, 0].set_xlabel("layer (bar height = tokens kept / context; text = K/V bits where quantized)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=rule_colour(r)) for r in dict.fromkeys(rules)]
+    fig.legend(handles, list(dict.fromkeys(rules)), loc="upper right", fontsize=7, ncol=min(6, len(handles)))
+    fig.suptitle(title, fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return _save(fig, path)
+
+
+def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, title: str,
+                        stat: tuple[np.ndarray, Sequence[str], str] | None = None) -> str:
+    """Heatmap of a profile's metric table [L, C] (log10), and optionally a statistic table [L, R]."""
+    ncols = 2 if stat is not None else 1
+    widths = [max(6.0, 0.13 * len(labels)), 2.2] if stat is not None else [max(6.0, 0.13 * len(labels))]
+    fig, axes = plt.subplots(1, ncols, figsize=(sum(widths) + 1.5, 0.2 * table.shape[0] + 2.6),
+                             gridspec_kw={"width_ratios": widths}, squeeze=False)
+    ax = axes[0, 0]
+    positive = table[table > 0]
+    floor = float(positive.min()) / 10 if positive.size else 1e-8  # zero losses (full configs) sit just below
+    data = np.log10(np.clip(table, floor, None))
+    im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=4.5)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="log10 loss (lower is better)", fraction=0.03)
+    if stat is not None:
+        values, columns, name = stat
+        ax2 = axes[0, 1]
+        im2 = ax2.imshow(values, aspect="auto", cmap="magma", interpolation="nearest")
+        ax2.set_xticks(range(len(columns)))
+        ax2.set_xticklabels(columns, rotation=90, fontsize=7)
+        ax2.set_title(name, fontsize=9)
+        fig.colorbar(im2, ax=ax2, fraction=0.08)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

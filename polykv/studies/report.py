@@ -1,0 +1,195 @@
+"""``polykv report``: a Markdown report and PNG figures from a study's results file.
+
+Every accuracy carries a Wilson 95% interval; every difference between two policies is a paired
+bootstrap interval over the same items (10,000 seeded replicates). Measured resident KV bytes (after
+compressing the context, before the question) stand beside every score, with the ratio against the
+full cache measured in the same run. Sections appear when the study has the policies they need:
+MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
+and the fixed-route budget sweep (see :mod:`polykv.studies.designs`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from polykv.studies import designs, plots, stats
+from polykv.studies.results import Results
+
+
+def _pct(iv: stats.Interval) -> str:
+    return f"{iv.estimate:.1%} [{iv.low:.1%}, {iv.high:.1%}]"
+
+
+def _diff(iv: stats.Interval) -> str:
+    mark = " *" if iv.excludes_zero() else ""
+    return f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]{mark}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2 ** 20:.3f}"
+
+
+def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
+    """Per policy: accuracy interval, measured bytes and ratios (the main table)."""
+    rows = []
+    items = res.items(task)
+    for name in res.policy_names():
+        rec = res.policies[name]
+        scores = res.scores(name, task, items) if items else np.array([])
+        if not scores.size:
+            continue
+        k, n = int(round(scores.sum())), int(scores.size)
+        kv = designs.mean_bytes(res, name, task)
+        full = designs.mean_bytes(res, name, task, "full_kv_bytes")
+        rows.append({"policy": name, "method": rec.get("method"), "budget": rec.get("budget"),
+                     "role": rec.get("role"), "k": k, "n": n, "mean": float(scores.mean()),
+                     "binary": bool(np.all((scores == 0) | (scores == 1))),
+                     "wilson": stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
+                     "bytes": kv, "ratio": full / kv if kv else float("inf"),
+                     "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit")})
+    return rows
+
+
+def _table(rows: list[dict]) -> list[str]:
+    out = ["| policy | budget | role | items | accuracy [Wilson 95%] | measured KV MiB | ratio vs full (measured) "
+           "| nominal 16-bit ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
+        nom = f"{r['full16'] / r['nominal']:.1f}x" if r.get("nominal") else "-"
+        out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['role'] or '-'} | {r['n']} | {acc} | "
+                   f"{_mib(r['bytes'])} | {r['ratio']:.1f}x | {nom} |")
+    return out
+
+
+def _pairs(res: Results, task: str, budget: str) -> list[str]:
+    names = [n for n, r in res.policies.items() if r.get("budget") == budget and r.get("role") != "placement"]
+    if "full" in res.policies:
+        names.append("full")
+    out = ["| A | B | mean(A) - mean(B) [paired bootstrap 95%] | bytes A / bytes B |", "|---|---|---|---|"]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            iv = designs.paired_vs(res, task, a, b)
+            ratio = designs.mean_bytes(res, a, task) / designs.mean_bytes(res, b, task)
+            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f} |")
+    return out
+
+
+def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval]) -> list[str]:
+    out = [f"**{title}** — policies: " + ", ".join(f"{k} = `{v}`" for k, v in policies.items()), "",
+           "| contrast | estimate [95% interval] | bootstrap p |", "|---|---|---|"]
+    for name, iv in intervals.items():
+        p = "-" if iv.p_value is None else f"{iv.p_value:.3f}"
+        out.append(f"| {name} | {_diff(iv)} | {p} |")
+    return out + [""]
+
+
+def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> list[str]:
+    rows = policy_rows(res, task)
+    lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
+    full = next((r for r in rows if r["policy"] == "full"), None)
+    points = [r for r in rows if r["budget"] is not None and r["role"] != "placement" and r["binary"]]
+    if points:
+        fig = plots.score_vs_memory(points, os.path.join(out_dir, f"{task}-score-vs-memory.png"),
+                                    title=f"{task}: accuracy vs measured KV memory",
+                                    full=full if full and full["binary"] else None)
+        figures.append(fig)
+        lines += [f"![score vs memory]({os.path.basename(fig)})", ""]
+    for b in designs.budgets(res):
+        lines += [f"### Budget {b}", "", "Paired differences (`*`: the interval excludes 0):", ""]
+        lines += _pairs(res, task, b) + [""]
+        chain = designs.moend_chain(res, task, b)
+        if chain:
+            lines += _intervals("MoE-nD ablation chain (d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d)",
+                                chain["policies"], chain["intervals"])
+        fact = designs.factorial(res, task, b)
+        if fact:
+            lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
+                                fact["policies"], fact["intervals"])
+        pl = designs.placement(res, task, b)
+        if pl:
+            c = pl["control"]
+            lines += [f"**Placement control** — guided `{pl['guided']}` scores {c.guided:.3f}; rank {c.rank} of "
+                      f"{c.total} among count-matched random placements (mean {c.random_mean:.3f}); one-sided "
+                      f"Monte Carlo p = {c.p_value:.3f}.", ""]
+            sp = pl["spearman"]
+            lines += [f"**Profile validation** — Spearman rho between profile score and accuracy over "
+                      f"{len(pl['profile_scores'])} routes: " + (f"{sp.r:+.3f}, one-sided permutation p = "
+                                                                   f"{sp.p_value:.3f}" if sp is not None else
+                                                                   f"undefined ({pl['spearman_note']})"), ""]
+    sweeps = designs.budget_sweep(res, task)
+    for method, pts in sweeps.items():
+        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured KV MiB |",
+                  "|---|---|---|"]
+        for b, name in pts:
+            r = next(x for x in rows if x["policy"] == name)
+            acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
+            lines.append(f"| {b} | {acc} | {_mib(r['bytes'])} |")
+        lines.append("")
+    return lines
+
+
+def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
+    from polykv.memory import kept_tokens
+    from polykv.plan_io import parse_plan_dict
+
+    T = int(res.header["spec"].get("context_tokens", 0))
+    T = int(np.mean([r["context_tokens"] for r in res.results])) if res.results else T
+    rows = []
+    for name, rec in res.policies.items():
+        if rec.get("budget") != budget or rec.get("role") == "placement":
+            continue
+        plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
+        layers = []
+        for lp in plan.layers:
+            rule = lp.prefill.rule if not lp.prefill.keeps_everything else lp.decode.rule
+            layers.append({"rule": rule, "kept": kept_tokens(lp, T), "k_bits": lp.k_bits, "v_bits": lp.v_bits})
+        rows.append({"name": name, "layers": layers})
+    return rows, T
+
+
+def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None) -> list[str]:
+    """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written."""
+    from polykv.atomic import write_text_atomic
+
+    res = Results.load(results_path)
+    spec = res.header["spec"]
+    os.makedirs(out_dir, exist_ok=True)
+    figures: list[str] = []
+    lines = [f"# Study `{spec.get('name')}`", "",
+             f"Results: `{results_path}` (spec hash `{res.header['spec_hash']}`); model: `{spec.get('model')}` "
+             f"({spec.get('dtype')}); budgets refer to a {spec.get('context_tokens')}-token context.", "",
+             "Protocol: the context is prefilled and compressed by the policy, then the question is fed through "
+             "the compressed cache, then the answer is generated greedily. Measured KV bytes are the resident "
+             "key/value stores after compressing the context (metadata apart), in the run's compute dtype; "
+             "the nominal ratio is the plan's 16-bit bytes model.", ""]
+    for task in res.tasks:
+        lines += _task_section(res, task, out_dir, figures)
+    for b in designs.budgets(res):
+        rows, T = _route_rows(res, b)
+        if rows:
+            fig = plots.route_strip(rows, os.path.join(out_dir, f"routes-{b}.png"), context_tokens=T,
+                                    title=f"per-layer plans at budget {b} (T = {T})")
+            figures.append(fig)
+            lines += [f"![routes at {b}]({os.path.basename(fig)})", ""]
+    profile_path = profile_path or spec.get("profile")
+    if profile_path and os.path.isfile(profile_path):
+        from polykv.profiling.profile import load_profile
+
+        prof = load_profile(profile_path)
+        stat = None
+        if prof.stats:
+            name = "cosine" if "cosine" in prof.stats else sorted(prof.stats)[0]
+            st = prof.stats[name]
+            stat = (st.values, st.columns, f"stats.{name}")
+        fig = plots.sensitivity_heatmap(prof.table(), [c.label for c in prof.configs],
+                                        os.path.join(out_dir, "sensitivity.png"),
+                                        title=f"profile {prof.fingerprint}: metric '{prof.default_metric}'",
+                                        stat=stat)
+        figures.append(fig)
+        lines += ["## Profile", "", f"![sensitivity heatmap]({os.path.basename(fig)})", ""]
+    md = os.path.join(out_dir, "report.md")
+    write_text_atomic(md, "\n".join(lines) + "\n")
+    return [md] + figures

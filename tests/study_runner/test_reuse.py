@@ -1,0 +1,93 @@
+"""Prefill once, restore per plan: exactly the tokens, logits, positions and bytes of a prefill per plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import polykv
+from polykv.errors import RuntimeConfigError
+from polykv.geometry import geometry_of_model
+from polykv.plan import OpSpec, per_layer_plan, uniform_plan
+from polykv.runtime.fork import capture_prefill, forward, restore_prefill
+from polykv.studies.results import read_records
+from polykv.studies.runner import prepare, run_study
+from polykv.studies.spec import load_spec
+from polykv.testing import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=32)
+
+
+def _plans(geo):
+    mixed = per_layer_plan(geo, [
+        {"prefill": OpSpec(rule="snapkv", capacity=18, params={"window": 6}), "k_bits": 8, "v_bits": 4},
+        {"prefill": OpSpec(rule="h2o", capacity=20), "decode": OpSpec(rule="h2o", capacity=22)},
+        {"prefill": OpSpec(rule="tova", capacity=14), "decode": OpSpec(rule="tova", capacity=16), "k_bits": 4},
+    ], decode_slack=1)
+    return [
+        uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=20, params={"window": 4})),
+        uniform_plan(geo, prefill=OpSpec(rule="h2o", capacity=20), decode=OpSpec(rule="h2o", capacity=24),
+                     decode_slack=1),
+        uniform_plan(geo, prefill=OpSpec(rule="tova", capacity=16), k_bits=4, v_bits=8),
+        uniform_plan(geo, prefill=OpSpec(rule="streamingllm", capacity=16)),
+        uniform_plan(geo, prefill=OpSpec(rule="random", capacity=16)),
+        mixed,
+    ]
+
+
+def _run(model, plan, context, question, snapshot=None):
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        if snapshot is None:
+            session.prefill(context)
+        else:
+            restore_prefill(session, snapshot)
+        kv = session.resident_bytes()
+        positions = [layer.positions.clone() for layer in session.cache.layers]
+        out = forward(session, question)
+        logits, tokens = [out.logits], []
+        for _ in range(6):
+            tokens.append(out.logits[:, -1:].argmax(-1))
+            out = forward(session, tokens[-1])
+            logits.append(out.logits)
+        return kv, positions, logits, torch.cat(tokens, 1), session.resident_bytes()
+
+
+def test_restored_caches_equal_a_prefill_per_plan(model):
+    geo = geometry_of_model(model)
+    g = torch.Generator().manual_seed(0)
+    context, question = torch.randint(1, 128, (1, 64), generator=g), torch.randint(1, 128, (1, 5), generator=g)
+    plans = _plans(geo)
+    snapshot = capture_prefill(model, context, plans)
+    for plan in plans:
+        kv_a, pos_a, log_a, tok_a, end_a = _run(model, plan, context, question)
+        kv_b, pos_b, log_b, tok_b, end_b = _run(model, plan, context, question, snapshot)
+        assert kv_a == kv_b and end_a == end_b
+        assert all(torch.equal(a, b) for a, b in zip(pos_a, pos_b))
+        assert all(torch.equal(a, b) for a, b in zip(log_a, log_b))  # bit for bit, not just close
+        assert torch.equal(tok_a, tok_b)
+    # The snapshot is not consumed: restoring the first plan again still matches.
+    assert torch.equal(_run(model, plans[0], context, question, snapshot)[3], _run(model, plans[0], context,
+                                                                                   question)[3])
+
+
+def test_a_snapshot_without_the_signals_a_plan_needs_is_refused(model):
+    geo = geometry_of_model(model)
+    context = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    snapshot = capture_prefill(model, context, [uniform_plan(geo, prefill=OpSpec(rule="streamingllm", capacity=8))])
+    h2o = uniform_plan(geo, prefill=OpSpec(rule="h2o", capacity=8))
+    with polykv.apply(model, h2o) as session, pytest.raises(RuntimeConfigError, match="capture_prefill"):
+        restore_prefill(session, snapshot)
+
+
+def test_study_with_reuse_equals_study_with_a_prefill_per_policy(tmp_path, spec_writer, view, small_study):
+    _, _, reference = small_study  # reuse_prefill defaults to true
+    spec = load_spec(spec_writer(tmp_path, reuse_prefill=False))
+    results = str(tmp_path / "results.jsonl")
+    run_study(prepare(spec, results), progress=False)
+    records = read_records(results)
+    assert not any(r["reused_prefill"] for r in records if r["kind"] == "result")
+    assert all(r["reused_prefill"] for r in reference if r["kind"] == "result")
+    assert view(records) == view(reference)
