@@ -18,12 +18,13 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from polykv.errors import RuntimeConfigError
+from polykv.errors import PlanError, RuntimeConfigError
 from polykv.geometry import SLIDING, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import LayerSpec, PlanCache
 from polykv.runtime.signals import SignalNeeds
+from polykv.runtime.stores import new_store
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
@@ -71,13 +72,36 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"model type '{geometry.model_type}' has sliding-window attention on layers {sliding}; the polykv "
             f"runtime serves full-attention layers only (those layers already keep their own window)")
     impl = model.config._attn_implementation
+    if impl == attention.NAME:
+        raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first")
     if impl not in SUPPORTED_ATTN:
         raise RuntimeConfigError(
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
+    _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     modules = _attention_modules(model, geometry.num_layers)
     return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed)
+
+
+def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
+    """Build every quantized layer's stores on an empty [1, Hkv, 0, d] chunk, so that a quantizer that
+    cannot serve this head dim fails here, naming the layer, rather than in the middle of a forward."""
+    empty = torch.zeros(1, geometry.num_kv_heads, 0, geometry.head_dim, dtype=dtype)
+    seen = set()
+    for lp in plan.layers:
+        if not lp.quantized:
+            continue
+        key = (lp.quantizer, repr(sorted(lp.quantizer_params.items())), lp.k_bits, lp.v_bits)
+        if key in seen:
+            continue
+        seen.add(key)
+        for stream in ("key", "value"):
+            try:
+                new_store(registry, lp, stream, dtype=dtype, device=empty.device).append(empty)
+            except ValueError as exc:
+                raise PlanError(f"{stream} store: {exc}", layer=lp.layer, field=f"layers[{lp.layer}].quantizer_params",
+                                hint=f"choose parameters that fit head_dim {geometry.head_dim}") from None
 
 
 def _attention_modules(model, num_layers: int) -> list[torch.nn.Module]:

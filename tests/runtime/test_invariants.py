@@ -150,6 +150,21 @@ def test_plan_of_another_model_is_rejected(llama):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_quantizer_that_does_not_fit_the_head_dim_is_rejected_before_running(llama):
+    model, geo = llama  # head_dim 16: KIVI's default group of 32 channels cannot split it
+    plan = polykv.uniform_plan(geo, k_bits=4, v_bits=4)
+    with pytest.raises(PlanError, match="layer 0.*quantizer_params"):
+        polykv.apply(model, plan)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_nested_session_on_the_same_model_is_rejected(llama):
+    model, geo = llama
+    with polykv.apply(model, polykv.full_plan(geo)):
+        with pytest.raises(RuntimeConfigError, match="already inside"):
+            polykv.apply(model, polykv.full_plan(geo))
+
+
 def test_rule_in_unsupported_phase_is_rejected_before_running(llama):
     model, geo = llama
     plan = polykv.uniform_plan(geo, decode=OpSpec(rule="snapkv", capacity=8))
