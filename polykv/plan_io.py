@@ -148,7 +148,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail("missing required key", field="schema_version", hint=f"plans written by polykv carry "
                f"\"schema_version\": {SCHEMA_VERSION}")
     version = raw["schema_version"]
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
                field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", {"schema_version": True, "model": False, "trigger": False, "provenance": False,
