@@ -22,6 +22,9 @@ def register(subparsers) -> None:
                    help="registered solver (default: exact); `polykv plugins` lists them")
     p.add_argument("--param", action="append", default=[], metavar="K=V",
                    help="solver parameter; V is read as JSON when it parses (3, 0.5, null, [..]), else a string")
+    p.add_argument("--model", default=None, metavar="MODEL",
+                   help="check first that the profile was measured on this model: 'default' (SmolLM2-135M) or "
+                        "a local model folder holding config.json")
     p.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write (atomically)")
     p.set_defaults(func=run)
 
@@ -46,7 +49,12 @@ def run(args) -> int:
 
     profile = load_profile(args.profile)
     budget = Budget.parse(args.budget, args.context)
-    plan = solve(profile, budget, args.solver, **parse_params(args.param))
+    geometry = None
+    if args.model:
+        from polykv.commands.plan import model_geometry
+
+        geometry = model_geometry(args.model)
+    plan = solve(profile, budget, args.solver, geometry=geometry, **parse_params(args.param))
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"

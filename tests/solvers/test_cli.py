@@ -70,3 +70,27 @@ def test_bad_input_exits_2_with_a_message(tmp_path, capsys, profile_path, args, 
 def test_missing_profile_file(tmp_path, capsys):
     rc = main(["solve", str(tmp_path / "none.json"), "--budget", "4x", "--context", "8", "-o", str(tmp_path / "p")])
     assert rc == 2 and "none.json: no such file" in capsys.readouterr().err
+
+
+def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
+    import transformers
+
+    from polykv.geometry import geometry_from_config
+
+    def folder(name, layers):
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=16, hidden_size=64)
+        cfg.save_pretrained(str(tmp_path / name))
+        return str(tmp_path / name), geometry_from_config(cfg)
+
+    mine, geo = folder("mine", 4)
+    other, _ = folder("other", 4)
+    (tmp_path / "other" / "config.json").write_text(
+        (tmp_path / "other" / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
+    path = str(tmp_path / "profile.json")
+    Profile.from_table(np.ones((4, 54)), moend_configs("tova"), geo).save(path)
+    args = ["solve", path, "--budget", "4x", "--context", "64", "-o", str(tmp_path / "plan.json")]
+    assert main(args + ["--model", mine]) == 0
+    capsys.readouterr()
+    assert main(args + ["--model", other]) == 2
+    assert "field 'model.fingerprint': the profile was measured on model" in capsys.readouterr().err
