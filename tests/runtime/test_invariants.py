@@ -69,6 +69,32 @@ def test_resident_bytes_match_the_memory_model(llama, prompt):
     assert got.metadata_per_layer[1]["accumulated"] == 2 * 2 * 48 * 4
 
 
+def test_quantization_error_does_not_compound_under_repeated_eviction(llama, prompt):
+    """A stored token's dequantized K/V changes at most once (full-precision residual -> codes), however
+    many evictions it survives."""
+    model, geo = llama
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule="tova", capacity=12), decode_slack=1, k_bits=4, v_bits=4,
+                               quantizer_params={"group_size": 4, "residual": 4})
+    history: dict[tuple, list[torch.Tensor]] = {}
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        out = session.prefill(prompt(1, 16, seed=6))
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(30):
+            out = model(tok, past_key_values=session.cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            for li, layer in enumerate(session.cache.layers):
+                k, v = layer.key_store.dequantize(), layer.value_store.dequantize()
+                for h in range(geo.num_kv_heads):
+                    for t, pos in enumerate(layer.positions[0, h].tolist()):
+                        for stream, x in (("k", k), ("v", v)):
+                            seen = history.setdefault((li, h, pos, stream), [])
+                            if not seen or not torch.equal(seen[-1], x[0, h, t]):
+                                seen.append(x[0, h, t].clone())
+    survivors = [vals for vals in history.values()]
+    assert max(len(v) for v in survivors) <= 2
+    assert sum(len(v) == 2 for v in survivors) > 10      # many tokens went from residual to codes
+
+
 def test_chunked_prefill_selects_like_one_shot_prefill(llama, prompt):
     model, geo = llama
     plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="h2o", capacity=16), decode=OpSpec(rule="tova", capacity=16),
