@@ -139,7 +139,7 @@ def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     T = int(np.mean([r["context_tokens"] for r in res.results])) if res.results else T
     rows = []
     for name, rec in res.policies.items():
-        if rec.get("budget") != budget or rec.get("role") == "placement":
+        if rec.get("budget") != budget or rec.get("role") == "placement" or not rec.get("plan"):
             continue
         plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
         layers = []

@@ -1,0 +1,84 @@
+"""Reports: files are produced from a real run, and their numbers are the paired statistics of the scores."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from polykv.cli import main
+from polykv.studies import designs, stats
+from polykv.studies.report import policy_rows, write_report
+from polykv.studies.results import FORMAT, Results
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_files_are_produced_from_a_study(tmp_path, small_study):
+    _, results, records = small_study
+    out = tmp_path / "report"
+    assert main(["report", results, "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    names = [r["policy"] for r in records if r["kind"] == "policy"]
+    for name in names:
+        assert f"| {name} |" in md
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert figures == ["passkey-score-vs-memory.png", "routes-4x.png", "sensitivity.png"]
+    for name in figures:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    for name in figures:
+        assert f"]({name})" in md
+
+
+def _write_results(path, scores: dict[str, list[int]], roles: dict[str, str], kv: dict[str, int]):
+    lines = [{"kind": "header", "format": FORMAT, "version": 1, "spec_hash": "spec-x",
+              "spec": {"name": "hand", "context_tokens": 100}}]
+    for name, role in roles.items():
+        lines.append({"kind": "policy", "policy": name, "method": name.split("@")[0],
+                      "budget": None if role == "full" else "8x", "role": role, "plan": None, "nominal_bytes": None})
+    for name, values in scores.items():
+        for i, s in enumerate(values):
+            lines.append({"kind": "result", "policy": name, "task": "passkey", "item": f"passkey-{i}", "score": s,
+                          "kv_bytes": kv[name], "full_kv_bytes": 1000, "context_tokens": 100})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_report_numbers_are_the_paired_statistics_of_the_scores(tmp_path):
+    rng = np.random.default_rng(3)
+    roles = {"full": "full", "2d_uniform@8x": "2d_uniform", "2d@8x": "2d", "2d_hetero@8x": "2d_hetero"}
+    scores = {name: [int(x) for x in rng.random(25) < p] for name, p in
+              zip(roles, (0.95, 0.4, 0.5, 0.7))}
+    kv = {"full": 1000, "2d_uniform@8x": 100, "2d@8x": 125, "2d_hetero@8x": 120}
+    path = tmp_path / "results.jsonl"
+    _write_results(path, scores, roles, kv)
+    res = Results.load(str(path))
+
+    rows = {r["policy"]: r for r in policy_rows(res, "passkey")}
+    for name, values in scores.items():
+        w = stats.wilson_interval(sum(values), len(values))
+        assert (rows[name]["wilson"].low, rows[name]["wilson"].high) == (w.low, w.high)
+        assert rows[name]["ratio"] == 1000 / kv[name]
+
+    chain = designs.moend_chain(res, "passkey", "8x")
+    want = stats.moend_ablation({"2d_uniform": scores["2d_uniform@8x"], "2d": scores["2d@8x"],
+                                 "2d_hetero": scores["2d_hetero@8x"], "full": scores["full"]})
+    assert chain["policies"]["full"] == "full"
+    for key in ("d_quant", "d_evict", "d_total", "hetero_vs_full"):
+        assert chain["intervals"][key] == want[key]
+
+    write_report(str(path), str(tmp_path / "out"))
+    md = (tmp_path / "out" / "report.md").read_text()
+    d = want["d_evict"]
+    assert f"| d_evict | {d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" in md
+    w = stats.wilson_interval(sum(scores["2d@8x"]), 25)
+    assert f"{w.estimate:.1%} [{w.low:.1%}, {w.high:.1%}]" in md
+
+
+def test_items_missing_for_one_policy_are_left_out_of_the_paired_set(tmp_path):
+    roles = {"a@8x": "", "b@8x": ""}
+    path = tmp_path / "results.jsonl"
+    _write_results(path, {"a@8x": [1, 0, 1], "b@8x": [1, 1]}, roles, {"a@8x": 10, "b@8x": 10})
+    res = Results.load(str(path))
+    assert res.items("passkey") == ["passkey-0", "passkey-1"]
+    assert designs.paired_vs(res, "passkey", "a@8x", "b@8x").estimate == -0.5
