@@ -71,6 +71,11 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"and supports only unpadded batches (pass no 4D mask)")
     if kwargs.get("output_attentions"):
         raise RuntimeConfigError("output_attentions is not supported by the polykv runtime (attention runs in SDPA)")
+    unsupported = [k for k in ("softcap", "sliding_window", "s_aux", "sinks") if kwargs.get(k) is not None]
+    if unsupported or (dropout and module.training):
+        what = ", ".join(unsupported) or "attention dropout in training mode"
+        raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves plain causal softmax attention in "
+                                 f"eval mode; this model asks for {what} (call model.eval(), or use another model)")
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     out = sdpa(query, key, value, scaling)
