@@ -1,37 +1,132 @@
-"""``polykv demo``: load the default model and print its geometry (a first check that set-up worked)."""
+"""``polykv demo``: MoE-nD's ablation chain and a PolyKV rule route on SmolLM2, passkey, two budgets.
+
+The demo is a study (``examples/demo_study.json`` is the same spec): on the default model with the
+shipped profile it solves ``1d``, ``2d_uniform``, ``2d`` (quant-only), ``2d_hetero`` (MoE-nD greedy),
+``route`` (PolyKV profile route, 16 bits) and ``joint`` (exact knapsack over every profiled rule,
+keep and K/V width) at 8x and 4x compression, runs passkey retrieval (compress the context, feed the
+question through the compressed cache, generate greedily), prints accuracy with Wilson intervals,
+measured KV bytes and ratios, and writes the report. Running it again resumes an interrupted run.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import time
+from pathlib import Path
+
+from polykv.errors import StudyError
+
+PROFILE_NAME = "smollm2-135m-instruct.profile.json"
+"""The shipped profile of the default model, in the repository's ``profiles/`` folder."""
+
+CHAIN_RULE = "snapkv"
+"""The one eviction rule of the MoE-nD chain (1d ... 2d_hetero), so the chain isolates bits and keeps."""
+
+DEMO_SPEC = {
+    "name": "demo",
+    "model": "default",
+    "dtype": "float32",
+    "context_tokens": 2048,
+    "profile": f"../profiles/{PROFILE_NAME}",
+    "budgets": ["8x", "4x"],
+    "baseline": True,
+    "solvers": [
+        {"name": "1d", "solver": "uniform", "params": {"mode": "1d", "rule": CHAIN_RULE}},
+        {"name": "2d_uniform", "solver": "uniform", "params": {"mode": "2d_uniform", "rule": CHAIN_RULE}},
+        {"name": "2d", "solver": "quant-only", "params": {"rule": CHAIN_RULE}},
+        {"name": "2d_hetero", "solver": "moend-greedy", "params": {"rule": CHAIN_RULE}},
+        {"name": "route", "solver": "profile-route", "params": {"scope": "prefill"}, "role": "routed_uniform"},
+        {"name": "joint", "solver": "exact", "params": {}},
+    ],
+    "tasks": [{"task": "passkey", "params": {"length": 2048}, "samples": 20, "seed": 0}],
+}
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="load the default model (SmolLM2-135M) and print its geometry",
-                              description="Load the default model, converting its GGUF once to a cached "
-                                          "copy, and print the shape facts plans depend on.")
-    p.add_argument("--cache-dir", default=None, help="folder for the converted model copy "
-                                                     "(default $POLYKV_CACHE/models or ~/.cache/polykv/models)")
+    p = subparsers.add_parser(
+        "demo", help="run the MoE-nD chain and a PolyKV route on SmolLM2 (passkey, 8x and 4x) and write a report",
+        description="Solve 1d, 2d_uniform, 2d, 2d_hetero, a profile route and the joint exact plan at 8x and 4x "
+                    "compression from the shipped SmolLM2 profile, run passkey retrieval on each (context "
+                    "compressed, then the question fed through the compressed cache), print accuracy with Wilson "
+                    "intervals beside measured KV bytes, and write the report. Resumes when run again.")
+    p.add_argument("--samples", type=int, default=20, metavar="N", help="passkey items per policy (default 20)")
+    p.add_argument("--out", default=os.path.join("results", "demo"), metavar="DIR",
+                   help="output folder: spec.json, results.jsonl, report.md, figures (default results/demo)")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help=f"profile of the default model (default: profiles/{PROFILE_NAME} of this checkout)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from polykv.geometry import geometry_of_model
-    from polykv.models import cached_model_dir, default_model_path, load_default_model
+def find_profile(given: str | None) -> str:
+    """The profile to use: ``given``, else the shipped one (checkout's ``profiles/``, then ./profiles)."""
+    if given is not None:
+        if not os.path.isfile(given):
+            raise StudyError(f"--profile {given}: no such file")
+        return os.path.abspath(given)
+    here = Path(__file__).resolve().parents[2] / "profiles" / PROFILE_NAME
+    for path in (here, Path("profiles") / PROFILE_NAME):
+        if path.is_file():
+            return str(path.resolve())
+    raise StudyError(f"no shipped profile found at {here} or ./profiles/{PROFILE_NAME}; make one with "
+                     f"`polykv calibrate default -o profiles/{PROFILE_NAME}` or pass --profile PATH")
 
-    print(f"default model file: {default_model_path()}")
+
+def demo_spec(samples: int, profile: str) -> dict:
+    spec = copy.deepcopy(DEMO_SPEC)
+    spec["profile"] = profile
+    spec["tasks"][0]["samples"] = int(samples)
+    return spec
+
+
+def print_table(results_path: str) -> None:
+    from polykv.studies import designs
+    from polykv.studies.report import policy_rows
+    from polykv.studies.results import Results
+
+    res = Results.load(results_path)
+    for task in res.tasks:
+        print(f"\n{task}: {len(res.items(task))} items per policy")
+        print(f"{'policy':<16} {'accuracy [Wilson 95%]':<24} {'KV MiB':>8} {'measured':>9} {'nominal':>8}")
+        for r in policy_rows(res, task):
+            w = r["wilson"]
+            acc = f"{w.estimate:6.1%} [{w.low:5.1%}, {w.high:5.1%}]" if w else f"{r['mean']:.3f}"
+            nominal = f"{r['full16'] / r['nominal']:.1f}x" if r.get("nominal") else "-"
+            print(f"{r['policy']:<16} {acc:<24} {r['bytes'] / 2 ** 20:8.3f} {r['ratio']:8.1f}x {nominal:>8}")
+        for b in designs.budgets(res):
+            chain = designs.moend_chain(res, task, b)
+            if chain:
+                parts = [f"{k} {v.estimate:+.2f} [{v.low:+.2f}, {v.high:+.2f}]" for k, v in chain["intervals"].items()
+                         if k in ("d_quant", "d_evict", "d_total")]
+                print(f"MoE-nD chain at {b}: " + "; ".join(parts))
+
+
+def run(args) -> int:
+    from polykv.studies.report import write_report
+    from polykv.studies.runner import prepare, run_study
+    from polykv.studies.spec import load_spec
+    from polykv.atomic import write_text_atomic
+
+    from polykv.models import default_model_path
+
+    if args.samples < 1:
+        raise StudyError(f"--samples must be at least 1, got {args.samples}")
     start = time.perf_counter()
-    model, _tokenizer = load_default_model(cache_dir=args.cache_dir)
+    default_model_path()  # the model package is there (else: the install command), before any other work
+    os.makedirs(args.out, exist_ok=True)
+    spec_path = os.path.join(args.out, "spec.json")
+    write_text_atomic(spec_path, json.dumps(demo_spec(args.samples, find_profile(args.profile)), indent=2) + "\n")
+    spec = load_spec(spec_path)
+    results = os.path.join(args.out, "results.jsonl")
+    prepared = prepare(spec, results)
+    print(f"demo: {len(prepared.policies)} policies x {args.samples} passkey items "
+          f"({spec.context_tokens} tokens) -> {results}")
+    counts = run_study(prepared, progress=not args.no_progress)
+    print_table(results)
+    paths = write_report(results, args.out)
     seconds = time.perf_counter() - start
-    print(f"loaded in {seconds:.1f} s (cached copy: {cached_model_dir(args.cache_dir)})")
-    geo = geometry_of_model(model)
-    print(f"model type      {geo.model_type}")
-    print(f"layers          {geo.num_layers}")
-    print(f"query heads     {geo.num_heads}")
-    print(f"KV heads        {geo.num_kv_heads}")
-    print(f"head dim        {geo.head_dim}")
-    print(f"RoPE theta      {geo.rope_theta:g}")
-    print(f"max positions   {geo.max_positions}")
-    print(f"fingerprint     {geo.fingerprint}")
-    kib = geo.full_cache_bytes(4096) / 2**20
-    print(f"full 16-bit KV cache at 4096 tokens: {kib:.1f} MiB")
+    print(f"\nran {counts['run']} (skipped {counts['skipped']} already recorded) in {seconds:.0f} s; "
+          f"report: {paths[0]}")
     return 0

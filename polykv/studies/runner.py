@@ -74,11 +74,26 @@ def load_model(spec: StudySpec):
     return model, CharTokenizer(model.config.vocab_size)
 
 
-def _model_data(model, tokenizer, plans: list[Plan]) -> dict[str, Any]:
-    """Query statistics for TriAttention when a plan uses it (computed once on the offline corpus)."""
+def _model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
+    """Query statistics for TriAttention when a plan uses it.
+
+    Read from the profile's side file (``x.qstats.safetensors``, written by ``polykv calibrate``) when
+    there is one, else computed once here on the offline corpus (4 texts of 512 tokens).
+    """
     if not any("triattention" in p.rules_used() for p in plans):
         return {}
-    from polykv.profiling.query_stats import compute_query_stats
+    import os
+
+    from polykv.profiling.query_stats import QueryStats, compute_query_stats
+
+    if profile is not None:
+        from polykv.profiling.calibrate import query_stats_path
+
+        path = query_stats_path(profile)
+        if os.path.isfile(path):
+            stats = QueryStats.load(path)
+            stats.check_model(model)
+            return {"triattention": stats}
     from polykv.studies.corpus import corpus_texts
 
     device = next(model.parameters()).device
@@ -140,7 +155,7 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
         if pol.name not in writer.policies:
             writer.append(pol.record(geo, spec.context_tokens))
     device = next(model.parameters()).device
-    model_data = _model_data(model, tokenizer, [p.plan for p in policies])
+    model_data = _model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
     eos = getattr(tokenizer, "eos_token_id", None)
     elem = next(model.parameters()).element_size()
     counts = {"run": 0, "skipped": 0}
