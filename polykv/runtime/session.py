@@ -57,7 +57,8 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     ------
     PlanError
         The plan names unknown rules/quantizers, a rule in a phase it does not support, or was made
-        for another model (layer count, KV heads, head dim, fingerprint).
+        for another model (layer count, KV heads, head dim, fingerprint), or quantizer parameters
+        that cannot serve the model's head dim.
     RuntimeConfigError
         The model has sliding-window layers or an attention implementation the runtime cannot serve.
     """
