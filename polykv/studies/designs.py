@@ -76,9 +76,24 @@ def _route_score(profile, plan: Plan) -> float | None:
     return float(sign * sum(st.values[layer, col[rule]] for layer, rule in enumerate(route)))
 
 
+def _full_plan(spec: StudySpec, profile, registry) -> Plan:
+    """The full cache for the model of the profile, else of the first plan file."""
+    from polykv.plan import LayerPlan, Provenance, full_plan, load_plan
+
+    if profile is not None:
+        return full_plan(profile.model)
+    first = next(iter(spec.plans.values()), None)
+    if first is None:
+        raise StudyError(f"{spec.source}: the full baseline needs the model's shape from a profile or a plan "
+                         "file; add \"profile\" or set \"baseline\": false")
+    plan = load_plan(first, registry=registry)
+    return attrs.evolve(plan, layers=[LayerPlan(layer=i) for i in range(plan.num_layers)],
+                        provenance=Provenance(note="full cache"))
+
+
 def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
     """Solve every solver entry at every budget and load every plan file (no model needed)."""
-    from polykv.plan import full_plan, load_plan
+    from polykv.plan import load_plan
     from polykv.profiling.budget import Budget
     from polykv.solvers import solve
 
@@ -89,14 +104,8 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
 
         profile = load_profile(spec.profile)
     if spec.baseline:
-        model = profile.model if profile is not None else None
-        if model is None:
-            first = next(iter(spec.plans.values()), None)
-            model = load_plan(first, registry=registry).model if first else None
-        if model is None:
-            raise StudyError(f"{spec.source}: the full baseline needs the model's shape from a profile or a plan "
-                             "file; add \"profile\" or set \"baseline\": false")
-        out.append(Policy(name=FULL_POLICY, method=FULL_POLICY, budget=None, role="full", plan=full_plan(model)))
+        out.append(Policy(name=FULL_POLICY, method=FULL_POLICY, budget=None, role="full",
+                          plan=_full_plan(spec, profile, registry)))
     for name, path in spec.plans.items():
         out.append(Policy(name=name, method=name, budget=None, role=name if name in ROLES else "",
                           plan=load_plan(path, registry=registry)))
