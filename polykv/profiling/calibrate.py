@@ -1,0 +1,323 @@
+"""Calibration: measure a model's per-layer sensitivity profile (MoE-nD tables, PolyKV statistics).
+
+>>> result = calibrate(model, sequences, CalibrationSettings(prefix=512))     # doctest: +SKIP
+>>> result.profile.save("x.profile.json"); result.query_stats.save("x.qstats.safetensors")  # doctest: +SKIP
+
+Steps (``docs/calibration.md``):
+
+1. TriAttention query statistics over the calibration sequences
+   (:func:`~polykv.profiling.query_stats.compute_query_stats`), passed to rules as
+   ``model_data["triattention"]`` and saved beside the profile.
+2. One captured forward per sequence (:mod:`polykv.profiling.capture`).
+3. Per layer: the ``l2`` error of every candidate config (:mod:`polykv.profiling.sensitivity`),
+   PolyKV's ``cosine`` per rule and ``entropy`` (:mod:`polykv.profiling.routing_stats`), each averaged
+   over sequences; optionally ``delta_ppl`` per rule and the ``kl`` validation through the runtime
+   (:mod:`polykv.profiling.validation`). Each finished layer is checkpointed
+   (:mod:`polykv.profiling.checkpoint`).
+
+Candidate configs: keep 1.0 is listed once, as rule ``full``, at every (K, V) width pair; every
+other keep is listed per rule, in phase ``settings.phase`` (``prefill``: what is measured).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from polykv.errors import ProfileError
+from polykv.profiling.capture import capture_sequence, stack_layer
+from polykv.profiling.checkpoint import Checkpoint, run_digest
+from polykv.profiling.profile import (FULL_RULE, CandidateConfig, Profile, ProfileProvenance, StatTable, model_info,
+                                      moend_configs, now_iso)
+from polykv.profiling.routing_stats import attention_entropy, rule_cosines
+from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
+from polykv.profiling import validation as val
+
+TRIATTENTION = "triattention"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class CalibrationSettings:
+    """What to measure; the defaults are MoE-nD's design space over every registered rule."""
+
+    rules: tuple[str, ...] | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(v))
+    """Retention rules to profile (None = every registered rule except ``full``)."""
+    keeps: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+    """Keep ratios of the prefix."""
+    bits: tuple[int, ...] = (16, 8, 4)
+    """Widths tried for keys and for values."""
+    phase: str = "prefill"
+    """Phase recorded in the configs (calibration compresses the prefix, i.e. the prefill)."""
+    prefix: int = 512
+    """Prefix tokens P that are compressed; the rest of each sequence are follow-up queries."""
+    seed: int = 0
+    """Seeds the corpus draw, the random rule and the sampled validation configs."""
+    stat_capacity: int = 256
+    """PolyKV's common calibration capacity for the cosine and delta-PPL statistics."""
+    delta_ppl_sequences: int = 0
+    """Calibration sequences the delta-PPL statistic runs on (0 = not measured; the whole model per rule)."""
+    validate_configs: int = 8
+    """Configs sampled (the same for every layer) for the KL validation when held-out sequences are given."""
+    quantizer: str = "kivi"
+    quantizer_params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class CalibrationResult:
+    profile: Profile
+    query_stats: Any
+    """:class:`~polykv.profiling.query_stats.QueryStats` measured on the calibration sequences."""
+    seconds: float
+    """Wall time of the run (resumed layers excluded)."""
+
+
+def query_stats_path(profile_path: str) -> str:
+    """Where the TriAttention query statistics of a profile live: ``x.profile.json`` -> ``x.qstats.safetensors``."""
+    base = str(profile_path)
+    for ext in (".profile.json", ".json"):
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    return base + ".qstats.safetensors"
+
+
+def model_data_for(profile_path: str) -> dict[str, Any]:
+    """``model_data`` for :func:`polykv.apply` from the side files of a profile (``{"triattention": QueryStats}``).
+
+    >>> with polykv.apply(model, plan, model_data=model_data_for("profiles/x.profile.json")):  # doctest: +SKIP
+    ...     ...
+    """
+    from polykv.profiling.query_stats import QueryStats
+
+    return {TRIATTENTION: QueryStats.load(query_stats_path(profile_path))}
+
+
+def default_rules(registry) -> tuple[str, ...]:
+    """Every registered retention rule except ``full``, by name."""
+    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE))
+
+
+def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, registry) -> list[CandidateConfig]:
+    """keep 1.0 once as ``full`` x (K, V) widths, then each rule at every other keep x (K, V) widths."""
+    keeps = sorted(set(float(k) for k in settings.keeps))
+    if not keeps or keeps[0] <= 0 or keeps[-1] > 1:
+        raise ProfileError(f"keep ratios must lie in (0, 1], got {list(settings.keeps)} (--keeps)")
+    bits = list(dict.fromkeys(int(b) for b in settings.bits))
+    out = []
+    if keeps[-1] == 1.0:
+        out += moend_configs(FULL_RULE, "both", keeps=[1.0], k_bits=bits, v_bits=bits)
+    for rule in rules:
+        cls = registry.operator(rule)
+        if settings.phase not in cls.phases and settings.phase != "both":
+            raise ProfileError(f"rule '{rule}' does not run in phase '{settings.phase}' (it supports "
+                               f"{sorted(cls.phases)}); leave it out with --rules")
+        out += moend_configs(rule, settings.phase, keeps=[k for k in keeps if k < 1.0], k_bits=bits, v_bits=bits)
+    return out
+
+
+def _rope(model) -> tuple[torch.Tensor | None, float]:
+    for m in model.modules():
+        inv = getattr(m, "inv_freq", None)
+        if isinstance(inv, torch.Tensor) and type(m).__name__.endswith("RotaryEmbedding"):
+            return inv.detach().float(), float(getattr(m, "attention_scaling", 1.0) or 1.0)
+    return None, 1.0
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import polykv
+
+    return {"polykv": polykv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "numpy": np.__version__, "python": platform.python_version()}
+
+
+def _progress(iterable, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="layer")
+
+
+def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSettings = CalibrationSettings(), *,
+              heldout: Sequence[torch.Tensor] = (), checkpoint_dir: str | None = None, corpus: str = "",
+              registry=None, progress: bool = False,
+              on_layer: Callable[[int], None] | None = None) -> CalibrationResult:
+    """Measure a profile of ``model`` on ``sequences`` (see the module docstring).
+
+    Parameters
+    ----------
+    model : transformers causal LM (loaded with ``attn_implementation="sdpa"``)
+    sequences : list of LongTensor [T]
+        Calibration token ids, every one longer than ``settings.prefix``.
+    heldout : list of LongTensor [T]
+        Held-out sequences for the KL validation (empty = no validation).
+    checkpoint_dir : str, optional
+        Folder of per-layer checkpoints (resume); None keeps everything in memory.
+    corpus : str
+        Description of where the sequences came from, for the profile's provenance.
+    on_layer : callable, optional
+        Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
+    """
+    from polykv.geometry import geometry_of_model
+    from polykv.profiling.query_stats import compute_query_stats
+
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    start = time.perf_counter()
+    seqs = [torch.as_tensor(s).view(-1) for s in sequences]
+    held = [torch.as_tensor(s).view(-1) for s in heldout]
+    P = int(settings.prefix)
+    short = [i for i, s in enumerate(seqs + held) if s.numel() <= P + 1]
+    if not seqs or short:
+        raise ProfileError(f"calibration needs sequences longer than the prefix ({P} tokens) plus one; "
+                           f"{'none given' if not seqs else f'sequence(s) {short} are too short'} "
+                           f"(lower --prefix or lengthen --tokens)")
+    geometry = geometry_of_model(model)
+    rules = tuple(settings.rules) if settings.rules is not None else default_rules(registry)
+    configs = candidate_configs(rules, settings, registry)
+    quantizer = registry.quantizer(settings.quantizer)(**settings.quantizer_params)
+    digest = run_digest({"model": geometry.fingerprint, "settings": attrs.asdict(settings), "rules": rules,
+                         "configs": [c.label for c in configs],
+                         "tokens": [s.tolist() for s in seqs], "heldout": [s.tolist() for s in held]})
+    ckpt = Checkpoint(checkpoint_dir, digest)
+
+    query_stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
+    inv_freq, rope_scaling = _rope(model)
+    ctx = LayerContext(registry=registry, quantizer=quantizer, model_data={TRIATTENTION: query_stats},
+                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
+    L = geometry.num_layers
+    done = {layer: ckpt.load(layer) for layer in range(L)}
+    todo = [layer for layer in range(L) if done[layer] is None]
+    captures = [capture_sequence(model, s) for s in seqs] if todo else []
+    val_cols = val.sample_configs(configs, settings.validate_configs, settings.seed) if held else []
+    refs = [val.reference_logprobs(model, s, P) for s in held] if todo and held else []
+    ppl_seqs = seqs[:settings.delta_ppl_sequences]
+    ppl_refs = [val.reference_logprobs(model, s, P) for s in ppl_seqs] if todo else []
+
+    for layer in _progress(todo, len(todo), "calibrating layers", progress):
+        cap = stack_layer(captures, layer)                  # every sequence as one batch row
+        ref = full_reference(cap, P)
+        arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref)),
+                  "cosine": np.asarray(rule_cosines(cap, P, rules, ctx, capacity=settings.stat_capacity,
+                                                    reference=ref)),
+                  "entropy": np.asarray([attention_entropy(cap, P)])}
+        if ppl_seqs:
+            arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
+        if held:
+            arrays["kl"] = _kl(model, geometry, layer, [configs[i] for i in val_cols], held, refs, settings, ctx)
+        ckpt.save(layer, arrays)
+        done[layer] = arrays
+        if on_layer is not None:
+            on_layer(layer)
+
+    profile = _assemble(geometry, configs, rules, done, val_cols, settings, corpus, len(seqs), len(held),
+                        int(seqs[0].numel()))
+    return CalibrationResult(profile=profile, query_stats=query_stats, seconds=time.perf_counter() - start)
+
+
+def corpus_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: int, *, seed: int = 0,
+                     kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
+    """``n`` sequences of exactly ``tokens`` token ids from the offline corpus, and their description.
+
+    Texts come from :func:`polykv.studies.corpus.corpus_texts` (``kind``, ``seed``), at least
+    ``4 * tokens`` characters long; each is tokenized and cut to its first ``tokens`` ids; texts that
+    tokenize shorter are skipped, in the corpus order, so the result depends only on the arguments.
+    """
+    from polykv.studies.corpus import corpus_fingerprint, corpus_id, corpus_texts
+
+    if n < 1 or tokens < 2:
+        raise ProfileError(f"need at least one sequence of at least 2 tokens, got n={n}, tokens={tokens}")
+    for draw in (n, 2 * n, 4 * n, 8 * n):
+        texts = corpus_texts(kind, draw, min_chars=4 * tokens, seed=seed)
+        picked = []
+        for text in texts:
+            ids = list(tokenize(text))
+            if len(ids) >= tokens:
+                picked.append((text, torch.tensor(ids[:tokens], dtype=torch.long)))
+            if len(picked) == n:
+                break
+        if len(picked) == n or len(texts) < draw:
+            break
+    if len(picked) < n:
+        raise ProfileError(f"the offline corpus ({corpus_id()}, kind {kind!r}) has only {len(picked)} texts of at "
+                           f"least {tokens} tokens; ask for fewer sequences or shorter ones (--sequences, --tokens)")
+    desc = (f"{corpus_id()} {kind} seed={seed}: {n} texts of >= {4 * tokens} chars cut to {tokens} tokens, "
+            f"texts sha256 {corpus_fingerprint([t for t, _ in picked])}")
+    return [ids for _, ids in picked], desc
+
+
+def _delta_ppl(model, geometry, layer, rules, seqs, refs, settings, ctx) -> np.ndarray:
+    out = np.zeros(len(rules))
+    for s, ref in zip(seqs, refs):
+        base = val.perplexity(ref, s[settings.prefix:])
+        for j, rule in enumerate(rules):
+            plan = val.one_layer_plan(geometry, layer, rule=rule, capacity=settings.stat_capacity)
+            lp = val.plan_logprobs(model, plan, s, settings.prefix, model_data=ctx.model_data, seed=settings.seed)
+            out[j] += (val.perplexity(lp, s[settings.prefix:]) - base) / len(seqs)
+    return out
+
+
+def _kl(model, geometry, layer, configs, seqs, refs, settings, ctx) -> np.ndarray:
+    out = np.zeros(len(configs))
+    for s, ref in zip(seqs, refs):
+        for j, c in enumerate(configs):
+            plan = val.config_plan(geometry, layer, c, quantizer=settings.quantizer,
+                                   quantizer_params=settings.quantizer_params)
+            lp = val.plan_logprobs(model, plan, s, settings.prefix, model_data=ctx.model_data, seed=settings.seed)
+            out[j] += val.kl_divergence(ref, lp) / len(seqs)
+    return out
+
+
+def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq, n_held, tokens) -> Profile:
+    L = geometry.num_layers
+    table = lambda key: np.stack([done[layer][key] for layer in range(L)])  # noqa: E731
+    cap = settings.stat_capacity
+    stats = {
+        "cosine": StatTable(columns=rules, values=table("cosine"), higher_is_better=True, phase=settings.phase,
+                            capacity=cap, description="cosine between the layer's mean attention-block output "
+                            "(after o_proj, mean over follow-up tokens) with every prefix token kept and with the "
+                            f"rule keeping {cap} prefix tokens, 16 bits; mean over calibration sequences"),
+        "entropy": StatTable(columns=("entropy",), values=table("entropy"), higher_is_better=False,
+                             description="mean entropy (nats) of the follow-up queries' causal attention over all "
+                             "keys, over query heads, queries and calibration sequences"),
+    }
+    metrics = {"l2": table("l2")}
+    note = []
+    if "delta_ppl" in done[0]:
+        stats["delta_ppl"] = StatTable(columns=rules, values=table("delta_ppl"), higher_is_better=False,
+                                       phase=settings.phase, capacity=cap,
+                                       description=f"perplexity of the follow-up tokens when only this layer runs "
+                                       f"the rule at {cap} prefix tokens (runtime), minus the full model's")
+    if "kl" in done[0]:
+        kl = table("kl")
+        labels = tuple(configs[i].label for i in val_cols)
+        if len(val_cols) == sum(1 for c in configs if not (c.keeps_everything and c.k_bits == c.v_bits == 16)):
+            full_kl = np.zeros((L, len(configs)))
+            full_kl[:, val_cols] = kl
+            metrics["kl"] = full_kl
+        stats["kl_sampled"] = StatTable(columns=labels, values=kl, higher_is_better=False, phase=settings.phase,
+                                        description=f"KL(full || config applied to this layer only), nats, mean over "
+                                        f"{n_held} held-out sequences and follow-up positions (runtime)")
+        corr = val.correlations(metrics["l2"][:, val_cols], kl, seed=settings.seed)
+        means = np.nanmean(corr, axis=0)
+        note.append(f"L2 vs KL over {len(val_cols)} sampled configs: mean per-layer Pearson {means[0]:.3f}, "
+                    f"Spearman {means[1]:.3f}")
+        if np.isfinite(corr).all():
+            stats["l2_kl_correlation"] = StatTable(columns=("pearson", "spearman"), values=corr,
+                                                   higher_is_better=True, description="per-layer correlation "
+                                                   "between the l2 metric and kl_sampled over its columns")
+    prov = ProfileProvenance(corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
+                             context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
+                             note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
+                                             f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "
+                                             f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
+    return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov)
