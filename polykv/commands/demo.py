@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     p.add_argument("--profile", default=None, metavar="PATH",
                    help=f"profile of the default model (default: profiles/{PROFILE_NAME} of this checkout)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's choice); 1 is fastest on a machine shared with "
+                        "other busy processes")
     p.set_defaults(func=run)
 
 
@@ -103,6 +106,17 @@ def print_table(results_path: str) -> None:
                 print(f"MoE-nD chain at {b}: " + "; ".join(parts))
 
 
+def set_threads(n: int | None) -> None:
+    """Use ``n`` CPU threads in torch (None leaves torch's default)."""
+    if n is None:
+        return
+    if n < 1:
+        raise StudyError(f"--threads must be at least 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def run(args) -> int:
     from polykv.studies.report import write_report
     from polykv.studies.runner import prepare, run_study
@@ -115,6 +129,7 @@ def run(args) -> int:
         raise StudyError(f"--samples must be at least 1, got {args.samples}")
     start = time.perf_counter()
     default_model_path()  # the model package is there (else: the install command), before any other work
+    set_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "spec.json")
     write_text_atomic(spec_path, json.dumps(demo_spec(args.samples, find_profile(args.profile)), indent=2) + "\n")

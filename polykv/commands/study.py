@@ -18,6 +18,9 @@ def register(subparsers) -> None:
     p.add_argument("--report", metavar="DIR", default=None, help="also write the report into DIR when finished")
     p.add_argument("--check", action="store_true", help="check the spec and solve the plans, then stop")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's choice); 1 is fastest on a machine shared with "
+                        "other busy processes")
     p.set_defaults(func=run)
 
 
@@ -34,6 +37,9 @@ def run(args) -> int:
         for pol in prepared.policies:
             print(f"  {pol.name}: {pol.plan.provenance.note or pol.method}")
         return 0
+    from polykv.commands.demo import set_threads
+
+    set_threads(args.threads)
     counts = run_study(prepared, progress=not args.no_progress)
     print(f"ran {counts['run']}, skipped {counts['skipped']} already recorded")
     if args.report:
