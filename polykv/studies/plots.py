@@ -47,6 +47,7 @@ def score_vs_memory(points: Sequence[dict], path: str, *, title: str, full: dict
         iv = [stats.wilson_interval(p["k"], p["n"]) for p in pts]
         y = np.array([v.estimate for v in iv])
         err = np.array([[v.estimate - v.low for v in iv], [v.high - v.estimate for v in iv]])
+        err = np.clip(err, 0.0, None)  # at 0/n or n/n a bound equals the estimate up to rounding
         ax.errorbar(x, y, yerr=err, marker=markers[i % len(markers)], capsize=3, label=m, linewidth=1.4)
     if full is not None:
         fiv = stats.wilson_interval(full["k"], full["n"])

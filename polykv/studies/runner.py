@@ -20,7 +20,6 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from polykv.errors import StudyError
 from polykv.plan import Plan
 from polykv.studies.designs import Policy, build_policies
 from polykv.studies.results import ResultsWriter
@@ -217,12 +216,3 @@ def _bar(total: int, enabled: bool, name: str):
 
     return tqdm(total=total, disable=not enabled, desc=f"study {name}", unit="run", dynamic_ncols=True)
 
-
-def check_finished(prepared: Prepared) -> None:
-    """Raise unless every (policy, task, item) of the spec has a result (for reports of partial runs)."""
-    writer = ResultsWriter(prepared.results_path, prepared.spec.hash,
-                           ResultsWriter.check(prepared.results_path, prepared.spec.hash))
-    want = sum(t.samples for t in prepared.spec.tasks) * len(prepared.policies)
-    if len(writer.done) < want:
-        raise StudyError(f"{prepared.results_path}: {len(writer.done)} of {want} results; run the study again "
-                         "to finish it")
