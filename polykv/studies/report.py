@@ -77,6 +77,27 @@ def _pairs(res: Results, task: str, budget: str) -> list[str]:
     return out
 
 
+MATCHED = 1.25
+"""Two policies count as memory-matched when their mean measured bytes differ by at most this factor."""
+
+
+def _matched(res: Results, task: str) -> list[str]:
+    """Paired intervals of every two policies (any budget) whose measured KV bytes are within MATCHED."""
+    names = [n for n, r in res.policies.items() if r.get("role") not in ("placement", "full")]
+    kv = {n: designs.mean_bytes(res, n, task) for n in names}
+    out = ["| A | B | bytes A / bytes B | mean(A) - mean(B) [paired bootstrap 95%] |", "|---|---|---|---|"]
+    rows = 0
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ratio = kv[a] / kv[b]
+            budget = res.policies[a].get("budget")
+            listed = budget is not None and budget == res.policies[b].get("budget")  # in the per-budget table
+            if 1 / MATCHED <= ratio <= MATCHED and not listed:
+                out.append(f"| {a} | {b} | {ratio:.2f} | {_diff(designs.paired_vs(res, task, a, b))} |")
+                rows += 1
+    return out if rows else []
+
+
 def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval]) -> list[str]:
     out = [f"**{title}** — policies: " + ", ".join(f"{k} = `{v}`" for k, v in policies.items()), "",
            "| contrast | estimate [95% interval] | bootstrap p |", "|---|---|---|"]
@@ -97,6 +118,9 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
                                     full=full if full and full["binary"] else None)
         figures.append(fig)
         lines += [f"![score vs memory]({os.path.basename(fig)})", ""]
+    matched = _matched(res, task)
+    if matched:
+        lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
         lines += [f"### Budget {b}", "", "Paired differences (`*`: the interval excludes 0):", ""]
         lines += _pairs(res, task, b) + [""]
