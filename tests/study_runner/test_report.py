@@ -82,3 +82,19 @@ def test_items_missing_for_one_policy_are_left_out_of_the_paired_set(tmp_path):
     res = Results.load(str(path))
     assert res.items("passkey") == ["passkey-0", "passkey-1"]
     assert designs.paired_vs(res, "passkey", "a@8x", "b@8x").estimate == -0.5
+
+
+def test_policies_at_different_budgets_with_matched_bytes_are_compared(tmp_path):
+    path = tmp_path / "results.jsonl"
+    roles = {"a@8x": "", "b@8x": "", "c@8x": ""}
+    _write_results(path, {"a@8x": [1, 1, 0, 1], "b@8x": [0, 1, 0, 0], "c@8x": [1, 1, 1, 1]}, roles,
+                   {"a@8x": 100, "b@8x": 110, "c@8x": 300})
+    text = path.read_text().replace('"policy": "b@8x", "method": "b", "budget": "8x"',
+                                    '"policy": "b@8x", "method": "b", "budget": "4x"')
+    path.write_text(text)
+    write_report(str(path), str(tmp_path / "out"))
+    md = (tmp_path / "out" / "report.md").read_text()
+    section = md.split("matched measured memory")[1].split("###")[0]
+    iv = designs.paired_vs(Results.load(str(path)), "passkey", "a@8x", "b@8x")
+    assert f"| a@8x | b@8x | 0.91 | {iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]" in section
+    assert "c@8x" not in section  # 3x the bytes of either: not a matched pair

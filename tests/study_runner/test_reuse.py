@@ -91,3 +91,19 @@ def test_study_with_reuse_equals_study_with_a_prefill_per_policy(tmp_path, spec_
     assert not any(r["reused_prefill"] for r in records if r["kind"] == "result")
     assert all(r["reused_prefill"] for r in reference if r["kind"] == "result")
     assert view(records) == view(reference)
+
+
+def test_a_chunked_capture_equals_a_chunked_prefill(model):
+    geo = geometry_of_model(model)
+    g = torch.Generator().manual_seed(2)
+    context, question = torch.randint(1, 128, (1, 50), generator=g), torch.randint(1, 128, (1, 4), generator=g)
+    plan = uniform_plan(geo, prefill=OpSpec(rule="h2o", capacity=20), k_bits=8, v_bits=8)
+    snapshot = capture_prefill(model, context, [plan], chunk_size=16)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        session.prefill(context, chunk_size=16)
+        want = forward(session, question).logits
+        want_bytes = session.resident_bytes().per_layer
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        restore_prefill(session, snapshot)
+        assert torch.equal(forward(session, question).logits, want)
+        assert session.resident_bytes().per_layer == want_bytes
