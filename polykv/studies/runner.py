@@ -134,9 +134,8 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
     on_result : callable, optional
         Called with every result record right after it is written.
     """
-    import polykv
     from polykv.registry import get_registry
-    from polykv.runtime.fork import capture_prefill, restore_prefill
+    from polykv.runtime.fork import capture_prefill
 
     spec, policies = prepared.spec, prepared.policies
     writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
@@ -156,7 +155,6 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
     device = next(model.parameters()).device
     model_data = _model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
     eos = getattr(tokenizer, "eos_token_id", None)
-    elem = next(model.parameters()).element_size()
     counts = {"run": 0, "skipped": 0}
     work = []
     for t in spec.tasks:
@@ -178,29 +176,10 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
                                            chunk_size=spec.chunk_size)
                     prefill_s = time.perf_counter() - start
                 for pol in todo:
-                    start = time.perf_counter()
-                    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
-                        if snap is not None:
-                            restore_prefill(session, snap)
-                        else:
-                            session.prefill(ctx, chunk_size=spec.chunk_size)
-                        kv = session.resident_bytes()
-                        tokens = _greedy(session, question, item.max_new_tokens, eos)
-                        end = session.resident_bytes()
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    T = ctx.shape[1]
-                    record = {
-                        "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
-                        "score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
-                        "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer),
-                        "metadata_bytes": kv.metadata_total, "kv_bytes_end": end.total,
-                        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem,
-                        "context_tokens": T, "question_tokens": int(question.shape[1]),
-                        "new_tokens": len(tokens), "seconds": time.perf_counter() - start,
-                        "prefill_seconds": prefill_s if snap is not None else None,
-                        "reused_prefill": snap is not None,
-                        "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
-                    }
+                    record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
+                                         model_data=model_data, eos=eos, tokenizer=tokenizer, registry=registry)
+                    if snap is not None:
+                        record["prefill_seconds"] = prefill_s
                     writer.append(record)
                     counts["run"] += 1
                     bar.update(1)
@@ -209,6 +188,37 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
     finally:
         bar.close()
     return counts
+
+
+def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: torch.Tensor, snap, *, spec: StudySpec,
+                geo, model_data, eos, tokenizer, registry) -> dict[str, Any]:
+    """Compress ``ctx`` [1, T] with ``pol``'s plan (restored from ``snap`` or prefilled), feed ``question``
+    [1, q] through the compressed cache, generate greedily; the result record."""
+    import polykv
+    from polykv.runtime.fork import restore_prefill
+
+    start = time.perf_counter()
+    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
+        if snap is not None:
+            restore_prefill(session, snap)
+        else:
+            session.prefill(ctx, chunk_size=spec.chunk_size)
+        kv = session.resident_bytes()                  # the compressed context, before the question
+        tokens = _greedy(session, question, item.max_new_tokens, eos)
+        end = session.resident_bytes()
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    T = int(ctx.shape[1])
+    elem = next(model.parameters()).element_size()
+    return {
+        "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
+        "score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
+        "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer), "metadata_bytes": kv.metadata_total,
+        "kv_bytes_end": end.total,
+        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem,
+        "context_tokens": T, "question_tokens": int(question.shape[1]), "new_tokens": len(tokens),
+        "seconds": time.perf_counter() - start, "prefill_seconds": None, "reused_prefill": snap is not None,
+        "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
+    }
 
 
 def _bar(total: int, enabled: bool, name: str):
