@@ -181,6 +181,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"calibration needs sequences longer than the prefix ({P} tokens) plus one; "
                            f"{'none given' if not seqs else f'sequence(s) {short} are too short'} "
                            f"(lower --prefix or lengthen --tokens)")
+    if not 0 <= settings.delta_ppl_sequences <= len(seqs):
+        raise ProfileError(f"delta-PPL runs on the first N calibration sequences: N must lie in 0..{len(seqs)}, "
+                           f"got {settings.delta_ppl_sequences} (--delta-ppl)")
     geometry = geometry_of_model(model)
     rules = tuple(settings.rules) if settings.rules is not None else default_rules(registry)
     configs = candidate_configs(rules, settings, registry)
