@@ -107,7 +107,8 @@ def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, 
                         stat: tuple[np.ndarray, Sequence[str], str] | None = None) -> str:
     """Heatmap of a profile's metric table [L, C] (log10), and optionally a statistic table [L, R]."""
     ncols = 2 if stat is not None else 1
-    widths = [max(6.0, 0.13 * len(labels)), 2.2] if stat is not None else [max(6.0, 0.13 * len(labels))]
+    main_w = min(14.0, max(6.0, 0.13 * len(labels)))
+    widths = [main_w, 2.2] if stat is not None else [main_w]
     fig, axes = plt.subplots(1, ncols, figsize=(sum(widths) + 1.5, 0.2 * table.shape[0] + 2.6),
                              gridspec_kw={"width_ratios": widths}, squeeze=False)
     ax = axes[0, 0]
@@ -116,8 +117,14 @@ def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, 
     data = np.log10(np.clip(table, floor, None))
     im = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_ylabel("layer")
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=90, fontsize=4.5)
+    if len(labels) <= 80:
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=90, fontsize=4.5)
+    else:  # too many configs to name one by one: mark where each rule's block starts
+        starts = [i for i, lab in enumerate(labels) if i == 0 or lab.split("@")[0] != labels[i - 1].split("@")[0]]
+        ax.set_xticks(starts)
+        ax.set_xticklabels([labels[i].split("@")[0] for i in starts], rotation=90, fontsize=7)
+        ax.set_xlabel(f"{len(labels)} configs (rule @ keep / phase / K V bits), grouped by rule")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="log10 loss (lower is better)", fraction=0.03)
     if stat is not None:
