@@ -13,15 +13,6 @@ TOKENS = 96
 SMALL_RULES = ("h2o", "random", "streamingllm", "tova", "triattention")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest, and most steadily on a busy machine, on one thread; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model():
     """Tiny GQA Llama: 3 layers, 4 query heads, 2 KV heads, head_dim 32 (a multiple of kivi's group)."""

@@ -9,15 +9,6 @@ from polykv.geometry import geometry_of_model
 from polykv.testing import tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread, and far more steadily on a busy machine; restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llama():
     """Tiny GQA Llama (4 query heads, 2 KV heads) and its geometry."""
