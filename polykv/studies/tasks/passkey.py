@@ -4,8 +4,11 @@ After Mohtashami & Jaggi (2023), "Landmark Attention: Random-Access Infinite Con
 Transformers" (the passkey test), as a plain completion prompt: the context is an instruction, the
 filler and one line "The pass key is 71432. Remember it."; the question "What is the pass key? The
 pass key is" is fed through the compressed cache and the first number generated must be the key.
-The filler is real prose from the offline corpus (:mod:`polykv.studies.corpus`), not the repeated
-"The grass is green" lines of the original, so positions differ in content.
+The filler is real text from the offline corpus (:mod:`polykv.studies.corpus`), not the repeated
+"The grass is green" lines of the original, so positions differ in content. The default filler is
+standard-library source code: the prose filler (the Python reference manual, which itself explains
+"keys" and "special methods") distracts SmolLM2-135M even with a full cache (16/20 found at 2048 tokens,
+against 20/20 with code filler), and a baseline below 100% would blur what compression alone costs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class PasskeyTask(Task):
         "length": 2048,       # prompt tokens: context + question, tokenized separately
         "depth": None,        # fraction of the filler before the needle; None draws it uniformly per item
         "digits": 5,          # digits of the key (no leading zero)
-        "filler": "prose",    # corpus kind of the filler: "prose" or "code"
+        "filler": "code",     # corpus kind of the filler: "code" or "prose" (see the module docstring)
         "max_new_tokens": 8,  # tokens generated for the answer
     }
 
