@@ -1,0 +1,66 @@
+"""Passkey retrieval on the default model for every built-in rule at 4x and 8x context compression.
+
+Writes one uniform plan per (rule, ratio) — the rule compresses the context in the prefill phase to
+the given fraction of its tokens, everything else full and 16-bit — plus a study spec, then runs it
+with ``polykv study`` (context compressed before the question is fed through the cache) and prints
+the report table. Usage::
+
+    python bench/passkey_rules.py [--samples 10] [--length 2048] [--filler code] [--out results/passkey-rules]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import polykv
+from polykv.models import default_geometry
+from polykv.registry import get_registry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILE = os.path.join(HERE, "..", "profiles", "smollm2-135m-instruct.profile.json")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[4.0, 8.0])
+    ap.add_argument("--out", default="results/passkey-rules")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--filler", default="code", help="passkey filler corpus: code or prose")
+    args = ap.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    geo = default_geometry()
+    registry = get_registry()
+    plans = {}
+    for rule in registry.names("operator"):
+        if rule == "full" or "prefill" not in registry.operator(rule).phases:
+            continue
+        for ratio in args.ratios:
+            plan = polykv.uniform_plan(geo, prefill=rule, capacity_ratio=1.0 / ratio)
+            name = f"{rule}-{ratio:g}x"
+            path = os.path.abspath(os.path.join(args.out, f"{name}.plan.json"))
+            plan.save(path)
+            plans[name] = path
+    spec = {"name": "passkey-rules", "model": "default", "context_tokens": args.length,
+            "profile": os.path.abspath(PROFILE), "baseline": True, "plans": plans,
+            "tasks": [{"task": "passkey", "params": {"length": args.length, "filler": args.filler}, "samples": args.samples, "seed": 0}]}
+    spec_path = os.path.join(args.out, "spec.json")
+    with open(spec_path, "w") as fh:
+        json.dump(spec, fh, indent=2)
+    results = os.path.join(args.out, "results.jsonl")
+    run = [sys.executable, "-m", "polykv", "study", spec_path, "--results", results, "--threads", str(args.threads)]
+    subprocess.run(run, check=True)
+    subprocess.run([sys.executable, "-m", "polykv", "report", results, "-o", args.out], check=True)
+    with open(os.path.join(args.out, "report.md")) as fh:
+        print(fh.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
