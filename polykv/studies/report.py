@@ -5,7 +5,8 @@ bootstrap interval over the same items (10,000 seeded replicates). Measured resi
 compressing the context, before the question) stand beside every score, with the ratio against the
 full cache measured in the same run. Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
-and the fixed-route budget sweep (see :mod:`polykv.studies.designs`).
+and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
+(``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
 """
 
 from __future__ import annotations
@@ -64,6 +65,38 @@ def _table(rows: list[dict]) -> list[str]:
     return out
 
 
+def fidelity_rows(res: Results, task: str) -> list[dict[str, Any]]:
+    """Per policy of a teacher-forced task, means over the paired items of top-1 agreement, KL and perplexity.
+
+    Empty when ``task``'s records carry no ``kl`` (a generate task).
+    """
+    items = set(res.items(task))
+    rows = []
+    for name in res.policy_names():
+        recs = [r for r in res.results if r["policy"] == name and r["task"] == task and r["item"] in items]
+        if not recs or any("kl" not in r for r in recs):
+            continue
+        mean = {k: float(np.mean([r[k] for r in recs])) for k in ("top1", "kl", "kl_max", "ppl", "ppl_full")}
+        rows.append({"policy": name, "budget": res.policies[name].get("budget"), "n": len(recs), **mean,
+                     "positions": int(sum(r["positions"] for r in recs)),
+                     "bytes": designs.mean_bytes(res, name, task)})
+    return rows
+
+
+def _fidelity_table(rows: list[dict]) -> list[str]:
+    out = ["Teacher-forced continuation: means over items of the per-item means over continuation positions. "
+           "The accuracy column above is the top-1 agreement with the full cache; KL(full || policy) is in nats; "
+           "ppl is the policy's perplexity of the reference continuation, full ppl the full cache's on the same "
+           "positions.", "",
+           "| policy | budget | items | positions | top-1 agreement | mean KL | max KL (mean over items) | ppl | "
+           "full ppl | measured KV MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['n']} | {r['positions']} | {r['top1']:.3f} | "
+                   f"{r['kl']:.4f} | {r['kl_max']:.3f} | {r['ppl']:.2f} | {r['ppl_full']:.2f} | "
+                   f"{_mib(r['bytes'])} |")
+    return out
+
+
 def _pairs(res: Results, task: str, budget: str) -> list[str]:
     names = [n for n, r in res.policies.items() if r.get("budget") == budget and r.get("role") != "placement"]
     if "full" in res.policies:
@@ -110,6 +143,9 @@ def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.
 def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
+    forced = fidelity_rows(res, task)
+    if forced:
+        lines += _fidelity_table(forced) + [""]
     full = next((r for r in rows if r["policy"] == "full"), None)
     points = [r for r in rows if r["budget"] is not None and r["role"] != "placement" and r["binary"]]
     if points:
@@ -188,7 +224,9 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
              "Protocol: the context is prefilled and compressed by the policy, then the question is fed through "
              "the compressed cache, then the answer is generated greedily. Measured KV bytes are the resident "
              "key/value stores after compressing the context (metadata apart), in the run's compute dtype; "
-             "the nominal ratio is the plan's 16-bit bytes model.", ""]
+             "the nominal ratio is the plan's 16-bit bytes model. Teacher-forced tasks feed the reference "
+             "continuation instead, one token per forward, and compare each next-token distribution with the full "
+             "cache's.", ""]
     for task in res.tasks:
         lines += _task_section(res, task, out_dir, figures)
     for b in designs.budgets(res):

@@ -7,6 +7,14 @@ same for every policy; with ``reuse_prefill`` (the default) the context runs thr
 per item and every policy's cache is restored from that snapshot (:mod:`polykv.runtime.fork`, exact:
 the same tokens, logits and bytes as a prefill per policy).
 
+Teacher-forced tasks (``continuation``): after compressing the context, the reference continuation
+is fed through the compressed cache one token per decode forward (the decode rule may evict between
+them), and each position's next-token distribution is compared with the full cache's
+(:mod:`polykv.studies.fidelity`). The full baseline policy is the reference: it runs once per item
+(also when its own result is already recorded) and its [positions, vocab] log-probabilities are reused
+for every other policy of the item. The record's ``score`` is the top-1 agreement; ``kl``, ``kl_max``,
+``ppl`` and ``ppl_full`` sit beside it.
+
 Order of work: :func:`prepare` checks the spec, the results file and solves every plan, all before a
 model is loaded, so bad input fails in seconds; :func:`run_study` then loads the model and appends one
 durable result line per (policy, task, item), skipping those already in the results file.
@@ -23,7 +31,9 @@ import torch
 from polykv.plan import Plan
 from polykv.studies.designs import Policy, build_policies
 from polykv.studies.results import ResultsWriter
-from polykv.studies.spec import StudySpec
+from polykv.errors import StudyError
+from polykv.studies.spec import FULL_POLICY, StudySpec
+from polykv.studies.tasks.base import TEACHER_FORCED
 
 QUERY_STATS_TOKENS = 512
 """Tokens per calibration text when a plan's TriAttention rule needs query statistics."""
@@ -164,20 +174,37 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
             counts["skipped"] += len(policies) - len(todo)
             if todo:
                 work.append((task, item, todo))
+    full = next((p for p in policies if p.name == FULL_POLICY), None)
     bar = _bar(sum(len(w[2]) for w in work), progress, spec.name)
     try:
         with torch.no_grad():
             for task, item, todo in work:
                 ctx, question = _encode(tokenizer, item.context, device), _encode(tokenizer, item.question, device)
+                forced = task.mode == TEACHER_FORCED
+                if forced and full is None:
+                    raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
+                                     "baseline policy as its reference; set \"baseline\": true")
+                plans = [p.plan for p in todo] + ([full.plan] if forced else [])
                 snap = None
                 if spec.reuse_prefill:
                     start = time.perf_counter()
-                    snap = capture_prefill(model, ctx, [p.plan for p in todo], registry=registry,
-                                           chunk_size=spec.chunk_size)
+                    snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size)
                     prefill_s = time.perf_counter() - start
+                ref = None
+                if forced:
+                    cont = _encode(tokenizer, item.answers[0], device)
+                    ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
+                                      model_data=model_data, registry=registry)
                 for pol in todo:
-                    record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
-                                         model_data=model_data, eos=eos, tokenizer=tokenizer, registry=registry)
+                    if forced:
+                        record = ref if pol is full else _run_forced(
+                            model, pol, task, item, ctx, cont, snap, ref["reference"], spec=spec, geo=geo,
+                            model_data=model_data, registry=registry)
+                        record = {k: v for k, v in record.items() if k != "reference"}
+                    else:
+                        record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
+                                             model_data=model_data, eos=eos, tokenizer=tokenizer,
+                                             registry=registry)
                     if snap is not None:
                         record["prefill_seconds"] = prefill_s
                     writer.append(record)
@@ -207,18 +234,54 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
         tokens = _greedy(session, question, item.max_new_tokens, eos)
         end = session.resident_bytes()
     text = tokenizer.decode(tokens, skip_special_tokens=True)
+    record = _base_record(pol, task, item, ctx, kv, geo, next(model.parameters()).element_size())
+    record.update({"score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
+                   "kv_bytes_end": end.total, "question_tokens": int(question.shape[1]), "new_tokens": len(tokens),
+                   "seconds": time.perf_counter() - start, "prefill_seconds": None,
+                   "reused_prefill": snap is not None})
+    return record
+
+
+def _base_record(pol: Policy, task, item, ctx: torch.Tensor, kv, geo, elem: int) -> dict[str, Any]:
     T = int(ctx.shape[1])
-    elem = next(model.parameters()).element_size()
     return {
         "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
-        "score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
         "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer), "metadata_bytes": kv.metadata_total,
-        "kv_bytes_end": end.total,
-        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem,
-        "context_tokens": T, "question_tokens": int(question.shape[1]), "new_tokens": len(tokens),
-        "seconds": time.perf_counter() - start, "prefill_seconds": None, "reused_prefill": snap is not None,
+        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem, "context_tokens": T,
         "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
     }
+
+
+def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.Tensor, snap, ref, *,
+                spec: StudySpec, geo, model_data, registry) -> dict[str, Any]:
+    """Compress ``ctx`` [1, T] with ``pol``'s plan, teacher-force ``cont`` [1, n] through the compressed cache
+    and compare with ``ref`` (:class:`~polykv.studies.fidelity.Reference`); with ``ref`` None, ``pol`` is the
+    full cache and the record carries its own reference under ``"reference"`` (not written)."""
+    import polykv
+    from polykv.runtime.fork import restore_prefill
+    from polykv.studies import fidelity
+
+    where = f"policy '{pol.name}', task '{task.name}' item {item.id}"
+    start = time.perf_counter()
+    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
+        if snap is not None:
+            restore_prefill(session, snap)
+        else:
+            session.prefill(ctx, chunk_size=spec.chunk_size)
+        kv = session.resident_bytes()                  # the compressed context, before the continuation
+        if ref is None:
+            own = fidelity.reference(session, cont, where=where)
+            fid = fidelity.of_reference(own)
+        else:
+            own, fid = None, fidelity.compare(session, cont, ref, where=where)
+        end = session.resident_bytes()
+    record = _base_record(pol, task, item, ctx, kv, geo, next(model.parameters()).element_size())
+    record.update(fid.as_record())
+    record.update({"score": fid.top1, "generated": "", "answers": [], "kv_bytes_end": end.total,
+                   "question_tokens": 0, "continuation_tokens": int(cont.shape[1]), "new_tokens": 0,
+                   "seconds": time.perf_counter() - start, "prefill_seconds": None,
+                   "reused_prefill": snap is not None, "reference": own})
+    return record
 
 
 def _bar(total: int, enabled: bool, name: str):

@@ -23,7 +23,8 @@ placements of the guided route). ``role`` names the entry's place in a study des
 ``homogeneous_uniform`` ...); an entry named like a role takes that role.
 
 :func:`load_spec` checks everything that can be checked without the model (names, parameters, files,
-budgets) and raises :class:`~polykv.errors.StudyError` naming the file and field.
+budgets) and raises :class:`~polykv.errors.StudyError` naming the file and field. A teacher-forced
+task (``continuation``) needs ``"baseline": true``: its metrics compare every policy with the full cache.
 """
 
 from __future__ import annotations
@@ -211,6 +212,14 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     reuse = raw.get("reuse_prefill", True)
     if not isinstance(reuse, bool):
         raise _fail(source, "reuse_prefill", f"expected true or false, got {reuse!r}")
+    if not baseline:
+        from polykv.studies.tasks.base import TEACHER_FORCED
+
+        forced = [t.task for t in tasks if registry.task(t.task).mode == TEACHER_FORCED]
+        if forced:
+            raise _fail(source, "baseline", f"task '{forced[0]}' is teacher_forced: its KL and top-1 agreement "
+                        "compare every policy with the full cache, so the study needs the full baseline",
+                        "set \"baseline\": true")
     names = set(plans) | {s.name for s in solvers} | ({FULL_POLICY} if baseline else set())
     if len(names) != len(plans) + len(solvers) + int(baseline):
         raise _fail(source, "solvers", "policy names must be unique across plans, solvers and 'full'")
@@ -260,7 +269,7 @@ def _solver_entries(raw: Any, source: str, registry) -> tuple[SolverEntry, ...]:
 
 
 def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> tuple[TaskEntry, ...]:
-    from polykv.studies.tasks.base import GENERATE
+    from polykv.studies.tasks.base import GENERATE, TEACHER_FORCED
 
     if not isinstance(raw, list) or not raw:
         raise _fail(source, "tasks", "expected a non-empty list of tasks",
@@ -273,9 +282,9 @@ def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> 
             cls = registry.task(e.get("task"))
         except PolykvError as exc:
             raise _fail(source, f + ".task", str(exc)) from None
-        if cls.mode != GENERATE:
-            raise _fail(source, f + ".task", f"task '{cls.name}' is {cls.mode}; the study runner scores generated "
-                        "answers only", "choose a generate task (passkey, niah, variable_tracking, file tasks)")
+        if cls.mode not in (GENERATE, TEACHER_FORCED):
+            raise _fail(source, f + ".task", f"task '{cls.name}' has mode {cls.mode!r}; the study runner runs "
+                        f"'{GENERATE}' and '{TEACHER_FORCED}' tasks", "fix the task class's 'mode'")
         params = dict(_keys(e.get("params", {}), set(cls.defaults), source, f + ".params"))
         samples = _int(e, "samples", 20, source, f + ".samples", 1)
         seed = _int(e, "seed", 0, source, f + ".seed", 0)

@@ -27,7 +27,7 @@ def _fails(path, results, match):
     ({"solvers": [{"name": "x", "solver": "no-such-solver"}]}, r"solvers\[0\]\.solver.*no-such-solver"),
     ({"tasks": [{"task": "no-such-task"}]}, r"tasks\[0\]\.task.*no-such-task"),
     ({"tasks": [{"task": "passkey", "params": {"lenght": 300}}]}, r"tasks\[0\]\.params\.lenght.*unknown key"),
-    ({"tasks": [{"task": "continuation"}]}, r"teacher_forced"),
+    ({"baseline": False, "tasks": [{"task": "continuation"}]}, r"baseline.*teacher_forced"),
     ({"plans": {"mine": "missing-plan.json"}}, r"plans\.mine.*no such file"),
     ({"budgets": ["eight"]}, r"budgets\[0\].*cannot read budget"),
     ({"solvers": [{"name": "x", "solver": "exact", "params": {"colour": 1}}]}, r"solvers\[0\]\.params.*colour"),
