@@ -140,6 +140,20 @@ def test_resume_recomputes_the_reference_and_repeats_nothing(tmp_path, study, af
         assert {k: got[key][k] for k in keys} == {k: want[key][k] for k in keys}
 
 
+def test_a_prefill_per_policy_gives_the_same_metrics_as_prefill_reuse(tmp_path, study):
+    _, _, _, reference, _ = study
+    results = str(tmp_path / "results.jsonl")
+    run_study(prepare(load_spec(_write(tmp_path, reuse_prefill=False)), results), progress=False)
+    got, want = _results(read_records(results)), _results(reference)
+    assert set(got) == set(want)
+    for key, rec in want.items():
+        assert not got[key]["reused_prefill"] and rec["reused_prefill"]
+        for k in ("top1", "positions", "kv_bytes", "kv_bytes_end"):
+            assert got[key][k] == rec[k]
+        for k in ("kl", "ppl", "ppl_full"):
+            assert got[key][k] == pytest.approx(rec[k], rel=1e-5, abs=1e-7)
+
+
 def test_continuation_without_the_full_baseline_fails_before_the_model_loads(tmp_path):
     path = _write(tmp_path, baseline=False, model={"tiny": {"family": "no-such-family"}})
     with pytest.raises(StudyError, match=r"field 'baseline'.*teacher_forced.*full baseline"):
