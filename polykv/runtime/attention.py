@@ -46,9 +46,14 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: f
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
-    if q == K or q == 1:
-        # No stored tokens (plain causal), or one query that sees every key: no mask needed.
-        return F.scaled_dot_product_attention(query, key, value, is_causal=q > 1, scale=scaling, enable_gqa=G > 1)
+    if q == K:
+        # No stored tokens: plain causal attention.
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=G > 1)
+    if q == 1:
+        # One query sees every key: fold the G heads of a group into the query axis, no mask
+        # (measured faster on CPU than enable_gqa, and far faster than repeating K/V).
+        out = F.scaled_dot_product_attention(query.view(B, Hkv, G, d), key, value, scale=scaling)  # (B, Hkv, G, d)
+        return out.view(B, H, 1, -1)
     # Several new tokens after stored ones: fold the G heads of a group into the query axis.
     qg = query.reshape(B, Hkv, G * q, d)                                          # (B, Hkv, G*q, d)
     mask = lower_right_causal(q, K, query.device).repeat(G, 1)                    # (G*q, K)
