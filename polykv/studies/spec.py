@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import attrs
 
 from polykv.errors import PolykvError, StudyError
+from polykv.studies.corpus import corpus_id
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
 FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_uniform", "routed_allocated")
@@ -104,10 +105,23 @@ class StudySpec:
 
     @property
     def hash(self) -> str:
-        """``spec-<16 hex>``: content of the spec and of every file it reads."""
-        text = json.dumps({"spec": self.as_dict(), "files": sorted(self.digests.values())}, sort_keys=True,
-                          default=str)
+        """``spec-<16 hex>``: content of the spec, of every file it reads, and of what makes its items.
+
+        Task parameters are hashed with the task's defaults filled in, together with the offline
+        corpus recipe, so a changed default or corpus never resumes into results made from other items.
+        """
+        text = json.dumps({"spec": self.as_dict(), "files": sorted(self.digests.values()),
+                           "tasks": [_resolved_task_params(t) for t in self.tasks], "corpus": corpus_id()},
+                          sort_keys=True, default=str)
         return "spec-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _resolved_task_params(entry: TaskEntry) -> dict[str, Any]:
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    defaults = dict(registry.task(entry.task).defaults) if registry.has("task", entry.task) else {}
+    return {"task": entry.task, "params": {**defaults, **entry.params}}
 
 
 def _fail(source: str, field: str, message: str, hint: str = "") -> StudyError:
