@@ -222,15 +222,10 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
     """Compress ``ctx`` [1, T] with ``pol``'s plan (restored from ``snap`` or prefilled), feed ``question``
     [1, q] through the compressed cache, generate greedily; the result record."""
     import polykv
-    from polykv.runtime.fork import restore_prefill
 
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
-        if snap is not None:
-            restore_prefill(session, snap)
-        else:
-            session.prefill(ctx, chunk_size=spec.chunk_size)
-        kv = session.resident_bytes()                  # the compressed context, before the question
+        kv = _compress_context(session, ctx, snap, spec.chunk_size)
         tokens = _greedy(session, question, item.max_new_tokens, eos)
         end = session.resident_bytes()
     text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -240,6 +235,18 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
                    "seconds": time.perf_counter() - start, "prefill_seconds": None,
                    "reused_prefill": snap is not None})
     return record
+
+
+def _compress_context(session, ctx: torch.Tensor, snap, chunk_size: int | None):
+    """Compress ``ctx`` [1, T] with the session's plan, restored from the shared prefill ``snap`` when
+    given; returns the resident bytes of the compressed context (before anything else is fed)."""
+    from polykv.runtime.fork import restore_prefill
+
+    if snap is not None:
+        restore_prefill(session, snap)
+    else:
+        session.prefill(ctx, chunk_size=chunk_size)
+    return session.resident_bytes()
 
 
 def _base_record(pol: Policy, task, item, ctx: torch.Tensor, kv, geo, elem: int) -> dict[str, Any]:
@@ -258,17 +265,12 @@ def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.T
     and compare with ``ref`` (:class:`~polykv.studies.fidelity.Reference`); with ``ref`` None, ``pol`` is the
     full cache and the record carries its own reference under ``"reference"`` (not written)."""
     import polykv
-    from polykv.runtime.fork import restore_prefill
     from polykv.studies import fidelity
 
     where = f"policy '{pol.name}', task '{task.name}' item {item.id}"
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
-        if snap is not None:
-            restore_prefill(session, snap)
-        else:
-            session.prefill(ctx, chunk_size=spec.chunk_size)
-        kv = session.resident_bytes()                  # the compressed context, before the continuation
+        kv = _compress_context(session, ctx, snap, spec.chunk_size)
         if ref is None:
             own = fidelity.reference(session, cont, where=where)
             fid = fidelity.of_reference(own)
