@@ -176,6 +176,19 @@ def fit_length(tokenizer, build: Callable[[int], tuple[str, str]], hi: int, targ
     return lo
 
 
+def fit_haystack(tokenizer, units: Sequence[str], needles: Sequence[tuple[float, str]], *, instruction: str,
+                 question: str, length: int, where: str) -> tuple[str, int]:
+    """The context ``instruction`` + haystack of filler ``units`` with ``needles`` placed at their depths,
+    sized so that context + ``question`` take ``length`` tokens (checked); returns (context, tokens)."""
+    def build(k: int) -> tuple[str, str]:
+        return instruction + build_haystack(units, k, needles), question
+
+    context, _ = build(fit_length(tokenizer, build, len(units), length, where))
+    tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
+    check_length(tokens, length, where)
+    return context, tokens
+
+
 def draw_number(rng: random.Random, digits: int, avoid: str, taken: set[str] = frozenset()) -> str:
     """A random ``digits``-digit number (no leading zero) that occurs nowhere in ``avoid`` nor in ``taken``."""
     for _ in range(1000):

@@ -15,8 +15,7 @@ import random
 from typing import Any, Mapping
 
 from polykv.errors import StudyError
-from polykv.studies.tasks.base import (Task, TaskItem, build_haystack, check_length, count_tokens, draw_number,
-                                       filler_units, fit_length)
+from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 
 ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
               "lively", "mellow", "noisy", "odd", "proud", "quiet", "rapid", "shy", "tidy", "upbeat", "vivid",
@@ -74,14 +73,8 @@ class NeedleTask(Task):
                 values[key].append(v)
         needles = [(rng.random(), NEEDLE.format(key=k, value=v)) for k in keys for v in values[k]]
         question = QUESTION.format(query=_join(queries))
-
-        def build(k: int) -> tuple[str, str]:
-            return INSTRUCTION + build_haystack(units, k, needles), question
-
-        k = fit_length(tokenizer, build, len(units), length, where)
-        context, question = build(k)
-        tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
-        check_length(tokens, length, where)
+        context, tokens = fit_haystack(tokenizer, units, needles, instruction=INSTRUCTION, question=question,
+                                       length=length, where=where)
         answers = tuple(v for q in queries for v in values[q])
         return TaskItem(task=self.name, id=f"{self.name}-{index}", context=context, question=question,
                         answers=answers, metric="string_match_all", max_new_tokens=int(params["max_new_tokens"]),

@@ -17,8 +17,7 @@ import random
 from typing import Any, Mapping
 
 from polykv.errors import StudyError
-from polykv.studies.tasks.base import (Task, TaskItem, build_haystack, check_length, count_tokens, draw_number,
-                                       filler_units, fit_length)
+from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorize it. I will quiz you about it.\n\n")
@@ -50,15 +49,9 @@ class PasskeyTask(Task):
         units = filler_units(tokenizer, length, kind=params["filler"], seed=rng.randrange(2 ** 31))
         key = draw_number(rng, digits, "".join(units))
         needle = NEEDLE.format(key=key)
-
-        def build(k: int) -> tuple[str, str]:
-            return INSTRUCTION + build_haystack(units, k, [(float(depth), needle)]), QUESTION
-
-        where = f"task 'passkey' item {index}"
-        k = fit_length(tokenizer, build, len(units), length, where)
-        context, question = build(k)
-        tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
-        check_length(tokens, length, where)
+        question = QUESTION
+        context, tokens = fit_haystack(tokenizer, units, [(float(depth), needle)], instruction=INSTRUCTION,
+                                       question=question, length=length, where=f"task 'passkey' item {index}")
         return TaskItem(task=self.name, id=f"passkey-{index}", context=context, question=question, answers=(key,),
                         metric="first_number", max_new_tokens=int(params["max_new_tokens"]),
                         meta={"depth": float(depth), "key": key, "tokens": tokens, "length": length})

@@ -15,8 +15,7 @@ import string
 from typing import Any, Mapping
 
 from polykv.errors import StudyError
-from polykv.studies.tasks.base import (Task, TaskItem, build_haystack, check_length, count_tokens, draw_number,
-                                       filler_units, fit_length)
+from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 
 INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. "
@@ -64,14 +63,8 @@ class VariableTrackingTask(Task):
             statements = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
             needles.extend(zip(depths, statements))
         question = QUESTION.format(value=values[0], count=hops + 1)
-
-        def build(k: int) -> tuple[str, str]:
-            return INSTRUCTION + build_haystack(units, k, needles), question
-
-        k = fit_length(tokenizer, build, len(units), length, where)
-        context, question = build(k)
-        tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
-        check_length(tokens, length, where)
+        context, tokens = fit_haystack(tokenizer, units, needles, instruction=INSTRUCTION, question=question,
+                                       length=length, where=where)
         return TaskItem(task=self.name, id=f"{self.name}-{index}", context=context, question=question,
                         answers=tuple(chains[0]), metric="string_match_all",
                         max_new_tokens=int(params["max_new_tokens"]),
