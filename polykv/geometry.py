@@ -15,6 +15,9 @@ import attrs
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+WINDOWED = (SLIDING, CHUNKED)
+"""Layer types whose attention sees a bounded span of recent tokens (see :meth:`ModelGeometry.token_bound`)."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -38,9 +41,12 @@ class ModelGeometry:
     max_positions: int | None = None
     """``max_position_embeddings``."""
     layer_types: tuple[str, ...] = ()
-    """Per layer ``"full_attention"`` or ``"sliding_attention"``."""
+    """Per layer ``"full_attention"``, ``"sliding_attention"`` (a query sees the ``sliding_window`` newest
+    positions, itself included) or ``"chunked_attention"`` (a query sees the earlier positions of its own
+    chunk of ``sliding_window`` positions, Llama 4). Any other transformers layer type (linear attention,
+    Mamba, ...) is kept verbatim."""
     sliding_window: int | None = None
-    """Window of the sliding layers (None when there are none)."""
+    """Window of the sliding layers, or chunk size of the chunked layers (None when there are none)."""
     fingerprint: str | None = None
     """Identity of the model (config digest, plus weights digest when known)."""
 
@@ -50,6 +56,24 @@ class ModelGeometry:
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == SLIDING
+
+    def is_windowed(self, layer: int) -> bool:
+        """True for a sliding-window or chunked layer: its attention never looks further back than a window."""
+        return bool(self.layer_types) and self.layer_types[layer] in WINDOWED
+
+    def token_bound(self, layer: int) -> int | None:
+        """Most tokens a layer ever needs to keep between forwards (None: unbounded, a full-attention layer).
+
+        A sliding layer with window W keeps the W - 1 newest tokens (the next query sees those and
+        itself); a chunked layer with chunk C keeps at most the C - 1 earlier tokens of the current chunk.
+        """
+        if not self.is_windowed(layer):
+            return None
+        return max(1, int(self.sliding_window) - 1)
+
+    def windowed_layers(self) -> list[int]:
+        """Indices of the sliding-window and chunked layers."""
+        return [i for i in range(self.num_layers) if self.is_windowed(i)]
 
     def full_cache_bytes(self, tokens: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
         """Bytes of an uncompressed K+V cache holding ``tokens`` tokens in every layer."""
@@ -72,11 +96,17 @@ def geometry_from_config(config: Any, *, weights_digest: str | None = None) -> M
     theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None)) if isinstance(rope, dict) else None
     rope_type = (rope.get("rope_type") if isinstance(rope, dict) else None) or "default"
     window = getattr(cfg, "sliding_window", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        types = [SLIDING if window else FULL] * n_layers
-    types = tuple(SLIDING if t == SLIDING else FULL for t in types)
-    if SLIDING not in types:
+        types = [SLIDING if window else CHUNKED if chunk else FULL] * n_layers
+    types = tuple(str(t) for t in types)
+    if SLIDING in types and CHUNKED in types and window != chunk:
+        raise ValueError(f"{getattr(cfg, 'model_type', 'this model')}: sliding-window layers (window {window}) and "
+                         f"chunked layers (chunk {chunk}) in one model are not supported")
+    if CHUNKED in types:
+        window = chunk
+    elif SLIDING not in types:
         window = None
     geo = ModelGeometry(
         model_type=str(getattr(cfg, "model_type", "unknown")),

@@ -34,3 +34,21 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def random_model(config, *, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised causal LM of any transformers ``config`` in eval mode, for fixed-length generations."""
+    import transformers
+
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def token_ids(batch: int, length: int, *, seed: int = 0, vocab: int = 128) -> torch.Tensor:
+    """[batch, length] random token ids in [1, vocab) (id 0 is the tiny models' pad token)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=g)

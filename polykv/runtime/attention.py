@@ -2,11 +2,18 @@
 
 transformers 5.x calls ``fn(module, query, key, value, attention_mask, scaling=..., **kw)`` after the
 cache update, with post-RoPE ``query`` [B, H, q, d] and the unrepeated ``key``/``value``
-[B, Hkv, K, d] that :meth:`LayerCache.update` returned. Every stored token precedes the q new
-ones, so one lower-right causal [q, K] mask serves every head, whatever each head retained; it is
-built here from the layer's own key length (the model-wide mask would be sized from layer 0).
-Attention runs in :func:`torch.nn.functional.scaled_dot_product_attention`; GQA keys are never
-repeated in storage.
+[B, Hkv, K, d] that :meth:`LayerCache.update` returned. The model-wide mask is ignored (it would be
+sized from layer 0); each layer's mask is built here from its own storage:
+
+* full attention: every stored token precedes the q new ones, so one lower-right causal [q, K] mask
+  serves every head, whatever each head retained;
+* sliding-window and chunked layers (:data:`polykv.geometry.WINDOWED`): the mask is computed from the
+  original position of every stored token per head (``LayerCache.positions``), so a query sees exactly
+  the tokens of its window or chunk, as in the model's own mask.
+
+Plain softmax attention runs in :func:`torch.nn.functional.scaled_dot_product_attention`; logit
+softcapping (Gemma 2) and learned attention sinks (gpt-oss ``s_aux``) run in :func:`eager_attention`,
+in query chunks. GQA keys are never repeated in storage.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
+from polykv.geometry import CHUNKED, SLIDING
 from polykv.runtime.signals import lower_right_causal
 
 NAME = "polykv"
@@ -35,30 +43,103 @@ def unbind(module: torch.nn.Module) -> None:
     _BOUND.pop(module, None)
 
 
-def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of the last q positions over K keys: [B, H, q, d].
+_EAGER_CHUNK_ELEMENTS = 1 << 22
+"""Logits per query chunk of :func:`eager_attention` (16 MiB in float32)."""
+
+
+def window_visibility(layer, q: int) -> torch.Tensor | None:
+    """Which keys the q new queries of a windowed layer may see; None for a full-attention layer.
+
+    Returns [q, K] bool during prefill (every head holds the raw prompt) and [B, Hkv, q, K] after it
+    (heads may hold different tokens), from the original positions of the K attended keys.
+    """
+    spec = layer.spec
+    if spec.window is None:
+        return None
+    keys = layer.positions if layer.prefilled else layer.positions[0, 0]
+    rows = torch.arange(layer.tokens_seen, layer.tokens_seen + q, device=keys.device).unsqueeze(1)   # (q, 1)
+    cols = keys.unsqueeze(-2)                                                                       # (..., 1, K)
+    visible = cols <= rows
+    if spec.attention_type == CHUNKED:
+        return visible & (torch.div(cols, spec.window, rounding_mode="floor")
+                          == torch.div(rows, spec.window, rounding_mode="floor"))
+    return visible & (cols > rows - spec.window)
+
+
+def _group_mask(visible: torch.Tensor, G: int, q: int) -> torch.Tensor:
+    """[q, K] or [B, Hkv, q, K] visibility -> the (.., G*q, K) mask of G query heads folded per KV head."""
+    if visible.dim() == 2:
+        return visible.repeat(G, 1)
+    B, Hkv, _, K = visible.shape
+    return visible.unsqueeze(2).expand(B, Hkv, G, q, K).reshape(B, Hkv, G * q, K)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+         visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the last q positions over K keys: [B, H, q, d].
 
     Parameters
     ----------
     query : [B, H, q, d]
     key, value : [B, Hkv, K, d], K >= q, the q new tokens last.
+    visible : None for lower-right causal attention, else the [q, K] or [B, Hkv, q, K] bool mask of
+        :func:`window_visibility`.
     """
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
-    if q == K:
+    if visible is not None and q == 1 and bool(visible.all()):
+        visible = None  # a decode step whose window holds every stored token
+    if visible is None and q == K:
         # No stored tokens: plain causal attention.
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=G > 1)
-    if q == 1:
+    if visible is None and q == 1:
         # One query sees every key: fold the G heads of a group into the query axis, no mask
         # (measured faster on CPU than enable_gqa, and far faster than repeating K/V).
         out = F.scaled_dot_product_attention(query.view(B, Hkv, G, d), key, value, scale=scaling)  # (B, Hkv, G, d)
         return out.view(B, H, 1, -1)
-    # Several new tokens after stored ones: fold the G heads of a group into the query axis.
+    # Several new tokens after stored ones, or a window: fold the G heads of a group into the query axis.
     qg = query.reshape(B, Hkv, G * q, d)                                          # (B, Hkv, G*q, d)
-    mask = lower_right_causal(q, K, query.device).repeat(G, 1)                    # (G*q, K)
+    mask = _group_mask(lower_right_causal(q, K, query.device) if visible is None else visible, G, q)
     out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.view(B, H, q, -1)
+
+
+def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                    visible: torch.Tensor | None = None, *, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with logit softcapping and/or learned sinks, as transformers' eager kernels compute it.
+
+    ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).
+    ``sinks`` [H]: one extra logit per head joins every softmax and is then dropped (gpt-oss).
+    Shapes as :func:`sdpa`; queries run in chunks of at most 4 Mi logits.
+    """
+    B, H, q, d = query.shape
+    Hkv, K = key.shape[1], key.shape[2]
+    G = H // Hkv
+    if visible is None:
+        visible = lower_right_causal(q, K, query.device)
+    qg = query.view(B, Hkv, G, q, d)
+    kt = key.transpose(-1, -2).unsqueeze(2)                                       # (B, Hkv, 1, d, K)
+    vg = value.unsqueeze(2)                                                       # (B, Hkv, 1, K, d)
+    sink = None if sinks is None else sinks.to(query.dtype).view(1, Hkv, G, 1, 1)
+    rows = max(1, _EAGER_CHUNK_ELEMENTS // max(1, B * H * K))
+    outs = []
+    for start in range(0, q, rows):
+        stop = min(q, start + rows)
+        logits = torch.matmul(qg[:, :, :, start:stop], kt) * scaling             # (B, Hkv, G, c, K)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        seen = visible[start:stop] if visible.dim() == 2 else visible[:, :, None, start:stop]
+        logits = logits.masked_fill(~seen, float("-inf"))
+        if sink is None:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+        else:
+            both = torch.cat([logits, sink.expand(B, Hkv, G, stop - start, 1)], dim=-1)
+            both = both - both.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(value.dtype)
+        outs.append(torch.matmul(probs, vg))                                      # (B, Hkv, G, c, d)
+    return torch.cat(outs, dim=3).reshape(B, H, q, -1)
 
 
 def polykv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -76,16 +157,32 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"and supports only unpadded batches (pass no 4D mask)")
     if kwargs.get("output_attentions"):
         raise RuntimeConfigError("output_attentions is not supported by the polykv runtime (attention runs in SDPA)")
-    unsupported = [k for k in ("softcap", "sliding_window", "s_aux", "sinks") if kwargs.get(k) is not None]
-    if unsupported or (dropout and module.training):
-        what = ", ".join(unsupported) or "attention dropout in training mode"
-        raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves plain causal softmax attention in "
-                                 f"eval mode; this model asks for {what} (call model.eval(), or use another model)")
+    if dropout and module.training:
+        raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves attention in eval mode; this model "
+                                 f"asks for attention dropout in training mode (call model.eval())")
+    _check_window(layer, layer_idx, kwargs.get("sliding_window"))
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    out = sdpa(query, key, value, scaling)
+    visible = window_visibility(layer, query.shape[2])
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if softcap is None and sinks is None:
+        out = sdpa(query, key, value, scaling, visible)
+    else:
+        out = eager_attention(query, key, value, scaling, visible, softcap=softcap, sinks=sinks)
     layer.after_attention(query, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_window(layer, layer_idx, model_window) -> None:
+    """The model's own ``sliding_window`` argument must agree with the layer's recorded attention type."""
+    spec = layer.spec
+    if model_window is None or (spec.attention_type == SLIDING and spec.window == int(model_window)):
+        return
+    raise RuntimeConfigError(
+        f"layer {layer_idx}: the model attends with sliding window {model_window} but its geometry records "
+        f"'{spec.attention_type}' (window {spec.window}); the config's layer_types/sliding_window disagree with "
+        f"the attention modules, so the polykv runtime cannot serve this model")
 
 
 def polykv_mask(batch_size: int = 1, q_length: int = 1, kv_length: int = 1, q_offset: int = 0, kv_offset: int = 0,

@@ -43,6 +43,12 @@ class LayerSpec:
     """Signals tracked during prefill (both rules' needs: decode scores start from the prompt)."""
     decode_needs: SignalNeeds = SignalNeeds()
     """Signals tracked after prefill (the decode rule's needs only)."""
+    attention_type: str = "full_attention"
+    """The model's attention type of this layer (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
+    window: int | None = None
+    """Sliding window or chunk size of a windowed layer (None for full attention)."""
+    token_bound: int | None = None
+    """Most tokens the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
 
 
 class LayerCache(CacheLayerMixin):
@@ -124,6 +130,9 @@ class LayerCache(CacheLayerMixin):
 
     def _finish_prefill(self, scaling: float) -> None:
         spec, k, v = self.spec, self._raw_k, self._raw_v
+        if spec.token_bound is not None and k.shape[2] > spec.token_bound:
+            idx = self._keep_newest(spec.token_bound)
+            k, v = _gather_tokens(k, idx), _gather_tokens(v, idx)
         cap = spec.plan.prefill.resolve_capacity(self.tokens_seen)
         if spec.prefill_rule is not None and cap is not None and k.shape[2] > cap:
             idx = self._select(spec.prefill_rule, spec.plan.prefill, "prefill", cap, k, v, scaling)
@@ -138,6 +147,12 @@ class LayerCache(CacheLayerMixin):
 
     def _maybe_evict(self, scaling: float) -> None:
         spec = self.spec
+        if spec.token_bound is not None and self.num_stored() > spec.token_bound:
+            idx = self._keep_newest(spec.token_bound)
+            self.key_store.gather(idx)
+            self.value_store.gather(idx)
+            if spec.decode_rule is not None:
+                self._attend_k, self._attend_v = _gather_tokens(self._attend_k, idx), _gather_tokens(self._attend_v, idx)
         if spec.decode_rule is None:
             return
         cap = spec.plan.decode.resolve_capacity(self.tokens_seen)
@@ -146,6 +161,19 @@ class LayerCache(CacheLayerMixin):
         idx = self._select(spec.decode_rule, spec.plan.decode, "decode", cap, self._attend_k, self._attend_v, scaling)
         self.key_store.gather(idx)
         self.value_store.gather(idx)
+
+    def _keep_newest(self, count: int) -> torch.Tensor:
+        """Drop all but the ``count`` newest stored tokens of every head (a windowed layer's own bound).
+
+        Storage is in ascending position order per head, so these are the last ``count`` slots; the
+        tokens dropped are outside the window of every later query. Positions and signals follow;
+        returns the [B, Hkv, count] indices for the caller's K/V.
+        """
+        B, Hkv, T = self.positions.shape
+        idx = torch.arange(T - count, T, device=self.positions.device).expand(B, Hkv, count)
+        self.positions = self.positions.gather(-1, idx)
+        self.signals.gather(idx)
+        return idx
 
     def _select(self, rule, op: OpSpec, phase: str, cap: int, keys: torch.Tensor, values: torch.Tensor,
                 scaling: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.geometry import SLIDING, geometry_of_model
+from polykv.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import LayerSpec, PlanCache
@@ -67,11 +67,6 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
 
         registry = get_registry()
     geometry = geometry_of_model(model)
-    sliding = [i for i in range(geometry.num_layers) if geometry.layer_types[i] == SLIDING]
-    if sliding:
-        raise RuntimeConfigError(
-            f"model type '{geometry.model_type}' has sliding-window attention on layers {sliding}; the polykv "
-            f"runtime serves full-attention layers only (those layers already keep their own window)")
     impl = model.config._attn_implementation
     if impl == attention.NAME:
         raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first")
@@ -82,7 +77,8 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     plan.validate(registry=registry, geometry=geometry)
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     modules = _attention_modules(model, geometry.num_layers)
-    return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed)
+    return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
+                   geometry=geometry)
 
 
 def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
@@ -129,9 +125,10 @@ def _rope(model) -> tuple[torch.Tensor | None, float]:
 class Session:
     """A plan applied to a model; the live state of one ``with`` block."""
 
-    def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int):
+    def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int,
+                 geometry: ModelGeometry):
         self.model, self.plan, self.registry, self.seed = model, plan, registry, seed
-        self.model_data = model_data
+        self.model_data, self.geometry = model_data, geometry
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
         self.rope_inv_freq, self.rope_scaling = _rope(model)
@@ -154,8 +151,12 @@ class Session:
             pre_needs.append((cls, op.params))
             if phase == "decode":
                 dec_needs.append((cls, op.params))
+        geo, i = self.geometry, lp.layer
+        windowed = geo.is_windowed(i)
         return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
-                         prefill_needs=SignalNeeds.of(pre_needs), decode_needs=SignalNeeds.of(dec_needs))
+                         prefill_needs=SignalNeeds.of(pre_needs), decode_needs=SignalNeeds.of(dec_needs),
+                         attention_type=geo.layer_types[i] if windowed else FULL,
+                         window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i))
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":

@@ -217,10 +217,16 @@ def test_forward_without_the_session_cache_is_rejected(llama, prompt):
             model(prompt(1, 6), use_cache=True)
 
 
-def test_sliding_window_model_is_rejected(prompt):
+def test_sliding_window_model_is_served_within_its_window(prompt):
+    """Sliding-window layers are no longer refused: each keeps at most window - 1 tokens, exactly."""
     model = tiny_model("mistral", layers=2, heads=4, kv_heads=2, head_dim=16, sliding_window=8)
-    with pytest.raises(RuntimeConfigError, match="sliding"):
-        polykv.apply(model, polykv.full_plan(geometry_of_model(model)))
+    ids = prompt(1, 20)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+        with polykv.apply(model, polykv.full_plan(geometry_of_model(model))) as session:
+            got = model.generate(ids, max_new_tokens=6, do_sample=False)
+            assert session.cache.stored_tokens() == [7, 7]
+    assert torch.equal(got, ref)
 
 
 def test_unsupported_attention_implementation_is_rejected():

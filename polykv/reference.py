@@ -1,0 +1,137 @@
+"""The masked full-cache reference: what a compressed plan's run must equal, computed without any cache.
+
+A run under a plan is recorded forward by forward: before each forward, the original positions every
+layer and KV head stores. The reference then runs the whole token sequence once through the same model
+with no cache and an eager attention whose mask lets each query row see exactly
+
+* during prefill, the causal prompt (prefill attends the raw prompt);
+* afterwards, the positions stored before its forward plus the forward's own causal new tokens;
+
+intersected, on sliding-window and chunked layers, with the model's own window (or chunk). The
+reference attention reproduces the model's attention variant (logit softcapping, learned sinks) from
+the arguments the model passes, so the two runs differ only in how the cache is kept.
+
+>>> run = record_run(model, plan, prompt_ids, continuation=question_ids, steps=8)   # doctest: +SKIP
+>>> (run.logits - masked_reference_logits(model, run)).abs().max()                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+REFERENCE_ATTENTION = "polykv_masked_reference"
+_MASKS: dict[int, torch.Tensor] = {}
+
+
+@attrs.define(frozen=True)
+class RecordedRun:
+    """A plan's run: every token fed, the logits of every position, what each layer stored per forward."""
+
+    tokens: torch.Tensor
+    """[B, N] every token fed (prompt, continuation, greedy steps)."""
+    logits: torch.Tensor
+    """[B, N, vocab] the logits the run produced for every fed position."""
+    forwards: tuple
+    """Per forward ``(stored, start, stop)``: ``stored`` a list of [B, Hkv, T] positions per layer before
+    the forward (None for the prefill), the forward covering positions ``start .. stop - 1``."""
+    geometry: Any
+    """:class:`polykv.geometry.ModelGeometry` of the model."""
+
+
+def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor | None = None, steps: int = 8,
+               model_data: Mapping[str, Any] | None = None) -> RecordedRun:
+    """Prefill ``prompt``, feed ``continuation`` in one forward (if given), then ``steps`` greedy tokens."""
+    import polykv
+
+    forwards, logits, fed = [], [], [prompt]
+    with torch.no_grad(), polykv.apply(model, plan, model_data=model_data) as session:
+        cache = session.new_cache()
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        forwards.append((None, 0, prompt.shape[1]))
+        logits.append(out.logits)
+        for chunk in ([continuation] if continuation is not None else []) + [None] * steps:
+            if chunk is None:
+                chunk = out.logits[:, -1:].argmax(-1)
+            start = cache.get_seq_length()
+            stored = [layer.positions.clone() for layer in cache.layers]
+            out = model(chunk, past_key_values=cache, use_cache=True)
+            forwards.append((stored, start, start + chunk.shape[1]))
+            logits.append(out.logits)
+            fed.append(chunk)
+        geometry = session.geometry
+    return RecordedRun(tokens=torch.cat(fed, dim=1), logits=torch.cat(logits, dim=1), forwards=tuple(forwards),
+                       geometry=geometry)
+
+
+def visibility_masks(run: RecordedRun) -> dict[int, torch.Tensor]:
+    """Per layer the [B, Hkv, N, N] bool mask of :func:`masked_reference_logits` (True = may attend)."""
+    geo = run.geometry
+    B, N = run.tokens.shape
+    rows = torch.arange(N)
+    masks = {}
+    for layer in range(geo.num_layers):
+        allowed = torch.zeros(B, geo.num_kv_heads, N, N, dtype=torch.bool)
+        for stored, a, b in run.forwards:
+            causal = (rows[a:b, None] >= rows[None, :]) & (rows[None, :] >= a)
+            allowed[:, :, a:b] = causal
+            if stored is not None:
+                seen = torch.zeros(B, geo.num_kv_heads, N, dtype=torch.bool)
+                seen.scatter_(-1, stored[layer], True)
+                allowed[:, :, a:b, :a] = seen[:, :, None, :a]
+        if geo.is_windowed(layer):
+            q, k = rows[:, None], rows[None, :]
+            w = int(geo.sliding_window)
+            allowed &= (k // w == q // w) if geo.layer_types[layer] == "chunked_attention" else (k > q - w)
+        masks[layer] = allowed
+    return masks
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention under the recorded per-layer, per-KV-head mask, with the model's softcap and sinks."""
+    allowed = _MASKS[module.layer_idx]
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    G = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~allowed.repeat_interleave(G, 1), float("-inf"))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1).to(logits.dtype)
+        both = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(both - both.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs.to(value.dtype), v).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(REFERENCE_ATTENTION, _reference_attention)
+    AttentionMaskInterface.register(REFERENCE_ATTENTION, lambda *a, **k: None)
+
+
+def masked_reference_logits(model, run: RecordedRun) -> torch.Tensor:
+    """[B, N, vocab] logits of one cache-free forward over ``run.tokens`` under :func:`visibility_masks`."""
+    _register()
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation_internal")}
+    saved = [(c, c._attn_implementation_internal) for c in configs.values()]
+    _MASKS.update(visibility_masks(run))
+    try:
+        for c in configs.values():
+            c._attn_implementation_internal = REFERENCE_ATTENTION
+        with torch.no_grad():
+            return model(run.tokens, use_cache=False).logits
+    finally:
+        for c, impl in saved:
+            c._attn_implementation_internal = impl
+        _MASKS.clear()
