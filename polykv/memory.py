@@ -22,6 +22,13 @@ Which op bounds storage (``phase=``):
   appended without eviction: an estimate, since per-head gathers can change a quantized store's
   layout (see docs/quantizers.md).
 
+Window-bounded layers (sliding-window or chunked attention, see
+:meth:`polykv.geometry.ModelGeometry.token_bound`) never hold more than their bound ``window - 1``,
+whatever the plan says: kept tokens are ``min(plan's kept, bound)``, and their ``full_bytes`` (the
+uncompressed baseline) is what vanilla transformers holds there, ``min(T, bound)`` tokens. The bound
+is known when the geometry is a :class:`~polykv.geometry.ModelGeometry`; a plan's own ``model``
+record carries no layer types, so pass the geometry for models with such layers.
+
 Metadata right after prefill (the runtime keeps only what the decode rule needs):
 positions int64 ``[B, Hkv, kept]``; accumulated attention float32 ``[B, Hkv, kept]`` when the decode
 rule reads accumulated attention (H2O); a query window ``[B, H, w, d]`` in the compute dtype plus
@@ -67,13 +74,24 @@ def _kept(op: OpSpec, context_tokens: int) -> int:
     return context_tokens if cap is None else min(cap, context_tokens)
 
 
-def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill") -> int:
-    """Tokens a layer holds for a ``context_tokens`` context in ``phase`` (see the module docstring)."""
+def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill", *, bound: int | None = None) -> int:
+    """Tokens a layer holds for a ``context_tokens`` context in ``phase`` (see the module docstring).
+
+    ``bound``: the layer's own token bound (a window-bounded layer), or None.
+    """
     _check(context_tokens, phase)
-    after_prefill = _kept(layer.prefill, context_tokens)
+    kept = _kept(layer.prefill, context_tokens)
     if phase == "decode" and not layer.decode.keeps_everything:
-        return _kept(layer.decode, context_tokens)
-    return after_prefill
+        kept = _kept(layer.decode, context_tokens)
+    return kept if bound is None else min(kept, bound)
+
+
+def layer_bounds(geometry: Any, num_layers: int) -> list[int | None]:
+    """Per layer the token bound of a window-bounded layer, None elsewhere (all None without layer types)."""
+    bound = getattr(geometry, "token_bound", None)
+    if not callable(bound) or not getattr(geometry, "layer_types", None):
+        return [None] * num_layers
+    return [bound(i) for i in range(num_layers)]
 
 
 def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str = "prefill") -> list[int]:
@@ -83,7 +101,9 @@ def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str =
     """
     geo = _geometry(plan, geometry)
     slot = int(geo.num_kv_heads) * int(geo.head_dim)
-    return [-(-kept_tokens(lp, context_tokens, phase) * slot * (lp.k_bits + lp.v_bits) // 8) for lp in plan.layers]
+    bounds = layer_bounds(geo, len(plan.layers))
+    return [-(-kept_tokens(lp, context_tokens, phase, bound=b) * slot * (lp.k_bits + lp.v_bits) // 8)
+            for lp, b in zip(plan.layers, bounds)]
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -97,6 +117,8 @@ class MemoryRow:
     """The decode op."""
     k_bits: int
     v_bits: int
+    window_bound: int | None
+    """The layer's own token bound (a sliding-window or chunked layer), or None."""
     kept_tokens: int
     """Tokens held in the reported phase."""
     nominal_bytes: int
@@ -108,9 +130,10 @@ class MemoryRow:
     metadata: dict[str, int | None]
     """Bytes beside the stores: ``positions``, ``accumulated``, ``query_window`` (None = not counted)."""
     full_bytes: int
-    """Bytes of this layer's uncompressed K+V cache holding the whole context (batch and dtype as given)."""
+    """Bytes of this layer's uncompressed K+V cache holding the whole context (batch and dtype as given);
+    for a window-bounded layer, ``min(T, bound)`` tokens (what vanilla transformers holds there)."""
     full_nominal_bytes: int
-    """Nominal bytes of the whole context at 16-bit K and V: ``T * Hkv * d * 4``."""
+    """Nominal bytes of that uncompressed cache at 16-bit K and V: ``tokens * Hkv * d * 4``."""
 
     @property
     def resident_bytes(self) -> int:
@@ -155,8 +178,9 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
     nominal = nominal_bytes(plan, geo, context_tokens, phase=phase)
     rows = []
-    for lp, nom in zip(plan.layers, nominal):
-        kept = kept_tokens(lp, context_tokens, phase)
+    for lp, nom, bound in zip(plan.layers, nominal, layer_bounds(geo, len(plan.layers))):
+        kept = kept_tokens(lp, context_tokens, phase, bound=bound)
+        baseline = context_tokens if bound is None else min(context_tokens, bound)
         shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
         stream_bytes = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
@@ -171,11 +195,11 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
                                 hint="fix the layer's quantizer, bits or parameters") from None
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
-            v_bits=lp.v_bits, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
+            v_bits=lp.v_bits, window_bound=bound, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
             value_bytes=stream_bytes[1], metadata=_metadata(lp, registry, batch, Hkv, d, heads, kept,
                                                            context_tokens, dtype_bytes),
-            full_bytes=2 * batch * Hkv * context_tokens * d * dtype_bytes,
-            full_nominal_bytes=4 * Hkv * context_tokens * d))
+            full_bytes=2 * batch * Hkv * baseline * d * dtype_bytes,
+            full_nominal_bytes=4 * Hkv * baseline * d))
     return rows
 
 
@@ -246,7 +270,8 @@ class MemoryReport:
     def format_table(self) -> str:
         """A plain-text table: one line per layer, then totals and ratios."""
         head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
-        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits), f"{r.kept_tokens:,}",
+        body = [(str(r.layer) + ("w" if r.window_bound is not None else ""), r.prefill, r.decode, str(r.k_bits),
+                 str(r.v_bits), f"{r.kept_tokens:,}",
                  f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
                  f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
                 for r in self.rows]
@@ -261,6 +286,10 @@ class MemoryReport:
             f"full cache (whole context, compute dtype) {self.full_total:,} B; compression {self.ratio:.2f}x resident "
             f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal",
         ]
+        bounded = [r for r in self.rows if r.window_bound is not None]
+        if bounded:
+            lines.append(f"w = window-bounded layer ({len(bounded)} of {len(self.rows)}): keeps at most its model's "
+                         f"window ({bounded[0].window_bound:,} tokens) whatever the plan says")
         if not self.metadata_complete:
             lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
         return "\n".join(lines)

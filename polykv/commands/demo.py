@@ -20,6 +20,8 @@ from polykv.errors import StudyError
 
 PROFILE_NAME = "smollm2-135m-instruct.profile.json"
 """The shipped profile of the default model, in the repository's ``profiles/`` folder."""
+PROFILE_NAMES = {"smollm2-135m": PROFILE_NAME, "gemma3-270m": "gemma3-270m.profile.json"}
+"""The shipped profile of each named model."""
 
 CHAIN_RULE = "snapkv"
 """The one eviction rule of the MoE-nD chain (1d ... 2d_hetero), so the chain isolates bits and keeps."""
@@ -54,8 +56,12 @@ def register(subparsers) -> None:
     p.add_argument("--samples", type=int, default=20, metavar="N", help="passkey items per policy (default 20)")
     p.add_argument("--out", default=os.path.join("results", "demo"), metavar="DIR",
                    help="output folder: spec.json, results.jsonl, report.md, figures (default results/demo)")
+    p.add_argument("--model", default="default", metavar="NAME",
+                   help=f"named model to run: {', '.join(sorted(PROFILE_NAMES))} (default: the default model, "
+                        f"smollm2-135m)")
     p.add_argument("--profile", default=None, metavar="PATH",
-                   help=f"profile of the default model (default: profiles/{PROFILE_NAME} of this checkout)")
+                   help="profile of the model (default: its shipped profile in profiles/ of this checkout, "
+                        f"e.g. {PROFILE_NAME})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: torch's choice); 1 is fastest on a machine shared with "
@@ -63,23 +69,29 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def find_profile(given: str | None) -> str:
-    """The profile to use: ``given``, else the shipped one (checkout's ``profiles/``, then ./profiles)."""
+def find_profile(given: str | None, model: str = "default") -> str:
+    """The profile to use: ``given``, else the model's shipped one (checkout's ``profiles/``, then ./profiles)."""
     if given is not None:
         if not os.path.isfile(given):
             raise StudyError(f"--profile {given}: no such file")
         return os.path.abspath(given)
-    here = Path(__file__).resolve().parents[2] / "profiles" / PROFILE_NAME
-    for path in (here, Path("profiles") / PROFILE_NAME):
+    from polykv.models import named_model
+
+    name = PROFILE_NAMES.get(named_model(model).name)
+    if name is None:
+        raise StudyError(f"no shipped profile for model {model!r}; pass --profile PATH")
+    here = Path(__file__).resolve().parents[2] / "profiles" / name
+    for path in (here, Path("profiles") / name):
         if path.is_file():
             return str(path.resolve())
-    raise StudyError(f"no shipped profile found at {here} or ./profiles/{PROFILE_NAME}; make one with "
-                     f"`polykv calibrate default -o profiles/{PROFILE_NAME}` or pass --profile PATH")
+    raise StudyError(f"no shipped profile found at {here} or ./profiles/{name}; make one with "
+                     f"`polykv calibrate {model} -o profiles/{name}` or pass --profile PATH")
 
 
-def demo_spec(samples: int, profile: str) -> dict:
+def demo_spec(samples: int, profile: str, model: str = "default") -> dict:
     spec = copy.deepcopy(DEMO_SPEC)
     spec["profile"] = profile
+    spec["model"] = model
     spec["tasks"][0]["samples"] = int(samples)
     return spec
 
@@ -123,16 +135,25 @@ def run(args) -> int:
     from polykv.studies.spec import load_spec
     from polykv.atomic import write_text_atomic
 
-    from polykv.models import default_model_path
+    from polykv.models import named_model
 
     if args.samples < 1:
         raise StudyError(f"--samples must be at least 1, got {args.samples}")
     start = time.perf_counter()
-    default_model_path()  # the model package is there (else: the install command), before any other work
+    named = named_model(args.model)
+    if named.name == "smollm2-135m":
+        from polykv.models import default_model_path
+
+        default_model_path()  # the model package is there (else: the install command), before any other work
+    else:
+        from polykv.models import named_cached_dir
+
+        named_cached_dir(named.name)  # the model's packages are there (else: the install command)
     set_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "spec.json")
-    write_text_atomic(spec_path, json.dumps(demo_spec(args.samples, find_profile(args.profile)), indent=2) + "\n")
+    spec_dict = demo_spec(args.samples, find_profile(args.profile, args.model), args.model)
+    write_text_atomic(spec_path, json.dumps(spec_dict, indent=2) + "\n")
     spec = load_spec(spec_path)
     results = os.path.join(args.out, "results.jsonl")
     prepared = prepare(spec, results)

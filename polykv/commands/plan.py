@@ -20,7 +20,7 @@ def register(subparsers) -> None:
                       help="context length for capacities and memory (default: the plan's "
                            f"provenance.context_tokens, else {DEFAULT_SHOW_CONTEXT})")
     show.add_argument("--model", default=None, metavar="MODEL",
-                      help="'default' or a local model folder; default: the shape recorded in the plan")
+                      help="'default', a model name (gemma3-270m) or a local model folder; default: the shape recorded in the plan")
     show.set_defaults(func=run_show)
 
     val = sub.add_parser("validate", help="check a plan against the installed plugins (and a model)")
@@ -32,16 +32,22 @@ def register(subparsers) -> None:
 
 
 def model_geometry(spec: str):
-    """Geometry for ``--model``: ``"default"`` or a local folder with a transformers ``config.json``."""
+    """Geometry for ``--model``: ``"default"``, a model name (``gemma3-270m``) or a local folder with a
+    transformers ``config.json``."""
     from polykv.geometry import geometry_from_config
+    from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
     if spec == "default":
         from polykv.models import default_geometry
 
         return default_geometry()
+    if spec in NAMED_MODELS or spec in MODEL_ALIASES:
+        from polykv.models import model_geometry as named_geometry
+
+        return named_geometry(spec)
     if not os.path.isfile(os.path.join(spec, "config.json")):
-        raise PolykvError(f"--model {spec!r}: expected 'default' or a local model folder holding config.json "
-                          f"(models are never downloaded)")
+        raise PolykvError(f"--model {spec!r}: expected 'default', one of {sorted(NAMED_MODELS)} or a local model "
+                          f"folder holding config.json (models are never downloaded)")
     import transformers
 
     return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
@@ -78,7 +84,7 @@ def run_show(args) -> int:
     if context is None:
         context, context_note = DEFAULT_SHOW_CONTEXT, " (the default: the plan records none; set --context N)"
     report = _memory(plan, geometry, args.plan, context)
-    print(format_plan(plan, args.plan, context, context_note))
+    print(format_plan(plan, args.plan, context, context_note, geometry=geometry))
     print()
     print(report.format_table())
     return 0
@@ -108,8 +114,12 @@ def _layer_field(layer, field):
     return f"layers[{layer}].{field}"
 
 
-def format_plan(plan, source: str, context: int, context_note: str = "") -> str:
-    """Header, provenance and one row per layer: ops with capacities resolved at ``context``."""
+def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None) -> str:
+    """Header, provenance and one row per layer: ops with capacities resolved at ``context``.
+
+    With a model ``geometry`` that has sliding-window or chunked layers, an ``ATTENTION`` column marks
+    them with their bound (``sliding<=511``): they keep at most that many tokens whatever the plan says.
+    """
     prov = plan.provenance
     lines = [f"plan {source}  (schema {plan.schema_version}, {plan.num_layers} layers)"]
     if plan.model is not None:
@@ -124,14 +134,23 @@ def format_plan(plan, source: str, context: int, context_note: str = "") -> str:
         lines.append(f"note     {prov.note}")
     lines.append(f"decode eviction fires past capacity + {plan.trigger.decode_slack} tokens")
     lines.append(f"context  {context} tokens{context_note}")
-    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER")]
+    windowed = geometry is not None and hasattr(geometry, "windowed_layers") and geometry.windowed_layers()
+    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("ATTENTION",) if windowed else ())]
     for lp in plan.layers:
         ops = []
         for op in (lp.prefill, lp.decode):
             cap = op.resolve_capacity(context)
             ops.append(op.describe() if cap is None or op.capacity is not None else f"{op.describe()}={cap}")
+        attention = ()
+        if windowed:
+            kind = geometry.layer_types[lp.layer].replace("_attention", "")
+            bound = geometry.token_bound(lp.layer)
+            attention = (kind if bound is None else f"{kind}<={bound}",)
         rows.append((str(lp.layer), ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
-                     lp.quantizer if lp.quantized else "-"))
+                     lp.quantizer if lp.quantized else "-") + attention)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    if windowed:
+        lines.append(f"{len(windowed)} window-bounded layers keep at most their model's window whatever the plan "
+                     f"says; a plan may compress or quantize inside it")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from polykv.runtime import attention
 from polykv.runtime.cache import LayerSpec, PlanCache
 from polykv.runtime.signals import SignalNeeds
 from polykv.runtime.stores import new_store
+from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
@@ -60,12 +61,14 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         for another model (layer count, KV heads, head dim, fingerprint), or quantizer parameters
         that cannot serve the model's head dim.
     RuntimeConfigError
-        The model has sliding-window layers or an attention implementation the runtime cannot serve.
+        The model cannot be served (:mod:`polykv.runtime.support`: latent, differential or recurrent
+        attention, KV sharing), or uses an attention implementation the runtime cannot replace.
     """
     if registry is None:
         from polykv.registry import get_registry
 
         registry = get_registry()
+    check_servable(model)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
     if impl == attention.NAME:
@@ -102,15 +105,23 @@ def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
 
 
 def _attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
+    """The self-attention module of every layer: the first ``*Attention`` module that knows its ``layer_idx``."""
     found: dict[int, torch.nn.Module] = {}
     for _, m in model.named_modules():
         idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(m, "num_key_value_groups") and type(m).__name__.endswith("Attention"):
+        if isinstance(idx, int) and type(m).__name__.endswith("Attention") \
+                and not getattr(m, "is_cross_attention", False):
             found.setdefault(idx, m)
     if sorted(found) != list(range(num_layers)):
         raise RuntimeConfigError(
-            f"{type(model).__name__}: found attention modules for layers {sorted(found)}, expected 0..{num_layers - 1}; "
-            f"the polykv runtime serves decoders whose attention uses the transformers AttentionInterface")
+            f"model type '{model_type(model)}' cannot be served by polykv: found attention modules for layers "
+            f"{sorted(found)}, expected 0..{num_layers - 1}; supported are {SERVED}")
+    bypass = [i for i in range(num_layers) if attention_bypasses_interface(found[i])]
+    if bypass:
+        raise RuntimeConfigError(
+            f"model type '{model_type(model)}' cannot be served by polykv: {type(found[bypass[0]]).__name__} "
+            f"computes attention itself instead of dispatching through the transformers AttentionInterface; "
+            f"supported are {SERVED}")
     return [found[i] for i in range(num_layers)]
 
 
@@ -136,6 +147,7 @@ class Session:
         self._active = False
         self._saved_impl: list[tuple[Any, Any]] = []
         self._saved_generate = _MISSING
+        self._hook = None
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
@@ -172,10 +184,14 @@ class Session:
             c._attn_implementation_internal = attention.NAME
         self._saved_generate = self.model.__dict__.get("generate", _MISSING)
         self.model.generate = self._generate
+        self._hook = self.model.register_forward_hook(self._check_every_layer_attended)
         self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         for c, impl in self._saved_impl:
             c._attn_implementation_internal = impl
         for m in self._modules:
@@ -185,6 +201,20 @@ class Session:
         else:
             self.model.generate = self._saved_generate
         self._active = False
+
+    def _check_every_layer_attended(self, module, args, output) -> None:
+        """After each model forward: every layer whose cache was updated ran polykv's attention function
+        (a model that computes attention itself would otherwise return output polykv did not make)."""
+        cache = self._cache
+        if cache is None:
+            return
+        missed = [layer.layer_idx for layer in cache.layers if layer._attend_k is not None]
+        if missed:
+            for layer in cache.layers:
+                layer._attend_k = layer._attend_v = None
+            raise RuntimeConfigError(
+                f"model type '{model_type(self.model)}': layers {missed} stored keys but computed attention without "
+                f"the polykv attention function; this model cannot be served (supported are {SERVED})")
 
     def _require_active(self) -> None:
         if not self._active:

@@ -15,7 +15,9 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
     ``geometry`` (a :class:`polykv.geometry.ModelGeometry`), when given, must be the model the
-    profile was measured on (else :class:`polykv.errors.ProfileError`).
+    profile was measured on (else :class:`polykv.errors.ProfileError`). Window-bounded layers
+    (sliding-window, chunked) keep their model's window and the budget goes to the other layers
+    (:mod:`polykv.solvers.windowed`).
     """
     if registry is None:
         from polykv.registry import get_registry
@@ -23,4 +25,6 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
         registry = get_registry()
     if geometry is not None:
         profile.check_model(geometry)
-    return registry.solver(solver)(registry=registry).solve(profile, budget, **params)
+    from polykv.solvers.windowed import solve_around_windows
+
+    return solve_around_windows(registry.solver(solver)(registry=registry), profile, budget, **params)

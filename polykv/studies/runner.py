@@ -70,12 +70,16 @@ class CharTokenizer:
 
 
 def load_model(spec: StudySpec):
-    """(model, tokenizer) named by ``spec.model``: the default SmolLM2 or a tiny random model."""
+    """(model, tokenizer) named by ``spec.model``: the default SmolLM2, a named model or a tiny random model."""
     dtype = getattr(torch, spec.dtype)
     if spec.model == "default":
         from polykv.models import load_default_model
 
         return load_default_model(dtype=dtype)
+    if isinstance(spec.model, str):
+        from polykv.models import load_model as load_named
+
+        return load_named(spec.model, dtype=dtype)
     from polykv.testing import tiny_model
 
     kw = dict(spec.model["tiny"])

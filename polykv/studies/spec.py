@@ -171,9 +171,12 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     digests: dict[str, str] = {}
     name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "study")
     model = raw.get("model", "default")
-    if not (model == "default" or (isinstance(model, Mapping) and set(model) == {"tiny"}
-                                   and isinstance(model["tiny"], Mapping))):
-        raise _fail(source, "model", f"expected \"default\" or {{\"tiny\": {{...}}}}, got {model!r}")
+    from polykv.models import MODEL_ALIASES, NAMED_MODELS
+
+    if not (model == "default" or (isinstance(model, str) and (model in NAMED_MODELS or model in MODEL_ALIASES))
+            or (isinstance(model, Mapping) and set(model) == {"tiny"} and isinstance(model["tiny"], Mapping))):
+        raise _fail(source, "model", f"expected \"default\", a model name ({', '.join(sorted(NAMED_MODELS))}) or "
+                                     f"{{\"tiny\": {{...}}}}, got {model!r}")
     dtype = raw.get("dtype", "float32")
     if dtype not in DTYPES:
         raise _fail(source, "dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")

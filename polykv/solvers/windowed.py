@@ -1,0 +1,78 @@
+"""Window-bounded layers in solving: they keep their model's window, and the budget goes to the other layers.
+
+A sliding-window or chunked layer never holds more than ``window - 1`` tokens
+(:meth:`polykv.geometry.ModelGeometry.token_bound`). Every solver sees only the unbounded layers:
+the windowed layers are fixed to the keep-everything 16-bit op (which the runtime holds at their
+bound), their bytes are taken off the budget, the solver runs on a profile of the other layers, and
+the plan is reassembled in layer order. A ratio budget is measured against the vanilla cache, in
+which windowed layers hold ``min(T, bound)`` tokens. Their profile rows are never read, so a profile
+may leave them unmeasured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from polykv.errors import SolverError
+from polykv.plan import LayerPlan, Provenance, per_layer_plan
+from polykv.profiling.budget import FULL_BITS, Budget, bits_to_bytes, slot_bits
+
+_WINDOWED = ("sliding_attention", "chunked_attention")
+
+
+def window_bounds(model: Any) -> dict[int, int]:
+    """``{layer: token bound}`` of a profile model's window-bounded layers (from its recorded geometry)."""
+    geo = getattr(model, "geometry", None) or {}
+    types, window = geo.get("layer_types") or (), geo.get("sliding_window")
+    if not window or len(types) != model.num_layers:
+        return {}
+    return {i: max(1, int(window) - 1) for i, t in enumerate(types) if t in _WINDOWED}
+
+
+def vanilla_cache_bytes(model: Any, context_tokens: int) -> int:
+    """16-bit K+V bytes of the vanilla cache: full layers hold the context, windowed ones ``min(T, bound)``."""
+    bounds = window_bounds(model)
+    tokens = sum(min(context_tokens, bounds.get(i, context_tokens)) for i in range(model.num_layers))
+    return tokens * slot_bits(model, FULL_BITS, FULL_BITS) // 8
+
+
+def _sub_profile(profile, keep: list[int]):
+    model = attrs.evolve(profile.model, num_layers=len(keep))
+    metrics = {name: table[keep] for name, table in profile.metrics.items()}
+    stats = {name: attrs.evolve(t, values=t.values[keep]) for name, t in profile.stats.items()}
+    return attrs.evolve(profile, model=model, metrics=metrics, stats=stats)
+
+
+def solve_around_windows(solver, profile, budget: Budget, **params: Any):
+    """``solver.solve`` on the unbounded layers only, windowed layers kept at their window (module docstring)."""
+    bounds = window_bounds(profile.model)
+    if not bounds:
+        return solver.solve(profile, budget, **params)
+    T, L = budget.context_tokens, profile.model.num_layers
+    free = [i for i in range(L) if i not in bounds]
+    if not free:
+        raise SolverError(f"every layer of this model is window-bounded (windows of {max(bounds.values()) + 1} "
+                          f"tokens): there is nothing to solve; run the full plan")
+    slot16 = slot_bits(profile.model, FULL_BITS, FULL_BITS)
+    fixed = sum(min(T, b) for b in bounds.values()) * slot16 // 8
+    if budget.kind == "ratio":
+        total = int(vanilla_cache_bytes(profile.model, T) // budget.value)
+    else:
+        total = budget.to_bytes(profile.model)
+    if total <= fixed:
+        raise SolverError(f"the {len(bounds)} window-bounded layers alone hold {fixed} bytes at T={T} (16-bit, their "
+                          f"model's window), at or over the budget of {total} bytes ({budget.describe()}); "
+                          f"raise the budget")
+    sub = solver.solve(_sub_profile(profile, free), Budget.of_bytes(total - fixed, T), **params)
+    solved = iter(sub.layers)
+    layers = [LayerPlan(layer=i) if i in bounds else attrs.evolve(next(solved), layer=i) for i in range(L)]
+    prov = sub.provenance
+    note = (f"{len(bounds)} window-bounded layers kept at their window ({fixed} bytes); "
+            f"the other {len(free)} layers solved within {total - fixed} bytes")
+    prov = attrs.evolve(prov, budget=budget.as_dict(),
+                        predicted_bytes=None if prov.predicted_bytes is None else prov.predicted_bytes + fixed,
+                        note=f"{prov.note}; {note}" if prov.note else note)
+    return per_layer_plan(profile.model, layers, decode_slack=sub.trigger.decode_slack,
+                          provenance=Provenance(**attrs.asdict(prov, recurse=False)))
