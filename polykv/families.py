@@ -190,15 +190,12 @@ def check_family(model_type: str) -> FamilyResult:
         model = meta  # too big to run tiny: only whether apply refuses it can be checked
     if _bidirectional(model):
         return FamilyResult(model_type, "not a decoder", message="not a decoder: bidirectional encoder")
-    if next(model.parameters()).device.type == "meta":
-        from polykv.runtime.support import check_servable
+    from polykv.runtime.support import check_servable
 
-        try:
-            check_servable(model)
-        except RuntimeConfigError as exc:
-            return FamilyResult(model_type, "refused", message=str(exc))
-        return FamilyResult(model_type, "not built", message=why)
     try:
+        check_servable(model)
+        if next(model.parameters()).device.type == "meta":
+            return FamilyResult(model_type, "not built", message=why)
         with polykv.apply(model, polykv.full_plan(geometry_from_config(model.config))):
             pass
     except RuntimeConfigError as exc:

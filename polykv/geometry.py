@@ -88,7 +88,10 @@ def geometry_from_config(config: Any, *, weights_digest: str | None = None) -> M
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = int(cfg.num_hidden_layers)
     n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    if getattr(cfg, "multi_query", False) is True:  # GPT-BigCode: one K/V head whatever else the config says
+        n_kv = 1
+    else:
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     if isinstance(rope, dict) and FULL in rope:  # per-layer-type rope (Gemma 3)

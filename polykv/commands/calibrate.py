@@ -101,13 +101,15 @@ def run(args) -> int:
                            f"; the last {args.validate} are held out for validation" if args.validate else ""),
                        progress=not args.no_progress)
     stats_path = args.query_stats or query_stats_path(args.output)
-    result.query_stats.save(stats_path)
+    if result.query_stats is not None:
+        result.query_stats.save(stats_path)
     result.profile.save(args.output)
     from polykv.profiling.checkpoint import remove_folder
 
     remove_folder(args.output + ".partial")
     prof = result.profile
     print(f"{args.output}: {prof.num_layers} layers x {len(prof.configs)} configs, metrics {sorted(prof.metrics)}, "
-          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: {stats_path}"
+          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: "
+          f"{stats_path if result.query_stats is not None else 'none (TriAttention not calibrated)'}"
           + (f"; {prof.provenance.note.split('; ', 1)[1]}" if "; " in prof.provenance.note else ""))
     return 0

@@ -71,7 +71,8 @@ class CalibrationSettings:
 class CalibrationResult:
     profile: Profile
     query_stats: Any
-    """:class:`~polykv.profiling.query_stats.QueryStats` measured on the calibration sequences."""
+    """:class:`~polykv.profiling.query_stats.QueryStats` measured on the calibration sequences (None when
+    TriAttention is not among the calibrated rules)."""
     seconds: float
     """Wall time of the run (resumed layers excluded)."""
 
@@ -193,7 +194,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                          "tokens": [s.tolist() for s in seqs], "heldout": [s.tolist() for s in held]})
     ckpt = Checkpoint(checkpoint_dir, digest)
 
-    query_stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
+    # TriAttention's statistics need one RoPE per model; models with per-layer-type RoPE (Gemma 3)
+    # are calibrated without them when TriAttention is not among the rules.
+    query_stats = compute_query_stats(model, [s.view(1, -1) for s in seqs]) if TRIATTENTION in rules else None
     inv_freq, rope_scaling = _rope(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data={TRIATTENTION: query_stats},
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)

@@ -153,8 +153,9 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = session._layer_for(layer_idx, key)
     if attention_mask is not None:
         raise RuntimeConfigError(
-            f"layer {layer_idx}: a custom attention mask was passed; the polykv runtime builds its own causal mask "
-            f"and supports only unpadded batches (pass no 4D mask)")
+            f"layer {layer_idx}: the attention function received a 4D attention mask (one passed by the caller, or "
+            f"one the model builds itself); the polykv runtime builds its own masks and supports only unpadded "
+            f"batches: pass no 4D mask (a model that builds its own masks cannot be served)")
     if kwargs.get("output_attentions"):
         raise RuntimeConfigError("output_attentions is not supported by the polykv runtime (attention runs in SDPA)")
     if dropout and module.training:

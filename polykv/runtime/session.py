@@ -241,6 +241,11 @@ class Session:
     def _layer_for(self, layer_idx: int, key: torch.Tensor):
         cache = self._cache
         layer = cache.layers[layer_idx] if cache is not None else None
+        if layer is not None and layer._attend_k is not None and layer._attend_k is not key:
+            raise RuntimeConfigError(
+                f"model type '{model_type(self.model)}', layer {layer_idx}: the attention module changed the keys "
+                f"between the cache update and attention, so what polykv stores is not what it attends; this "
+                f"model cannot be served (supported are {SERVED})")
         if layer is None or layer._attend_k is not key:
             raise RuntimeConfigError(
                 f"layer {layer_idx} attended keys that did not come from this session's cache: pass "

@@ -13,6 +13,8 @@ import torch
 import transformers
 
 import polykv
+import polykv.errors
+import polykv.solvers
 from polykv.geometry import FULL, SLIDING, geometry_of_model
 from polykv.memory import memory_report, nominal_bytes
 from polykv.plan import OpSpec
@@ -128,7 +130,14 @@ def test_solvers_keep_windowed_layers_and_spend_the_budget_on_full_layers(gemma3
     for solver in ("exact", "moend-greedy", "uniform"):
         plan = polykv.solvers.solve(profile, Budget.of_ratio(4, T), solver=solver)
         assert plan.layers[0].keeps_everything and plan.layers[1].keeps_everything, solver
-        got = sum(nominal_bytes(plan, geo, T, phase="decode"))
-        vanilla = (2 * (WINDOW - 1) + T) * geo.num_kv_heads * geo.head_dim * 4
-        assert got <= vanilla // 4, solver
+        per_layer = nominal_bytes(plan, geo, T, phase="decode")
+        slot16 = geo.num_kv_heads * geo.head_dim * 4
+        assert per_layer[:2] == [(WINDOW - 1) * slot16] * 2, solver      # kept at their window
+        assert per_layer[2] <= T * slot16 // 4, solver                      # 4x on the full layer
+        assert plan.provenance.predicted_bytes == sum(per_layer), solver
         assert not plan.layers[2].keeps_everything, solver
+    with pytest.raises(polykv.errors.SolverError, match="window-bounded layers alone hold"):
+        polykv.solvers.solve(profile, Budget.of_bytes(2 * (WINDOW - 1) * slot16, T), solver="exact")
+    plan = polykv.solvers.solve(profile, Budget.of_bytes(2 * (WINDOW - 1) * slot16 + T * slot16 // 8, T),
+                                solver="exact")
+    assert sum(nominal_bytes(plan, geo, T, phase="decode")) <= 2 * (WINDOW - 1) * slot16 + T * slot16 // 8
