@@ -66,8 +66,9 @@ def load_model(name: str, device: str):
         model, tokenizer = load_named(name)
     else:
         if not os.path.isdir(name):
-            raise ProfileError(f"model {name!r}: not 'default', not one of {sorted(NAMED_MODELS)} and not a local "
-                               "folder; give a folder holding a Hugging Face model (config.json, weights, tokenizer)")
+            raise ProfileError(f"model {name!r}: not 'default' and not a local folder (nor a model name: "
+                               f"{', '.join(sorted(NAMED_MODELS))}); give a folder holding a Hugging Face model "
+                               "(config.json, weights, tokenizer)")
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)

@@ -20,7 +20,8 @@ def register(subparsers) -> None:
                       help="context length for capacities and memory (default: the plan's "
                            f"provenance.context_tokens, else {DEFAULT_SHOW_CONTEXT})")
     show.add_argument("--model", default=None, metavar="MODEL",
-                      help="'default', a model name (gemma3-270m) or a local model folder; default: the shape recorded in the plan")
+                      help="'default', a model name (gemma3-270m) or a local model folder; default: the shape "
+                           "recorded in the plan")
     show.set_defaults(func=run_show)
 
     val = sub.add_parser("validate", help="check a plan against the installed plugins (and a model)")

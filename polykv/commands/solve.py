@@ -58,7 +58,9 @@ def run(args) -> int:
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"
-    limit = budget.to_bytes(profile.model)
+    from polykv.solvers.windowed import budget_bytes
+
+    limit = budget_bytes(profile, budget)  # window-bounded layers at their window, the budget on the others
     print(f"{args.output}: {args.solver}, {plan.num_layers} layers, budget {budget.describe()} = {limit} bytes; "
           f"predicted {prov.predicted_bytes} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), loss {loss}"
           + (f"; {prov.note}" if prov.note else ""))

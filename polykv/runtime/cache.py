@@ -152,7 +152,8 @@ class LayerCache(CacheLayerMixin):
             self.key_store.gather(idx)
             self.value_store.gather(idx)
             if spec.decode_rule is not None:
-                self._attend_k, self._attend_v = _gather_tokens(self._attend_k, idx), _gather_tokens(self._attend_v, idx)
+                self._attend_k = _gather_tokens(self._attend_k, idx)
+                self._attend_v = _gather_tokens(self._attend_v, idx)
         if spec.decode_rule is None:
             return
         cap = spec.plan.decode.resolve_capacity(self.tokens_seen)

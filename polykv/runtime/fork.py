@@ -17,6 +17,8 @@ tokens, d head dim, w query window.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Sequence
 
 import attrs
@@ -118,8 +120,9 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
         for layer, need in zip(cache.layers, needs):
             layer.signals = SignalState(needs=need)
         cache.prefill_continues = True  # selection never runs: the raw K/V stay in each layer
-        for start in range(0, T, step):
-            model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache})
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
+        for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position
+            model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache}, **keep)
         layers = []
         for layer, module in zip(cache.layers, session._modules):
             sig = layer.signals

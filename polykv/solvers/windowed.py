@@ -33,6 +33,17 @@ def window_bounds(model: Any) -> dict[int, int]:
     return {i: max(1, int(window) - 1) for i, t in enumerate(types) if t in _WINDOWED}
 
 
+def budget_bytes(profile, budget: Budget) -> int:
+    """Nominal bytes ``budget`` allows the whole model, window-bounded layers included (as solved here)."""
+    bounds = window_bounds(profile.model)
+    if not bounds or budget.kind == "bytes":
+        return budget.to_bytes(profile.model)
+    T = budget.context_tokens
+    fixed = sum(min(T, b) for b in bounds.values()) * slot_bits(profile.model, FULL_BITS, FULL_BITS) // 8
+    free = attrs.evolve(profile.model, num_layers=profile.model.num_layers - len(bounds))
+    return fixed + budget.to_bytes(free)
+
+
 def _sub_profile(profile, keep: list[int]):
     model = attrs.evolve(profile.model, num_layers=len(keep))
     metrics = {name: table[keep] for name, table in profile.metrics.items()}
