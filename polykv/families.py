@@ -27,7 +27,12 @@ MAX_PARAMS = 3_000_000
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, max_position_embeddings=256, sliding_window=WINDOW,
             attention_chunk_size=WINDOW, pad_token_id=0)
-"""Tiny values for the config fields a family has (a field the config lacks is never added)."""
+TINY_MOE = dict(num_experts=2, num_local_experts=2, n_routed_experts=2, moe_num_experts=2, num_experts_per_tok=1,
+                moe_k=1, moe_topk=1, n_shared_experts=1, n_group=1, topk_group=1, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, expert_intermediate_size=32)
+TINY.update(TINY_MOE)
+"""Tiny values for the config fields a family has (a field the config lacks is never added); mixtures of
+experts get two experts, one routed per token."""
 ALWAYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
 OVERRIDES = {
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},

@@ -80,6 +80,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     plan.validate(registry=registry, geometry=geometry)
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     modules = _attention_modules(model, geometry.num_layers)
+    _check_layer_shapes(model, modules, geometry)
     return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
                    geometry=geometry)
 
@@ -123,6 +124,19 @@ def _attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
             f"computes attention itself instead of dispatching through the transformers AttentionInterface; "
             f"supported are {SERVED}")
     return [found[i] for i in range(num_layers)]
+
+
+def _check_layer_shapes(model, modules, geometry) -> None:
+    """Every layer's key projection must produce the geometry's ``num_kv_heads x head_dim`` (one plan shape)."""
+    want = geometry.num_kv_heads * geometry.head_dim
+    for i, m in enumerate(modules):
+        proj = getattr(m, "k_proj", None)
+        out = getattr(proj, "out_features", None)
+        if isinstance(out, int) and out != want:
+            raise RuntimeConfigError(
+                f"model type '{model_type(model)}' cannot be served by polykv: layer {i} projects keys to {out} "
+                f"values but the config says {geometry.num_kv_heads} KV heads x {geometry.head_dim}: its layers differ "
+                f"in KV heads or head dim, and a plan has one shape for every layer; supported are {SERVED}")
 
 
 def _rope(model) -> tuple[torch.Tensor | None, float]:
