@@ -76,8 +76,11 @@ class ModelGeometry:
         return [i for i in range(self.num_layers) if self.is_windowed(i)]
 
     def full_cache_bytes(self, tokens: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
-        """Bytes of an uncompressed K+V cache holding ``tokens`` tokens in every layer."""
-        return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * tokens * dtype_bytes
+        """Bytes of the uncompressed K+V cache vanilla transformers holds after ``tokens`` tokens: every
+        full-attention layer holds them all, a windowed layer at most its :meth:`token_bound`."""
+        held = sum(tokens if self.token_bound(i) is None else min(tokens, self.token_bound(i))
+                   for i in range(self.num_layers))
+        return 2 * held * batch * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def summary(self) -> dict[str, Any]:
         return attrs.asdict(self)

@@ -57,7 +57,8 @@ class Policy:
         nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
         resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
                                                                       dtype_bytes=2))
-        full16 = 4 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * context_tokens
+        full16 = (geometry.full_cache_bytes(context_tokens, dtype_bytes=2) if hasattr(geometry, "full_cache_bytes")
+                  else 4 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * context_tokens)
         return {"kind": "policy", "policy": self.name, "method": self.method, "budget": self.budget,
                 "role": self.role, "solver": self.solver, "index": self.index, "guided": self.guided,
                 "profile_score": self.profile_score, "nominal_bytes": int(nominal),

@@ -264,7 +264,7 @@ def _base_record(pol: Policy, task, item, ctx: torch.Tensor, kv, geo, elem: int)
     return {
         "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
         "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer), "metadata_bytes": kv.metadata_total,
-        "full_kv_bytes": 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * T * elem, "context_tokens": T,
+        "full_kv_bytes": geo.full_cache_bytes(T, dtype_bytes=elem), "context_tokens": T,
         "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
     }
 
