@@ -41,7 +41,7 @@ def refusal_reason(model) -> str | None:
                                                 type(m).__name__.endswith("Attention") for m in model.modules()):
         return "differential attention subtracts two softmax attentions per layer"
     types = [str(t) for t in (getattr(config, "layer_types", None) or [])]
-    other = sorted({t for t in types if t not in _ATTENTION_TYPES})
+    other = sorted({t for t in types if t not in _ATTENTION_TYPES + ("mlp", "moe")})
     if other:
         return f"its {', '.join(other)} layers keep state that is not a per-head K/V cache"
     stateful = sorted({type(m).__name__ for m in model.modules()
