@@ -350,6 +350,14 @@ def load_model(name: str = "default", *, dtype: torch.dtype = torch.float32,
     return _load_cached(folder, dtype)
 
 
+def cached_complete(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
+    """True when model ``name``'s packages are installed and its converted copy is cached (loads are cheap)."""
+    try:
+        return (named_cached_dir(name, cache_dir) / _COMPLETE_MARK).is_file()
+    except PolykvError:
+        return False
+
+
 def model_config(name: str = "default", *, cache_dir: str | os.PathLike | None = None):
     """The transformers config of a named model (converts it first when no cached copy exists)."""
     import transformers

@@ -54,6 +54,23 @@ def model_geometry(spec: str):
     return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
 
 
+def recognised_geometry(plan):
+    """The geometry of a named model whose converted copy is cached and whose config the plan's fingerprint
+    names (so that ``show`` counts its window-bounded layers without ``--model``); None otherwise."""
+    fingerprint = plan.model.fingerprint if plan.model is not None else None
+    if not fingerprint:
+        return None
+    from polykv.models import NAMED_MODELS, cached_complete, model_geometry as named_geometry
+
+    for name in NAMED_MODELS:
+        if not cached_complete(name):
+            continue
+        geo = named_geometry(name)
+        if geo.fingerprint.split("+", 1)[0] == fingerprint.split("+", 1)[0]:
+            return geo
+    return None
+
+
 def _load(path: str, geometry=None):
     from polykv.plan import load_plan
     from polykv.registry import get_registry
@@ -77,6 +94,8 @@ def run_show(args) -> int:
         raise PolykvError(f"--context must be a positive number of tokens, got {args.context}")
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
+    if geometry is None:
+        geometry = recognised_geometry(plan)
     if geometry is None and plan.model is None:
         raise PolykvError(f"{args.plan}: the plan records no model shape (field 'model' is null); pass "
                           f"--model default or --model FOLDER to predict its memory")
