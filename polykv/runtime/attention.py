@@ -119,7 +119,7 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     G = H // Hkv
     if visible is None:
         visible = lower_right_causal(q, K, query.device)
-    qg = query.view(B, Hkv, G, q, d)
+    qg = query.reshape(B, Hkv, G, q, d)
     kt = key.transpose(-1, -2).unsqueeze(2)                                       # (B, Hkv, 1, d, K)
     vg = value.unsqueeze(2)                                                       # (B, Hkv, 1, K, d)
     sink = None if sinks is None else sinks.to(query.dtype).view(1, Hkv, G, 1, 1)
