@@ -1,0 +1,109 @@
+"""D2O: layer budgets from attention variance, H2O eviction with sinks, and merging into the nearest kept key.
+
+Wan et al., "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large
+Language Models", ICLR 2025 (arXiv:2406.13035). Reference code: https://github.com/AIoT-MLSys-Lab/d2o
+(``LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py``, ``D2O_LayerKVCache``).
+
+Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, C kept tokens, d head dim.
+
+* Layer level (prefill, once): c[h, j] = column sums of the prompt's attention per query head;
+  v_h = unbiased variance of c[h, :] over the tokens (mean over the batch);
+  s = mean_h (v_h - min v) / (max v - min v + 1e-6) (:func:`layer_score`). Layers share a total:
+  r_l = clamp(L rho softmax_l(-s), 0.01, 1) with rho the group's keep ratio (:func:`layer_budgets`).
+* Token level: H2O accumulated attention; the first ``n_sink`` = 4 tokens and the ``recent`` newest are
+  always kept, the rest of the budget goes to the heaviest hitters.
+* Merge: each evicted token e finds the kept token j* whose key is most cosine-similar (per KV head),
+  s_e = that similarity. An EMA threshold tau (one per layer) gates the merge: e merges iff s_e >= tau.
+  ``variant = "code"`` (default, the reference code): tau_0 = mean(s), tau = alpha tau + beta mean(s)
+  with alpha = beta = 0.5, and x_j <- (x_j + sum_{e -> j} s_e x_e) / (1 + n_j) for keys and values.
+  ``variant = "paper"`` (Eq. 8-11 as reported by a third-party port; not checked against the paper):
+  tau_0 = max(s), tau = beta max(s) + (1 - beta) tau with beta = 0.7, and
+  x_j <- (c x_j + sum_{e -> j} exp(s_e) x_e) / (c + sum_{e -> j} exp(s_e)) with c = 0.1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+VARIANCE_EPS = 1e-6
+
+
+def layer_score(column_sums: torch.Tensor) -> float:
+    """D2O's layer statistic s from per-query-head column sums ``column_sums`` [B, H, T]."""
+    v = column_sums.double().var(dim=-1).mean(dim=0)                        # (H,)
+    return float(((v - v.min()) / (v.max() - v.min() + VARIANCE_EPS)).mean())
+
+
+def layer_budgets(scores: Sequence[float], context_tokens: int, total_tokens: int) -> list[int]:
+    """Tokens each layer keeps: ``floor(T * clamp(L rho softmax(-s), 0.01, 1))``, rho = total / (L T).
+
+    The reference budgets ``int((T + 1) * r_l)``; polykv uses T, and when the clamps push the sum above
+    ``total_tokens`` it removes the excess one token at a time from the largest layers (lowest index
+    first), so a group never exceeds its budget.
+    """
+    L, T = len(scores), context_tokens
+    rho = total_tokens / (L * T)
+    s = torch.tensor(list(scores), dtype=torch.float64)
+    r = (L * rho * torch.softmax(-s, dim=0)).clamp(0.01, 1.0)
+    caps = [max(1, min(T, math.floor(T * float(x) + 1e-9))) for x in r]
+    excess = sum(caps) - total_tokens
+    while excess > 0:
+        i = max(range(L), key=lambda j: (caps[j], -j))
+        caps[i] -= 1
+        excess -= 1
+    return caps
+
+
+def nearest_kept(keys: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every stored token: the kept slot with the most cosine-similar key, and that similarity.
+
+    Returns (slot [B, Hkv, T] int64, similarity [B, Hkv, T] float32, evicted [B, Hkv, T] bool).
+    Ties go to the lower slot.
+    """
+    B, Hkv, T, d = keys.shape
+    k = torch.nn.functional.normalize(keys.float(), dim=-1)
+    kept_k = k.gather(2, kept.unsqueeze(-1).expand(*kept.shape, d))          # (B, Hkv, C, d)
+    sim = torch.matmul(k, kept_k.transpose(-1, -2))                          # (B, Hkv, T, C)
+    best, slot = sim.max(dim=-1)
+    evicted = torch.ones(B, Hkv, T, dtype=torch.bool, device=keys.device).scatter_(-1, kept, False)
+    return slot, best, evicted
+
+
+def update_threshold(tau: float | None, similarities: torch.Tensor, *, variant: str = "code",
+                     alpha: float = 0.5, beta: float = 0.5) -> float:
+    """The layer's threshold after one eviction with evicted-token similarities ``similarities`` (1-D)."""
+    if similarities.numel() == 0:
+        return tau if tau is not None else math.inf
+    if variant == "code":
+        stat = float(similarities.double().mean())
+        return stat if tau is None else alpha * tau + beta * stat
+    if variant == "paper":
+        stat = float(similarities.double().max())
+        return stat if tau is None else beta * stat + (1.0 - beta) * tau
+    raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {variant!r}")
+
+
+def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evicted: torch.Tensor, tau: float, *,
+                 variant: str = "code", c: float = 0.1) -> torch.Tensor:
+    """The merge as a matrix ``M`` [B, Hkv, C, T]: new kept rows ``x_kept_new = M @ x`` (keys and values)."""
+    B, Hkv, C = kept.shape
+    T = slot.shape[-1]
+    gate = evicted & (sim >= tau)                                            # (B, Hkv, T)
+    if variant == "code":
+        w_e, w_self = sim.double(), torch.ones(B, Hkv, C, dtype=torch.float64, device=sim.device)
+    else:
+        w_e, w_self = torch.exp(sim.double()), torch.full((B, Hkv, C), c, dtype=torch.float64, device=sim.device)
+    w_e = torch.where(gate, w_e, torch.zeros_like(w_e))
+    M = torch.zeros(B, Hkv, C, T, dtype=torch.float64, device=sim.device)
+    M.scatter_(-1, kept.unsqueeze(-1), w_self.unsqueeze(-1))                 # x_j itself
+    onehot = torch.nn.functional.one_hot(slot, C).permute(0, 1, 3, 2).double()  # (B, Hkv, C, T)
+    M = M + onehot * w_e.unsqueeze(2)
+    if variant == "code":
+        n = (onehot * gate.unsqueeze(2)).sum(-1)                             # merged count per slot
+        denom = 1.0 + n
+    else:
+        denom = w_self + (onehot * w_e.unsqueeze(2)).sum(-1)
+    return M / denom.unsqueeze(-1)

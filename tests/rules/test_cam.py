@@ -1,0 +1,58 @@
+"""cam: merged values equal a loop-by-loop computation of CaM's rule (Bernoulli mask replayed from the seed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polykv.adapters.rules.cam import merge_values, merge_weights
+
+
+def naive_cam(values, kept, acc, m, draws, divide_by):
+    B, Hkv, T, d = values.shape
+    out = []
+    for b in range(B):
+        heads = []
+        for h in range(Hkv):
+            ks = kept[b][h]
+            new = {j: values[b, h, j].double().clone() for j in ks}
+            for e in range(T):
+                if e in ks:
+                    continue
+                window = [j for j in ks if j > e][:m]
+                if not window:
+                    continue
+                mean = sum(float(acc[b, h, j]) for j in window) / len(window)
+                a = float(acc[b, h, e])
+                p = 0.0 if (a == 0 and mean == 0) else (1.0 if mean == 0 else min(max(a / mean, 0.0), 1.0))
+                if float(draws[b, h, e]) < p:
+                    div = len(window) if divide_by == "window" else m
+                    for j in window:
+                        new[j] += values[b, h, e].double() / div
+            heads.append(torch.stack([new[j] for j in ks]))
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("divide_by", ["window", "m"])
+@pytest.mark.parametrize("T,C,m,seed", [(12, 5, 2, 0), (16, 6, 32, 1), (10, 9, 3, 2), (9, 1, 4, 3), (14, 7, 1, 4)])
+def test_cam_merge_matches_definition(divide_by, T, C, m, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, d = 2, 3, 4
+    values = torch.randn(B, Hkv, T, d, generator=g)
+    acc = torch.rand(B, Hkv, T, generator=g) * 3
+    acc[0, 0, :3] = 0.0  # undefined ratios must not merge (0 / 0) or merge surely (x / 0)
+    kept = torch.sort(torch.stack([torch.stack([torch.randperm(T, generator=g)[:C] for _ in range(Hkv)])
+                                   for _ in range(B)]), dim=-1).values
+    W = merge_weights(kept, acc, merge_window=m, generator=torch.Generator().manual_seed(99), divide_by=divide_by)
+    got = merge_values(values, kept, W)
+    draws = torch.rand(B, Hkv, T, generator=torch.Generator().manual_seed(99))
+    want = naive_cam(values, kept.tolist(), acc, m, draws, divide_by)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_cam_merges_nothing_when_every_token_is_kept():
+    acc = torch.rand(1, 2, 6)
+    kept = torch.arange(6).view(1, 1, 6).expand(1, 2, 6)
+    W = merge_weights(kept, acc, merge_window=2, generator=torch.Generator().manual_seed(0))
+    assert not W.any()
