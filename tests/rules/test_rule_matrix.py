@@ -24,7 +24,8 @@ def stats(L=1, H=4, d=8):
 
 def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
-        ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm"])
+        ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
+         "scissorhands"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -52,6 +53,10 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
         assert torch.equal(idx[:, 0], idx[:, 1])
 
 
-def test_snapkv_is_prefill_only():
-    assert REGISTRY.operator("snapkv").phases == frozenset({"prefill"})
-    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n != "snapkv")
+PREFILL_ONLY = ("snapkv", "pyramidkv")
+
+
+def test_observation_window_rules_are_prefill_only():
+    for name in PREFILL_ONLY:
+        assert REGISTRY.operator(name).phases == frozenset({"prefill"})
+    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n not in PREFILL_ONLY)
