@@ -23,6 +23,10 @@ import math
 
 import torch
 
+from polykv.adapters.rules.wrapping import build_inner_rule
+from polykv.operators import SIGNAL_WINDOW, RetentionRule, ScoredRule, SelectionContext
+from polykv.selection import ragged_top_k
+
 
 def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2,
                  rounding: str = "exact") -> torch.Tensor:
@@ -65,24 +69,72 @@ def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2
     return (base + (rank < short.unsqueeze(-1)).to(torch.int64)).clamp(0, n)
 
 
-def ragged_top(scores: torch.Tensor, counts: torch.Tensor, n_first: int, n_last: int) -> list[list[torch.Tensor]]:
-    """Kept indices per (batch row, KV head): the protected tokens plus the head's top ``counts`` candidates.
+class AdaKVRule(RetentionRule):
+    """Ada-KV's head-wise budgets around an inner scored rule (module docstring); ragged storage.
 
-    ``scores`` [B, Hkv, T]; candidates are ``n_first <= j < T - n_last``; ties keep the earlier
-    token. Returns a B x Hkv nested list of ascending int64 index tensors of length
-    ``n_first + counts[b, h] + n_last``.
+    Parameters
+    ----------
+    rule : str, default "snapkv"
+        The scored rule whose scores and protected tokens Ada-KV uses.
+    rule_params : dict, default {}
+        Its parameters (SnapKV's defaults, window 32 / kernel 7 / max pooling, are Ada-KV's).
+    floor_alpha : float, default 0.2
+        Share of the average budget every head keeps regardless of scores (reference README for GQA;
+        the reference's ``config_compress`` default is 0.5).
+    rounding : {"exact", "reference"}, default "exact"
+        How per-head budgets are rounded (:func:`head_budgets`); with ``"reference"`` a layer whose
+        total would exceed its budget is trimmed at its largest heads.
     """
-    B, Hkv, T = scores.shape
-    cand = scores[..., n_first: T - n_last].double()
-    order = torch.arange(cand.shape[-1], device=scores.device, dtype=torch.float64)
-    ranked = torch.argsort(cand - order * 1e-12, dim=-1, descending=True, stable=True) + n_first
-    first = torch.arange(n_first, device=scores.device)
-    last = torch.arange(T - n_last, T, device=scores.device)
-    out = []
-    for b in range(B):
-        row = []
-        for h in range(Hkv):
-            top = ranked[b, h, : int(counts[b, h])]
-            row.append(torch.sort(torch.cat([first, top, last])).values)
-        out.append(row)
-    return out
+
+    name = "adakv"
+    phases = frozenset({"prefill"})
+    signal = SIGNAL_WINDOW
+    defaults = {"rule": "snapkv", "rule_params": {}, "floor_alpha": 0.2, "rounding": "exact"}
+    shared_across_heads = False
+    paper = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
+             "Inference, arXiv:2407.11550")
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        p = self.params
+        self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
+        self.phases = frozenset({"prefill"}) & self.inner.phases
+        if not self.phases:
+            raise ValueError(f"rule 'adakv': inner rule '{p['rule']}' does not run in prefill, where Ada-KV allocates")
+        if not isinstance(self.inner, ScoredRule):
+            raise ValueError(f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + protected)")
+        if not 0.0 <= float(p["floor_alpha"]) <= 1.0:
+            raise ValueError(f"rule 'adakv': floor_alpha must lie in [0, 1], got {p['floor_alpha']}")
+        if p["rounding"] not in ("exact", "reference"):
+            raise ValueError(f"rule 'adakv': rounding must be 'exact' or 'reference', got {p['rounding']!r}")
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def select(self, ctx: SelectionContext, capacity: int):
+        if ctx.valid is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'adakv' allocates over a layer whose heads store the same "
+                             f"tokens (prefill); this layer is already ragged")
+        B, Hkv, T = ctx.positions.shape
+        n_first, n_last = self.inner.protected(ctx, capacity)
+        n_first, n_last = min(n_first, capacity), min(n_last, max(capacity - n_first, 0))
+        average = capacity - n_first - n_last
+        if average <= 0 or T - n_first - n_last <= average:
+            return self.inner.select(ctx, capacity)
+        scores = self.inner.score(ctx).float().expand(B, Hkv, T)
+        counts = head_budgets(scores[..., n_first: T - n_last], average, floor_alpha=float(self.params["floor_alpha"]),
+                              rounding=self.params["rounding"])
+        counts = _trim_heads(counts, Hkv * average)
+        keyed = scores.clone()
+        keyed[..., :n_first] = math.inf
+        keyed[..., T - n_last:] = math.inf
+        return ragged_top_k(keyed, counts + n_first + n_last)
+
+
+def _trim_heads(counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Remove tokens from the largest heads (lowest index first) until each row sums to at most ``total``."""
+    counts = counts.clone()
+    for b in range(counts.shape[0]):
+        while int(counts[b].sum()) > total:
+            counts[b, int(torch.argmax(counts[b]))] -= 1
+    return counts

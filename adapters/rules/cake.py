@@ -25,10 +25,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 
+from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_WINDOW, ScoredRule, SelectionContext
+from polykv.rule_state import QueryWindow
 
 ENTROPY_EPS = 1e-10
 """Inside the log of the entropy, as in the reference."""
@@ -114,16 +117,12 @@ class CAKERule(ScoredRule):
         Weight of the attention variance in the indicator (reference ``gamma = 200``).
     kernel_size : int, default 5
         Average-pool kernel of the indicator (reference: 5, zero padding counted).
-    tau1, tau2 : float, default 1.0
-        Preference exponents ``P = Hent ** (1/tau1) * Var ** (1/tau2)``, used by the allocator. The
-        reference tunes them per model for budgets 128 and 1024 (``config/model2tau.json``) and falls
-        back to 1.0 for any other budget.
     """
 
     name = "cake"
     phases = frozenset(PHASES)
     signal = SIGNAL_WINDOW
-    defaults = {"window": 32, "gamma": 200.0, "kernel_size": 5, "tau1": 1.0, "tau2": 1.0}
+    defaults = {"window": 32, "gamma": 200.0, "kernel_size": 5}
     shared_across_heads = False
     paper = ("Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences, ICLR 2025 "
              "(arXiv:2503.12491)")
@@ -136,8 +135,6 @@ class CAKERule(ScoredRule):
         k = int(p["kernel_size"])
         if k < 1 or k % 2 == 0:
             raise ValueError(f"rule 'cake': kernel_size must be a positive odd number, got {k}")
-        if float(p["tau1"]) <= 0 or float(p["tau2"]) <= 0:
-            raise ValueError(f"rule 'cake': tau1 and tau2 must be > 0, got {p['tau1']}, {p['tau2']}")
         if float(p["gamma"]) < 0:
             raise ValueError(f"rule 'cake': gamma must be >= 0, got {p['gamma']}")
 
@@ -159,12 +156,6 @@ class CAKERule(ScoredRule):
                                  kernel_size=int(self.params["kernel_size"]))
         return torch.cat([ind, ind.new_full((*ind.shape[:2], w), math.inf)], dim=-1)
 
-    def preference(self, ctx: SelectionContext) -> float:
-        """This layer's preference score P from the last ``window`` prompt queries."""
-        w = self._window(ctx)
-        tau1, tau2 = float(self.params["tau1"]), float(self.params["tau2"])
-        return layer_preference(ctx.window_attention(w), w, tau1, tau2)
-
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
         if capacity <= self._window(ctx):
             B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
@@ -174,3 +165,52 @@ class CAKERule(ScoredRule):
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         return 0, self._window(ctx)
+
+
+class CAKEAllocator(Allocator):
+    """CAKE's layer budgets: the group's non-window total split in proportion to layer preference.
+
+    Each layer's preference (:func:`layer_preference`) comes from the last ``window`` prompt queries,
+    kept by this allocator's own query window; budgets are :func:`split_budgets` of the group total
+    minus ``window`` per layer, capped at ``T - window``, plus the window. Allocated once, after the
+    group's last layer: budgets only shrink as layers are added, so the reference's cascade ends in
+    the same cache (it only lowers the prefill peak).
+
+    Parameters
+    ----------
+    window : int, default 32
+        Observation window (must equal the ``cake`` rule's).
+    tau1, tau2 : float, default 1.0
+        Preference exponents. The reference tunes them per model for budgets 128 and 1024
+        (``config/model2tau.json``) and uses 1.0 for any other budget.
+    """
+
+    name = "cake"
+    defaults = {"window": 32, "tau1": 1.0, "tau2": 1.0}
+    paper = CAKERule.paper
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        p = self.params
+        if int(p["window"]) < 1:
+            raise ValueError(f"allocator 'cake': window must be >= 1, got {p['window']}")
+        if float(p["tau1"]) <= 0 or float(p["tau2"]) <= 0:
+            raise ValueError(f"allocator 'cake': tau1 and tau2 must be > 0, got {p['tau1']}, {p['tau2']}")
+
+    def new_state(self) -> QueryWindow:
+        return QueryWindow(int(self.params["window"]))
+
+    def layer_statistic(self, ctx: SelectionContext) -> float:
+        state = ctx.state
+        if not isinstance(state, QueryWindow) or state.queries is None:
+            raise ValueError(f"layer {ctx.layer_idx}: allocator 'cake' needs the last prompt queries (its QueryWindow)")
+        w = min(int(self.params["window"]), ctx.num_stored, state.queries.shape[2])
+        view = attrs.evolve(ctx, queries=state.queries, query_positions=state.positions)
+        return layer_preference(view.window_attention(w), w, float(self.params["tau1"]), float(self.params["tau2"]))
+
+    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+        n, w, S = len(request.layers), int(self.params["window"]), request.context_tokens
+        w = min(w, S)
+        share = max(request.total * n // len(request.group_layers) - w * n, 0)
+        budgets = split_budgets(list(request.statistics), share, max(S - w, 0))
+        return torch.tensor([b + w for b in budgets], dtype=torch.int64)

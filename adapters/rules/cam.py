@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from polykv.adapters.rules.wrapping import build_inner_rule
+from polykv.operators import PHASES, SIGNAL_ACCUMULATED, RetentionRule, SelectionContext
+from polykv.rule_state import AccumulatedAttention, CompositeState, RuleState
+from polykv.selection import Merge, Selection, as_selection
+
 
 def merge_weights(kept: torch.Tensor, accumulated: torch.Tensor, *, merge_window: int,
                   generator: torch.Generator | None, divide_by: str = "window") -> torch.Tensor:
@@ -69,3 +74,83 @@ def merge_values(values: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor
     d = values.shape[-1]
     base = values.gather(2, kept.unsqueeze(-1).expand(*kept.shape, d)).float()
     return (base + torch.matmul(weights.float(), values.float())).to(values.dtype)
+
+
+def as_merge(kept: torch.Tensor, weights: torch.Tensor) -> Merge:
+    """The matrix form of :func:`merge_weights` as a :class:`~polykv.selection.Merge` of values.
+
+    Every evicted column (E = T - C per head) lists the kept columns of its window as targets, with
+    weight 0 where the window is shorter or the Bernoulli draw said no.
+    """
+    B, Hkv, C, T = weights.shape
+    is_kept = torch.zeros(B, Hkv, T, dtype=torch.bool, device=kept.device).scatter_(-1, kept, True)
+    evicted = torch.sort(torch.where(is_kept, T, torch.arange(T, device=kept.device)), dim=-1).values[..., : T - C]
+    cols = weights.transpose(-1, -2).gather(2, evicted.unsqueeze(-1).expand(B, Hkv, T - C, C))   # (B, Hkv, E, C)
+    width = max(1, int((cols != 0).sum(-1).max()) if cols.numel() else 1)
+    w, slot = torch.topk(cols, width, dim=-1)                                  # non-zero weights first
+    targets = kept.unsqueeze(2).expand(B, Hkv, T - C, C).gather(-1, slot)
+    return Merge(evicted=evicted, targets=targets, weights=w.float(), streams={"value"})
+
+
+class CaMRule(RetentionRule):
+    """CaM on top of an inner eviction rule (module docstring): the inner rule keeps, CaM merges values.
+
+    Parameters
+    ----------
+    rule : str, default "streamingllm"
+        The eviction rule that picks the kept tokens (the official code's base).
+    rule_params : dict, default {}
+        Its parameters.
+    merge_window : int, default 32
+        m, the kept successors an evicted value is spread over (kvpress and the official generation
+        path; 16 on its streaming path).
+    divide_by : {"window", "m"}, default "window"
+        Divide by the actual window size (kvpress) or by m (official streaming code).
+    """
+
+    name = "cam"
+    phases = frozenset(PHASES)
+    signal = SIGNAL_ACCUMULATED
+    defaults = {"rule": "streamingllm", "rule_params": {}, "merge_window": 32, "divide_by": "window"}
+    shared_across_heads = False
+    paper = "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024"
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        p = self.params
+        self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
+        self.phases = self.inner.phases
+        self.needs_values = True
+        if int(p["merge_window"]) < 1:
+            raise ValueError(f"rule 'cam': merge_window must be >= 1, got {p['merge_window']}")
+        if p["divide_by"] not in ("window", "m"):
+            raise ValueError(f"rule 'cam': divide_by must be 'window' or 'm', got {p['divide_by']!r}")
+
+    def new_state(self) -> RuleState:
+        inner = self.inner.new_state()
+        if inner is not None and inner.component(AccumulatedAttention) is not None:
+            return inner
+        return AccumulatedAttention() if inner is None else CompositeState(inner, AccumulatedAttention())
+
+    def select(self, ctx: SelectionContext, capacity: int) -> Selection:
+        if ctx.phase not in self.inner.phases:
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' wraps '{self.params['rule']}', which does not run "
+                             f"in the {ctx.phase} phase")
+        if ctx.valid is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' merges along storage order and needs every head to "
+                             f"store the same number of tokens (this layer is ragged)")
+        if ctx.accumulated is None:
+            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'cam' needs accumulated attention "
+                             f"(ctx.accumulated); its state must contain an AccumulatedAttention")
+        if ctx.generator is None:
+            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'cam' draws its merge mask from "
+                             f"ctx.generator; the runtime must pass a seeded generator")
+        inner = as_selection(self.inner.select(ctx, capacity))
+        if inner.ragged or inner.merge is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' needs a plain selection from its inner rule "
+                             f"'{self.params['rule']}' (no ragged heads, no merge of its own)")
+        B, Hkv, T = ctx.positions.shape
+        kept = inner.index.expand(B, Hkv, -1)
+        W = merge_weights(kept, ctx.accumulated, merge_window=int(self.params["merge_window"]),
+                          generator=ctx.generator, divide_by=self.params["divide_by"])
+        return Selection(index=kept, merge=as_merge(kept, W))

@@ -28,6 +28,11 @@ from typing import Sequence
 
 import torch
 
+from polykv.allocators import AllocationRequest, Allocator
+from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
+from polykv.rule_state import AccumulatedAttention, Observation, RuleState
+from polykv.selection import Merge, Selection, as_selection
+
 VARIANCE_EPS = 1e-6
 
 
@@ -107,3 +112,162 @@ def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evic
     else:
         denom = w_self + (onehot * w_e.unsqueeze(2)).sum(-1)
     return M / denom.unsqueeze(-1)
+
+
+def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: torch.Tensor) -> Merge:
+    """The matrix form of :func:`merge_matrix` as a :class:`~polykv.selection.Merge` of keys and values.
+
+    Each evicted column has one target, its nearest kept column; ``target_scale`` rescales the kept
+    columns (1 / (1 + n_j) in the code variant).
+    """
+    B, Hkv, C, T = M.shape
+    E = T - C
+    ev = torch.sort(torch.where(evicted, torch.arange(T, device=kept.device), T), dim=-1).values[..., :E]  # (B,Hkv,E)
+    target_slot = slot.gather(-1, ev)                                                               # (B, Hkv, E)
+    cols = M.gather(3, ev.unsqueeze(2).expand(B, Hkv, C, E))                                       # (B, Hkv, C, E)
+    weight = cols.gather(2, target_slot.unsqueeze(2)).squeeze(2)                                   # M[b, h, slot_e, e]
+    self_w = M.gather(-1, kept.unsqueeze(-1)).squeeze(-1)                                          # (B, Hkv, C)
+    scale = torch.ones(B, Hkv, T, dtype=torch.float32, device=kept.device).scatter_(-1, kept, self_w.float())
+    return Merge(evicted=ev, targets=kept.gather(-1, target_slot).unsqueeze(-1), weights=weight.float().unsqueeze(-1),
+                 target_scale=scale, streams={"key", "value"})
+
+
+class MergeThreshold(AccumulatedAttention):
+    """D2O's token state: H2O's accumulated attention plus the layer's EMA merge threshold ``tau``."""
+
+    share_key = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.tau: float | None = None
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (8 if self.tau is not None else 0)
+
+    def predict_bytes(self, **shape) -> int:
+        return super().predict_bytes(**shape) + 8
+
+
+class D2ORule(ScoredRule):
+    """D2O's eviction (H2O with sinks) and merge of every evicted token into its nearest kept key.
+
+    Parameters
+    ----------
+    recent_ratio : float, default 0.5
+        Share of the capacity kept as the newest tokens (reference: hh_ratio = recent_ratio).
+    n_sink : int, default 4
+        First stored tokens always kept (reference: positions 0..3).
+    variant : {"code", "paper"}, default "code"
+        Threshold and merge weights of the reference code, or of the paper's Eq. 8-11.
+    alpha, beta : float, default 0.5
+        Code variant: tau = alpha tau + beta mean(s).
+    paper_beta : float, default 0.7
+        Paper variant: tau = paper_beta max(s) + (1 - paper_beta) tau.
+    paper_c : float, default 0.1
+        Paper variant: weight of the kept token itself.
+    """
+
+    name = "d2o"
+    phases = frozenset(PHASES)
+    signal = SIGNAL_ACCUMULATED
+    defaults = {"recent_ratio": 0.5, "n_sink": 4, "variant": "code", "alpha": 0.5, "beta": 0.5,
+                "paper_beta": 0.7, "paper_c": 0.1}
+    shared_across_heads = False
+    paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
+             "Language Models, ICLR 2025 (arXiv:2406.13035)")
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        p = self.params
+        if not 0.0 <= float(p["recent_ratio"]) <= 1.0:
+            raise ValueError(f"rule 'd2o': recent_ratio must lie in [0, 1], got {p['recent_ratio']}")
+        if int(p["n_sink"]) < 0:
+            raise ValueError(f"rule 'd2o': n_sink must be >= 0, got {p['n_sink']}")
+        if p["variant"] not in ("code", "paper"):
+            raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {p['variant']!r}")
+        if float(p["paper_c"]) <= 0:
+            raise ValueError(f"rule 'd2o': paper_c must be > 0, got {p['paper_c']}")
+
+    def new_state(self) -> MergeThreshold:
+        return MergeThreshold()
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        if ctx.accumulated is None:
+            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'd2o' needs accumulated attention "
+                             f"(ctx.accumulated) from its MergeThreshold state")
+        return ctx.accumulated.float()
+
+    def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
+        recent = math.floor(float(self.params["recent_ratio"]) * capacity + 1e-9)
+        return int(self.params["n_sink"]), recent
+
+    def select(self, ctx: SelectionContext, capacity: int) -> Selection:
+        if ctx.valid is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' needs every head to store the same number of "
+                             f"tokens (this layer is ragged)")
+        state = ctx.state
+        if not isinstance(state, MergeThreshold):
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "
+                             f"(a MergeThreshold from new_state())")
+        kept = as_selection(super().select(ctx, capacity)).index
+        slot, sim, evicted = nearest_kept(ctx.keys, kept)
+        p = self.params
+        code = p["variant"] == "code"
+        state.tau = update_threshold(state.tau, sim[evicted], variant=p["variant"],
+                                     alpha=float(p["alpha"]), beta=float(p["beta"] if code else p["paper_beta"]))
+        M = merge_matrix(kept, slot, sim, evicted, state.tau, variant=p["variant"], c=float(p["paper_c"]))
+        return Selection(index=kept, merge=as_merge(kept, slot, evicted, M))
+
+
+class ColumnSumsPerHead(RuleState):
+    """Column sums of a layer's prefill attention per query head: ``sums`` [B, H, T] float32 (D2O's allocator)."""
+
+    def reset(self) -> None:
+        self.sums: torch.Tensor | None = None
+
+    def __init__(self):
+        self.reset()
+
+    def observe(self, obs: Observation) -> None:
+        if obs.phase != "prefill":
+            return
+        B, Hkv, K = obs.keys.shape[:3]
+        out = torch.zeros(B, obs.query.shape[1], K, dtype=torch.float32, device=obs.keys.device)
+        for _, probs in obs.probabilities():                                # (B, Hkv, G, c, K)
+            out += probs.sum(dim=3).reshape(B, -1, K)
+        if self.sums is not None:
+            out[..., : self.sums.shape[-1]] += self.sums
+        self.sums = out
+
+    def after_prefill(self) -> None:
+        self.sums = None
+
+    def nbytes(self) -> int:
+        return 0 if self.sums is None else self.sums.numel() * 4
+
+    def predict_bytes(self, **shape) -> int:
+        return 0  # dropped after prefill
+
+
+class D2OAllocator(Allocator):
+    """D2O's layer budgets (module docstring): more tokens for layers whose column sums vary less."""
+
+    name = "d2o"
+    defaults = {}
+    paper = D2ORule.paper
+
+    def new_state(self) -> ColumnSumsPerHead:
+        return ColumnSumsPerHead()
+
+    def layer_statistic(self, ctx) -> float:
+        if not isinstance(ctx.state, ColumnSumsPerHead) or ctx.state.sums is None:
+            raise ValueError(f"layer {ctx.layer_idx}: allocator 'd2o' needs the layer's prefill column sums "
+                             f"(its ColumnSumsPerHead state)")
+        sums = ctx.state.sums
+        if ctx.valid is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: allocator 'd2o' cannot read a ragged layer")
+        return layer_score(sums)
+
+    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+        budgets = layer_budgets(list(request.statistics), request.context_tokens, request.total)
+        return torch.tensor(budgets, dtype=torch.int64)

@@ -18,7 +18,10 @@ with no compression when T < M and a uniform M when T < 2 (M - w) (:func:`pyrami
 
 from __future__ import annotations
 
+import torch
+
 from polykv.adapters.rules.snapkv import SnapKVRule
+from polykv.allocators import AllocationRequest, Allocator
 from polykv.solvers.pyramid import pyramid_capacities, trim_to
 
 
@@ -60,3 +63,43 @@ def pyramid_budgets(num_layers: int, context_tokens: int, total_tokens: int, *, 
         return [min(context_tokens, M)] * num_layers
     caps, _ = trim_to([min(c, context_tokens) for c in caps], total_tokens)
     return caps
+
+
+class PyramidKVAllocator(Allocator):
+    """The pyramid (:func:`pyramid_budgets`) over an allocation group's layers, lowest layer first.
+
+    Needs no statistics: the budgets depend only on the group size, the prompt length and the
+    group's total, so the memory model's bound is exact.
+
+    Parameters
+    ----------
+    window : int, default 8
+        The window included in every layer's budget (must equal the rule's).
+    beta : int, default 20
+        Ratio of the largest to the smallest non-window budget's spread (reference ``beta = 20``).
+    """
+
+    name = "pyramidkv"
+    defaults = {"window": 8, "beta": 20}
+    paper = PyramidKVRule.paper
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        if int(self.params["window"]) < 0 or int(self.params["beta"]) < 1:
+            raise ValueError(f"allocator 'pyramidkv': window must be >= 0 and beta >= 1, got "
+                             f"{self.params['window']}, {self.params['beta']}")
+
+    def layer_statistic(self, ctx) -> None:
+        return None
+
+    def _budgets(self, layers: int, context_tokens: int, total: int) -> list[int]:
+        return pyramid_budgets(layers, context_tokens, total, window=int(self.params["window"]),
+                               beta=int(self.params["beta"]))
+
+    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+        caps = self._budgets(len(request.group_layers), request.context_tokens, request.total)
+        where = {layer: i for i, layer in enumerate(request.group_layers)}
+        return torch.tensor([caps[where[layer]] for layer in request.layers], dtype=torch.int64)
+
+    def bound(self, capacities, context_tokens: int) -> list[int]:
+        return self._budgets(len(capacities), context_tokens, sum(capacities))

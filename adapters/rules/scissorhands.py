@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_WINDOW, ScoredRule, SelectionContext
+from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.rule_state import Observation, RuleState
 
 
 def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, *,
@@ -58,14 +59,75 @@ def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_po
     return events.view(B, Hkv, G, r, T).sum(dim=2).to(torch.uint8)
 
 
+def history_attention(obs: Observation, rows: int) -> torch.Tensor:
+    """Softmax attention of the last ``rows`` new queries of ``obs`` over its keys: [B, H, rows, K] float32.
+
+    Each query sees the keys at positions up to its own (padding of a ragged layer never).
+    """
+    q = obs.query[:, :, -rows:].float()                                   # (B, H, r, d)
+    B, H, r, d = q.shape
+    Hkv, K = obs.keys.shape[1], obs.keys.shape[2]
+    G = H // Hkv
+    k = obs.keys.float().unsqueeze(2).expand(B, Hkv, G, K, d).reshape(B, H, K, d)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * obs.scaling          # (B, H, r, K)
+    qpos = torch.arange(obs.first_position + obs.num_new - r, obs.first_position + obs.num_new,
+                        device=obs.keys.device)
+    pos = obs.positions.repeat_interleave(G, dim=1).unsqueeze(2)          # (B, H, 1, K)
+    visible = (pos <= qpos.view(1, 1, r, 1)) & (pos >= 0)
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+class UnimportantHistory(RuleState):
+    """Scissorhands' state: the unimportant events of the last ``history`` attention rows, per token.
+
+    ``events`` [B, Hkv, r, T] uint8 (r <= history rows, oldest first; column j is storage column j)
+    holds, per row and token, how many of the G query heads found the token unimportant. New tokens
+    enter with 0 events in older rows (those queries could not see them); eviction gathers columns.
+    """
+
+    def __init__(self, history: int, threshold: str, quantile: float):
+        self.history, self.threshold, self.quantile = int(history), threshold, float(quantile)
+        self.reset()
+
+    def reset(self) -> None:
+        self.events: torch.Tensor | None = None
+
+    def observe(self, obs: Observation) -> None:
+        rows = min(self.history, obs.num_new)
+        attn = history_attention(obs, rows)
+        qpos = torch.arange(obs.first_position + obs.num_new - rows, obs.first_position + obs.num_new,
+                            device=obs.keys.device)
+        new = unimportant_events(attn, qpos, obs.positions, threshold=self.threshold, quantile=self.quantile)
+        if self.events is not None:
+            old = torch.nn.functional.pad(self.events, (0, new.shape[-1] - self.events.shape[-1]))
+            new = torch.cat([old, new], dim=2)
+        self.events = new[:, :, -self.history:].contiguous()
+
+    def gather(self, selection) -> None:
+        if self.events is not None:
+            idx = selection.index.unsqueeze(2).expand(-1, -1, self.events.shape[2], -1)
+            self.events = self.events.gather(-1, idx)
+
+    def counts(self) -> torch.Tensor:
+        """[B, Hkv, T] int32 unimportant events per stored token over the kept rows."""
+        return self.events.sum(dim=2, dtype=torch.int32)
+
+    def nbytes(self) -> int:
+        return 0 if self.events is None else self.events.numel()
+
+    def predict_bytes(self, *, batch, kv_heads, heads, head_dim, tokens, context_tokens, dtype_bytes) -> int:
+        return batch * kv_heads * min(self.history, context_tokens) * tokens
+
+
 class ScissorhandsRule(ScoredRule):
     """Drop the tokens that were unimportant most often over the last ``history`` attention rows.
 
     Score of token j = minus its unimportant count (:func:`unimportant_events`, summed over rows and
-    the G query heads); the ``recent`` newest stored tokens are always kept; ties keep the older
-    token. In prefill the rows are the last ``history`` prompt queries. In decode the paper drops
-    ``m = B / 2`` tokens whenever the cache reaches its budget B: a plan reproduces that with
-    capacity B / 2 and a trigger slack of B / 2.
+    the G query heads), read from the rule's own state (:class:`UnimportantHistory`), which records
+    every forward's rows as they were computed; the ``recent`` newest stored tokens are always kept;
+    ties keep the older token. In prefill the rows are the last ``history`` prompt queries. In decode
+    the paper drops ``m = B / 2`` tokens whenever the cache reaches its budget B: a plan reproduces
+    that with capacity B / 2 and a trigger slack of B / 2.
 
     Parameters
     ----------
@@ -82,15 +144,11 @@ class ScissorhandsRule(ScoredRule):
 
     name = "scissorhands"
     phases = frozenset(PHASES)
-    signal = SIGNAL_WINDOW
+    signal = SIGNAL_NONE
     defaults = {"history": 400, "recent": 10, "threshold": "average", "quantile": 0.9}
     shared_across_heads = False
     paper = ("Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
              "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)")
-
-    @classmethod
-    def query_window(cls, params) -> int:
-        return int({**cls.defaults, **params}["history"])
 
     def __init__(self, **params):
         super().__init__(**params)
@@ -103,21 +161,17 @@ class ScissorhandsRule(ScoredRule):
         if p["threshold"] not in ("average", "quantile"):
             raise ValueError(f"rule 'scissorhands': threshold must be 'average' or 'quantile', got {p['threshold']!r}")
 
-    def counts(self, ctx: SelectionContext) -> torch.Tensor:
-        """Unimportant counts over the kept query rows: [B, Hkv, T] int32."""
-        if ctx.queries is None:
-            raise ValueError(
-                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'scissorhands' needs the last {self.params['history']} "
-                f"queries (ctx.queries); the runtime must keep signal '{self.signal}' for this layer")
-        rows = min(int(self.params["history"]), ctx.queries.shape[2])
-        attn = ctx.window_attention(rows)
-        ev = unimportant_events(attn, ctx.query_positions[-rows:], ctx.positions,
-                                threshold=self.params["threshold"], quantile=float(self.params["quantile"]))
-        return ev.sum(dim=2, dtype=torch.int32)
+    def new_state(self) -> UnimportantHistory:
+        p = self.params
+        return UnimportantHistory(int(p["history"]), p["threshold"], float(p["quantile"]))
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return -self.counts(ctx).float()
+        """Minus the unimportant counts: [B, Hkv, T] float32."""
+        if not isinstance(ctx.state, UnimportantHistory) or ctx.state.events is None:
+            raise ValueError(
+                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'scissorhands' reads its unimportant counts from "
+                f"ctx.state (an UnimportantHistory from new_state()); the runtime must observe every forward")
+        return -ctx.state.counts().float()
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         return 0, int(self.params["recent"])
-

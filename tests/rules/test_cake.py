@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from polykv.adapters.rules.cake import CAKERule, split_budgets
+from polykv.adapters.rules.cake import CAKEAllocator, CAKERule, split_budgets
+from polykv.rule_state import QueryWindow
 
 
 def naive_rows(ctx, attn_row, b, h, rows):
@@ -77,7 +78,10 @@ def test_cake_selection_matches_definition(make_ctx, attn_row, top, phase, capac
 @pytest.mark.parametrize("tau1,tau2", [(1.0, 1.0), (1.6, 0.4), (0.8, 0.5)])
 def test_cake_preference_matches_definition(make_ctx, attn_row, tau1, tau2):
     ctx = make_ctx(T=14, w=4, gaps=True)
-    got = CAKERule(window=4, tau1=tau1, tau2=tau2).preference(ctx)
+    state = QueryWindow(4)
+    state.queries, state.positions = ctx.queries, ctx.query_positions
+    ctx.state = state
+    got = CAKEAllocator(window=4, tau1=tau1, tau2=tau2).layer_statistic(ctx)
     assert got == pytest.approx(naive_preference(ctx, attn_row, 4, tau1, tau2), rel=1e-5)
 
 
@@ -107,7 +111,19 @@ def test_split_budgets_sum_and_cap(seed):
 
 
 def test_cake_rejects_bad_parameters_when_built():
-    for bad, match in [({"kernel_size": 4}, "kernel_size"), ({"tau1": 0.0}, "tau1"), ({"window": 0}, "window"),
-                       ({"gamma": -1.0}, "gamma")]:
+    for bad, match in [({"kernel_size": 4}, "kernel_size"), ({"window": 0}, "window"), ({"gamma": -1.0}, "gamma")]:
         with pytest.raises(ValueError, match=match):
             CAKERule(**bad)
+    for bad, match in [({"tau1": 0.0}, "tau1"), ({"window": 0}, "window")]:
+        with pytest.raises(ValueError, match=match):
+            CAKEAllocator(**bad)
+
+
+def test_cake_allocator_splits_the_group_total_by_preference():
+    from polykv.allocators import AllocationRequest
+
+    req = AllocationRequest(group_layers=(0, 1, 2), layers=(0, 1, 2), statistics=(1.0, 3.0, 6.0), total=3 * 44,
+                            capacities=(44, 44, 44), context_tokens=52, num_kv_heads=2, final=True)
+    got = CAKEAllocator(window=4).allocate(req).tolist()
+    # non-window total 3 * 40 = 120 split 12 / 36 / 72, capped at 48: excess 24 -> 12 each to the two others
+    assert got == [12 + 12 + 4, 36 + 12 + 4, 48 + 4] and sum(got) == 3 * 44

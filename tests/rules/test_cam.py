@@ -56,3 +56,34 @@ def test_cam_merges_nothing_when_every_token_is_kept():
     kept = torch.arange(6).view(1, 1, 6).expand(1, 2, 6)
     W = merge_weights(kept, acc, merge_window=2, generator=torch.Generator().manual_seed(0))
     assert not W.any()
+
+
+@pytest.mark.parametrize("inner,params", [("streamingllm", {"n_sink": 2}), ("h2o", {}), ("tova", {})])
+def test_cam_rule_keeps_the_inner_selection_and_merges_values(make_ctx, inner, params):
+    from polykv.adapters.rules.cam import CaMRule
+    from polykv.registry import get_registry
+
+    ctx = make_ctx(B=2, H=4, Hkv=2, T=16, w=1, phase="decode")
+    ctx.values = torch.randn(2, 2, 16, 8, generator=torch.Generator().manual_seed(5))
+    rule = CaMRule(rule=inner, rule_params=params, merge_window=3)
+    state = rule.new_state()
+    ctx.generator = torch.Generator().manual_seed(11)
+    sel = rule.select(ctx, 6)
+    plain = get_registry().operator(inner)(**params).select(ctx, 6)
+    assert sel.index.tolist() == plain.expand(2, 2, 6).tolist()
+    draws = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(11))
+    want = naive_cam(ctx.values, sel.index.tolist(), ctx.accumulated, 3, draws, "window")
+    merged, _ = sel.merge.apply(ctx.values)
+    got = merged.gather(2, sel.index.unsqueeze(-1).expand(-1, -1, -1, 8))
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert sel.merge.streams == frozenset({"value"}) and state is not None
+
+
+def test_cam_checks_its_parameters_when_built():
+    from polykv.adapters.rules.cam import CaMRule
+
+    for bad, match in [({"rule": "full"}, "another eviction rule"), ({"merge_window": 0}, "merge_window"),
+                       ({"divide_by": "x"}, "divide_by"), ({"rule": "h2o", "rule_params": {"bogus": 1}}, "bogus")]:
+        with pytest.raises(ValueError, match=match):
+            CaMRule(**bad)
+    assert CaMRule(rule="snapkv").phases == frozenset({"prefill"})

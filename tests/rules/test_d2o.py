@@ -101,3 +101,32 @@ def test_threshold_ema():
     assert tau == pytest.approx(0.4)
     assert update_threshold(tau, s2, variant="paper", beta=0.7) == pytest.approx(0.7 * 0.9 + 0.3 * 0.4)
     assert update_threshold(0.25, torch.tensor([])) == 0.25
+
+
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
+    from polykv.adapters.rules.d2o import D2ORule
+    from polykv.rule_state import AccumulatedAttention
+
+    ctx = make_ctx(B=2, H=4, Hkv=2, T=14, w=2, phase="decode")
+    rule = D2ORule(variant=variant, n_sink=2)
+    state = rule.new_state()
+    state.sums = ctx.accumulated.clone()
+    ctx.state = state
+    sel = rule.select(ctx, 7)
+    kept = sel.index
+    # H2O with 2 sinks and floor(0.5 * 7) = 3 recent tokens: a loop-by-loop top-k of the rest.
+    for b in range(2):
+        for h in range(2):
+            acc = ctx.accumulated[b, h].tolist()
+            rest = sorted(range(2, 11), key=lambda j: (-acc[j], j))[:2]
+            assert kept[b, h].tolist() == sorted([0, 1] + rest + [11, 12, 13])
+    want_keys, sims = naive_merge(ctx.keys, kept.tolist(), state.tau, variant)
+    tau0 = (sum(sims) / len(sims)) if variant == "code" else max(sims)
+    assert state.tau == pytest.approx(tau0, abs=1e-6)
+    for stream, x in (("key", ctx.keys), ("value", ctx.keys)):
+        merged, _ = sel.merge.apply(x)
+        got = merged.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+        assert torch.allclose(got.double(), want_keys, atol=1e-5), stream
+    assert sel.merge.streams == frozenset({"key", "value"})
+    assert isinstance(state, AccumulatedAttention)

@@ -23,9 +23,11 @@ PROMPT, STEPS, QUESTION = 40, 12, 5
 REF = "polykv_masked_reference"
 _MASKS: dict[int, torch.Tensor] = {}
 
-PARAMS = {"snapkv": {"window": 4, "kernel_size": 3}}
-PREFILL_RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm"]
-DECODE_RULES = ["streamingllm", "h2o", "tova", "triattention", "random", "key-norm"]
+PARAMS = {"snapkv": {"window": 4, "kernel_size": 3}, "pyramidkv": {"window": 4, "kernel_size": 3},
+          "cake": {"window": 4, "kernel_size": 3}, "scissorhands": {"history": 16, "recent": 2}}
+PREFILL_RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
+                 "scissorhands"]
+DECODE_RULES = ["streamingllm", "h2o", "tova", "triattention", "random", "key-norm", "cake", "scissorhands"]
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
