@@ -235,11 +235,17 @@ class KVStore:
         """Keep only tokens ``index`` [B, Hkv, k] (ascending); survivors keep their codes and scales."""
         raise NotImplementedError
 
-    def write(self, index: torch.Tensor, x: torch.Tensor) -> "WriteCost":
-        """Overwrite the tokens at ``index`` [B, Hkv, n] (storage order; a column may repeat with the
-        same row) with ``x`` [B, Hkv, n, d]. A quantized store re-encodes only the quantization
-        groups the written tokens belong to; the returned :class:`WriteCost` says how many."""
-        raise NotImplementedError
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":
+        """Overwrite the tokens where ``mask`` [B, Hkv, T] (bool, storage order) is True with the
+        same columns of ``x`` [B, Hkv, T, d]. A quantized store re-encodes only the quantization
+        groups holding written tokens and says how many in the returned :class:`WriteCost`.
+        Optional: stores without it cannot serve merging rules (the runtime says so)."""
+        raise NotImplementedError(f"{type(self).__name__} has no write path; merging rules need one")
+
+    def split_heads(self) -> list["KVStore"]:
+        """One store per (batch row, KV head), row-major, holding that head's tokens without
+        re-encoding them. Optional: needed when a layer turns ragged after its stores were filled."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split per head")
 
     def dequantize(self) -> torch.Tensor:
         """[B, Hkv, T, d] tensor in the compute dtype."""

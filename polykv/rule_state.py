@@ -123,7 +123,10 @@ class RuleState:
     """Base class of rule-owned state (see the module docstring for when each method is called)."""
 
     share_key: Hashable | None = None
-    """States of one layer with equal, non-None keys hold the same thing; the runtime keeps one."""
+    """States of one layer with equal, non-None keys hold the same thing; the runtime keeps one
+    (and a prefill snapshot can hand it to another plan)."""
+    metadata_name: str = "rule_state"
+    """The key its bytes are reported under in ``session.resident_bytes().metadata_per_layer``."""
 
     def observe(self, obs: Observation) -> None:
         """Record one attention forward; per-token tensors grow by ``obs.num_new`` columns."""
@@ -152,6 +155,22 @@ class RuleState:
         """This state if it is a ``cls``, else None (:class:`CompositeState` searches its parts)."""
         return self if isinstance(self, cls) else None
 
+    def leaves(self) -> list["RuleState"]:
+        """The states that hold tensors (itself; a :class:`CompositeState` lists its parts')."""
+        return [self]
+
+
+def state_bytes(states) -> dict[str, int]:
+    """Bytes per ``metadata_name`` over ``states`` (None entries and shared objects counted once)."""
+    seen, out = [], {"accumulated": 0, "query_window": 0}
+    for st in states:
+        for leaf in ([] if st is None else st.leaves()):
+            if any(leaf is o for o in seen):
+                continue
+            seen.append(leaf)
+            out[leaf.metadata_name] = out.get(leaf.metadata_name, 0) + int(leaf.nbytes())
+    return out
+
 
 class QueryWindow(RuleState):
     """The last ``window`` post-RoPE queries and their positions (SnapKV's observation window, TOVA's query)."""
@@ -161,6 +180,7 @@ class QueryWindow(RuleState):
             raise ValueError(f"a query window needs at least 1 query, got {window}")
         self.window = int(window)
         self.share_key = ("query_window", self.window)
+        self.metadata_name = "query_window"
         self.reset()
 
     def reset(self) -> None:
@@ -197,6 +217,7 @@ class AccumulatedAttention(RuleState):
     """
 
     share_key = "accumulated_attention"
+    metadata_name = "accumulated"
 
     def __init__(self):
         self.reset()
@@ -261,6 +282,9 @@ class CompositeState(RuleState):
     def predict_bytes(self, **shape) -> int | None:
         got = [p.predict_bytes(**shape) for p in self.parts]
         return None if None in got else sum(got)
+
+    def leaves(self) -> list[RuleState]:
+        return [leaf for p in self.parts for leaf in p.leaves()]
 
     def component(self, cls: type) -> RuleState | None:
         for p in self.parts:
