@@ -135,7 +135,7 @@ def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: t
 class MergeThreshold(AccumulatedAttention):
     """D2O's token state: H2O's accumulated attention plus the layer's EMA merge threshold ``tau``."""
 
-    share_key = None
+    share_key = "d2o_merge_threshold"
 
     def reset(self) -> None:
         super().reset()
@@ -221,6 +221,8 @@ class D2ORule(ScoredRule):
 
 class ColumnSumsPerHead(RuleState):
     """Column sums of a layer's prefill attention per query head: ``sums`` [B, H, T] float32 (D2O's allocator)."""
+
+    share_key = "column_sums_per_head"
 
     def reset(self) -> None:
         self.sums: torch.Tensor | None = None

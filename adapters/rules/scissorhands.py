@@ -87,6 +87,7 @@ class UnimportantHistory(RuleState):
 
     def __init__(self, history: int, threshold: str, quantile: float):
         self.history, self.threshold, self.quantile = int(history), threshold, float(quantile)
+        self.share_key = ("scissorhands_history", self.history, self.threshold, self.quantile)
         self.reset()
 
     def reset(self) -> None:
