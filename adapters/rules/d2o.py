@@ -30,7 +30,7 @@ import torch
 
 from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
-from polykv.rule_state import AccumulatedAttention, Observation, RuleState
+from polykv.rule_state import AccumulatedAttention, CompositeState, Observation, RuleState
 from polykv.selection import Merge, Selection, as_selection
 
 VARIANCE_EPS = 1e-6
@@ -132,20 +132,22 @@ def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: t
                  target_scale=scale, streams={"key", "value"})
 
 
-class MergeThreshold(AccumulatedAttention):
-    """D2O's token state: H2O's accumulated attention plus the layer's EMA merge threshold ``tau``."""
+class MergeThreshold(RuleState):
+    """D2O's per-layer EMA merge threshold ``tau`` (None until the first eviction)."""
 
     share_key = "d2o_merge_threshold"
 
+    def __init__(self):
+        self.reset()
+
     def reset(self) -> None:
-        super().reset()
         self.tau: float | None = None
 
     def nbytes(self) -> int:
-        return super().nbytes() + (8 if self.tau is not None else 0)
+        return 8 if self.tau is not None else 0
 
     def predict_bytes(self, **shape) -> int:
-        return super().predict_bytes(**shape) + 8
+        return 8
 
 
 class D2ORule(ScoredRule):
@@ -188,8 +190,9 @@ class D2ORule(ScoredRule):
         if float(p["paper_c"]) <= 0:
             raise ValueError(f"rule 'd2o': paper_c must be > 0, got {p['paper_c']}")
 
-    def new_state(self) -> MergeThreshold:
-        return MergeThreshold()
+    def new_state(self) -> CompositeState:
+        """H2O's accumulated attention (shared with any other rule of the layer) and the threshold."""
+        return CompositeState(AccumulatedAttention(), MergeThreshold())
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.accumulated is None:
@@ -205,8 +208,8 @@ class D2ORule(ScoredRule):
         if ctx.valid is not None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' needs every head to store the same number of "
                              f"tokens (this layer is ragged)")
-        state = ctx.state
-        if not isinstance(state, MergeThreshold):
+        state = ctx.state.component(MergeThreshold) if ctx.state is not None else None
+        if state is None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "
                              f"(a MergeThreshold from new_state())")
         kept = as_selection(super().select(ctx, capacity)).index

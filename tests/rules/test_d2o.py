@@ -105,14 +105,13 @@ def test_threshold_ema():
 
 @pytest.mark.parametrize("variant", ["code", "paper"])
 def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
-    from polykv.adapters.rules.d2o import D2ORule
+    from polykv.adapters.rules.d2o import D2ORule, MergeThreshold
     from polykv.rule_state import AccumulatedAttention
 
     ctx = make_ctx(B=2, H=4, Hkv=2, T=14, w=2, phase="decode")
     rule = D2ORule(variant=variant, n_sink=2)
-    state = rule.new_state()
-    state.sums = ctx.accumulated.clone()
-    ctx.state = state
+    ctx.state = rule.new_state()
+    state = ctx.state.component(MergeThreshold)
     sel = rule.select(ctx, 7)
     kept = sel.index
     # H2O with 2 sinks and floor(0.5 * 7) = 3 recent tokens: a loop-by-loop top-k of the rest.
@@ -129,4 +128,4 @@ def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
         got = merged.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
         assert torch.allclose(got.double(), want_keys, atol=1e-5), stream
     assert sel.merge.streams == frozenset({"key", "value"})
-    assert isinstance(state, AccumulatedAttention)
+    assert ctx.state.component(AccumulatedAttention) is not None
