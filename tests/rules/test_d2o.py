@@ -129,3 +129,18 @@ def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
         assert torch.allclose(got.double(), want_keys, atol=1e-5), stream
     assert sel.merge.streams == frozenset({"key", "value"})
     assert ctx.state.component(AccumulatedAttention) is not None
+
+
+def test_d2o_allocator_statistic_uses_per_head_column_sums_of_every_prompt_row(make_ctx, attn_row):
+    from polykv.adapters.rules.d2o import D2OAllocator
+    from polykv.rule_state import Observation
+
+    ctx = make_ctx(B=1, H=4, Hkv=2, T=10, w=10)  # every stored token is a prompt query
+    alloc = D2OAllocator()
+    state = alloc.new_state()
+    state.observe(Observation(layer_idx=0, phase="prefill", query=ctx.queries, keys=ctx.keys, positions=ctx.positions,
+                              valid=None, first_position=0, scaling=ctx.scaling))
+    want = [[[sum(attn_row(ctx, 0, h, i)[j] for i in range(10)) for j in range(10)] for h in range(4)]]
+    assert torch.allclose(state.sums.double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
+    ctx.state = state
+    assert alloc.layer_statistic(ctx) == pytest.approx(naive_layer_score(want), rel=1e-5)
