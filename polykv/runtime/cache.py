@@ -207,8 +207,7 @@ class LayerCache(CacheLayerMixin):
         rule, raw = self.spec.prefill_rule, self._raw
         if rule is None or capacity is None:
             return
-        limit = head_capacity if head_capacity is not None else capacity
-        if not bool((self.head_counts() > torch.as_tensor(limit).cpu()).any()):
+        if not self._over_budget(capacity, head_capacity, 0):
             return
         sel = self.select(rule, "prefill", capacity, raw, head_capacity)
         keys, values = raw.keys, raw.values
@@ -248,12 +247,20 @@ class LayerCache(CacheLayerMixin):
             cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
         if cap is None:
             return
-        limit = (head_cap.cpu() if head_cap is not None else cap) + self.owner.decode_slack
-        if not bool((self.storage.counts() > limit).any()):
+        if not self._over_budget(cap, head_cap, self.owner.decode_slack):
             return
         view = self._view
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
+
+    def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+        """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
+        tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
+        With every head holding the same count this is "some head holds more than capacity + slack"."""
+        counts = self.head_counts()
+        Hkv = counts.shape[1]
+        budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+        return bool((counts.sum(-1) > budget + slack * Hkv).any())
 
     def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
         """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
