@@ -253,6 +253,23 @@ class LayerCache(CacheLayerMixin):
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 
+    def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
+        """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
+        contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
+        owner = self.owner
+        window = state.component(QueryWindow) if state is not None else None
+        acc = state.component(AccumulatedAttention) if state is not None else None
+        return SelectionContext(
+            layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
+            tokens_seen=self.tokens_seen, scaling=self.scaling,
+            queries=window.queries if window is not None else None,
+            query_positions=window.positions if window is not None else None,
+            values=view.values if values else None,
+            accumulated=acc.sums if acc is not None else None,
+            query_counts=acc.query_counts(view.positions) if acc is not None else None,
+            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
+            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity)
+
     def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
         """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
         tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
@@ -264,21 +281,11 @@ class LayerCache(CacheLayerMixin):
 
     def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
         """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
-        state, owner = self.states[phase], self.owner
-        window = state.component(QueryWindow) if state is not None else None
-        acc = state.component(AccumulatedAttention) if state is not None else None
+        state = self.states[phase]
         B, Hkv, _ = view.positions.shape
-        ctx = SelectionContext(
-            layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
-            tokens_seen=self.tokens_seen, scaling=self.scaling,
-            queries=window.queries if window is not None else None,
-            query_positions=window.positions if window is not None else None,
-            values=view.values if rule.needs_values else None,
-            accumulated=acc.sums if acc is not None else None,
-            query_counts=acc.query_counts(view.positions) if acc is not None else None,
-            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
-            generator=owner.generator, state=state, valid=view.valid,
-            head_capacity=None if head_capacity is None else head_capacity.to(view.positions.device).expand(B, Hkv))
+        ctx = self.context(phase, view, state, values=rule.needs_values,
+                           head_capacity=None if head_capacity is None
+                           else head_capacity.to(view.positions.device).expand(B, Hkv))
         op = getattr(self.spec.plan, phase)
         sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
                                 where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
