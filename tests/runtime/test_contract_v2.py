@@ -143,6 +143,10 @@ def test_allocator_distributes_the_group_total_after_prefill(llama, prompt, regi
     exact = predict_resident(plan, geo, 40, dtype_bytes=4, registry=registry, allocations=alloc)
     assert list(got.per_layer) == [r.resident_bytes for r in exact]
     assert all(g <= r.resident_bytes for g, r in zip(got.per_layer, bound))
+    from polykv.memory import memory_report
+
+    table = memory_report(plan, geo, 40, registry=registry).format_table()
+    assert "<=24" in table and "allocator decides" in table
 
 
 def test_cascading_allocator_reallocates_after_every_layer(llama, prompt, registry):
