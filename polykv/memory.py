@@ -305,7 +305,8 @@ class MemoryReport:
     def format_table(self) -> str:
         """A plain-text table: one line per layer, then totals and ratios."""
         head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
-        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits), f"{r.kept_tokens:,}",
+        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits),
+                 ("<=" if r.bound else "") + f"{r.kept_tokens:,}",
                  f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
                  f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
                 for r in self.rows]
@@ -322,6 +323,9 @@ class MemoryReport:
         ]
         if not self.metadata_complete:
             lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
+        if any(r.bound for r in self.rows):
+            lines.append("<= an allocator decides these layers' budgets after prefill: the row is its bound, and the "
+                         "totals are bounds too (session.allocations() reports what was allocated)")
         return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from polykv.allocators import AllocationRequest
 from polykv.errors import RuntimeConfigError
-from polykv.operators import SelectionContext
+from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
 
 
 class GroupRun:
@@ -33,12 +33,7 @@ class GroupRun:
                 cache.layers[layer].extra_states.append(state)
 
     def _context(self, layer) -> SelectionContext:
-        raw, cache = layer._raw, self.cache
-        return SelectionContext(
-            layer_idx=layer.layer_idx, phase="prefill", keys=raw.keys, positions=raw.positions,
-            tokens_seen=layer.tokens_seen, scaling=layer.scaling, values=raw.values, valid=raw.valid,
-            rope_inv_freq=cache.rope_inv_freq, rope_scaling=cache.rope_scaling, model_data=cache.model_data,
-            generator=cache.generator, state=self.states[layer.layer_idx])
+        return layer.context("prefill", layer._raw, self.states[layer.layer_idx], values=True)
 
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""

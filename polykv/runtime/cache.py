@@ -207,8 +207,7 @@ class LayerCache(CacheLayerMixin):
         rule, raw = self.spec.prefill_rule, self._raw
         if rule is None or capacity is None:
             return
-        limit = head_capacity if head_capacity is not None else capacity
-        if not bool((self.head_counts() > torch.as_tensor(limit).cpu()).any()):
+        if not self._over_budget(capacity, head_capacity, 0):
             return
         sel = self.select(rule, "prefill", capacity, raw, head_capacity)
         keys, values = raw.keys, raw.values
@@ -248,30 +247,45 @@ class LayerCache(CacheLayerMixin):
             cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
         if cap is None:
             return
-        limit = (head_cap.cpu() if head_cap is not None else cap) + self.owner.decode_slack
-        if not bool((self.storage.counts() > limit).any()):
+        if not self._over_budget(cap, head_cap, self.owner.decode_slack):
             return
         view = self._view
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 
-    def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
-        """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
-        state, owner = self.states[phase], self.owner
+    def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
+        """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
+        contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
+        owner = self.owner
         window = state.component(QueryWindow) if state is not None else None
         acc = state.component(AccumulatedAttention) if state is not None else None
-        B, Hkv, _ = view.positions.shape
-        ctx = SelectionContext(
+        return SelectionContext(
             layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
             tokens_seen=self.tokens_seen, scaling=self.scaling,
             queries=window.queries if window is not None else None,
             query_positions=window.positions if window is not None else None,
-            values=view.values if rule.needs_values else None,
+            values=view.values if values else None,
             accumulated=acc.sums if acc is not None else None,
             query_counts=acc.query_counts(view.positions) if acc is not None else None,
             rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
-            generator=owner.generator, state=state, valid=view.valid,
-            head_capacity=None if head_capacity is None else head_capacity.to(view.positions.device).expand(B, Hkv))
+            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity)
+
+    def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+        """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
+        tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
+        With every head holding the same count this is "some head holds more than capacity + slack"."""
+        counts = self.head_counts()
+        Hkv = counts.shape[1]
+        budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+        return bool((counts.sum(-1) > budget + slack * Hkv).any())
+
+    def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
+        """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
+        state = self.states[phase]
+        B, Hkv, _ = view.positions.shape
+        ctx = self.context(phase, view, state, values=rule.needs_values,
+                           head_capacity=None if head_capacity is None
+                           else head_capacity.to(view.positions.device).expand(B, Hkv))
         op = getattr(self.spec.plan, phase)
         sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
                                 where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
