@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--ratios", type=float, nargs="+", default=[4.0, 8.0])
     ap.add_argument("--out", default="results/passkey-rules")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the passkey items (another seed, other items)")
     ap.add_argument("--filler", default="code", help="passkey filler corpus: code or prose")
     args = ap.parse_args()
 
@@ -65,7 +66,7 @@ def main() -> int:
             add(f"cam-h2o-{ratio:g}x", polykv.uniform_plan(geo, prefill=op))
     spec = {"name": "passkey-rules", "model": "default", "context_tokens": args.length,
             "profile": os.path.abspath(PROFILE), "baseline": True, "plans": plans,
-            "tasks": [{"task": "passkey", "params": {"length": args.length, "filler": args.filler}, "samples": args.samples, "seed": 0}]}
+            "tasks": [{"task": "passkey", "params": {"length": args.length, "filler": args.filler}, "samples": args.samples, "seed": args.seed}]}
     spec_path = os.path.join(args.out, "spec.json")
     with open(spec_path, "w") as fh:
         json.dump(spec, fh, indent=2)
