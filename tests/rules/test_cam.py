@@ -87,3 +87,19 @@ def test_cam_checks_its_parameters_when_built():
         with pytest.raises(ValueError, match=match):
             CaMRule(**bad)
     assert CaMRule(rule="snapkv").phases == frozenset({"prefill"})
+
+
+def test_a_plan_with_a_bad_inner_rule_fails_validation_naming_layer_and_field():
+    import polykv
+    from polykv.errors import PlanError
+    from polykv.plan import OpSpec
+    from polykv.registry import get_registry
+    from polykv.testing import tiny_model
+    from polykv.geometry import geometry_of_model
+
+    geo = geometry_of_model(tiny_model("llama", layers=2))
+    for params, needle in [({"rule": "nope"}, "unknown inner rule"), ({"rule": "h2o", "rule_params": {"x": 1}}, "'x'")]:
+        plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="cam", capacity=8, params=params))
+        with pytest.raises(PlanError, match=needle) as err:
+            plan.validate(registry=get_registry(), geometry=geo)
+        assert "layers[0].prefill.params" in str(err.value)
