@@ -1,6 +1,6 @@
 """One plan that runs the nine methods of PolyKV's study plus TriAttention (and Ada-KV) on different layers.
 
-Builds ``plans/smollm2-135m-instruct.all-methods.plan.json`` for the default model (30 layers): each
+Builds ``examples/smollm2-all-methods.4x.plan.json`` for the default model (30 layers): each
 method owns a block of layers, PyramidKV, CAKE and D2O blocks form allocation groups under their own
 allocators, and every rule that runs in decode also evicts there. Then it prefills a 2k-token passkey
 prompt, feeds the question, generates ``--new-tokens`` tokens greedily and prints the allocations,
@@ -26,7 +26,7 @@ from polykv.registry import get_registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "..", "profiles", "smollm2-135m-instruct.profile.json")
-DEFAULT_OUT = os.path.join(HERE, "..", "plans", "smollm2-135m-instruct.all-methods.4x.plan.json")
+DEFAULT_OUT = os.path.join(HERE, "..", "examples", "smollm2-all-methods.4x.plan.json")
 
 # (rule, params, allocator or None) per block of three layers, lowest layers first.
 BLOCKS = [
