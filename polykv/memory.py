@@ -263,6 +263,8 @@ class MemoryReport:
     batch: int
     dtype_bytes: int
     phase: str
+    group_bounds: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=tuple)
+    """Per allocation group: (``allocator[first..last]``, most tokens per KV head over all its layers)."""
 
     @property
     def nominal_total(self) -> int:
@@ -324,8 +326,10 @@ class MemoryReport:
         if not self.metadata_complete:
             lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
         if any(r.bound for r in self.rows):
-            lines.append("<= an allocator decides these layers' budgets after prefill: the row is its bound, and the "
-                         "totals are bounds too (session.allocations() reports what was allocated)")
+            lines.append("<= an allocator decides these layers' budgets after prefill: each row is that layer's own "
+                         "bound, so the totals over-state the group (session.allocations() reports what was allocated)")
+        for name, tokens in self.group_bounds:
+            lines.append(f"allocation group {name}: at most {tokens:,} tokens per KV head over all its layers")
         return "\n".join(lines)
 
 
@@ -342,6 +346,14 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
     """
+    from polykv.registry import get_registry
+
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
                             registry=registry, phase=phase, num_heads=num_heads)
-    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase)
+    registry = registry if registry is not None else get_registry()
+    groups = []
+    for g in getattr(plan, "allocation", ()):
+        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
+    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
+                        group_bounds=groups)

@@ -134,11 +134,9 @@ class KiviValueStore(KVStore):
         mq, mr = mask[..., :Tq], mask[..., Tq:]
         n = int(mq.sum())
         if n:
-            codes, scale, zero = self._quantize(x[:, :, :Tq])
-            m = mq.unsqueeze(-1)
-            self.codes = torch.where(m, codes, self.codes)
-            self.scale = torch.where(m, scale, self.scale)
-            self.zero = torch.where(m, zero, self.zero)
+            b, h, t = mq.nonzero(as_tuple=True)                      # only the written tokens are encoded
+            codes, scale, zero = self._quantize(x[b, h, t].view(1, 1, n, d))
+            self.codes[b, h, t], self.scale[b, h, t], self.zero[b, h, t] = codes[0, 0], scale[0, 0], zero[0, 0]
         self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
         return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=n,
                          groups_requantized=n * (d // self.group_size))

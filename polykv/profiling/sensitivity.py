@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 
-from polykv.plan import FULL_OP, PASSTHROUGH_BITS, LayerPlan, OpSpec
+from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
@@ -42,10 +42,6 @@ from polykv.runtime.attention import sdpa
 from polykv.runtime.cache import LayerSpec, PlanCache
 from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.runtime.stores import new_store
-
-FULL_SELECTION = None
-"""Selection marker for keep 1.0: every prefix token stays."""
-
 
 @attrs.define(kw_only=True)
 class LayerContext:

@@ -147,6 +147,7 @@ def test_allocator_distributes_the_group_total_after_prefill(llama, prompt, regi
 
     table = memory_report(plan, geo, 40, registry=registry).format_table()
     assert "<=24" in table and "allocator decides" in table
+    assert "allocation group test-layer-share[0..1]: at most 24 tokens per KV head" in table
 
 
 def test_cascading_allocator_reallocates_after_every_layer(llama, prompt, registry):
