@@ -5,8 +5,10 @@ policy's plan, THEN feed the *question* through the compressed cache in one forw
 greedily. Token ids follow the spec's prompt rule (:mod:`polykv.studies.prompt`): the context starts
 with the tokenizer's own leading special tokens (its BOS, where it adds one; ``bos`` overrides), the
 question continues without a second BOS, and ``prompt_format`` "chat" wraps both in the chat
-template, split right after the context. Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the
-same for every policy; with ``reuse_prefill`` (the default) the context runs through the model once
+template, split right after the context.
+
+Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the same for
+every policy; with ``reuse_prefill`` (the default) the context runs through the model once
 per item and every policy's cache is restored from that snapshot (:mod:`polykv.runtime.fork`, exact:
 the same tokens, logits and bytes as a prefill per policy).
 
