@@ -42,9 +42,9 @@ _PROBE = "Hello world"
 class PromptEncoder:
     """A tokenizer together with a study's prompt rule (see the module docstring).
 
-    Behaves as the tokenizer for tasks (``encode`` and ``decode`` are the tokenizer's, ``encode``
-    defaulting to no special tokens) and adds :meth:`prompt_ids`, :meth:`prompt_length` and
-    :meth:`text_ids`.
+    Behaves as the tokenizer for tasks (``encode``, ``decode`` and every other attribute are the
+    tokenizer's) and adds :meth:`prompt_ids`, :meth:`prompt_length`, :meth:`text_ids` and
+    :meth:`chat_split`.
     """
 
     def __init__(self, tokenizer, *, bos: Any = "auto", prompt_format: str = "plain", where: str = "study spec"):
@@ -64,20 +64,23 @@ class PromptEncoder:
         self.leading = _leading_special_ids(tokenizer)
 
     # -- the tokenizer's own interface, for tasks ---------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, **kwargs) -> list[int]:
+        """The tokenizer's ``encode``, unchanged (tasks pass ``add_special_tokens=False``)."""
+        return list(self.tokenizer.encode(text, **kwargs))
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids, **kwargs) -> str:
+        return self.tokenizer.decode(ids, **kwargs)
 
-    @property
-    def eos_token_id(self):
-        return getattr(self.tokenizer, "eos_token_id", None)
+    def __getattr__(self, name: str):
+        """Every other attribute is the tokenizer's (``eos_token_id``, ``vocab_size``, ...)."""
+        if name == "tokenizer" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
 
     # -- the prompt rule ----------------------------------------------------------------------------
     def text_ids(self, text: str) -> list[int]:
         """Tokens of ``text`` continuing a sequence: no special tokens added; empty text has none."""
-        return self.encode(text, add_special_tokens=False) if text else []
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def prompt_ids(self, context: str, question: str) -> tuple[list[int], list[int]]:
         """(context ids, question ids) of one item, as the runner feeds them."""
@@ -117,12 +120,6 @@ class PromptEncoder:
                              "cannot be split from the question; use \"plain\"")
         cut = text.index(context) + len(context)
         return text[:cut], text[cut:]
-
-    def describe(self) -> dict[str, Any]:
-        """What the rule resolves to for this tokenizer (for the results): format, setting, BOS token."""
-        return {"prompt_format": self.prompt_format, "bos": self.bos,
-                "bos_token": self._bos_text() if self.bos_id is not None else None,
-                "tokenizer_adds": [int(t) for t in self.leading]}
 
     def _bos_text(self) -> str:
         tok = getattr(self.tokenizer, "bos_token", None)

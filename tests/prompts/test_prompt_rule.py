@@ -22,6 +22,8 @@ def test_auto_follows_a_tokenizer_that_adds_bos_exactly(make_tokenizer):
     assert BOS not in q and q == tok.encode(QUESTION, add_special_tokens=False)      # no second BOS
     assert ctx + q == tok.encode(CONTEXT + QUESTION)                                 # what the tokenizer makes
     assert (ctx + q).count(BOS) == 1
+    enc = PromptEncoder(tok)                                                         # still the tokenizer
+    assert enc.eos_token_id == 2 and enc.encode("ab") == tok.encode("ab") and enc.decode([45]) == tok.decode([45])
 
 
 def test_auto_adds_nothing_where_the_tokenizer_adds_nothing(make_tokenizer):
