@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from polykv.operators import KVStore
+from polykv.adapters.quantizers.packed_stream import PackedStream
 from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
 
 
@@ -60,6 +61,10 @@ class PassthroughStore(KVStore):
     def dequantize(self) -> torch.Tensor:
         """[B, Hkv, T, d] in ``dtype``. The stored tensor itself: treat it as read-only."""
         return self._data()
+
+    def token_blocks(self) -> PackedStream:
+        """The stored tensor as a token-blocks view (no copy)."""
+        return PackedStream(layout="none", residual=self._data())
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep only tokens ``index`` [B, Hkv, k] (strictly ascending, logical storage order)."""
