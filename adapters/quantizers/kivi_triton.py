@@ -146,17 +146,18 @@ def _flat(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor,
 
 def _stream_args(s: PackedStream) -> tuple[list, list, list]:
     """(tensors, strides, counts) of one stream for the kernel."""
-    anchor = s.residual if s.residual.shape[2] else torch.zeros_like(s.residual[:, :, :1])
+    B, H, Tr, d = s.residual.shape
+    anchor = s.residual if Tr else s.residual.new_zeros(B, H, 1, d)  # stands in for empty tensors
     res, r_bh, r_t = _flat(s.residual, anchor)
     if s.layout == "none":
-        return [res, res, res, res], [r_bh, r_t, r_bh, r_t, r_bh, r_t], list(s._counts())
+        return [res, res, res, res], [r_bh, r_t, r_bh, r_t, r_bh, r_t], list(s.head_counts())
     codes, c_bh, c_t = _flat(s.codes, anchor.to(torch.uint8))
     scale, s_bh, s_t = _flat(s.scale, anchor)
     zero, z_bh, z_t = _flat(s.zero, anchor)
     if (z_bh, z_t) != (s_bh, s_t):  # one set of strides serves both: make both contiguous
         scale, zero = scale.contiguous(), zero.contiguous()
         s_bh, s_t = scale.stride(0), scale.stride(1)
-    return [codes, scale, zero, res], [c_bh, c_t, s_bh, s_t, r_bh, r_t], list(s._counts())
+    return [codes, scale, zero, res], [c_bh, c_t, s_bh, s_t, r_bh, r_t], list(s.head_counts())
 
 
 def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStream, *, scaling: float,

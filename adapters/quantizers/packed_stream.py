@@ -75,7 +75,8 @@ class PackedStream:
     def ragged(self) -> bool:
         return self.quantized_len is not None or self.residual_len is not None
 
-    def _counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, Hkv], [B, Hkv]) int64: valid code rows and valid residual rows of every head."""
         B, H, Tr, _ = self.residual.shape
         kw = dict(dtype=torch.int64, device=self.residual.device)
         nq = self.quantized_len if self.quantized_len is not None else torch.full((B, H), self.num_quantized, **kw)
@@ -87,7 +88,7 @@ class PackedStream:
         """[B, Hkv] int64 valid tokens per head, or None when every head holds :attr:`padded_len`."""
         if not self.ragged:
             return None
-        nq, nr = self._counts()
+        nq, nr = self.head_counts()
         return nq + nr
 
     @property
@@ -113,6 +114,11 @@ class PackedStream:
             minmax.decode_into(out, codes, self.bits, self.scale[:, :, start:stop].unsqueeze(-1),
                                self.zero[:, :, start:stop].unsqueeze(-1), (B, H, n, d // G, G))
             return out
+        if self.group_ids is None and start % G == 0 and n % G == 0:  # whole groups: broadcast each row
+            rows = slice(start // G, stop // G)
+            minmax.decode_into(out, codes, self.bits, self.scale[:, :, rows].unsqueeze(3),
+                               self.zero[:, :, rows].unsqueeze(3), (B, H, n // G, G, d))
+            return out
         if self.group_ids is None:  # implicit groups: token i uses row i // G
             rows = torch.arange(start, stop, device=out.device) // G
             scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
@@ -135,7 +141,7 @@ class PackedStream:
             if stop > Tq:
                 parts.append(self.residual[:, :, max(start - Tq, 0):stop - Tq])
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-        nq, _ = self._counts()
+        nq, _ = self.head_counts()
         n = stop - start
         out = torch.zeros(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
         if start < Tq:  # code row j is token j of every head that holds j quantized tokens

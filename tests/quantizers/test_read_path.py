@@ -34,12 +34,13 @@ def test_read_equals_dequantize_bit_for_bit(k_bits, v_bits, cases):
 @pytest.mark.parametrize("k_bits,v_bits", [(2, 2), (4, 8), (8, 4), (2, 16), (16, 4), (16, 16)])
 @pytest.mark.parametrize("G,q", [(1, 1), (3, 1), (3, 4)])
 @pytest.mark.parametrize("block", [5, 16, 512])
-def test_blockwise_equals_dense_sdpa(k_bits, v_bits, G, q, block, cases):
-    ks, vs = cases.filled_pair(k_bits, v_bits, T=45)
+@pytest.mark.parametrize("T", [45, 48])  # 48: no key residual left
+def test_blockwise_equals_dense_sdpa(k_bits, v_bits, G, q, block, T, cases):
+    ks, vs = cases.filled_pair(k_bits, v_bits, T=T)
     query = _query(2, 2 * G, q, 16)
     got = blockwise_attention(query, token_blocks(ks), token_blocks(vs), scaling=0.25, block_size=block)
     K, V = ks.dequantize(), vs.dequantize()
-    mask = torch.ones(q, 45, dtype=torch.bool).tril(45 - q)  # lower-right causal
+    mask = torch.ones(q, T, dtype=torch.bool).tril(T - q)  # lower-right causal
     want = F.scaled_dot_product_attention(query, K, V, attn_mask=mask, scale=0.25, enable_gqa=True)
     assert got.shape == want.shape and got.dtype == query.dtype
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

@@ -40,6 +40,10 @@ def test_kernel_matches_reference(k_bits, v_bits, G, q, device, cases):
     ks, vs = cases.filled_pair(k_bits, v_bits, B=2, Hkv=2, T=45, device=device)
     query = torch.randn(2, 2 * G, q, 16, generator=torch.Generator().manual_seed(1)).to(device)
     _check(query, token_blocks(ks), token_blocks(vs), splits=2)
+    ks, vs = cases.filled_pair(k_bits, v_bits, B=1, Hkv=2, T=48, device=device)  # no key residual left
+    assert k_bits == 16 or not ks.residual.shape[2]
+    query = torch.randn(1, 2 * G, q, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    _check(query, token_blocks(ks), token_blocks(vs))
 
 
 @pytest.mark.parametrize("device", DEVICES)
