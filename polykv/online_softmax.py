@@ -185,3 +185,23 @@ def blockwise_attention(query: torch.Tensor, keys: TokenBlocks, values: TokenBlo
         state.add(logits, v)
     out = state.result()  # (B, Hkv, G*q, dv)
     return out.view(B, H, q, -1).to(query.dtype)
+
+
+def per_head_attention(query: torch.Tensor, heads: list[tuple[TokenBlocks, TokenBlocks]], *, scaling: float,
+                       block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """Attention when every (batch row, KV head) keeps its own stores: [B, H, q, dv].
+
+    ``heads`` lists B * Hkv (keys, values) token-block pairs, row-major over (batch row, KV head),
+    each [1, 1, n, d] holding exactly that head's n tokens (ragged storage that frees what it drops).
+    Head (b, h) attends with its G query heads ``h * G .. h * G + G - 1`` over its own pair only.
+    """
+    B, H, q, _ = query.shape
+    if not heads or len(heads) % B:
+        raise ValueError(f"per-head attention needs batch x KV heads store pairs, got {len(heads)} for batch {B}")
+    Hkv = len(heads) // B
+    if H % Hkv:
+        raise ValueError(f"query has {H} heads, not a multiple of the {Hkv} KV heads the stores hold")
+    G = H // Hkv
+    outs = [blockwise_attention(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v,
+                                scaling=scaling, block_size=block_size) for i, (k, v) in enumerate(heads)]
+    return torch.cat(outs, dim=1).view(B, H, q, -1)

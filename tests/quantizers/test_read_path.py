@@ -127,3 +127,25 @@ def test_bad_inputs_get_clear_errors(cases):
         blockwise_attention(_query(2, 4, 1, 16), kr, vv, scaling=1.0)
     with pytest.raises(ValueError, match="quantized_len must be"):
         attrs.evolve(kv, quantized_len=torch.full((2, 2), 99))
+
+
+def test_per_head_stores_attend_their_own_tokens(cases):
+    """Ragged storage that keeps one store pair per (batch row, KV head): each head sees only its tokens."""
+    from polykv.online_softmax import per_head_attention
+
+    lengths = [[45, 20], [7, 33]]
+    pairs, dense = [], []
+    for b in range(2):
+        for h in range(2):
+            ks, vs = cases.filled_pair(4, 2, B=1, Hkv=1, T=lengths[b][h], seed=10 * b + h)
+            pairs.append((token_blocks(ks), token_blocks(vs)))
+            dense.append((ks.dequantize(), vs.dequantize()))
+    query = _query(2, 6, 2, 16)
+    got = per_head_attention(query, pairs, scaling=0.25, block_size=8)
+    for i, (K, V) in enumerate(dense):
+        b, h = divmod(i, 2)
+        L = K.shape[2]
+        mask = torch.ones(2, L, dtype=torch.bool).tril(L - 2)
+        want = F.scaled_dot_product_attention(query[b:b + 1, 3 * h:3 * h + 3], K, V, attn_mask=mask, scale=0.25,
+                                              enable_gqa=True)
+        torch.testing.assert_close(got[b:b + 1, 3 * h:3 * h + 3], want, atol=2e-6, rtol=1e-5)
