@@ -87,10 +87,10 @@ if triton is not None:
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         nsplit = tl.num_programs(1)
-        knq = tl.load(KNQ + bh)
-        knr = tl.load(KNR + bh)
-        vnq = tl.load(VNQ + bh)
-        vnr = tl.load(VNR + bh)
+        knq = tl.load(KNQ + bh).to(tl.int32)  # one integer type for every loop bound and mask
+        knr = tl.load(KNR + bh).to(tl.int32)
+        vnq = tl.load(VNQ + bh).to(tl.int32)
+        vnr = tl.load(VNR + bh).to(tl.int32)
         L = knq + knr
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -230,6 +230,7 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         K_GROUP=keys.group_size, K_HAS_GID=has_gid,
         V_LAYOUT=LAYOUT_CODE[values.layout], V_BITS=values.bits if values.layout != "none" else 8,
         V_GROUP=values.group_size, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
-        BLOCK_M=_pow2(M), BLOCK_N=block_n, BLOCK_D=_pow2(d))
+        BLOCK_M=_pow2(M), BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        enable_fp_fusion=False)  # separate multiply and add, as the stores dequantize
     out = combine_partials(m, l, acc, dim=1)  # (B*Hkv, M, d) float32
     return out.view(B, H, q, d).to(query.dtype)
