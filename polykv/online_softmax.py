@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 1024
 """Tokens per block of :func:`blockwise_attention`."""
 
 
