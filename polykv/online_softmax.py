@@ -205,3 +205,31 @@ def per_head_attention(query: torch.Tensor, heads: list[tuple[TokenBlocks, Token
     outs = [blockwise_attention(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v,
                                 scaling=scaling, block_size=block_size) for i, (k, v) in enumerate(heads)]
     return torch.cat(outs, dim=1).view(B, H, q, -1)
+
+
+BACKENDS = ("blockwise", "fused")
+
+
+def attend_stores(query: torch.Tensor, key_store, value_store, *, scaling: float, backend: str = "blockwise",
+                  block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """Attention of ``query`` [B, H, q, d] over a layer's key and value stores, read from their codes.
+
+    ``backend`` is chosen by the caller, never substituted: ``"blockwise"`` runs
+    :func:`blockwise_attention` over the stores' token blocks; ``"fused"`` calls the key view's
+    ``fused_decode`` (e.g. the Triton kernel of the KIVI stores). A store without token blocks, or a
+    view without a fused kernel, is an error that says so.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {BACKENDS}")
+    keys, values = token_blocks(key_store), token_blocks(value_store)
+    for store, view in ((key_store, keys), (value_store, values)):
+        if view is None:
+            raise ValueError(f"{type(store).__name__} offers no token blocks (no token_blocks() method): attention "
+                             f"cannot read it from its codes; dequantize() it and use SDPA instead")
+    if backend == "blockwise":
+        return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
+    fused = getattr(keys, "fused_decode", None)
+    if fused is None:
+        raise ValueError(f"the token blocks of {type(key_store).__name__} offer no fused kernel; "
+                         f"use backend='blockwise'")
+    return fused(query, values, scaling)

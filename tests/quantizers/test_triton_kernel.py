@@ -97,3 +97,18 @@ def test_kernel_rejects_mismatched_streams(cases):
         kivi_triton.decode_attention(torch.randn(2, 2, 1, 16), token_blocks(vs), token_blocks(ks), scaling=1.0)
     with pytest.raises(ValueError, match="does not fit"):
         kivi_triton.decode_attention(torch.randn(2, 3, 1, 16), token_blocks(ks), token_blocks(vs), scaling=1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attend_stores_runs_the_backend_it_is_asked_for(device, cases):
+    from polykv.online_softmax import attend_stores
+
+    ks, vs = cases.filled_pair(8, 2, T=45, device=device)
+    query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(9)).to(device)
+    fused = attend_stores(query, ks, vs, scaling=0.25, backend="fused")
+    blockwise = attend_stores(query, ks, vs, scaling=0.25, backend="blockwise", block_size=8)
+    torch.testing.assert_close(fused, blockwise, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attend_stores(query, ks, vs, scaling=0.25, backend="sdpa")
+    with pytest.raises(ValueError, match="offers no token blocks"):
+        attend_stores(query, ks, object(), scaling=0.25)

@@ -95,3 +95,14 @@ def test_blockwise_attention_over_any_token_blocks_stream():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5, enable_gqa=True)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert token_blocks(object()) is None
+
+
+def test_attend_stores_never_substitutes_a_backend():
+    from polykv.online_softmax import attend_stores
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 1, 9, 8, generator=g), torch.randn(1, 1, 9, 8, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(attend_stores(q, _Store(k), _Store(v), scaling=0.5), want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="offer no fused kernel"):
+        attend_stores(q, _Store(k), _Store(v), scaling=0.5, backend="fused")
