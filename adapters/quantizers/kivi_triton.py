@@ -190,9 +190,14 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         raise ValueError("keys must be per-channel (or passthrough) and values per-token (or passthrough) streams")
     T = keys.padded_len
     klen, vlen = keys.lengths, values.lengths
-    kl = klen if klen is not None else torch.full((B, Hkv), T, dtype=torch.int64, device=query.device)
-    vl = vlen if vlen is not None else torch.full((B, Hkv), values.padded_len, dtype=torch.int64, device=query.device)
-    if not torch.equal(kl.to(vl.device), vl):
+    if klen is None and vlen is None:  # uniform heads: compare sizes on the host, no device round trip
+        agree = values.padded_len == T
+    else:
+        kl = klen if klen is not None else torch.full((B, Hkv), T, dtype=torch.int64, device=query.device)
+        vl = vlen if vlen is not None else torch.full((B, Hkv), values.padded_len, dtype=torch.int64,
+                                                      device=query.device)
+        agree = torch.equal(kl.to(vl.device), vl)
+    if not agree:
         raise ValueError("keys and values disagree on the per-head lengths; a token must be kept or dropped in both")
     check_lengths(klen, (B, Hkv), T, q)
     G, M = H // Hkv, (H // Hkv) * q

@@ -97,6 +97,11 @@ def test_kernel_rejects_mismatched_streams(cases):
         kivi_triton.decode_attention(torch.randn(2, 2, 1, 16), token_blocks(vs), token_blocks(ks), scaling=1.0)
     with pytest.raises(ValueError, match="does not fit"):
         kivi_triton.decode_attention(torch.randn(2, 3, 1, 16), token_blocks(ks), token_blocks(vs), scaling=1.0)
+    short = attrs.evolve(token_blocks(vs), residual=token_blocks(vs).residual[:, :, :-1])
+    with pytest.raises(ValueError, match="disagree on the per-head lengths"):
+        kivi_triton.decode_attention(torch.randn(2, 2, 1, 16), token_blocks(ks), short, scaling=1.0)
+    with pytest.raises(ValueError, match="queries' own tokens"):
+        kivi_triton.decode_attention(torch.randn(2, 2, 21, 16), token_blocks(ks), token_blocks(vs), scaling=1.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
