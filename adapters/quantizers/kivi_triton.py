@@ -6,7 +6,8 @@ key and value tile in registers (int2/int4/int8 codes unpacked from their bytes,
 plus the minimum; per-channel key groups of G tokens, optionally through ``group_ids``; per-token
 value groups of G channels), taking the full-precision residual rows where a token is past the
 head's quantized part, and folds the tile into a running max / denominator / weighted sum. The
-splits' partial results are combined with :func:`polykv.online_softmax.combine_partials`.
+splits' partial results are merged by a second small kernel (the same recurrence as
+:func:`polykv.online_softmax.combine_partials`), which writes the output in the query's dtype.
 
 Ragged heads: every head reads its own quantized and residual counts, and a row sees token ``j``
 only if ``j <= L - q + i`` (L the head's length, i the query's index among the q new ones), so
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.online_softmax import check_lengths, combine_partials
+from polykv.online_softmax import check_lengths
 from polykv.adapters.quantizers.packed_stream import PackedStream
 
 try:
@@ -77,8 +78,8 @@ if triton is not None:
     def _decode_kernel(Q, s_qbh, s_qm,
                        KC, KS, KZ, KG, KR, k_cbh, k_ct, k_sbh, k_st, k_gbh, k_gt, k_rbh, k_rt,
                        VC, VS, VZ, VR, v_cbh, v_ct, v_sbh, v_st, v_rbh, v_rt,
-                       KNQ, KNR, VNQ, VNR, OACC, OM, OL,
-                       scaling, chunk, M, Q_LEN, D,
+                       KNQ, KNR, VNQ, VNR, k_nq, k_nr, v_nq, v_nr, OACC, OM, OL,
+                       scaling, chunk, M, Q_LEN, D, RAGGED: tl.constexpr,
                        K_LAYOUT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
                        K_HAS_GID: tl.constexpr, V_LAYOUT: tl.constexpr, V_BITS: tl.constexpr,
                        V_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -87,10 +88,16 @@ if triton is not None:
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         nsplit = tl.num_programs(1)
-        knq = tl.load(KNQ + bh).to(tl.int32)  # one integer type for every loop bound and mask
-        knr = tl.load(KNR + bh).to(tl.int32)
-        vnq = tl.load(VNQ + bh).to(tl.int32)
-        vnr = tl.load(VNR + bh).to(tl.int32)
+        if RAGGED:  # each head's own counts; one integer type for every loop bound and mask
+            knq = tl.load(KNQ + bh).to(tl.int32)
+            knr = tl.load(KNR + bh).to(tl.int32)
+            vnq = tl.load(VNQ + bh).to(tl.int32)
+            vnr = tl.load(VNR + bh).to(tl.int32)
+        else:  # every head holds the same counts, passed by value
+            knq = k_nq.to(tl.int32)
+            knr = k_nr.to(tl.int32)
+            vnq = v_nq.to(tl.int32)
+            vnr = v_nr.to(tl.int32)
         L = knq + knr
         rows = tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -129,6 +136,33 @@ if triton is not None:
         tl.store(OM + o, m_i, mask=rmask)
         tl.store(OL + o, l_i, mask=rmask)
 
+    @triton.jit
+    def _combine_kernel(OACC, OM, OL, OUT, S, M, D,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program bh: merge the S splits' (m, l, acc) of its rows and write acc / l in OUT's dtype."""
+        bh = tl.program_id(0).to(tl.int64)
+        rows = tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        c = tl.arange(0, BLOCK_D)
+        mask = rmask[:, None] & (c < D)[None, :]
+        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for sp in range(0, S):
+            o = (bh * S + sp) * M + rows
+            m = tl.load(OM + o, mask=rmask, other=float("-inf"))
+            l = tl.load(OL + o, mask=rmask, other=0.0)
+            a = tl.load(OACC + o[:, None] * D + c[None, :], mask=mask, other=0.0)
+            m_new = tl.maximum(m_run, m)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            wa = tl.exp(m_run - shift)
+            wb = tl.exp(m - shift)
+            l_run = l_run * wa + l * wb
+            acc = acc * wa[:, None] + a * wb[:, None]
+            m_run = m_new
+        out = acc / tl.where(l_run == 0, 1.0, l_run)[:, None]  # l = 0 only on padding rows (never stored)
+        tl.store(OUT + (bh * M + rows)[:, None] * D + c[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
@@ -144,20 +178,20 @@ def _flat(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor,
     return t, t.stride(0), t.stride(1)
 
 
-def _stream_args(s: PackedStream) -> tuple[list, list, list]:
-    """(tensors, strides, counts) of one stream for the kernel."""
+def _stream_args(s: PackedStream) -> tuple[list, list]:
+    """(tensors, strides) of one stream for the kernel."""
     B, H, Tr, d = s.residual.shape
     anchor = s.residual if Tr else s.residual.new_zeros(B, H, 1, d)  # stands in for empty tensors
     res, r_bh, r_t = _flat(s.residual, anchor)
     if s.layout == "none":
-        return [res, res, res, res], [r_bh, r_t, r_bh, r_t, r_bh, r_t], list(s.head_counts())
+        return [res, res, res, res], [r_bh, r_t, r_bh, r_t, r_bh, r_t]
     codes, c_bh, c_t = _flat(s.codes, anchor.to(torch.uint8))
     scale, s_bh, s_t = _flat(s.scale, anchor)
     zero, z_bh, z_t = _flat(s.zero, anchor)
     if (z_bh, z_t) != (s_bh, s_t):  # one set of strides serves both: make both contiguous
         scale, zero = scale.contiguous(), zero.contiguous()
         s_bh, s_t = scale.stride(0), scale.stride(1)
-    return [codes, scale, zero, res], [c_bh, c_t, s_bh, s_t, r_bh, r_t], list(s.head_counts())
+    return [codes, scale, zero, res], [c_bh, c_t, s_bh, s_t, r_bh, r_t]
 
 
 def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStream, *, scaling: float,
@@ -204,8 +238,8 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
     rows = query.reshape(B * Hkv, M, d)  # (B*Hkv, G*q, d): GQA rows folded, keys never repeated
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    (kc, ks, kz, kr), kst, (knq, knr) = _stream_args(keys)
-    (vc, vs, vz, vr), vst, (vnq, vnr) = _stream_args(values)
+    (kc, ks, kz, kr), kst = _stream_args(keys)
+    (vc, vs, vz, vr), vst = _stream_args(values)
     kg = keys.group_ids
     has_gid = kg is not None and keys.layout == "channel"
     kg, g_bh, g_t = _flat(kg.unsqueeze(-1), kc) if has_gid else (kc, 0, 0)
@@ -224,18 +258,25 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
     half = keys.residual.dtype in (torch.bfloat16, torch.float16) and not interpreting()
     dot_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[keys.residual.dtype] if half else tl.float32
     prec = "tf32" if half else "ieee"
-    counts = [t.reshape(-1).to(device=query.device, dtype=torch.int64).contiguous() for t in (knq, knr, vnq, vnr)]
+    ragged = keys.ragged or values.ragged
+    if ragged:  # per-head counts in device memory
+        counts = [t.reshape(-1).to(device=query.device, dtype=torch.int64).contiguous()
+                  for stream in (keys, values) for t in stream.head_counts()]
+    else:  # by value: no tensors to build per step
+        counts = [kc] * 4
+    uniform = [keys.num_quantized, keys.residual.shape[2], values.num_quantized, values.residual.shape[2]]
     _decode_kernel[(B * Hkv, splits)](
         rows, rows.stride(0), rows.stride(1),
         kc, ks, kz, kg, kr, kst[0], kst[1], kst[2], kst[3], g_bh, g_t, kst[4], kst[5],
         vc, vs, vz, vr, vst[0], vst[1], vst[2], vst[3], vst[4], vst[5],
-        *counts, acc, m, l,
-        float(scaling), chunk, M, q, d,
+        *counts, *uniform, acc, m, l,
+        float(scaling), chunk, M, q, d, RAGGED=ragged,
         K_LAYOUT=LAYOUT_CODE[keys.layout], K_BITS=keys.bits if keys.layout != "none" else 8,
         K_GROUP=keys.group_size, K_HAS_GID=has_gid,
         V_LAYOUT=LAYOUT_CODE[values.layout], V_BITS=values.bits if values.layout != "none" else 8,
         V_GROUP=values.group_size, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
         BLOCK_M=_pow2(M), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         enable_fp_fusion=False)  # separate multiply and add, as the stores dequantize
-    out = combine_partials(m, l, acc, dim=1)  # (B*Hkv, M, d) float32
-    return out.view(B, H, q, d).to(query.dtype)
+    out = torch.empty(B * Hkv, M, d, dtype=query.dtype, device=query.device)
+    _combine_kernel[(B * Hkv,)](acc, m, l, out, splits, M, d, BLOCK_M=_pow2(M), BLOCK_D=_pow2(d))
+    return out.view(B, H, q, d)

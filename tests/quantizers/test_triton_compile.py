@@ -1,4 +1,4 @@
-"""The Triton kernel compiles to GPU machine code (sm_80 and sm_90 cubins) on a machine without a GPU.
+"""The Triton kernels compile to GPU machine code (sm_80 and sm_90 cubins) on a machine without a GPU.
 
 The interpreter tests check what the kernel computes; this checks that the compiled path (tensor-core
 products in bf16, integer loop bounds, constexpr layouts) is valid Triton for real GPUs. Compiling
@@ -43,6 +43,11 @@ SCRIPT = textwrap.dedent('''
     assert not kt.interpreting()
     for variant in sys.argv[1:]:
         compile_one(*variant.split(","))
+    sig = {"OACC": "*fp32", "OM": "*fp32", "OL": "*fp32", "OUT": "*bf16", "S": "i32", "M": "i32", "D": "i32",
+           "BLOCK_M": "constexpr", "BLOCK_D": "constexpr"}
+    combine = triton.compile(ASTSource(kt._combine_kernel, sig, constexprs=dict(BLOCK_M=16, BLOCK_D=64)),
+                             target=GPUTarget("cuda", 90, 32))
+    assert combine.asm["cubin"]
     print("ok")
 ''')
 

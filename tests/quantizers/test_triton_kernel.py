@@ -88,7 +88,9 @@ def _cpu(stream):
 def test_kernel_bfloat16(device, cases):
     ks, vs = cases.filled_pair(4, 4, T=45, d=32, group_size=8, residual=16, dtype=torch.bfloat16, device=device)
     query = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
-    _check(query, token_blocks(ks), token_blocks(vs), atol=2e-2)
+    # Triton's interpreter converts float32 to bf16 by truncation (a GPU rounds to nearest), both in the
+    # dequantized tiles and in the output: a few bf16 ulps (2**-7 near 1) apart from the reference.
+    _check(query, token_blocks(ks), token_blocks(vs), atol=4e-2 if device == "cpu" else 2e-2)
 
 
 def test_kernel_rejects_mismatched_streams(cases):
