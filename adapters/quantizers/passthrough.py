@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from polykv.operators import KVStore
-from polykv.adapters.quantizers.packed_stream import PackedStream
 from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
 
 
@@ -62,8 +61,10 @@ class PassthroughStore(KVStore):
         """[B, Hkv, T, d] in ``dtype``. The stored tensor itself: treat it as read-only."""
         return self._data()
 
-    def token_blocks(self) -> PackedStream:
-        """The stored tensor as a token-blocks view (no copy)."""
+    def token_blocks(self):
+        """The stored tensor as a token-blocks view (a ``PackedStream`` with no codes; no copy)."""
+        from polykv.adapters.quantizers.packed_stream import PackedStream
+
         return PackedStream(layout="none", residual=self._data())
 
     def gather(self, index: torch.Tensor) -> None:
