@@ -215,6 +215,10 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         raise RuntimeError(f"the fused KIVI decode kernel runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); "
                            f"the query is on {query.device}: use polykv.online_softmax.blockwise_attention instead, or "
                            f"set TRITON_INTERPRET=1 before this module is imported")
+    if interpreting() and type(tl.zeros).__name__ != "InterpretedFunction":
+        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (a model forward imports it), so "
+                           "its language functions are compiled-only while this kernel is interpreted; set "
+                           "TRITON_INTERPRET=1 before anything runs (e.g. in the environment)")
     B, H, q, d = query.shape
     Bk, Hkv, _, dk = keys.residual.shape
     if (Bk, dk) != (B, d) or tuple(values.residual.shape[:2]) != (B, Hkv) or values.head_dim != d or H % Hkv:
