@@ -78,8 +78,10 @@ def visibility_masks(run: RecordedRun) -> dict[int, torch.Tensor]:
             causal = (rows[a:b, None] >= rows[None, :]) & (rows[None, :] >= a)
             allowed[:, :, a:b] = causal
             if stored is not None:
-                seen = torch.zeros(B, geo.num_kv_heads, N, dtype=torch.bool)
-                seen.scatter_(-1, stored[layer], True)
+                kept = stored[layer]                                   # -1 marks a ragged layer's padding
+                seen = torch.zeros(B, geo.num_kv_heads, N, dtype=torch.long)
+                seen.scatter_add_(-1, kept.clamp_min(0), (kept >= 0).long())
+                seen = seen > 0
                 allowed[:, :, a:b, :a] = seen[:, :, None, :a]
         if geo.is_windowed(layer):
             q, k = rows[:, None], rows[None, :]

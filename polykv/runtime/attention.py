@@ -6,7 +6,8 @@ cache update, with post-RoPE ``query`` [B, H, q, d] and the unrepeated ``key``/`
 sized from layer 0); each layer's mask is built here from its own storage:
 
 * full attention: every stored token precedes the q new ones, so one lower-right causal [q, K] mask
-  serves every head, whatever each head retained;
+  serves every head, whatever each head retained (a ragged layer's padding columns, ``valid``, are
+  masked too);
 * sliding-window and chunked layers (:data:`polykv.geometry.WINDOWED`): the mask is computed from the
   original position of every stored token per head (``LayerCache.positions``), so a query sees exactly
   the tokens of its window or chunk, as in the model's own mask.
@@ -56,7 +57,9 @@ def window_visibility(layer, q: int) -> torch.Tensor | None:
     spec = layer.spec
     if spec.window is None:
         return None
-    keys = layer.positions if layer.prefilled else layer.positions[0, 0]
+    keys = layer.attend_positions()
+    if not layer.prefilled:
+        keys = keys[0, 0]
     rows = torch.arange(layer.tokens_seen, layer.tokens_seen + q, device=keys.device).unsqueeze(1)   # (q, 1)
     cols = keys.unsqueeze(-2)                                                                       # (..., 1, K)
     visible = cols <= rows
@@ -74,40 +77,53 @@ def _group_mask(visible: torch.Tensor, G: int, q: int) -> torch.Tensor:
     return visible.unsqueeze(2).expand(B, Hkv, G, q, K).reshape(B, Hkv, G * q, K)
 
 
+def _mask(q: int, K: int, device, visible: torch.Tensor | None, valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Window visibility ([q, K] or [B, Hkv, q, K]) and/or ragged padding ([B, Hkv, K]) as one bool mask
+    (None: plain lower-right causal attention)."""
+    if valid is None:
+        return visible
+    base = lower_right_causal(q, K, device) if visible is None else visible
+    return base & valid.unsqueeze(-2)                                              # (B, Hkv, q, K)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-         visible: torch.Tensor | None = None) -> torch.Tensor:
+         valid: torch.Tensor | None = None, *, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the last q positions over K keys: [B, H, q, d].
 
     Parameters
     ----------
     query : [B, H, q, d]
     key, value : [B, Hkv, K, d], K >= q, the q new tokens last.
+    valid : [B, Hkv, K] bool, optional
+        False on the padding columns of a ragged layer (heads holding fewer tokens than the longest,
+        padded at the front); those columns are never attended.
     visible : None for lower-right causal attention, else the [q, K] or [B, Hkv, q, K] bool mask of
-        :func:`window_visibility`.
+        :func:`window_visibility` (a sliding-window or chunked layer).
     """
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
-    if visible is not None and q == 1 and bool(visible.all()):
-        visible = None  # a decode step whose window holds every stored token
-    if visible is None and q == K:
+    mask = _mask(q, K, query.device, visible, valid)
+    if mask is not None and q == 1 and bool(mask.all()):
+        mask = None  # a decode step that sees every stored token
+    if mask is None and q == K:
         # No stored tokens: plain causal attention.
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=G > 1)
-    if visible is None and q == 1:
+    if mask is None and q == 1:
         # One query sees every key: fold the G heads of a group into the query axis, no mask
         # (measured faster on CPU than enable_gqa, and far faster than repeating K/V).
         out = F.scaled_dot_product_attention(query.view(B, Hkv, G, d), key, value, scale=scaling)  # (B, Hkv, G, d)
         return out.view(B, H, 1, -1)
-    # Several new tokens after stored ones, or a window: fold the G heads of a group into the query axis.
+    # Several new tokens after stored ones, a window or padding: fold the G heads of a group into the query axis.
     qg = query.reshape(B, Hkv, G * q, d)                                          # (B, Hkv, G*q, d)
-    mask = _group_mask(lower_right_causal(q, K, query.device) if visible is None else visible, G, q)
+    mask = _group_mask(lower_right_causal(q, K, query.device) if mask is None else mask, G, q)
     out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.view(B, H, q, -1)
 
 
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                    visible: torch.Tensor | None = None, *, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    valid: torch.Tensor | None = None, *, visible: torch.Tensor | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with logit softcapping and/or learned sinks, as transformers' eager kernels compute it.
 
     ``softcap``: logits become ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).
@@ -117,6 +133,7 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
+    visible = _mask(q, K, query.device, visible, valid)
     if visible is None:
         visible = lower_right_causal(q, K, query.device)
     qg = query.reshape(B, Hkv, G, q, d)
@@ -165,12 +182,13 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     visible = window_visibility(layer, query.shape[2])
+    valid = layer.attend_valid()
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if softcap is None and sinks is None:
-        out = sdpa(query, key, value, scaling, visible)
+        out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
-        out = eager_attention(query, key, value, scaling, visible, softcap=softcap, sinks=sinks)
+        out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
     layer.after_attention(query, scaling)
     return out.transpose(1, 2).contiguous(), None
 
