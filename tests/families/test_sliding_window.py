@@ -92,7 +92,9 @@ def test_a_plan_never_widens_the_window(gemma3):
     dict(prefill=OpSpec(rule="snapkv", capacity=5, params={"window": 2, "kernel_size": 3})),
     dict(decode=OpSpec(rule="tova", capacity=6), decode_slack=1),
     dict(prefill=OpSpec(rule="streamingllm", capacity=12), decode=OpSpec(rule="h2o", capacity=10), decode_slack=3),
-], ids=["prefill-snapkv", "decode-tova", "streamingllm-h2o"])
+    dict(prefill=OpSpec(rule="adakv", capacity=5)),
+    dict(prefill=OpSpec(rule="adakv", capacity=12), decode=OpSpec(rule="h2o", capacity=6), decode_slack=1),
+], ids=["prefill-snapkv", "decode-tova", "streamingllm-h2o", "ragged-adakv", "ragged-adakv-then-h2o"])
 def test_compressed_plan_equals_masked_reference(gemma3, plan_kw):
     model, geo = gemma3
     run = record_run(model, polykv.uniform_plan(geo, **plan_kw), token_ids(2, 26, seed=7),
