@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-REFERENCE_ATTENTION = "polykv_masked_reference"
+REFERENCE_ATTENTION = "polykv_reference_masked_cache"
 _MASKS: dict[int, torch.Tensor] = {}
 
 
