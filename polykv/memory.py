@@ -15,12 +15,18 @@ Which op bounds storage (``phase=``):
 * ``"prefill"``: right after prefill, the layer holds ``min(prefill capacity, T)`` tokens. Resident
   bytes are exact for this phase: the runtime selects on the full-precision prompt and appends only
   the survivors, so the quantizer stores see no eviction.
-* ``"decode"``: once generation runs, a decode op that evicts bounds storage at
-  ``min(decode capacity, T)`` (right after each eviction; up to ``decode_slack`` more tokens
-  accumulate between evictions); with a ``full`` decode op nothing is evicted during generation
-  and the prefill bound stands. Resident bytes here are those of stores holding that many tokens
-  appended without eviction: an estimate, since per-head gathers can change a quantized store's
-  layout (see docs/quantizers.md).
+* ``"decode"``: an upper bound on what the stores hold after any decode forward. A decode op
+  that evicts fires when storage exceeds ``capacity + decode_slack`` and cuts back to ``capacity``,
+  so a layer holds at most ``min(capacity + slack, prefill kept + new_tokens)`` tokens; eviction
+  gathers survivors out of quantized groups, so the bytes are the quantizer's ``bound_bytes`` (the
+  worst store layout of that many tokens after any appends and gathers: KIVI keys keep one scale
+  and minimum row per surviving group and int32 group ids, KIVI keys and values keep up to a full
+  residual block in the compute dtype). With a ``full`` decode op nothing is evicted: the layer
+  holds ``prefill kept + k`` tokens after k generated tokens (``k <= new_tokens``), appended
+  without eviction, and the bytes are the largest ``predict_bytes`` over that range (exact states).
+  ``new_tokens=None`` bounds an unlimited generation for absolute decode capacities; a ratio
+  capacity grows with the tokens seen and a ``full`` decode op with every token, so for those the
+  bound holds for ``new_tokens`` generated tokens (None counts as 0: the start of decoding).
 
 Metadata right after prefill (the runtime keeps only what the decode rule needs):
 positions int64 ``[B, Hkv, kept]``; accumulated attention float32 ``[B, Hkv, kept]`` when the decode
@@ -122,9 +128,45 @@ class MemoryRow:
         return sum(v for v in self.metadata.values() if v is not None)
 
 
+def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: int,
+                       new_tokens: int | None = None) -> tuple[int, int]:
+    """(fewest, most) tokens a layer's stores hold after a decode forward (see the module docstring)."""
+    _check(context_tokens, "decode")
+    n = int(new_tokens or 0)
+    after_prefill = _kept(layer.prefill, context_tokens)
+    if layer.decode.keeps_everything:
+        return after_prefill, after_prefill + n
+    cap = layer.decode.resolve_capacity(context_tokens + n)
+    most = cap + int(decode_slack)
+    if new_tokens is not None:
+        most = min(most, after_prefill + n)
+    return min(cap, after_prefill), max(most, min(cap, after_prefill))
+
+
+def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[int, int], evicts: bool,
+                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Most bytes one stream's store holds while it holds ``held`` = (fewest, most) tokens.
+
+    With eviction the quantizer's ``bound_bytes`` (worst layout after appends and gathers) is used;
+    a quantizer without one is assumed to hold ``predict_bytes`` of its token count (a layout that
+    depends on the count only), maximised over the range. Without eviction every state is a fresh
+    store after k appends: the largest ``predict_bytes(k)`` over the range.
+    """
+    shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    lo, hi = held
+    if quantizer is None:  # 16 bits: passthrough, linear in the token count
+        return batch * kv_heads * hi * head_dim * dtype_bytes
+    bound = getattr(quantizer, "bound_bytes", None)
+    if evicts and bound is not None:
+        return int(bound(stream, bits, tokens=hi, **shape))
+    return max(int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1))
+
+
 def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
-                     registry: Any = None, phase: str = "prefill", num_heads: int | None = None) -> list[MemoryRow]:
-    """Per-layer bytes the runtime holds for a ``context_tokens`` prompt (exact for ``phase="prefill"``).
+                     registry: Any = None, phase: str = "prefill", num_heads: int | None = None,
+                     decode_slack: int | None = None, new_tokens: int | None = None) -> list[MemoryRow]:
+    """Per-layer bytes the runtime holds for a ``context_tokens`` prompt: exact right after prefill
+    (``phase="prefill"``), an upper bound over decoding (``phase="decode"``).
 
     Parameters
     ----------
@@ -145,6 +187,11 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         ``"prefill"`` or ``"decode"`` (see the module docstring).
     num_heads : int, optional
         Query heads H, when the geometry does not carry ``num_heads``.
+    decode_slack : int, optional
+        Decode phase: tokens past capacity before eviction fires (default: the plan's
+        ``trigger.decode_slack``, else 128).
+    new_tokens : int, optional
+        Decode phase: tokens generated after the context (see the module docstring).
     """
     from polykv.registry import get_registry
 
@@ -155,17 +202,24 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
     nominal = nominal_bytes(plan, geo, context_tokens, phase=phase)
     rows = []
+    if decode_slack is None:
+        decode_slack = int(getattr(getattr(plan, "trigger", None), "decode_slack", 128))
     for lp, nom in zip(plan.layers, nominal):
-        kept = kept_tokens(lp, context_tokens, phase)
-        shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
+        if phase == "decode":
+            held = decode_held_tokens(lp, context_tokens, decode_slack=decode_slack, new_tokens=new_tokens)
+        else:
+            kept = kept_tokens(lp, context_tokens, phase)
+            held = (kept, kept)
+        kept = held[1]
+        evicts = phase == "decode" and not lp.decode.keeps_everything
         stream_bytes = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
-            if bits == PASSTHROUGH_BITS:
-                stream_bytes.append(batch * Hkv * kept * d * dtype_bytes)
-                continue
             try:
-                quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
-                stream_bytes.append(int(quantizer.predict_bytes(stream, bits, **shape)))
+                quantizer = None if bits == PASSTHROUGH_BITS else \
+                    registry.quantizer(lp.quantizer)(**lp.quantizer_params)
+                stream_bytes.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts,
+                                                       batch=batch, kv_heads=Hkv, head_dim=d,
+                                                       dtype_bytes=dtype_bytes))
             except (ValueError, KeyError) as exc:
                 raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
                                 hint="fix the layer's quantizer, bits or parameters") from None
@@ -274,11 +328,13 @@ def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
 
 def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *, batch: int = 1,
                   dtype_bytes: int = 2, registry: Any = None, phase: str = "prefill",
-                  num_heads: int | None = None) -> MemoryReport:
+                  num_heads: int | None = None, decode_slack: int | None = None,
+                  new_tokens: int | None = None) -> MemoryReport:
     """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`).
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
     """
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
-                            registry=registry, phase=phase, num_heads=num_heads)
+                            registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
+                            new_tokens=new_tokens)
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase)

@@ -143,12 +143,23 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
         Show a progress bar (tqdm, on stderr).
     on_result : callable, optional
         Called with every result record right after it is written.
+
+    The results file is locked for the whole run (a second writer is refused).
     """
+    writer = ResultsWriter.open(prepared.results_path, prepared.spec.hash, prepared.spec.as_dict())
+    try:
+        return _run_locked(prepared, writer, model=model, tokenizer=tokenizer, progress=progress,
+                           on_result=on_result, registry=registry)
+    finally:
+        writer.close()
+
+
+def _run_locked(prepared: Prepared, writer: ResultsWriter, *, model, tokenizer, progress: bool, on_result,
+                registry) -> dict[str, int]:
     from polykv.registry import get_registry
     from polykv.runtime.fork import capture_prefill
 
     spec, policies = prepared.spec, prepared.policies
-    writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
     if model is None:
         model, tokenizer = load_model(spec)
     from polykv.geometry import geometry_of_model
