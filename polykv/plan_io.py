@@ -326,7 +326,11 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
             try:
                 cls(**op.params)
             except (TypeError, ValueError) as exc:
-                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".params") from None
+                param = getattr(exc, "param", None)
+                raise PlanError(str(exc), source=source, layer=lp.layer,
+                                field=field + ".params" + (f".{param}" if param else ""),
+                                hint="fix the value (see `polykv plugins` and docs/rules.md)" if param else None
+                                ) from None
         if lp.quantized:
             field = f"layers[{lp.layer}]"
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def register(subparsers) -> None:
@@ -44,6 +45,8 @@ def run(args) -> int:
     results = args.results or os.path.join("results", spec.name, "results.jsonl")
     check_outputs(spec, results, args.report)
     prepared = prepare(spec, results)
+    for note in prepared.warnings:
+        print(f"polykv study: warning: {note}", file=sys.stderr)
     print(f"{args.spec}: {len(prepared.policies)} policies x {sum(t.samples for t in spec.tasks)} items "
           f"({spec.hash}) -> {results}")
     if args.check:

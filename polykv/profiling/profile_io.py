@@ -162,7 +162,7 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     _obj(source, raw["metrics"], "metrics", [], raw["metrics"] if isinstance(raw["metrics"], dict) else [])
     metrics = {k: _num_table(source, f"metrics.{k}", v) for k, v in raw["metrics"].items()}
     stats = {}
-    sraw = raw.get("stats") or {}
+    sraw = {} if raw.get("stats") is None else raw["stats"]
     _obj(source, sraw, "stats", [], sraw if isinstance(sraw, dict) else [])
     for k, s in sraw.items():
         f = f"stats.{k}"

@@ -46,12 +46,19 @@ class Prepared:
     spec: StudySpec
     policies: list[Policy]
     results_path: str
+    warnings: list[str] = attrs.field(factory=list)
+    """Things to tell the user that do not stop the study (contexts past the model's positions)."""
 
 
 def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
-    """Check the results file against the spec and solve every policy; loads no model."""
+    """Check the results file against the spec, solve every policy and check that every plan fits the
+    spec's model (from its config); loads no model weights."""
+    from polykv.studies.designs import check_policies_fit
+
     ResultsWriter.check(results_path, spec.hash)
-    return Prepared(spec=spec, policies=build_policies(spec, registry=registry), results_path=results_path)
+    policies = build_policies(spec, registry=registry)
+    notes = check_policies_fit(spec, policies, registry=registry)
+    return Prepared(spec=spec, policies=policies, results_path=results_path, warnings=notes)
 
 
 class CharTokenizer:
