@@ -134,8 +134,8 @@ def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: i
     _check(context_tokens, "decode")
     n = int(new_tokens or 0)
     after_prefill = _kept(layer.prefill, context_tokens)
-    if layer.decode.keeps_everything:
-        return after_prefill, after_prefill + n
+    if layer.decode.keeps_everything:  # after k >= 1 decode forwards of one token each
+        return after_prefill + min(n, 1), after_prefill + n
     cap = layer.decode.resolve_capacity(context_tokens + n)
     most = cap + int(decode_slack)
     if new_tokens is not None:
@@ -144,22 +144,24 @@ def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: i
 
 
 def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[int, int], evicts: bool,
-                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Most bytes one stream's store holds while it holds ``held`` = (fewest, most) tokens.
+                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> list[int]:
+    """Bytes one stream's store holds at each token count of ``held`` = (fewest, most), or one bound.
 
-    With eviction the quantizer's ``bound_bytes`` (worst layout after appends and gathers) is used;
-    a quantizer without one is assumed to hold ``predict_bytes`` of its token count (a layout that
-    depends on the count only), maximised over the range. Without eviction every state is a fresh
-    store after k appends: the largest ``predict_bytes(k)`` over the range.
+    With eviction: ``[bound]``, the quantizer's ``bound_bytes`` at the most tokens (the worst layout after
+    appends and gathers); a quantizer without one is assumed to hold ``predict_bytes`` of its token
+    count (a layout that depends on the count only), maximised over the range. Without eviction every
+    state is a fresh store after k appends: ``predict_bytes(k)`` for every k in the range.
     """
     shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
     lo, hi = held
     if quantizer is None:  # 16 bits: passthrough, linear in the token count
-        return batch * kv_heads * hi * head_dim * dtype_bytes
+        counts = [hi] if evicts else range(lo, hi + 1)
+        return [batch * kv_heads * k * head_dim * dtype_bytes for k in counts]
     bound = getattr(quantizer, "bound_bytes", None)
     if evicts and bound is not None:
-        return int(bound(stream, bits, tokens=hi, **shape))
-    return max(int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1))
+        return [int(bound(stream, bits, tokens=hi, **shape))]
+    per_count = [int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1)]
+    return [max(per_count)] if evicts else per_count
 
 
 def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
@@ -212,17 +214,20 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             held = (kept, kept)
         kept = held[1]
         evicts = phase == "decode" and not lp.decode.keeps_everything
-        stream_bytes = []
+        per_stream = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
             try:
                 quantizer = None if bits == PASSTHROUGH_BITS else \
                     registry.quantizer(lp.quantizer)(**lp.quantizer_params)
-                stream_bytes.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts,
-                                                       batch=batch, kv_heads=Hkv, head_dim=d,
-                                                       dtype_bytes=dtype_bytes))
+                per_stream.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts,
+                                                     batch=batch, kv_heads=Hkv, head_dim=d,
+                                                     dtype_bytes=dtype_bytes))
             except (ValueError, KeyError) as exc:
                 raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
                                 hint="fix the layer's quantizer, bits or parameters") from None
+        # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
+        at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
+        stream_bytes = [per_stream[0][at], per_stream[1][at]]
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
             v_bits=lp.v_bits, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
