@@ -167,8 +167,8 @@ class Session:
             raise RuntimeConfigError("this session is already active; nest a new polykv.apply(...) instead")
         other = self.model.__dict__.get(_ACTIVE_MARK)
         if other is not None and other is not self:
-            raise RuntimeConfigError("this model is already inside another polykv.apply(...) block; sessions on "
-                                     "one model do not nest: finish the outer with-block first")
+            raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first "
+                                     "(sessions on one model do not nest)")
         attention.register()
         configs = {id(c): c for c in [self.model.config] + [getattr(m, "config", None) for m in self._modules]
                    if c is not None}

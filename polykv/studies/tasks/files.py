@@ -16,6 +16,7 @@ A malformed line is a :class:`~polykv.errors.StudyError` naming the file, the li
 from __future__ import annotations
 
 import json
+import os
 import random
 from typing import Any, Iterator, Mapping
 
@@ -49,6 +50,8 @@ def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, 
     from polykv.atomic import check_readable_file
     from polykv.errors import OutputError
 
+    if not os.path.lexists(path):
+        raise StudyError(f"{path}: no such {fmt} JSONL file")
     try:
         check_readable_file(path, f"{fmt} JSONL file")
         with open(path, "rb") as fh:

@@ -52,7 +52,7 @@ class NeedleTask(Task):
         "max_new_tokens": 128,
     }
     param_specs = {
-        "length": ParamSpec(int, low=16, high=1 << 22, description="prompt tokens"),
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
         "num_keys": ParamSpec(int, low=1, high=1024, description="needles with distinct keys"),
         "num_values": ParamSpec(int, low=1, high=1024, description="values per queried key"),
         "num_queries": ParamSpec(int, low=1, high=1024, description="keys asked for, at most num_keys"),

@@ -40,7 +40,7 @@ class PasskeyTask(Task):
         "max_new_tokens": 8,  # tokens generated for the answer
     }
     param_specs = {
-        "length": ParamSpec(int, low=16, high=1 << 22, description="prompt tokens"),
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
         "depth": ParamSpec(float, low=0.0, high=1.0, nullable=True, description="needle depth, null = random"),
         "digits": ParamSpec(int, low=1, high=64, description="digits of the key"),
         "filler": ParamSpec(str, choices=KINDS, description="corpus kind of the filler"),

@@ -39,7 +39,7 @@ class VariableTrackingTask(Task):
         "max_new_tokens": 30,
     }
     param_specs = {
-        "length": ParamSpec(int, low=16, high=1 << 22, description="prompt tokens"),
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
         "num_chains": ParamSpec(int, low=1, high=1024, description="chains in the haystack"),
         "num_hops": ParamSpec(int, low=0, high=1024, description="assignments after the initial one"),
         "digits": ParamSpec(int, low=1, high=64, description="digits of each chain's value"),
