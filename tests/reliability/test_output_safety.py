@@ -137,3 +137,16 @@ def test_the_lock_is_released_when_the_holder_dies(tmp_path):
         os._exit(9)
         """)], timeout=300)
     ResultsLock.acquire(path).release()
+
+
+def test_a_context_past_the_models_positions_is_warned_about_in_one_line(tmp_path, capsys):
+    from cases import plan_dict, spec_dict, write
+
+    write(tmp_path, "plan.json", plan_dict())
+    spec = spec_dict()
+    spec["context_tokens"] = 5000  # the tiny model has 4096 positions
+    path = write(tmp_path, "spec.json", spec)
+    assert main(["study", path, "--check", "--results", str(tmp_path / "r.jsonl")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("polykv study: warning: ")
+    assert "field 'context_tokens'" in err[0] and "4096 positions" in err[0]
