@@ -16,7 +16,7 @@ from polykv.plan import OpSpec, uniform_plan
 from polykv.registry import get_registry
 from polykv.testing import decode_soak, tiny_model
 
-CAPACITY, CONTEXT, STEPS = 24, 40, 400
+CAPACITY, CONTEXT, STEPS = 24, 40, 300
 QPARAMS = {"group_size": 8, "residual": 16}
 DECODE_RULES = sorted(r for r in get_registry().names("operator") if "decode" in get_registry().operator(r).phases)
 
