@@ -143,3 +143,15 @@ def test_solvers_keep_windowed_layers_and_spend_the_budget_on_full_layers(gemma3
     plan = polykv.solvers.solve(profile, Budget.of_bytes(2 * (WINDOW - 1) * slot16 + T * slot16 // 8, T),
                                 solver="exact")
     assert sum(nominal_bytes(plan, geo, T, phase="decode")) <= 2 * (WINDOW - 1) * slot16 + T * slot16 // 8
+
+
+def test_decode_memory_bound_holds_for_windowed_layers(gemma3):
+    """The decode-phase bound of polykv.memory holds at every step, and a sliding layer's is its window."""
+    from polykv.testing import decode_soak
+
+    model, geo = gemma3
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule="h2o", capacity=12), decode_slack=2)
+    worst, bound, over = decode_soak(model, plan, context_tokens=30, steps=20, through_model=True)
+    assert over == [0, 0, 0]
+    slot = geo.num_kv_heads * geo.head_dim * 4 * 2                   # K + V, float32, one token
+    assert bound[:2] == [(WINDOW - 1) * slot] * 2 and worst[:2] == bound[:2]
