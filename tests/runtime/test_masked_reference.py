@@ -200,13 +200,15 @@ def _v2_registry():
     return registry_with_plugins()
 
 
-@pytest.mark.parametrize("phase,slack", [("prefill", 1), ("decode", 1), ("decode", 3)])
-def test_ragged_heads_equal_masked_full_cache(llama, prompt, stats, phase, slack):
-    """A head-wise rule keeps a different number of tokens per KV head; storage holds exactly those."""
+@pytest.mark.parametrize("phase,slack,then", [("prefill", 1, "h2o"), ("prefill", 2, "triattention"),
+                                              ("prefill", 1, "tova"), ("decode", 1, None), ("decode", 3, None)])
+def test_ragged_heads_equal_masked_full_cache(llama, prompt, stats, phase, slack, then):
+    """A head-wise rule keeps a different number of tokens per KV head; storage holds exactly those, and a
+    uniform decode rule (``then``) then evicts from the ragged layer."""
     model, geo = llama
     registry = _v2_registry()
     op = OpSpec(rule="test-headwise", capacity=12 if phase == "prefill" else 20)
-    decode = OpSpec(rule="h2o", capacity=16) if phase == "prefill" else op
+    decode = OpSpec(rule=then, capacity=16) if phase == "prefill" else op
     plan = polykv.uniform_plan(geo, prefill=op if phase == "prefill" else None, decode=decode, decode_slack=slack)
     ids, question = prompt(2, PROMPT, seed=11), prompt(2, QUESTION, seed=12)
     tokens, logits, records = _run_and_record(model, plan, ids, question, stats, registry=registry)
