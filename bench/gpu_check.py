@@ -92,7 +92,7 @@ def check_masked_reference(device, small=False) -> None:
         plan = polykv.uniform_plan(geo, **{phase: op}, decode_slack=slack)
         ids, question = _ids(2, mod.PROMPT, 1, device), _ids(2, mod.QUESTION, 2, device)
         tokens, logits, records = mod._run_and_record(model, plan, ids, question, stats)
-        records = [(None if s is None else [p.cpu() for p in s], a, b) for s, a, b in records]
+        records = [(None if s is None else [p.cpu() for p in s], a, b) for s, a, b, *_ in records]
         ref = _reference_on(mod, model, tokens, records, geo)
         diff = (logits - ref).abs().max().item()
         assert diff < TOL, f"{phase} {rule} slack {slack}: logits differ from the masked reference by {diff}"
