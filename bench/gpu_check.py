@@ -108,8 +108,8 @@ def _reference_on(mod, model, tokens, records, geo):
             causal = (rows[a:b, None] >= rows[None, :]) & (rows[None, :] >= a)
             allowed[:, :, a:b] = causal if stored is None else causal | (rows[None, :] < a)
             if stored is not None:
-                seen = torch.zeros(B, geo.num_kv_heads, N, dtype=torch.bool)
-                seen.scatter_(-1, stored[layer], True)
+                seen = torch.zeros(B, geo.num_kv_heads, N + 1, dtype=torch.bool)  # slot N: ragged padding
+                seen.scatter_(-1, stored[layer].masked_fill(stored[layer] < 0, N), True)
                 allowed[:, :, a:b, :a] = seen[:, :, None, :a]
         mod._MASKS[layer] = allowed.to(device)
     saved = model.config._attn_implementation_internal
