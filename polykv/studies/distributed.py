@@ -1,9 +1,10 @@
 """Run a study on a Ray cluster: (policy x item) work fanned out over workers, results in the same file.
 
 Each worker is a Ray actor that loads the model once (:class:`~polykv.studies.runner.LoadedStudy`, the
-object the serial runner uses) and is sent one *unit* at a time: an item and the policies still to
-run on it. It captures the item's prefill once, runs every policy of the unit on it and returns the
-unit's result records (:meth:`LoadedStudy.run_item`, the serial runner's per-item code). The driver
+object the serial runner uses). The first worker makes the spec's items (once per study, as a serial
+run does); then each worker is sent one *unit* at a time: an item and the policies still to run on
+it. It captures the item's prefill once, runs every policy of the unit on it and returns the unit's
+result records (:meth:`LoadedStudy.run_item`, the serial runner's per-item code). The driver
 is the only writer: it appends each record through :class:`~polykv.studies.results.ResultsWriter`, so
 the file has the same header, policy and result lines (same keys) as a serial run and ``polykv
 study`` resumes it, ``polykv report`` reads it, either way round.
@@ -54,36 +55,28 @@ class StudyWorker:
         if device:
             model = model.to(device)
         self.study = LoadedStudy.load(prepared, model=model, tokenizer=tokenizer)
-        self._items = {}
-        self._tasks = []
-        for index, (task, items) in enumerate(self.study.items()):
-            self._tasks.append(task)
-            for item in items:
-                self._items[(index, item.id)] = item
+        self._by_name = {p.name: p for p in self.study.policies}
 
     def pid(self) -> int:
         return os.getpid()
 
-    def plan_of_work(self) -> tuple[list[dict], list[tuple[int, str, list[str]]]]:
-        """(the policy records, ``[(task index, task name, [item ids])]``), made on this worker's model."""
-        items = collections.defaultdict(list)
-        for index, item_id in self._items:
-            items[index].append(item_id)
-        tasks = [(i, task.name, items[i]) for i, task in enumerate(self._tasks)]
-        return self.study.policy_records(), tasks
+    def plan_of_work(self) -> tuple[list[dict], list[tuple[str, list]]]:
+        """(the policy records, ``[(task name, [items])]``), made once, on this worker's model and tokenizer."""
+        return self.study.policy_records(), [(task.name, items) for task, items in self.study.items()]
 
-    def run_unit(self, task_index: int, item_id: str, policy_names: list[str]) -> list[dict[str, Any]]:
-        """Result records of ``policy_names`` on one item (one prefill for all of them)."""
-        by_name = {p.name: p for p in self.study.policies}
-        todo = [by_name[n] for n in policy_names]
-        return list(self.study.run_item(self._tasks[task_index], self._items[(task_index, item_id)], todo))
+    def run_unit(self, task_index: int, item, policy_names: tuple[str, ...]) -> list[dict[str, Any]]:
+        """Result records of ``policy_names`` on ``item`` of the spec's task ``task_index`` (one prefill)."""
+        from polykv.registry import get_registry
+
+        task = (self.study.registry or get_registry()).task(self.study.spec.tasks[task_index].task)()
+        return list(self.study.run_item(task, item, [self._by_name[n] for n in policy_names]))
 
 
 class _Slot:
     """A worker and the unit it is running."""
 
     def __init__(self, actor):
-        self.actor, self.unit, self.ref = actor, None, None
+        self.actor, self.unit, self.ref, self.pid = actor, None, None, None
 
 
 def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: int | None = None,
@@ -154,25 +147,22 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
             if record["policy"] not in writer.policies:
                 writer.append(record)
         units, skipped = _units(tasks, prepared, writer.done, policies_per_unit)
-        task_names = {i: name for i, name, _ in tasks}
         counts = {"run": 0, "skipped": skipped, "retried": 0, "workers": workers}
         bar = _bar(sum(len(u[2]) for u in units), progress, f"{spec.name} (ray, {workers} workers)")
         queue = collections.deque(units)
         attempts: collections.Counter = collections.Counter()
-        pids: dict[int, int] = {}
 
         def dispatch(slot: _Slot) -> None:
             if not queue:
                 slot.unit = slot.ref = None
                 return
+            if on_dispatch is not None and slot.pid is None:  # asked before the unit is queued behind it
+                slot.pid = ray.get(slot.actor.pid.remote())
             slot.unit = queue.popleft()
-            attempts[slot.unit] += 1
+            attempts[_key(slot.unit)] += 1
             slot.ref = slot.actor.run_unit.remote(*slot.unit)
             if on_dispatch is not None:
-                key = id(slot.actor)
-                if key not in pids:
-                    pids[key] = ray.get(slot.actor.pid.remote())
-                on_dispatch(pids[key], slot.unit)
+                on_dispatch(slot.pid, _key(slot.unit))
 
         try:
             for slot in slots:
@@ -186,14 +176,14 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                         ray.exceptions.ObjectLostError) as exc:
                     unit = slot.unit
-                    if attempts[unit] >= max_attempts:
-                        raise StudyError(f"{spec.source}: task '{task_names[unit[0]]}' item {unit[1]}: the worker died "
-                                         f"{attempts[unit]} times running it ({type(exc).__name__}); see the Ray "
+                    if attempts[_key(unit)] >= max_attempts:
+                        raise StudyError(f"{spec.source}: task '{tasks[unit[0]][0]}' item {unit[1].id}: the worker died "
+                                         f"{attempts[_key(unit)]} times running it ({type(exc).__name__}); see the Ray "
                                          "logs of the worker (out of memory?)") from None
                     queue.appendleft(unit)
                     counts["retried"] += 1
                     ray.kill(slot.actor, no_restart=True)
-                    slot.actor = new_actor()
+                    slot.actor, slot.pid = new_actor(), None
                     dispatch(slot)
                     continue
                 for record in records:
@@ -215,16 +205,21 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
             ray.shutdown()
 
 
+def _key(unit: tuple) -> tuple[int, str, tuple[str, ...]]:
+    """(task index, item id, policy names) of a unit."""
+    return unit[0], unit[1].id, unit[2]
+
+
 def _units(tasks, prepared: Prepared, done, policies_per_unit: int | None) -> tuple[list[tuple], int]:
-    """Pending units ``(task index, item id, (policy names))`` in the serial runner's order, and the
-    number of (policy, task, item) already done."""
-    items = [(SimpleNamespace(index=i, name=name), [SimpleNamespace(id=x) for x in ids]) for i, name, ids in tasks]
-    work, skipped = pending_work(items, prepared.policies, done)
+    """Pending units ``(task index, item, (policy names))`` in the serial runner's order, and the number
+    of (policy, task, item) already done."""
+    indexed = [(SimpleNamespace(index=i, name=name), items) for i, (name, items) in enumerate(tasks)]
+    work, skipped = pending_work(indexed, prepared.policies, done)
     size = policies_per_unit or max(len(prepared.policies), 1)
     if size < 1:
         raise StudyError(f"policies_per_unit must be a positive number, got {policies_per_unit}")
     units = []
     for task, item, todo in work:
         names = tuple(p.name for p in todo)
-        units += [(task.index, item.id, names[i:i + size]) for i in range(0, len(names), size)]
+        units += [(task.index, item, names[i:i + size]) for i in range(0, len(names), size)]
     return units, skipped

@@ -51,13 +51,13 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_spec():
     """``tiny_spec(folder, passkey_samples=3, continuation_samples=2)`` -> path of a tiny study spec."""
     return write_tiny_spec
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def same_records():
     """``same_records(a, b)``: the two record lists are equal apart from wall times (order aside)."""
     return lambda a, b: comparable(a) == comparable(b)
