@@ -83,7 +83,7 @@ def load_model(spec: StudySpec):
     return model, CharTokenizer(model.config.vocab_size)
 
 
-def _model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
+def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
     """Query statistics for TriAttention when a plan uses it.
 
     Read from the profile's side file (``x.qstats.safetensors``, written by ``polykv calibrate``) when
@@ -209,7 +209,7 @@ class LoadedStudy:
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
-        model_data = _model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
+        model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
         return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,
                    model_data=model_data, registry=registry)
 

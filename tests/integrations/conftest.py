@@ -61,3 +61,87 @@ def tiny_spec():
 def same_records():
     """``same_records(a, b)``: the two record lists are equal apart from wall times (order aside)."""
     return lambda a, b: comparable(a) == comparable(b)
+
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_folder(tmp_path_factory):
+    """A local Hugging Face model folder: a 2-layer random Llama and a character-level fast tokenizer
+    (BOS/EOS/pad specials), loadable with ``from_pretrained`` and by lm-eval's ``hf`` model, offline."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from polykv.testing import tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({c: i + 4 for i, c in enumerate(CHARS)})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>", unk_token="<unk>")
+    tok.save_pretrained(str(folder))
+    model = tiny_model(layers=2, heads=4, kv_heads=2, head_dim=32, vocab=len(vocab), seed=1)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 0
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def lm_eval_tasks(tmp_path_factory):
+    """A folder of two local lm-eval tasks over JSONL files written here: ``polykv_tiny_gen``
+    (generate_until, exact match) and ``polykv_tiny_choice`` (multiple choice: loglikelihood, acc)."""
+    import random
+
+    folder = tmp_path_factory.mktemp("lm-eval-tasks")
+    rng = random.Random(0)
+    words = ["amber", "falcon", "garden", "harbor", "kettle", "meadow", "rocket", "violin", "walnut", "zipper"]
+
+    def text(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    gen = [{"prompt": f"Notes: {text(24)}\nThe word to repeat is {w}. Repeat it:", "answer": f" {w}"}
+           for w in words[:4]]
+    choice = [{"prompt": f"Story: {text(24)}\nThe story mentions", "choices": [f" {a}", f" {b}", f" {c}"],
+               "label": i % 3} for i, (a, b, c) in enumerate(zip(words, words[3:], words[6:]))][:4]
+    for name, rows in (("gen", gen), ("choice", choice)):
+        with open(folder / f"{name}.jsonl", "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+    (folder / "polykv_tiny_gen.yaml").write_text(f"""task: polykv_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'gen.jsonl'}
+test_split: test
+output_type: generate_until
+doc_to_text: prompt
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+""")
+    (folder / "polykv_tiny_choice.yaml").write_text(f"""task: polykv_tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'choice.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: prompt
+doc_to_choice: choices
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+    return str(folder)
