@@ -18,7 +18,8 @@ import sys
 def register(subparsers) -> None:
     # prefix_chars="+": every "-" argument is lm-eval's, so this parser keeps none of them for itself
     p = subparsers.add_parser(
-        "lm-eval", add_help=False, prefix_chars="+", help="run lm-evaluation-harness with the polykv model (--model polykv)",
+        "lm-eval", add_help=False, prefix_chars="+",
+        help="run lm-evaluation-harness with the polykv model (--model polykv)",
         description="lm-eval's command line (all arguments passed through; --help shows lm-eval's) with the "
                     "'polykv' model registered: --model polykv --model_args pretrained=default,plan=PLAN.json")
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval")

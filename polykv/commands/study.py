@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     ray.add_argument("--cpus-per-worker", type=float, default=1, metavar="C", help="CPUs each worker reserves (1)")
     ray.add_argument("--gpus-per-worker", type=float, default=0, metavar="G",
                      help="GPUs each worker reserves; 1 = one worker per GPU, model on cuda (default 0: CPU)")
+    ray.add_argument("--policies-per-unit", type=int, default=None, metavar="N",
+                     help="send an item's policies to workers in groups of at most N (each group prefills the item "
+                          "again); default: all of an item's policies in one unit, one prefill per item")
     p.set_defaults(func=run)
 
 
@@ -56,7 +59,8 @@ def run(args) -> int:
 
         counts = run_study_ray(prepared, address=None if args.ray == "local" else args.ray, workers=args.workers,
                                cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
-                               threads=args.threads, progress=not args.no_progress)
+                               threads=args.threads, progress=not args.no_progress,
+                               policies_per_unit=args.policies_per_unit)
     print(f"ran {counts['run']}, skipped {counts['skipped']} already recorded"
           + (f" ({counts['workers']} Ray workers, {counts['retried']} unit(s) rerun after a worker died)"
              if args.ray is not None else ""))

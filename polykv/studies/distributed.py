@@ -117,8 +117,9 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
         worker died, "workers": workers used}``.
     """
     ray = _ray()
+    from tqdm import tqdm
+
     from polykv.studies.results import ResultsWriter
-    from polykv.studies.runner import _bar
 
     spec = prepared.spec
     writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
@@ -142,13 +143,17 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
             raise StudyError(f"the Ray cluster has room for no worker ({ray.cluster_resources()}) with "
                              f"{cpus_per_worker} CPU and {gpus_per_worker} GPU each; lower the request")
         slots = [_Slot(new_actor()) for _ in range(workers)]
-        policy_records, tasks = ray.get(slots[0].actor.plan_of_work.remote())
+        try:
+            policy_records, tasks = ray.get(slots[0].actor.plan_of_work.remote())
+        except ray.exceptions.RayActorError as exc:
+            raise StudyError(f"{spec.source}: the first Ray worker could not load the study: {exc}") from None
         for record in policy_records:
             if record["policy"] not in writer.policies:
                 writer.append(record)
         units, skipped = _units(tasks, prepared, writer.done, policies_per_unit)
         counts = {"run": 0, "skipped": skipped, "retried": 0, "workers": workers}
-        bar = _bar(sum(len(u[2]) for u in units), progress, f"{spec.name} (ray, {workers} workers)")
+        bar = tqdm(total=sum(len(u[2]) for u in units), disable=not progress, unit="run", dynamic_ncols=True,
+                   desc=f"study {spec.name} (ray, {workers} workers)")
         queue = collections.deque(units)
         attempts: collections.Counter = collections.Counter()
 
@@ -177,9 +182,9 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
                         ray.exceptions.ObjectLostError) as exc:
                     unit = slot.unit
                     if attempts[_key(unit)] >= max_attempts:
-                        raise StudyError(f"{spec.source}: task '{tasks[unit[0]][0]}' item {unit[1].id}: the worker died "
-                                         f"{attempts[_key(unit)]} times running it ({type(exc).__name__}); see the Ray "
-                                         "logs of the worker (out of memory?)") from None
+                        raise StudyError(f"{spec.source}: task '{tasks[unit[0]][0]}' item {unit[1].id}: the worker "
+                                         f"died {attempts[_key(unit)]} times running it ({type(exc).__name__}); see "
+                                         "the Ray logs of the worker (out of memory?)") from None
                     queue.appendleft(unit)
                     counts["retried"] += 1
                     ray.kill(slot.actor, no_restart=True)
