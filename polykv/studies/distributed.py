@@ -31,6 +31,8 @@ from typing import Any, Callable
 from polykv.errors import StudyError
 from polykv.studies.runner import LoadedStudy, Prepared, load_model, pending_work
 
+WAIT_S = 0.5
+"""Longest time the driver blocks in Ray before Python can see a Ctrl-C."""
 INSTALL_HINT = "install it with: pip install 'polykv-compose[ray]'"
 
 
@@ -144,7 +146,7 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
                              f"{cpus_per_worker} CPU and {gpus_per_worker} GPU each; lower the request")
         slots = [_Slot(new_actor()) for _ in range(workers)]
         try:
-            policy_records, tasks = ray.get(slots[0].actor.plan_of_work.remote())
+            policy_records, tasks = _get(ray, slots[0].actor.plan_of_work.remote())
         except ray.exceptions.RayActorError as exc:
             raise StudyError(f"{spec.source}: the first Ray worker could not load the study: {exc}") from None
         for record in policy_records:
@@ -162,7 +164,7 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
                 slot.unit = slot.ref = None
                 return
             if on_dispatch is not None and slot.pid is None:  # asked before the unit is queued behind it
-                slot.pid = ray.get(slot.actor.pid.remote())
+                slot.pid = _get(ray, slot.actor.pid.remote())
             slot.unit = queue.popleft()
             attempts[_key(slot.unit)] += 1
             slot.ref = slot.actor.run_unit.remote(*slot.unit)
@@ -174,7 +176,9 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
                 dispatch(slot)
             while any(s.ref is not None for s in slots):
                 refs = [s.ref for s in slots if s.ref is not None]
-                ready, _ = ray.wait(refs, num_returns=1)
+                ready, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S)
+                if not ready:
+                    continue
                 slot = next(s for s in slots if s.ref is ready[0])
                 try:
                     records = ray.get(ready[0])
@@ -208,6 +212,13 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
             ray.kill(slot.actor, no_restart=True)
         if started_here:
             ray.shutdown()
+
+
+def _get(ray, ref):
+    """``ray.get(ref)``, waiting in short steps so that Ctrl-C stops the driver."""
+    while not ray.wait([ref], timeout=WAIT_S)[0]:
+        pass
+    return ray.get(ref)
 
 
 def _key(unit: tuple) -> tuple[int, str, tuple[str, ...]]:
