@@ -50,7 +50,7 @@ def test_full_plan_scores_exactly_as_lm_eval_hf(tiny_hf_folder, lm_eval_tasks, h
         assert ours["results"][task] == hf_results["results"][task]
     kv = ours["config"]["polykv"]["requests"]
     assert kv["generate_until"]["count"] == 4 and kv["loglikelihood"]["count"] == 12
-    for r in kv.values():  # the full 16-bit... float32 cache: measured bytes are the full cache's
+    for r in kv.values():  # the full cache (float32 here): measured bytes are exactly a full cache's
         assert r["mean_kv_bytes"] == r["mean_full_kv_bytes"] and r["full_over_measured"] == 1.0
 
 
@@ -60,9 +60,11 @@ def test_a_compressing_plan_holds_fewer_bytes_and_moves_the_scores(tiny_hf_folde
     from polykv.integrations.lm_harness import PolykvLM
     from polykv.plan import uniform_plan
 
-    lm = PolykvLM(pretrained=tiny_hf_folder, plan="full")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_folder)
     plan_path = str(tmp_path / "h2o.plan.json")
-    uniform_plan(geometry_of_model(lm.model), prefill="snapkv", decode="h2o", capacity=24, k_bits=8,
+    uniform_plan(geometry_of_model(model), prefill="snapkv", decode="h2o", capacity=24, k_bits=8,
                  v_bits=4, decode_slack=2).save(plan_path)
     small = PolykvLM(pretrained=tiny_hf_folder, plan=plan_path)
     ours = _evaluate(small, lm_eval_tasks)
@@ -85,3 +87,19 @@ def test_polykv_lm_eval_command(tiny_hf_folder, lm_eval_tasks, tmp_path, capsys)
     [written] = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.startswith("results")]
     with open(written) as fh:
         assert json.load(fh)["config"]["polykv"]["requests"]["generate_until"]["count"] == 4
+
+
+def test_rolling_loglikelihood_matches_hf_under_the_full_plan(tiny_hf_folder):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from polykv.integrations.lm_harness import PolykvLM
+
+    texts = ["amber falcon garden harbor kettle meadow rocket violin walnut zipper " * 3, "a short line."]
+    requests = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(t,), idx=i)
+                for i, t in enumerate(texts)]
+    hf = HFLM(pretrained=tiny_hf_folder, device="cpu", batch_size=1, max_length=64)
+    ours = PolykvLM(pretrained=tiny_hf_folder, plan="full", max_length=64)  # windows of 64 tokens
+    theirs, mine = hf.loglikelihood_rolling(requests), ours.loglikelihood_rolling(requests)
+    assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-4)
+    assert len(ours.requests) > len(texts)  # the long text was scored in several windows
