@@ -2,8 +2,13 @@
 
 Protocol per item (DESIGN.md, evaluation protocol): prefill the *context*, compress it with the
 policy's plan, THEN feed the *question* through the compressed cache in one forward, then generate
-greedily. Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the
-same for every policy; with ``reuse_prefill`` (the default) the context runs through the model once
+greedily. Token ids follow the spec's prompt rule (:mod:`polykv.studies.prompt`): the context starts
+with the tokenizer's own leading special tokens (its BOS, where it adds one; ``bos`` overrides), the
+question continues without a second BOS, and ``prompt_format`` "chat" wraps both in the chat
+template, split right after the context.
+
+Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the same for
+every policy; with ``reuse_prefill`` (the default) the context runs through the model once
 per item and every policy's cache is restored from that snapshot (:mod:`polykv.runtime.fork`, exact:
 the same tokens, logits and bytes as a prefill per policy).
 
@@ -30,6 +35,7 @@ import torch
 
 from polykv.plan import Plan
 from polykv.studies.designs import Policy, build_policies
+from polykv.studies.prompt import PromptEncoder
 from polykv.studies.results import ResultsWriter
 from polykv.errors import StudyError
 from polykv.studies.spec import FULL_POLICY, StudySpec
@@ -111,11 +117,23 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None) ->
     return {"triattention": compute_query_stats(model, batches)}
 
 
-def _encode(tokenizer, text: str, device) -> torch.Tensor:
-    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long, device=device)
+def _ids(ids: list[int], device) -> torch.Tensor:
+    return torch.tensor([ids], dtype=torch.long, device=device)
 
 
-def _greedy(session, question: torch.Tensor, max_new_tokens: int, eos: int | None) -> list[int]:
+def stop_ids(model, tokenizer) -> frozenset[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the model's generation-config EOS ids
+    (chat models end a turn with their own token, e.g. Gemma's ``<end_of_turn>``)."""
+    ids = set()
+    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), cfg):
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, int) and not isinstance(v, bool):
+                ids.add(int(v))
+    return frozenset(ids)
+
+
+def _greedy(session, question: torch.Tensor, max_new_tokens: int, stop: frozenset[int]) -> list[int]:
     """Feed ``question`` [1, q] through the compressed cache, then generate greedily."""
     from polykv.runtime.fork import forward
 
@@ -123,7 +141,7 @@ def _greedy(session, question: torch.Tensor, max_new_tokens: int, eos: int | Non
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)                       # (1, 1)
         tokens.append(int(nxt))
-        if (eos is not None and tokens[-1] == eos) or len(tokens) == max_new_tokens:
+        if tokens[-1] in stop or len(tokens) == max_new_tokens:
             break
         out = forward(session, nxt)
     return tokens
@@ -192,6 +210,10 @@ class LoadedStudy:
     tokenizer: Any
     geometry: Any
     model_data: dict[str, Any]
+    encoder: PromptEncoder
+    """The spec's prompt rule: how item texts become token ids."""
+    stop: frozenset[int]
+    """Token ids that end a generation."""
     registry: Any = None
 
     @classmethod
@@ -210,21 +232,22 @@ class LoadedStudy:
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
         model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
+        encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
         return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,
-                   model_data=model_data, registry=registry)
+                   model_data=model_data, encoder=encoder, stop=stop_ids(model, tokenizer), registry=registry)
 
     def policy_records(self) -> list[dict[str, Any]]:
         """The ``policy`` line of every policy, in spec order."""
         return [pol.record(self.geometry, self.spec.context_tokens) for pol in self.policies]
 
     def items(self) -> list[tuple[Any, list]]:
-        """``[(task, [items])]`` for every task entry of the spec, made with this study's tokenizer."""
+        """``[(task, [items])]`` for every task entry of the spec, made with this study's prompt rule."""
         from polykv.registry import get_registry
 
         out = []
         for t in self.spec.tasks:
             task = (self.registry or get_registry()).task(t.task)()
-            out.append((task, list(task.make_items(self.tokenizer, t.samples, t.seed, **t.params))))
+            out.append((task, list(task.make_items(self.encoder, t.samples, t.seed, **t.params))))
         return out
 
     def run_item(self, task, item, todo: list[Policy]) -> Iterator[dict[str, Any]]:
@@ -236,12 +259,11 @@ class LoadedStudy:
         from polykv.runtime.fork import capture_prefill
 
         spec, model, tokenizer, registry = self.spec, self.model, self.tokenizer, self.registry
-        geo, model_data = self.geometry, self.model_data
+        geo, model_data, encoder = self.geometry, self.model_data, self.encoder
         device = next(model.parameters()).device
-        eos = getattr(tokenizer, "eos_token_id", None)
         full = next((p for p in self.policies if p.name == FULL_POLICY), None)
         with torch.no_grad():
-            ctx, question = _encode(tokenizer, item.context, device), _encode(tokenizer, item.question, device)
+            ctx, question = (_ids(ids, device) for ids in encoder.prompt_ids(item.context, item.question))
             forced = task.mode == TEACHER_FORCED
             if forced and full is None:
                 raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
@@ -254,7 +276,7 @@ class LoadedStudy:
                 prefill_s = time.perf_counter() - start
             ref = None
             if forced:
-                cont = _encode(tokenizer, item.answers[0], device)
+                cont = _ids(encoder.text_ids(item.answers[0]), device)
                 ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
                                   model_data=model_data, registry=registry)
             for pol in todo:
@@ -265,15 +287,16 @@ class LoadedStudy:
                     record = {k: v for k, v in record.items() if k != "reference"}
                 else:
                     record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
-                                         model_data=model_data, eos=eos, tokenizer=tokenizer,
+                                         model_data=model_data, stop=self.stop, tokenizer=tokenizer,
                                          registry=registry)
                 if snap is not None:
                     record["prefill_seconds"] = prefill_s
+                record["bos_first"] = encoder.bos_id is not None and int(ctx[0, 0]) == encoder.bos_id
                 yield record
 
 
 def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: torch.Tensor, snap, *, spec: StudySpec,
-                geo, model_data, eos, tokenizer, registry) -> dict[str, Any]:
+                geo, model_data, stop, tokenizer, registry) -> dict[str, Any]:
     """Compress ``ctx`` [1, T] with ``pol``'s plan (restored from ``snap`` or prefilled), feed ``question``
     [1, q] through the compressed cache, generate greedily; the result record."""
     import polykv
@@ -281,7 +304,7 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
         kv = _compress_context(session, ctx, snap, spec.chunk_size)
-        tokens = _greedy(session, question, item.max_new_tokens, eos)
+        tokens = _greedy(session, question, item.max_new_tokens, stop)
         end = session.resident_bytes()
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     record = _base_record(pol, task, item, ctx, kv, geo, next(model.parameters()).element_size())
