@@ -11,6 +11,7 @@ import math
 import torch
 
 from polykv.operators import PHASES, SIGNAL_PREROPE_STATS, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 STATS_KEY = "triattention"
 
@@ -47,6 +48,7 @@ class TriAttentionRule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_PREROPE_STATS
     defaults = {"max_offset": 65536}
+    param_specs = {"max_offset": ParamSpec(int, low=1, high=1 << 31, description="largest future offset scored")}
     shared_across_heads = False
     paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "
              "arXiv:2604.04921 (2026)")

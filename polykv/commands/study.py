@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 
 def register(subparsers) -> None:
@@ -36,13 +37,28 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def check_outputs(spec, results: str, report: str | None) -> None:
+    """The results file and report folder are none of the spec's inputs and not foreign files."""
+    from polykv.atomic import check_output
+    from polykv.studies.report import check_report_folder
+    from polykv.studies.results import is_results_file
+
+    inputs = [spec.source, *spec.digests]
+    check_output(results, what="results file", option="--results", inputs=inputs, recognise=is_results_file)
+    if report:
+        check_report_folder(report, "--report", inputs=inputs + [results])
+
+
 def run(args) -> int:
     from polykv.studies.runner import prepare, run_study
     from polykv.studies.spec import load_spec
 
     spec = load_spec(args.spec)
     results = args.results or os.path.join("results", spec.name, "results.jsonl")
+    check_outputs(spec, results, args.report)
     prepared = prepare(spec, results)
+    for note in prepared.warnings:
+        print(f"polykv study: warning: {note}", file=sys.stderr)
     print(f"{args.spec}: {len(prepared.policies)} policies x {sum(t.samples for t in spec.tasks)} items "
           f"({spec.hash}) -> {results}")
     if args.check:

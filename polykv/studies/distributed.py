@@ -7,7 +7,8 @@ it. It captures the item's prefill once, runs every policy of the unit on it and
 result records (:meth:`LoadedStudy.run_item`, the serial runner's per-item code). The driver
 is the only writer: it appends each record through :class:`~polykv.studies.results.ResultsWriter`, so
 the file has the same header, policy and result lines (same keys) as a serial run and ``polykv
-study`` resumes it, ``polykv report`` reads it, either way round.
+study`` resumes it, ``polykv report`` reads it, either way round. Like a serial run, the driver
+holds the results file's lock from start to end, so no second study writes into it meanwhile.
 
 Failures. A unit's records reach the file only when the whole unit has come back, so a worker that
 dies (killed, out of memory, node lost) loses only its unit in flight; the driver replaces the worker
@@ -212,6 +213,7 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
             ray.kill(slot.actor, no_restart=True)
         if started_here:
             ray.shutdown()
+        writer.close()
 
 
 def _get(ray, ref):

@@ -52,12 +52,19 @@ class Prepared:
     spec: StudySpec
     policies: list[Policy]
     results_path: str
+    warnings: list[str] = attrs.field(factory=list)
+    """Things to tell the user that do not stop the study (contexts past the model's positions)."""
 
 
 def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
-    """Check the results file against the spec and solve every policy; loads no model."""
+    """Check the results file against the spec, solve every policy and check that every plan fits the
+    spec's model (from its config); loads no model weights."""
+    from polykv.studies.designs import check_policies_fit
+
     ResultsWriter.check(results_path, spec.hash)
-    return Prepared(spec=spec, policies=build_policies(spec, registry=registry), results_path=results_path)
+    policies = build_policies(spec, registry=registry)
+    notes = check_policies_fit(spec, policies, registry=registry)
+    return Prepared(spec=spec, policies=policies, results_path=results_path, warnings=notes)
 
 
 class CharTokenizer:
@@ -161,8 +168,19 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
         Show a progress bar (tqdm, on stderr).
     on_result : callable, optional
         Called with every result record right after it is written.
+
+    The results file is locked for the whole run (a second writer is refused).
     """
     writer = ResultsWriter.open(prepared.results_path, prepared.spec.hash, prepared.spec.as_dict())
+    try:
+        return _run_locked(prepared, writer, model=model, tokenizer=tokenizer, progress=progress,
+                           on_result=on_result, registry=registry)
+    finally:
+        writer.close()
+
+
+def _run_locked(prepared: Prepared, writer: ResultsWriter, *, model, tokenizer, progress: bool, on_result,
+                registry) -> dict[str, int]:
     study = LoadedStudy.load(prepared, model=model, tokenizer=tokenizer, registry=registry)
     for record in study.policy_records():
         if record["policy"] not in writer.policies:
