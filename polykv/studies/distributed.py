@@ -127,8 +127,6 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
     spec = prepared.spec
     writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
     started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
     remote_cls = ray.remote(StudyWorker)
     slots: list[_Slot] = []
 
@@ -138,6 +136,8 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
         return remote_cls.options(**opts).remote(prepared, threads or max(1, int(cpus_per_worker)), device)
 
     try:
+        if started_here:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
         if workers is None:
             res = ray.cluster_resources()
             workers = int(res.get("GPU", 0) // gpus_per_worker) if gpus_per_worker else \
