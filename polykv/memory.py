@@ -282,3 +282,61 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
                             registry=registry, phase=phase, num_heads=num_heads)
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase)
+
+
+# -- what a budget counts ----------------------------------------------------------------------------
+BASES = ("resident", "nominal")
+"""Budget bases: ``resident`` = bytes the runtime holds (stores + metadata, the peak over phases);
+``nominal`` = MoE-nD's formula (codes only, at the decode bound)."""
+
+STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Element size of each cache storage dtype a budget may name."""
+
+
+def full_cache_bytes_16bit(geometry: Any, context_tokens: int, batch: int = 1) -> int:
+    """Bytes of an uncompressed 16-bit K+V cache holding ``context_tokens`` in every layer (the ratio basis)."""
+    return 4 * int(geometry.num_layers) * int(geometry.num_kv_heads) * int(geometry.head_dim) \
+        * int(context_tokens) * int(batch)
+
+
+def held_bytes_per_layer(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
+                         registry: Any = None, num_heads: int | None = None) -> list[int]:
+    """Per layer, the most bytes the runtime holds for a ``context_tokens`` prompt: key + value stores
+    plus metadata, the larger of the two phases (right after prefill, and the decode bound).
+
+    A decode-only eviction rule holds the whole prompt right after prefill, so it does not lower this
+    peak. Raises :class:`PlanError` when metadata cannot be counted (a query window without ``num_heads``).
+    """
+    phases = [predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
+                               registry=registry, phase=ph, num_heads=num_heads) for ph in MEMORY_PHASES]
+    out = []
+    for rows in zip(*phases):
+        if any(None in r.metadata.values() for r in rows):
+            raise PlanError("a decode rule keeps a query window, but the model's number of query heads is unknown",
+                            layer=rows[0].layer, field="model.num_heads",
+                            hint="give the geometry's num_heads (profiles record it when calibrated on a model)")
+        out.append(max(r.resident_bytes + r.metadata_bytes for r in rows))
+    return out
+
+
+@attrs.define(frozen=True)
+class _OneLayer:
+    layers: tuple
+
+
+@attrs.define(frozen=True)
+class _OneLayerGeometry:
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int | None
+    num_layers: int = 1
+
+
+def layer_held_bytes(layer: LayerPlan, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
+                     registry: Any = None) -> int:
+    """:func:`held_bytes_per_layer` of one layer (``geometry`` needs ``num_kv_heads``, ``head_dim``,
+    and ``num_heads`` when a decode rule keeps a query window)."""
+    geo = _OneLayerGeometry(num_kv_heads=int(geometry.num_kv_heads), head_dim=int(geometry.head_dim),
+                            num_heads=getattr(geometry, "num_heads", None))
+    return held_bytes_per_layer(_OneLayer(layers=(attrs.evolve(layer, layer=0),)), geo, context_tokens, batch=batch,
+                                dtype_bytes=dtype_bytes, registry=registry)[0]

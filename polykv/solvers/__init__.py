@@ -11,11 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, **params: Any):
+def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, capacities: str = "ratio",
+          **params: Any):
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
     ``geometry`` (a :class:`polykv.geometry.ModelGeometry`), when given, must be the model the
-    profile was measured on (else :class:`polykv.errors.ProfileError`).
+    profile was measured on (else :class:`polykv.errors.ProfileError`). ``capacities``: ``"ratio"``
+    (default) writes every capacity as a fraction of the context, so the plan keeps its compression
+    at any length; ``"tokens"`` writes token counts for the budget's context.
     """
     if registry is None:
         from polykv.registry import get_registry
@@ -23,4 +26,10 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
         registry = get_registry()
     if geometry is not None:
         profile.check_model(geometry)
-    return registry.solver(solver)(registry=registry).solve(profile, budget, **params)
+    instance = registry.solver(solver)(registry=registry)
+    instance.capacity_form = capacities
+    if capacities not in ("ratio", "tokens"):
+        from polykv.errors import SolverError
+
+        raise SolverError(f"capacities must be 'ratio' or 'tokens', got {capacities!r}")
+    return instance.solve(profile, budget, **params)

@@ -32,7 +32,7 @@ import numpy as np
 
 from polykv.errors import RegistryError, SolverError
 from polykv.plan import FULL_OP, FULL_RULE, OpSpec
-from polykv.profiling.budget import Budget, slot_bits
+from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
 
@@ -111,7 +111,7 @@ class ProfileRoute(Solver):
         L, T = profile.num_layers, budget.context_tokens
         b = budget.uniform_tokens(profile.model)
         if b < 1:
-            raise SolverError(min_bytes_message(self.name, L * slot_bits(profile.model, 16, 16), budget,
+            raise SolverError(min_bytes_message(self.name, L * budget.token_bits(profile.model), budget,
                                                 "one token per layer at 16 bits"))
         alloc = p["allocation"]
         if alloc == "uniform":
@@ -140,7 +140,7 @@ class ProfileRoute(Solver):
             op = FULL_OP if cap >= T else OpSpec(rule=rule, capacity=cap)
             layers.append({"prefill": op if scope in ("prefill", "both") else FULL_OP,
                            "decode": op if scope in ("decode", "both") else FULL_OP})
-        bits = sum(min(c, T) for c in caps) * slot_bits(profile.model, 16, 16)
+        bits = sum(min(c, T) for c in caps) * budget.token_bits(profile.model)
         counts = ", ".join(f"{r} x{n}" for r, n in sorted(Counter(route).items()))
         return self.plan(profile, budget, layers, {**p, "scope": scope, "route": route}, predicted_loss=None,
                          predicted_bits=bits, note=f"{note}; {counts}")
