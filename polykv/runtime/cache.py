@@ -129,8 +129,11 @@ class LayerCache(CacheLayerMixin):
             idx = self._select(spec.prefill_rule, spec.plan.prefill, "prefill", cap, k, v, scaling)
             k, v = _gather_tokens(k, idx), _gather_tokens(v, idx)
         self._raw_k = self._raw_v = None
-        self.key_store = new_store(self.owner.registry, spec.plan, "key", dtype=k.dtype, device=k.device)
-        self.value_store = new_store(self.owner.registry, spec.plan, "value", dtype=v.dtype, device=v.device)
+        held = self.owner.storage_dtype
+        self.key_store = new_store(self.owner.registry, spec.plan, "key", dtype=k.dtype, device=k.device,
+                                   storage_dtype=held)
+        self.value_store = new_store(self.owner.registry, spec.plan, "value", dtype=v.dtype, device=v.device,
+                                     storage_dtype=held)
         self.key_store.append(k)
         self.value_store.append(v)
         self.signals.narrow_to(spec.decode_needs)
@@ -195,8 +198,11 @@ class PlanCache(Cache):
     """A transformers ``Cache`` whose layers follow a plan; create it with ``session.new_cache()``."""
 
     def __init__(self, *, specs: list[LayerSpec], registry, decode_slack: int, rope_inv_freq: torch.Tensor | None,
-                 rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None):
+                 rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None,
+                 storage_dtype: torch.dtype | None = None):
         self.registry, self.decode_slack = registry, decode_slack
+        self.storage_dtype = storage_dtype
+        """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
         self.rope_inv_freq, self.rope_scaling = rope_inv_freq, rope_scaling
         self.model_data, self.generator = model_data, generator
         self.prefill_continues = False

@@ -50,8 +50,12 @@ class ResidentBytes:
 
 
 def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
-          seed: int = 0) -> "Session":
+          seed: int = 0, storage_dtype: torch.dtype | None = None) -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
+
+    ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
+    cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
+    compute dtype. None keeps them in the compute dtype.
 
     Raises
     ------
@@ -80,9 +84,15 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
+    if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point):
+        raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
+                                 f"torch.float32), got {storage_dtype!r}")
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     modules = _attention_modules(model, geometry.num_layers)
-    return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed)
+    session = Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed)
+    session.storage_dtype = storage_dtype
+    return session
+
 
 
 def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
@@ -132,6 +142,8 @@ class Session:
     def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int):
         self.model, self.plan, self.registry, self.seed = model, plan, registry, seed
         self.model_data = model_data
+        self.storage_dtype: torch.dtype | None = None
+        """dtype the cache stores K/V in (None: the compute dtype); set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
         self.rope_inv_freq, self.rope_scaling = _rope(model)
@@ -199,7 +211,7 @@ class Session:
         inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
         self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
                                 rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
-                                generator=gen)
+                                generator=gen, storage_dtype=self.storage_dtype)
         return self._cache
 
     @property

@@ -1,9 +1,11 @@
 """``polykv report``: a Markdown report and PNG figures from a study's results file.
 
 Every accuracy carries a Wilson 95% interval; every difference between two policies is a paired
-bootstrap interval over the same items (10,000 seeded replicates). Measured resident KV bytes (after
-compressing the context, before the question) stand beside every score, with the ratio against the
-full cache measured in the same run. Sections appear when the study has the policies they need:
+bootstrap interval over the same items (10,000 seeded replicates). Measured bytes the cache holds
+after compressing the context (K/V stores with scales, minima and residuals, plus metadata: positions
+and rule state) stand beside every score, with the ratio against a 16-bit full cache of the same
+contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
+differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
 and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
 (``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
@@ -43,25 +45,29 @@ def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
         if not scores.size:
             continue
         k, n = int(round(scores.sum())), int(scores.size)
-        kv = designs.mean_bytes(res, name, task)
-        full = designs.mean_bytes(res, name, task, "full_kv_bytes")
+        held = designs.mean_held_bytes(res, name, task)
+        full = designs.mean_full16_bytes(res, name, task)
         rows.append({"policy": name, "method": rec.get("method"), "budget": rec.get("budget"),
                      "role": rec.get("role"), "k": k, "n": n, "mean": float(scores.mean()),
                      "binary": bool(np.all((scores == 0) | (scores == 1))),
                      "wilson": stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
-                     "bytes": kv, "ratio": full / kv if kv else float("inf"),
-                     "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit")})
+                     "bytes": held, "kv_bytes": designs.mean_bytes(res, name, task),
+                     "ratio": full / held if held else float("inf"),
+                     "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit"),
+                     "predicted": rec.get("predicted_held_bytes_16bit"), "basis": rec.get("basis")})
     return rows
 
 
 def _table(rows: list[dict]) -> list[str]:
-    out = ["| policy | budget | role | items | accuracy [Wilson 95%] | measured KV MiB | ratio vs full (measured) "
-           "| nominal 16-bit ratio |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| policy | budget | role | items | accuracy [Wilson 95%] | measured MiB (with metadata) "
+           "| measured ratio vs 16-bit full | predicted resident ratio | nominal ratio | budget basis |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
-        nom = f"{r['full16'] / r['nominal']:.1f}x" if r.get("nominal") else "-"
+        nom = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
+        pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") and r.get("full16") else "-"
         out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['role'] or '-'} | {r['n']} | {acc} | "
-                   f"{_mib(r['bytes'])} | {r['ratio']:.1f}x | {nom} |")
+                   f"{_mib(r['bytes'])} | {r['ratio']:.2f}x | {pred} | {nom} | {r.get('basis') or '-'} |")
     return out
 
 
@@ -79,7 +85,7 @@ def fidelity_rows(res: Results, task: str) -> list[dict[str, Any]]:
         mean = {k: float(np.mean([r[k] for r in recs])) for k in ("top1", "kl", "kl_max", "ppl", "ppl_full")}
         rows.append({"policy": name, "budget": res.policies[name].get("budget"), "n": len(recs), **mean,
                      "positions": int(sum(r["positions"] for r in recs)),
-                     "bytes": designs.mean_bytes(res, name, task)})
+                     "bytes": designs.mean_held_bytes(res, name, task)})
     return rows
 
 
@@ -89,7 +95,7 @@ def _fidelity_table(rows: list[dict]) -> list[str]:
            "ppl is the policy's perplexity of the reference continuation, full ppl the full cache's on the same "
            "positions.", "",
            "| policy | budget | items | positions | top-1 agreement | mean KL | max KL (mean over items) | ppl | "
-           "full ppl | measured KV MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "full ppl | measured MiB (with metadata) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['n']} | {r['positions']} | {r['top1']:.3f} | "
                    f"{r['kl']:.4f} | {r['kl_max']:.3f} | {r['ppl']:.2f} | {r['ppl_full']:.2f} | "
@@ -105,8 +111,14 @@ def _pairs(res: Results, task: str, budget: str) -> list[str]:
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             iv = designs.paired_vs(res, task, a, b)
-            ratio = designs.mean_bytes(res, a, task) / designs.mean_bytes(res, b, task)
-            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f} |")
+            ratio = designs.mean_held_bytes(res, a, task) / designs.mean_held_bytes(res, b, task)
+            flag = " (!)" if b != "full" and abs(ratio - 1) > designs.BYTES_TOLERANCE else ""
+            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f}{flag} |")
+    compared = [n for n in names if n != "full"]
+    warnings = designs.unequal_memory(res, task, compared)
+    if warnings:
+        out += ["", f"(!) Warning: {len(warnings)} pair(s) at this budget differ by more than "
+                    f"{designs.BYTES_TOLERANCE:.0%} in measured bytes:"] + [f"- {w}" for w in warnings]
     return out
 
 
@@ -117,7 +129,7 @@ MATCHED = 1.25
 def _matched(res: Results, task: str) -> list[str]:
     """Paired intervals of every two policies (any budget) whose measured KV bytes are within MATCHED."""
     names = [n for n, r in res.policies.items() if r.get("role") not in ("placement", "full")]
-    kv = {n: designs.mean_bytes(res, n, task) for n in names}
+    kv = {n: designs.mean_held_bytes(res, n, task) for n in names}
     out = ["| A | B | bytes A / bytes B | mean(A) - mean(B) [paired bootstrap 95%] |", "|---|---|---|---|"]
     rows = 0
     for i, a in enumerate(names):
@@ -181,7 +193,7 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
                                                                    f"undefined ({pl['spearman_note']})"), ""]
     sweeps = designs.budget_sweep(res, task)
     for method, pts in sweeps.items():
-        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured KV MiB |",
+        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured MiB (with metadata) |",
                   "|---|---|---|"]
         for b, name in pts:
             r = next(x for x in rows if x["policy"] == name)
@@ -221,12 +233,16 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
     lines = [f"# Study `{spec.get('name')}`", "",
              f"Results: `{results_path}` (spec hash `{res.header['spec_hash']}`); model: `{spec.get('model')}` "
              f"({spec.get('dtype')}); budgets refer to a {spec.get('context_tokens')}-token context.", "",
+             f"Cache storage dtype: {spec.get('storage_dtype') or spec.get('dtype')}; solver budgets counted on the "
+             f"{spec.get('basis', 'nominal')} basis.", "",
              "Protocol: the context is prefilled and compressed by the policy, then the question is fed through "
-             "the compressed cache, then the answer is generated greedily. Measured KV bytes are the resident "
-             "key/value stores after compressing the context (metadata apart), in the run's compute dtype; "
-             "the nominal ratio is the plan's 16-bit bytes model. Teacher-forced tasks feed the reference "
-             "continuation instead, one token per forward, and compare each next-token distribution with the full "
-             "cache's.", ""]
+             "the compressed cache, then the answer is generated greedily. Measured bytes are what the cache holds "
+             "after compressing the context: key/value stores (codes, scales, minima, full-precision residuals) "
+             "plus metadata (positions, rule state), in the run's storage dtype; ratios are against a 16-bit full "
+             "cache of the same context. The predicted resident ratio is the memory model's (16-bit storage, "
+             "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
+             "reference continuation instead, one token per forward, and compare each next-token distribution with "
+             "the full cache's.", ""]
     for task in res.tasks:
         lines += _task_section(res, task, out_dir, figures)
     for b in designs.budgets(res):
