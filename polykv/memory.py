@@ -340,3 +340,27 @@ def layer_held_bytes(layer: LayerPlan, geometry: Any, context_tokens: int, *, ba
                             num_heads=getattr(geometry, "num_heads", None))
     return held_bytes_per_layer(_OneLayer(layers=(attrs.evolve(layer, layer=0),)), geo, context_tokens, batch=batch,
                                 dtype_bytes=dtype_bytes, registry=registry)[0]
+
+
+def context_note(plan: Any, context_tokens: int, *, registry: Any = None) -> str | None:
+    """One line when ``plan`` keeps absolute token capacities and runs on a context other than the one
+    its budget was stated for (``plan.provenance.context_tokens``): the share of a 16-bit full cache it
+    really holds there (bfloat16 storage, metadata included) beside the share at the budgeted length.
+    None when capacities are ratios, the lengths agree, or the plan records no context or model.
+    """
+    budgeted = getattr(getattr(plan, "provenance", None), "context_tokens", None)
+    geo = getattr(plan, "model", None)
+    absolute = any(not op.keeps_everything and op.capacity is not None
+                   for lp in plan.layers for op in (lp.prefill, lp.decode))
+    if not absolute or not budgeted or geo is None or int(budgeted) == int(context_tokens):
+        return None
+
+    def ratio(T: int) -> float:
+        rows = predict_resident(plan, geo, T, registry=registry)
+        held = sum(r.resident_bytes + r.metadata_bytes for r in rows)
+        return full_cache_bytes_16bit(geo, T) / held
+
+    return (f"this plan keeps absolute token capacities budgeted for a {budgeted:,}-token context but runs on "
+            f"{context_tokens:,} tokens: it holds {ratio(context_tokens):.2f}x less than a 16-bit full cache here "
+            f"(with metadata), {ratio(int(budgeted)):.2f}x at {budgeted:,} tokens; solve with ratio capacities "
+            f"to keep the compression at any length")

@@ -13,6 +13,7 @@ unpatched.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Mapping
 
 import attrs
@@ -28,6 +29,11 @@ from polykv.runtime.stores import new_store
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
+_NOTED: set = set()
+
+
+class ContextLengthWarning(UserWarning):
+    """A plan with absolute token capacities runs on a context other than the one it was budgeted for."""
 
 
 @attrs.define(frozen=True)
@@ -228,8 +234,23 @@ class Session:
                 f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
         return layer
 
+    def note_context(self, context_tokens: int) -> None:
+        """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
+        key = id(self.plan)
+        if key in _NOTED:
+            return
+        from polykv.memory import context_note
+
+        note = context_note(self.plan, int(context_tokens), registry=self.registry)
+        if note:
+            _NOTED.add(key)
+            warnings.warn(note, ContextLengthWarning, stacklevel=3)
+
     def _generate(self, *args, **kwargs):
         self._require_active()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self.note_context(ids.shape[1])
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)
@@ -249,6 +270,7 @@ class Session:
         """
         cache = self.new_cache()
         T = input_ids.shape[1]
+        self.note_context(T)
         step = chunk_size or T
         if step < 1:
             raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")

@@ -116,7 +116,7 @@ class Solver:
         ops = {}
         for phase in ("prefill", "decode"):
             op = getattr(lp, phase)
-            if not op.keeps_everything:
+            if not op.keeps_everything and (op.capacity is not None or self.capacity_form == "tokens"):
                 tokens = op.resolve_capacity(context_tokens)
                 if self.capacity_form == "tokens":
                     op = attrs.evolve(op, capacity=tokens, capacity_ratio=None)

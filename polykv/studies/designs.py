@@ -243,3 +243,47 @@ def unequal_memory(results, task: str, names: list[str], tolerance: float = BYTE
                 out.append(f"`{a}` holds {held[a] / held[b]:.2f}x the measured bytes of `{b}` "
                            f"({held[a]:,.0f} vs {held[b]:,.0f} B): not a like-for-like comparison")
     return out
+
+
+def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[str, Any]]:
+    """Per solved policy at ``budget``: its predicted loss beside the exact optimum of the additive model
+    over the same rules (the configs it could choose from, any per-layer mix) and over every rule.
+
+    ``gap`` = predicted / same-rules optimum - 1 (how far a greedy or uniform choice is from optimal).
+    """
+    from polykv.errors import PolykvError
+    from polykv.solvers import solve
+
+    spec = results.header["spec"]
+    from polykv.profiling.budget import Budget
+
+    b = Budget.parse(budget, int(spec["context_tokens"]), basis=spec.get("basis", "nominal"),
+                     cache_dtype=spec.get("storage_dtype") or spec.get("dtype") or "bfloat16")
+    optimum: dict[Any, float | None] = {}
+
+    def exact(rules, metric):
+        key = (tuple(rules) if rules else None, metric)
+        if key not in optimum:
+            try:
+                optimum[key] = solve(profile, b, "exact", registry=registry, rules=list(rules) if rules else None,
+                                     metric=metric).provenance.predicted_loss
+            except PolykvError:
+                optimum[key] = None
+        return optimum[key]
+
+    out = []
+    for name, rec in results.policies.items():
+        prov = (rec.get("plan") or {}).get("provenance") or {}
+        if rec.get("budget") != budget or rec.get("role") == "placement" or prov.get("predicted_loss") is None:
+            continue
+        params = prov.get("params") or {}
+        rule = params.get("rule")
+        rules = [rule] if rule else params.get("rules")
+        if isinstance(rules, str):
+            rules = [r for r in rules.split(",") if r]
+        same, every = exact(rules, params.get("metric")), exact(None, params.get("metric"))
+        loss = float(prov["predicted_loss"])
+        out.append({"policy": name, "solver": rec.get("solver"), "rules": rules, "loss": loss,
+                    "exact_same_rules": same, "exact_all_rules": every,
+                    "gap": None if not same else loss / same - 1})
+    return out

@@ -71,6 +71,25 @@ def _table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _context_notes(res: Results, task: str) -> list[str]:
+    """One line per policy whose plan keeps absolute capacities budgeted for another context length."""
+    from polykv.memory import context_note
+    from polykv.plan_io import parse_plan_dict
+
+    out = []
+    for name, rec in res.policies.items():
+        if not rec.get("plan"):
+            continue
+        T = [r["context_tokens"] for r in res.results if r["policy"] == name and r["task"] == task]
+        if not T:
+            continue
+        plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
+        note = context_note(plan, int(round(float(np.mean(T)))))
+        if note:
+            out.append(f"- `{name}`: {note} (mean context of the items)")
+    return (["Context length:"] + out + [""]) if out else []
+
+
 def fidelity_rows(res: Results, task: str) -> list[dict[str, Any]]:
     """Per policy of a teacher-forced task, means over the paired items of top-1 agreement, KL and perplexity.
 
@@ -152,9 +171,26 @@ def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.
     return out + [""]
 
 
-def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> list[str]:
+def _optimality(rows: list[dict]) -> list[str]:
+    """Each solver's predicted loss (additive model) beside the exact optimum at the same budget."""
+    if not rows:
+        return []
+    f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    out = ["**Predicted loss vs the exact optimum** (the profile's additive loss model; the exact optimum is the "
+           "multiple-choice knapsack over the same rules, any per-layer mix, at the same budget):", "",
+           "| policy | solver | rules | predicted loss | exact, same rules | gap | exact, all rules |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.1%}"
+        out.append(f"| {r['policy']} | {r['solver']} | {', '.join(r['rules']) if r['rules'] else 'all'} | "
+                   f"{f(r['loss'])} | {f(r['exact_same_rules'])} | {gap} | {f(r['exact_all_rules'])} |")
+    return out + [""]
+
+
+def _task_section(res: Results, task: str, out_dir: str, figures: list[str], profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
+    lines += _context_notes(res, task)
     forced = fidelity_rows(res, task)
     if forced:
         lines += _fidelity_table(forced) + [""]
@@ -176,6 +212,10 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
         if chain:
             lines += _intervals("MoE-nD ablation chain (d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d)",
                                 chain["policies"], chain["intervals"])
+            warn = designs.unequal_memory(res, task, [v for k, v in chain["policies"].items() if k != "full"])
+            lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
+        if profile is not None:
+            lines += _optimality(designs.loss_vs_exact(res, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
@@ -243,8 +283,14 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
              "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
              "reference continuation instead, one token per forward, and compare each next-token distribution with "
              "the full cache's.", ""]
+    profile_path = profile_path or spec.get("profile")
+    prof = None
+    if profile_path and os.path.isfile(profile_path):
+        from polykv.profiling.profile import load_profile
+
+        prof = load_profile(profile_path)
     for task in res.tasks:
-        lines += _task_section(res, task, out_dir, figures)
+        lines += _task_section(res, task, out_dir, figures, prof)
     for b in designs.budgets(res):
         rows, T = _route_rows(res, b)
         if rows:
@@ -252,11 +298,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
                                     title=f"per-layer plans at budget {b} (T = {T})")
             figures.append(fig)
             lines += [f"![routes at {b}]({os.path.basename(fig)})", ""]
-    profile_path = profile_path or spec.get("profile")
-    if profile_path and os.path.isfile(profile_path):
-        from polykv.profiling.profile import load_profile
-
-        prof = load_profile(profile_path)
+    if prof is not None:
         stat = None
         if prof.stats:
             name = "cosine" if "cosine" in prof.stats else sorted(prof.stats)[0]
