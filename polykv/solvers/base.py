@@ -130,9 +130,14 @@ class Solver:
         return LayerPlan(layer=0, **self.layer_entry(config, where))
 
 
-def config_bits(profile: Profile, budget: Budget, solver: "Solver | None" = None) -> np.ndarray:
+def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" = None) -> np.ndarray:
     """[C] int64 bits one layer takes under each config at the budget's context, on the budget's basis
-    (resident: :meth:`~polykv.profiling.budget.Budget.layer_bits_bound`, robust to slightly shorter contexts)."""
+    (resident: :meth:`~polykv.profiling.budget.Budget.layer_bits_bound`, robust to slightly shorter contexts).
+
+    A context length in place of a budget gives the nominal bits at that length.
+    """
+    if isinstance(budget, int):
+        budget = Budget(kind="ratio", value=1.0, context_tokens=budget, basis="nominal")
     T = budget.context_tokens
     if not budget.resident:
         return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, T) for c in profile.configs],
