@@ -217,7 +217,9 @@ def mean_bytes(results, policy: str, task: str, field: str = "kv_bytes") -> floa
 
 def mean_held_bytes(results, policy: str, task: str) -> float:
     """Mean measured bytes the cache held after compressing the context: K/V stores plus metadata."""
-    return mean_bytes(results, policy, task) + mean_bytes(results, policy, task, "metadata_bytes")
+    held = [r["kv_bytes"] + r.get("metadata_bytes", 0) for r in results.results
+            if r["policy"] == policy and r["task"] == task]
+    return float(np.mean(held)) if held else float("nan")
 
 
 def mean_full16_bytes(results, policy: str, task: str) -> float:
