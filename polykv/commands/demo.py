@@ -103,6 +103,11 @@ def print_table(results_path: str) -> None:
     from polykv.studies.results import Results
 
     res = Results.load(results_path)
+    profile = None
+    if res.header["spec"].get("profile") and os.path.isfile(res.header["spec"]["profile"]):
+        from polykv.profiling.profile import load_profile
+
+        profile = load_profile(res.header["spec"]["profile"])
     for task in res.tasks:
         print(f"\n{task}: {len(res.items(task))} items per policy; bytes held after compressing the context "
               f"(K/V + metadata), ratio against a 16-bit full cache")
@@ -125,12 +130,19 @@ def print_table(results_path: str) -> None:
                 for name, rec in res.policies.items():
                     if rec.get("budget") == b and rec.get("role") != "placement":
                         iv = designs.paired_vs(res, task, name, "full")
-                        verdict = "matches" if iv.low <= 0 <= iv.high else "differs from"
+                        verdict = "no difference from" if iv.low <= 0 <= iv.high else "differs from"
                         print(f"  {name} - full: {iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] "
-                              f"({verdict} the full cache)")
+                              f"({verdict} the full cache at 95%)")
             names = [n for n, r in res.policies.items() if r.get("budget") == b and r.get("role") != "placement"]
             for w in designs.unequal_memory(res, task, names):
                 print(f"  warning at {b}: {w}")
+            if profile is not None:
+                for r in designs.loss_vs_exact(res, b, profile):
+                    same = "-" if r["exact_same_rules"] is None else f"{r['exact_same_rules']:.3f}"
+                    gap = "" if r["gap"] is None else f" ({r['gap']:+.1%})"
+                    rules = ",".join(r["rules"]) if r["rules"] else "all rules"
+                    print(f"  predicted loss {r['policy']}: {r['loss']:.3f}; exact optimum over {rules} {same}{gap}; "
+                          f"over all rules {r['exact_all_rules']:.3f}")
 
 
 def set_threads(n: int | None) -> None:
