@@ -109,3 +109,13 @@ def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(args + ["--model", other]) == 2
     assert "field 'model.fingerprint': the profile was measured on model" in capsys.readouterr().err
+
+
+def test_plan_show_states_the_basis(tmp_path, capsys, profile_path):
+    out = str(tmp_path / "plan.json")
+    for basis, line in (("resident", "basis    resident bytes (stores + metadata), batch 1, bfloat16 storage, at 1000"),
+                        ("nominal", "basis    nominal bytes (MoE-nD: codes only), at 1000 tokens")):
+        assert main(["solve", profile_path, "--budget", "4x", "--context", "1000", "--basis", basis, "-o", out]) == 0
+        capsys.readouterr()
+        assert main(["plan", "show", out]) == 0
+        assert line in capsys.readouterr().out
