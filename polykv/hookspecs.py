@@ -23,5 +23,11 @@ def register_solvers(register):
 
 
 @hookspec
+def register_allocators(register):
+    """Register budget allocators: call ``register(AllocatorClass)`` once per Allocator subclass
+    (:mod:`polykv.allocators`); a plan's allocation group names one."""
+
+
+@hookspec
 def register_tasks(register):
     """Register study tasks: call ``register(TaskClass)`` once per Task subclass."""

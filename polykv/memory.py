@@ -22,12 +22,20 @@ Which op bounds storage (``phase=``):
   appended without eviction: an estimate, since per-head gathers can change a quantized store's
   layout (see docs/quantizers.md).
 
-Metadata right after prefill (the runtime keeps only what the decode rule needs):
-positions int64 ``[B, Hkv, kept]``; accumulated attention float32 ``[B, Hkv, kept]`` when the decode
-rule reads accumulated attention (H2O); a query window ``[B, H, w, d]`` in the compute dtype plus
-int64 positions ``[w]`` when the decode rule reads recent queries (``w = min(window, T)``). The
-window needs the number of query heads: from the geometry (a :class:`polykv.geometry.ModelGeometry`)
-or ``num_heads=``; without it the window is reported as not counted.
+Metadata right after prefill (the runtime keeps only the decode rule's state): positions int64
+``[B, Hkv, kept]``; then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
+:meth:`RuleState.predict_bytes` and reported under its ``metadata_name``: ``accumulated``
+(H2O's float32 ``[B, Hkv, kept]``), ``query_window`` (``[B, H, w, d]`` in the compute dtype plus
+int64 positions ``[w]``, ``w = min(window, T)``), ``rule_state`` (any other state). The window
+needs the number of query heads: from the geometry (a :class:`polykv.geometry.ModelGeometry`) or
+``num_heads=``; without it the window is reported as not counted.
+
+Ragged layers (a head-wise rule keeps a different number of tokens per KV head) hold, per head,
+exactly that head's tokens: given the per-head counts the runtime reports (``head_counts=``, from
+``cache.head_counts()``), the prediction is exact per head; without them it assumes the layer's
+budget spread evenly. Layers of an allocation group get their budget at run time: given the
+allocations (``allocations=``, from ``session.allocations()``) the prediction is exact; without
+them each such row reports the allocator's bound (:meth:`Allocator.bound`) and is marked ``bound``.
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ from typing import Any, Sequence
 import attrs
 
 from polykv.errors import PlanError
-from polykv.operators import SIGNAL_ACCUMULATED
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan, OpSpec
 
 MEMORY_PHASES = ("prefill", "decode")
@@ -111,6 +118,8 @@ class MemoryRow:
     """Bytes of this layer's uncompressed K+V cache holding the whole context (batch and dtype as given)."""
     full_nominal_bytes: int
     """Nominal bytes of the whole context at 16-bit K and V: ``T * Hkv * d * 4``."""
+    bound: bool = False
+    """True when an allocator decides this layer's budget at run time and the row reports its bound."""
 
     @property
     def resident_bytes(self) -> int:
@@ -123,7 +132,8 @@ class MemoryRow:
 
 
 def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
-                     registry: Any = None, phase: str = "prefill", num_heads: int | None = None) -> list[MemoryRow]:
+                     registry: Any = None, phase: str = "prefill", num_heads: int | None = None,
+                     head_counts: Any = None, allocations: Any = None) -> list[MemoryRow]:
     """Per-layer bytes the runtime holds for a ``context_tokens`` prompt (exact for ``phase="prefill"``).
 
     Parameters
@@ -145,6 +155,12 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         ``"prefill"`` or ``"decode"`` (see the module docstring).
     num_heads : int, optional
         Query heads H, when the geometry does not carry ``num_heads``.
+    head_counts : sequence, optional
+        Per layer, tokens stored per batch row and KV head (``cache.head_counts()``): exact bytes of
+        ragged layers.
+    allocations : mapping, optional
+        ``session.allocations()``: the budgets an allocator gave; without them allocated layers
+        report the allocator's bound.
     """
     from polykv.registry import get_registry
 
@@ -154,44 +170,87 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     heads = num_heads if num_heads is not None else getattr(geo, "num_heads", None)
     Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
     nominal = nominal_bytes(plan, geo, context_tokens, phase=phase)
+    bounds = _allocation_bounds(plan, registry, context_tokens, allocations or {})
     rows = []
     for lp, nom in zip(plan.layers, nominal):
         kept = kept_tokens(lp, context_tokens, phase)
-        shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
+        bound = lp.layer in bounds
+        if bound or (allocations and lp.layer in allocations):
+            kept = bounds.get(lp.layer) or _allocated(allocations[lp.layer], context_tokens)
+            nom = -(-kept * Hkv * d * (lp.k_bits + lp.v_bits) // 8)
+        per_head = _per_head(head_counts, lp.layer, batch, Hkv) if phase == "prefill" else None
         stream_bytes = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
-            if bits == PASSTHROUGH_BITS:
-                stream_bytes.append(batch * Hkv * kept * d * dtype_bytes)
-                continue
-            try:
-                quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
-                stream_bytes.append(int(quantizer.predict_bytes(stream, bits, **shape)))
-            except (ValueError, KeyError) as exc:
-                raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
-                                hint="fix the layer's quantizer, bits or parameters") from None
+            if per_head is None:
+                stream_bytes.append(_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes))
+            else:
+                stream_bytes.append(sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes)
+                                        for n in per_head))
+        width = kept if per_head is None else max(per_head)
+        meta = _metadata(lp, registry, batch, Hkv, d, heads, width, context_tokens, dtype_bytes)
+        if per_head is not None:
+            meta["positions"] = 8 * sum(per_head)
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
             v_bits=lp.v_bits, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
-            value_bytes=stream_bytes[1], metadata=_metadata(lp, registry, batch, Hkv, d, heads, kept,
-                                                           context_tokens, dtype_bytes),
+            value_bytes=stream_bytes[1], metadata=meta,
             full_bytes=2 * batch * Hkv * context_tokens * d * dtype_bytes,
-            full_nominal_bytes=4 * Hkv * context_tokens * d))
+            full_nominal_bytes=4 * Hkv * context_tokens * d, bound=bound))
     return rows
+
+
+def _stream_bytes(lp: LayerPlan, registry: Any, stream: str, bits: int, batch: int, Hkv: int, d: int, kept: int,
+                  dtype_bytes: int) -> int:
+    if bits == PASSTHROUGH_BITS:
+        return batch * Hkv * kept * d * dtype_bytes
+    shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
+    try:
+        quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
+        return int(quantizer.predict_bytes(stream, bits, **shape))
+    except (ValueError, KeyError) as exc:
+        raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
+                        hint="fix the layer's quantizer, bits or parameters") from None
+
+
+def _per_head(head_counts: Any, layer: int, batch: int, Hkv: int) -> list[int] | None:
+    """The layer's per-(row, head) counts, flattened, when given and not all equal (ragged)."""
+    if head_counts is None:
+        return None
+    flat = [int(n) for row in head_counts[layer] for n in row]
+    if len(flat) != batch * Hkv:
+        raise ValueError(f"head_counts[{layer}] has {len(flat)} entries, expected batch x kv_heads = {batch * Hkv}")
+    return None if len(set(flat)) == 1 else flat
+
+
+def _allocated(entry: Any, context_tokens: int) -> int:
+    budget = entry["budget"]
+    return min(max(budget) if isinstance(budget, list) else int(budget), context_tokens)
+
+
+def _allocation_bounds(plan: Any, registry: Any, context_tokens: int, allocations: Any) -> dict[int, int]:
+    """Allocator bound per allocated layer that ``allocations`` does not cover."""
+    out: dict[int, int] = {}
+    for group in getattr(plan, "allocation", ()):
+        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in group.layers]
+        bounds = registry.allocator(group.allocator)(**group.params).bound(caps, context_tokens)
+        for layer, b in zip(group.layers, bounds):
+            if layer not in allocations:
+                out[layer] = min(int(b), context_tokens)
+    return out
 
 
 def _metadata(lp: LayerPlan, registry: Any, batch: int, Hkv: int, d: int, heads: int | None, kept: int,
               context_tokens: int, dtype_bytes: int) -> dict[str, int | None]:
-    """positions, accumulated attention and query window bytes kept beside the stores (decode needs)."""
-    accumulated, window = False, 0
-    if not lp.decode.keeps_everything:
-        rule = registry.operator(lp.decode.rule)
-        accumulated = rule.signal == SIGNAL_ACCUMULATED
-        window = min(int(rule.query_window(lp.decode.params)), context_tokens)
-    out: dict[str, int | None] = {"positions": 8 * batch * Hkv * kept,
-                                  "accumulated": 4 * batch * Hkv * kept if accumulated else 0,
-                                  "query_window": 0}
-    if window:
-        out["query_window"] = None if heads is None else batch * int(heads) * window * d * dtype_bytes + 8 * window
+    """positions and the decode rule's state bytes kept beside the stores, by ``metadata_name``."""
+    out: dict[str, int | None] = {"positions": 8 * batch * Hkv * kept, "accumulated": 0, "query_window": 0}
+    if lp.decode.keeps_everything:
+        return out
+    state = registry.operator(lp.decode.rule)(**lp.decode.params).new_state()
+    for leaf in ([] if state is None else state.leaves()):
+        got = leaf.predict_bytes(batch=batch, kv_heads=Hkv, heads=heads, head_dim=d, tokens=kept,
+                                 context_tokens=context_tokens, dtype_bytes=dtype_bytes)
+        have = out.get(leaf.metadata_name, 0)
+        out[leaf.metadata_name] = None if got is None or have is None else have + int(got)
     return out
 
 
@@ -204,6 +263,8 @@ class MemoryReport:
     batch: int
     dtype_bytes: int
     phase: str
+    group_bounds: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=tuple)
+    """Per allocation group: (``allocator[first..last]``, most tokens per KV head over all its layers)."""
 
     @property
     def nominal_total(self) -> int:
@@ -246,7 +307,8 @@ class MemoryReport:
     def format_table(self) -> str:
         """A plain-text table: one line per layer, then totals and ratios."""
         head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
-        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits), f"{r.kept_tokens:,}",
+        body = [(str(r.layer), r.prefill, r.decode, str(r.k_bits), str(r.v_bits),
+                 ("<=" if r.bound else "") + f"{r.kept_tokens:,}",
                  f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
                  f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
                 for r in self.rows]
@@ -263,6 +325,11 @@ class MemoryReport:
         ]
         if not self.metadata_complete:
             lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
+        if any(r.bound for r in self.rows):
+            lines.append("<= an allocator decides these layers' budgets after prefill: each row is that layer's own "
+                         "bound, so the totals over-state the group (session.allocations() reports what was allocated)")
+        for name, tokens in self.group_bounds:
+            lines.append(f"allocation group {name}: at most {tokens:,} tokens per KV head over all its layers")
         return "\n".join(lines)
 
 
@@ -279,9 +346,17 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
     """
+    from polykv.registry import get_registry
+
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
                             registry=registry, phase=phase, num_heads=num_heads)
-    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase)
+    registry = registry if registry is not None else get_registry()
+    groups = []
+    for g in getattr(plan, "allocation", ()):
+        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
+    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
+                        group_bounds=groups)
 
 
 # -- what a budget counts ----------------------------------------------------------------------------

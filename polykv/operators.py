@@ -1,10 +1,14 @@
-"""Operator adapter contracts: retention rules and quantizers.
+"""Operator adapter contracts (v2): retention rules and quantizers.
 
 A *retention rule* decides which stored tokens a layer keeps. It never touches the model or the
-cache storage: the runtime hands it a :class:`SelectionContext` holding exactly the signal it
-declared, and the rule returns indices. A *quantizer* turns a layer's keys or values into a
-:class:`KVStore` (codes + scales) that supports append, gather-by-index without requantizing,
-dequantization, and an exact byte count that :mod:`polykv.memory` can predict ahead of time.
+cache storage: the runtime hands it a :class:`SelectionContext` and the rule returns a
+:class:`~polykv.selection.Selection` (kept columns per KV head, ragged counts allowed, an optional
+merge of evicted tokens into kept ones), or simply an index tensor. A rule that remembers
+something between forwards owns a :class:`~polykv.rule_state.RuleState` (:meth:`RetentionRule.new_state`).
+A *quantizer* turns a layer's keys or values into a :class:`KVStore` (codes + scales) that supports
+append, gather-by-index without requantizing, a write path for merges (requantizing only the
+groups it touches), dequantization, and an exact byte count that :mod:`polykv.memory` predicts.
+Budgets decided at run time come from allocators (:mod:`polykv.allocators`).
 
 Shapes: B batch, H query heads, Hkv key/value heads, G = H // Hkv, T stored tokens, d head dim.
 """
@@ -16,6 +20,9 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import attrs
 import torch
+
+from polykv.rule_state import AccumulatedAttention, QueryWindow, RuleState
+from polykv.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
 
 PHASES = ("prefill", "decode")
 
@@ -32,7 +39,12 @@ SIGNALS = (SIGNAL_NONE, SIGNAL_LAST_QUERY, SIGNAL_WINDOW, SIGNAL_ACCUMULATED, SI
 class SelectionContext:
     """Everything a rule may read when it selects tokens for one layer.
 
-    The runtime fills the fields the rule's ``signal`` needs; the rest may be None.
+    ``keys``, ``positions``, ``tokens_seen``, ``scaling`` and ``layer_idx``/``phase`` are always
+    set; ``state`` is the rule's own state (:meth:`RetentionRule.new_state`); ``queries`` /
+    ``query_positions`` and ``accumulated`` / ``query_counts`` are filled from the built-in helpers
+    :class:`~polykv.rule_state.QueryWindow` and :class:`~polykv.rule_state.AccumulatedAttention`
+    when the rule's state is (or contains) one. In a ragged layer storage is padded to the longest
+    head: ``valid`` marks real tokens, and padding columns sit before each head's tokens.
     """
 
     layer_idx: int
@@ -65,10 +77,23 @@ class SelectionContext:
     """Per-model data a rule needs (e.g. TriAttention query statistics), keyed by name."""
     generator: torch.Generator | None = None
     """Seeded generator for rules that draw random numbers."""
+    state: RuleState | None = None
+    """The rule's own state for this layer (None when the rule declares none)."""
+    valid: torch.Tensor | None = None
+    """[B, Hkv, T] bool: False on padding columns of a ragged layer; None when every column is a token."""
+    head_capacity: torch.Tensor | None = None
+    """[B, Hkv] int64 per-head budgets from a per-head allocator (``capacity`` is then their max), or None."""
 
     @property
     def num_kv_heads(self) -> int:
         return self.keys.shape[1]
+
+    def head_lengths(self) -> torch.Tensor:
+        """[B, Hkv] int64 tokens stored per head (all ``num_stored`` unless ragged)."""
+        B, H, T = self.positions.shape
+        if self.valid is None:
+            return torch.full((B, H), T, dtype=torch.long, device=self.positions.device)
+        return self.valid.sum(-1)
 
     @property
     def num_stored(self) -> int:
@@ -89,7 +114,7 @@ class SelectionContext:
         k = self.keys.float().unsqueeze(2).expand(B, Hkv, H // Hkv, self.num_stored, d).reshape(B, H, -1, d)
         logits = torch.matmul(q.float(), k.transpose(-1, -2)) * self.scaling  # (B, H, w, T)
         pos = self.positions.unsqueeze(2).expand(B, Hkv, H // Hkv, -1).reshape(B, H, 1, -1)
-        visible = pos <= qpos.view(1, 1, -1, 1).to(pos.device)
+        visible = (pos <= qpos.view(1, 1, -1, 1).to(pos.device)) & (pos >= 0)
         logits = logits.masked_fill(~visible, float("-inf"))
         return torch.softmax(logits, dim=-1)
 
@@ -99,7 +124,9 @@ class RetentionRule:
 
     Subclasses set the class attributes and implement :meth:`select` (or :meth:`score`, when
     deriving from :class:`ScoredRule`). Parameters are keyword arguments with the reference
-    defaults declared in ``defaults``; unknown parameters are an error.
+    defaults declared in ``defaults``; unknown parameters are an error. Plan validation builds
+    the rule (``cls(**params)``), so checks in ``__init__`` fail when a plan is loaded, naming the
+    file, layer and field.
     """
 
     name: ClassVar[str]
@@ -128,10 +155,25 @@ class RetentionRule:
             return int({**cls.defaults, **params}.get("window", 1))
         return 0
 
-    def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
-        """Indices of the tokens to keep: [B, Hkv, capacity] int64, ascending along the last dim.
+    def new_state(self) -> RuleState | None:
+        """The state this rule keeps per layer, or None. Called once per layer per new cache.
 
-        Called only when ``ctx.num_stored > capacity``.
+        The default builds the built-in helper the class's ``signal`` names: a
+        :class:`~polykv.rule_state.QueryWindow` of :meth:`query_window` queries, or
+        :class:`~polykv.rule_state.AccumulatedAttention`.
+        """
+        if self.signal == SIGNAL_ACCUMULATED:
+            return AccumulatedAttention()
+        w = self.query_window(self.params)
+        return QueryWindow(w) if w else None
+
+    def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
+        """The tokens to keep: a :class:`~polykv.selection.Selection`, or [B, Hkv, capacity] int64
+        indices ascending along the last dim (every head keeps ``capacity``).
+
+        A ragged Selection may give each head its own count; the layer's total (the sum of the
+        counts of a batch row) must not exceed ``capacity * Hkv``, and no head more than it stores.
+        Called only when some head stores more than ``capacity`` tokens.
         """
         raise NotImplementedError
 
@@ -150,27 +192,34 @@ class ScoredRule(RetentionRule):
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         return 0, 0
 
-    def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
+    def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
+        """Top ``capacity`` per head after protecting (n_first, n_last); per-head budgets and ragged
+        storage give a ragged Selection (each head keeps ``min(budget, stored)``)."""
         scores = self.score(ctx).float()
         B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
         scores = scores.expand(B, Hkv, T).clone()
         n_first, n_last = self.protected(ctx, capacity)
-        n_first, n_last = min(n_first, capacity), min(n_last, max(capacity - n_first, 0))
-        if n_first:
-            scores[..., :n_first] = math.inf
-        if n_last:
-            scores[..., T - n_last:] = math.inf
-        return top_k_sorted(scores, capacity)
-
-
-def top_k_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest scores along the last dim, ascending; ties keep the earlier token."""
-    T = scores.shape[-1]
-    # A tiny position-dependent tie-breaker makes selection deterministic across devices.
-    order = torch.arange(T, device=scores.device, dtype=torch.float64)
-    keyed = scores.double() - order * 1e-12 if scores.dtype != torch.float64 else scores - order * 1e-12
-    idx = torch.topk(keyed, k, dim=-1, sorted=False).indices
-    return torch.sort(idx, dim=-1).values
+        if ctx.valid is None and ctx.head_capacity is None:
+            n_first, n_last = min(n_first, capacity), min(n_last, max(capacity - n_first, 0))
+            if n_first:
+                scores[..., :n_first] = math.inf
+            if n_last:
+                scores[..., T - n_last:] = math.inf
+            return top_k_sorted(scores, capacity)
+        budget = ctx.head_capacity if ctx.head_capacity is not None else torch.full((B, Hkv), capacity)
+        counts = torch.minimum(budget.to(scores.device).long().expand(B, Hkv), ctx.head_lengths())
+        if ctx.valid is not None:
+            rank = ctx.valid.long().cumsum(-1) - 1                         # rank of a token within its head
+            lengths = ctx.valid.sum(-1, keepdim=True)
+        else:
+            rank = torch.arange(T, device=scores.device).expand(B, Hkv, T)
+            lengths = torch.full((B, Hkv, 1), T, device=scores.device)
+        first = torch.clamp(counts, max=n_first).unsqueeze(-1)
+        last = torch.minimum(torch.full_like(counts, n_last), (counts - first.squeeze(-1)).clamp_min(0)).unsqueeze(-1)
+        scores[(rank < first) | (rank >= lengths - last)] = math.inf
+        if ctx.valid is not None:
+            scores[~ctx.valid] = -math.inf
+        return ragged_top_k(scores, counts)
 
 
 # -- quantizers ----------------------------------------------------------------------------------
@@ -186,6 +235,18 @@ class KVStore:
         """Keep only tokens ``index`` [B, Hkv, k] (ascending); survivors keep their codes and scales."""
         raise NotImplementedError
 
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":
+        """Overwrite the tokens where ``mask`` [B, Hkv, T] (bool, storage order) is True with the
+        same columns of ``x`` [B, Hkv, T, d]. A quantized store re-encodes only the quantization
+        groups holding written tokens and says how many in the returned :class:`WriteCost`.
+        Optional: stores without it cannot serve merging rules (the runtime says so)."""
+        raise NotImplementedError(f"{type(self).__name__} has no write path; merging rules need one")
+
+    def split_heads(self) -> list["KVStore"]:
+        """One store per (batch row, KV head), row-major, holding that head's tokens without
+        re-encoding them. Optional: needed when a layer turns ragged after its stores were filled."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be split per head")
+
     def dequantize(self) -> torch.Tensor:
         """[B, Hkv, T, d] tensor in the compute dtype."""
         raise NotImplementedError
@@ -196,6 +257,24 @@ class KVStore:
     def resident_bytes(self) -> int:
         """Exact bytes held: codes + scales/zeros + full-precision residual (tensor storage only)."""
         raise NotImplementedError
+
+
+@attrs.define(frozen=True)
+class WriteCost:
+    """What one :meth:`KVStore.write` cost: tokens written, and tokens/groups re-encoded because of it.
+
+    ``tokens_requantized`` counts every stored token whose codes were recomputed (written tokens and
+    the other members of the groups they share); 0 for a full-precision store or residual writes.
+    """
+
+    tokens_written: int = 0
+    tokens_requantized: int = 0
+    groups_requantized: int = 0
+
+    def __add__(self, other: "WriteCost") -> "WriteCost":
+        return WriteCost(self.tokens_written + other.tokens_written,
+                         self.tokens_requantized + other.tokens_requantized,
+                         self.groups_requantized + other.groups_requantized)
 
 
 class Quantizer:

@@ -145,6 +145,26 @@ OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype")
 
 
 @attrs.define(frozen=True, kw_only=True)
+class AllocationGroup:
+    """Layers whose budgets an allocator decides at run time (see :mod:`polykv.allocators`).
+
+    The group's total budget is the sum of its layers' prefill capacities as planned (resolved
+    for the context); the allocator redistributes it after prefill. The allocated budget replaces
+    the capacity of each group layer's prefill op and, when it evicts, its decode op.
+    """
+
+    allocator: str
+    """Registered allocator name."""
+    layers: tuple[int, ...] = attrs.field(converter=tuple)
+    """Member layers, ascending; each has a prefill rule with a capacity."""
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """Allocator parameters; missing ones take its defaults."""
+
+    def describe(self) -> str:
+        return f"{self.allocator}[{self.layers[0]}..{self.layers[-1]}]" if self.layers else self.allocator
+
+
+@attrs.define(frozen=True, kw_only=True)
 class Plan:
     """A per-layer, per-phase compression plan."""
 
@@ -153,6 +173,15 @@ class Plan:
     trigger: TriggerSettings = TriggerSettings()
     provenance: Provenance = Provenance()
     schema_version: int = SCHEMA_VERSION
+    allocation: tuple[AllocationGroup, ...] = attrs.field(default=(), converter=tuple)
+    """Allocation groups (none in a plan whose capacities are all fixed)."""
+
+    def group_of(self, layer: int) -> AllocationGroup | None:
+        """The allocation group ``layer`` belongs to, or None."""
+        for g in self.allocation:
+            if layer in g.layers:
+                return g
+        return None
 
     @property
     def num_layers(self) -> int:

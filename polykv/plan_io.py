@@ -42,7 +42,9 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    return {
+    from polykv.plan_groups import groups_to_json
+
+    out = {
         "schema_version": plan.schema_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
@@ -50,6 +52,9 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
                        if v is not None or k not in OPTIONAL_PROVENANCE},
         "layers": [layer_dict(lp) for lp in plan.layers],
     }
+    if plan.allocation:
+        out["allocation"] = groups_to_json(plan.allocation)
+    return out
 
 
 def dumps(plan: Plan) -> str:
@@ -57,8 +62,9 @@ def dumps(plan: Plan) -> str:
     d = plan_dict(plan)
     enc = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)  # noqa: E731
     lines = ["{"]
-    for key in ("schema_version", "model", "trigger", "provenance"):
-        lines.append(f'  "{key}": {enc(d[key])},')
+    for key in ("schema_version", "model", "trigger", "provenance", "allocation"):
+        if key in d:
+            lines.append(f'  "{key}": {enc(d[key])},')
     lines.append('  "layers": [')
     rows = [f"    {enc(row)}" for row in d["layers"]]
     lines.append(",\n".join(rows))
@@ -153,7 +159,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
                field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", {"schema_version": True, "model": False, "trigger": False, "provenance": False,
-                    "layers": True})
+                    "layers": True, "allocation": False})
     model = _parse_model(r, raw.get("model"))
     trigger = _parse_trigger(r, raw.get("trigger"))
     prov = _parse_provenance(r, raw.get("provenance"))
@@ -164,7 +170,12 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
-    return Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version)
+    from polykv.plan_groups import check_groups, parse_groups
+
+    plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
+                allocation=parse_groups(r, raw.get("allocation")))
+    check_groups(plan, source=source)
+    return plan
 
 
 def _parse_model(r: _Reader, raw: Any) -> ModelInfo | None:
@@ -298,6 +309,9 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
+    from polykv.plan_groups import check_groups
+
+    check_groups(plan, source=source, registry=registry)
     if registry is not None:
         _validate_registry(plan, registry, source)
     if geometry is not None:

@@ -23,12 +23,13 @@ from polykv.errors import RegistryError
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
 DISABLE_ENV = "POLYKV_NO_PLUGINS"
-KINDS = ("operator", "quantizer", "solver", "task")
+KINDS = ("operator", "quantizer", "solver", "task", "allocator")
 _HOOK_FOR_KIND = {
     "operator": "register_operators",
     "quantizer": "register_quantizers",
     "solver": "register_solvers",
     "task": "register_tasks",
+    "allocator": "register_allocators",
 }
 DEFAULT_PLUGINS = (
     "polykv.adapters.rules",
@@ -50,7 +51,7 @@ class Entry:
 
 
 class Registry:
-    """All registered operators, quantizers, solvers and tasks, by kind and name."""
+    """All registered operators, quantizers, solvers, tasks and allocators, by kind and name."""
 
     def __init__(self, *, load_entry_points: bool | None = None):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -167,6 +168,9 @@ class Registry:
 
     def task(self, name: str):
         return self.get("task", name)
+
+    def allocator(self, name: str):
+        return self.get("allocator", name)
 
 
 def unknown_name_message(kind: str, name: str, available: list[str]) -> str:

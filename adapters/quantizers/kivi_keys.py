@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore
+from polykv.operators import KVStore, WriteCost
 from polykv.adapters.quantizers import minmax
 from polykv.adapters.quantizers.packing import pack, packed_width
-from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
+from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
+                                                own_copy)
 
 
 class KiviKeyStore(KVStore):
@@ -171,6 +172,61 @@ class KiviKeyStore(KVStore):
         source = torch.zeros(B, H, rows, dtype=torch.long, device=ids.device).scatter_(2, new_ids, ids)
         # Rows past a head's own count repeat row 0's source: padding, never read by that head.
         return new_ids.to(torch.int32), gather_tokens(scale, source), gather_tokens(zero, source)
+
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
+        """Overwrite the tokens where ``mask`` [B, Hkv, T] is True with ``x`` [B, Hkv, T, d].
+
+        Keys are quantized per channel over groups of tokens, so every group row holding a written
+        quantized token is re-encoded: its scale and minimum are recomputed from the members' new
+        values (written ones) and dequantized values (the others), and every member's codes are
+        recomputed. Untouched groups keep their codes; residual tokens are replaced in full precision.
+        """
+        B, H, d = self._shape
+        check_write(mask, x, (B, H, len(self), d), "kivi keys")
+        Tq = self.num_quantized
+        mq, mr = mask[..., :Tq], mask[..., Tq:]
+        members = rows = 0
+        if bool(mq.any()):
+            ids = self.token_group_ids()                                              # (B, H, Tq)
+            new = torch.where(mq.unsqueeze(-1), x[:, :, :Tq].float(), self.dequantize()[:, :, :Tq].float())
+            n_rows = self.scale.shape[2]
+            row_hit = torch.zeros(B, H, n_rows, dtype=torch.long, device=self.device).scatter_add_(2, ids, mq.long()) > 0
+            member_hit = row_hit.gather(2, ids)                                       # (B, H, Tq)
+            at = ids.unsqueeze(-1).expand(B, H, Tq, d)
+            inf = torch.full((B, H, n_rows, d), float("inf"), device=self.device)
+            mn = inf.scatter_reduce(2, at, new, "amin")
+            mx = (-inf).scatter_reduce(2, at, new, "amax")
+            pscale, pzero = minmax.group_params(mn.masked_fill(~row_hit.unsqueeze(-1), 0.0),
+                                                mx.masked_fill(~row_hit.unsqueeze(-1), 0.0), self.bits, self.dtype)
+            self.scale = torch.where(row_hit.unsqueeze(-1), pscale, self.scale)
+            self.zero = torch.where(row_hit.unsqueeze(-1), pzero, self.zero)
+            q = minmax.encode(new, gather_tokens(self.scale, ids), gather_tokens(self.zero, ids), self.bits)
+            self.codes = torch.where(member_hit.unsqueeze(-1), pack(q, self.bits), self.codes)
+            members, rows = int(member_hit.sum()), int(row_hit.sum())
+        self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
+        return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=members, groups_requantized=rows * d)
+
+    def split_heads(self) -> list["KiviKeyStore"]:
+        """One store per (batch row, KV head), row-major, keeping that head's codes (no requantization).
+
+        Group rows a head does not use (padding of a per-head compaction) are dropped.
+        """
+        B, H, d = self._shape
+        ids = self.token_group_ids() if self.group_ids is not None else None
+        out = []
+        for b in range(B):
+            for h in range(H):
+                s = KiviKeyStore(bits=self.bits, group_size=self.group_size, residual=self.residual_len,
+                                 dtype=self.dtype, device=self.device)
+                s._shape = (1, 1, d)
+                s.codes, s.residual = (t[b:b + 1, h:h + 1].clone() for t in (self.codes, self.residual))
+                scale, zero = self.scale[b:b + 1, h:h + 1], self.zero[b:b + 1, h:h + 1]
+                if ids is None:
+                    s.group_ids, s.scale, s.zero = None, scale.clone(), zero.clone()
+                else:
+                    s.group_ids, s.scale, s.zero = s._compact(ids[b:b + 1, h:h + 1], scale, zero)
+                out.append(s)
+        return out
 
     def resident_bytes(self) -> int:
         return held_bytes(self.codes, self.scale, self.zero, self.group_ids, self.residual)

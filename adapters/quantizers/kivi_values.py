@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore
+from polykv.operators import KVStore, WriteCost
 from polykv.adapters.quantizers import minmax
 from polykv.adapters.quantizers.packing import pack, packed_width
-from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
+from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
+                                                own_copy)
 
 
 class KiviValueStore(KVStore):
@@ -120,6 +121,39 @@ class KiviValueStore(KVStore):
             codes, scale, zero = self.codes, self.scale, self.zero
         self.codes, self.scale, self.zero = codes, scale, zero
         self.residual = gather_tokens(self.residual, ir)
+
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
+        """Overwrite the tokens where ``mask`` [B, Hkv, T] is True with ``x`` [B, Hkv, T, d].
+
+        Values are quantized per token, so a written quantized token re-encodes only its own
+        ``d / G`` groups; residual tokens are replaced in full precision.
+        """
+        B, H, d = self._shape
+        check_write(mask, x, (B, H, len(self), d), "kivi values")
+        Tq = self.num_quantized
+        mq, mr = mask[..., :Tq], mask[..., Tq:]
+        n = int(mq.sum())
+        if n:
+            b, h, t = mq.nonzero(as_tuple=True)                      # only the written tokens are encoded
+            codes, scale, zero = self._quantize(x[b, h, t].view(1, 1, n, d))
+            self.codes[b, h, t], self.scale[b, h, t], self.zero[b, h, t] = codes[0, 0], scale[0, 0], zero[0, 0]
+        self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
+        return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=n,
+                         groups_requantized=n * (d // self.group_size))
+
+    def split_heads(self) -> list["KiviValueStore"]:
+        """One store per (batch row, KV head), row-major, keeping that head's codes (no requantization)."""
+        B, H, d = self._shape
+        out = []
+        for b in range(B):
+            for h in range(H):
+                s = KiviValueStore(bits=self.bits, group_size=self.group_size, residual=self.residual_len,
+                                   dtype=self.dtype, device=self.device)
+                s._shape = (1, 1, d)
+                s.codes, s.scale, s.zero, s.residual = (t[b:b + 1, h:h + 1].clone() for t in
+                                                        (self.codes, self.scale, self.zero, self.residual))
+                out.append(s)
+        return out
 
     def resident_bytes(self) -> int:
         return held_bytes(self.codes, self.scale, self.zero, self.residual)

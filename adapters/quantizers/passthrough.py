@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore
-from polykv.adapters.quantizers.storage import check_chunk, check_index, gather_tokens, held_bytes, own_copy
+from polykv.operators import KVStore, WriteCost
+from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
+                                                own_copy)
 
 
 class PassthroughStore(KVStore):
@@ -68,6 +69,24 @@ class PassthroughStore(KVStore):
         kept = gather_tokens(data, index)
         self._chunks = [kept] if kept.shape[2] else []
         self._len = kept.shape[2]
+
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
+        """Overwrite the tokens where ``mask`` [B, Hkv, T] is True with ``x`` [B, Hkv, T, d] (nothing to requantize)."""
+        data = self._data()
+        check_write(mask, x, data.shape, "passthrough store")
+        self._chunks = [torch.where(mask.unsqueeze(-1), x.to(self.dtype), data)] if self._len else []
+        return WriteCost(tokens_written=int(mask.sum()))
+
+    def split_heads(self) -> list["PassthroughStore"]:
+        """One store per (batch row, KV head), row-major, holding that head's tokens (copies)."""
+        data = self._data()
+        out = []
+        for b in range(data.shape[0]):
+            for h in range(data.shape[1]):
+                s = PassthroughStore(dtype=self.dtype, device=self.device)
+                s.append(data[b:b + 1, h:h + 1])
+                out.append(s)
+        return out
 
     def resident_bytes(self) -> int:
         return held_bytes(*self._chunks)

@@ -65,3 +65,12 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, c] at index [B, H, k] along the token dim -> a new [B, H, k, c] tensor."""
     B, H, _, c = x.shape
     return torch.gather(x, 2, index.unsqueeze(-1).expand(B, H, index.shape[2], c))
+
+
+def check_write(mask: torch.Tensor, x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    """Check a write: ``mask`` [B, Hkv, T] bool and ``x`` [B, Hkv, T, d] matching the stored [B, Hkv, T, d]."""
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape[:3]):
+        raise ValueError(f"{what}: write expects a bool mask of shape {tuple(shape[:3])}, got {tuple(mask.shape)} "
+                         f"{mask.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{what}: write expects values of shape {tuple(shape)}, got {tuple(x.shape)}")

@@ -1,9 +1,15 @@
 """Built-in retention rules, registered through the same hook a third-party plugin uses."""
 
+from polykv.adapters.rules.adakv import AdaKVRule
+from polykv.adapters.rules.cake import CAKEAllocator, CAKERule
+from polykv.adapters.rules.cam import CaMRule
+from polykv.adapters.rules.d2o import D2OAllocator, D2ORule
 from polykv.adapters.rules.full import FullRule
 from polykv.adapters.rules.h2o import H2ORule
 from polykv.adapters.rules.key_norm import KeyNormRule
+from polykv.adapters.rules.pyramidkv import PyramidKVAllocator, PyramidKVRule
 from polykv.adapters.rules.random_rule import RandomRule
+from polykv.adapters.rules.scissorhands import ScissorhandsRule
 from polykv.adapters.rules.snapkv import SnapKVRule
 from polykv.adapters.rules.streamingllm import StreamingLLMRule
 from polykv.adapters.rules.tova import TOVARule
@@ -11,10 +17,17 @@ from polykv.adapters.rules.triattention import TriAttentionRule
 from polykv.hookspecs import hookimpl
 
 RULES: tuple = (FullRule, StreamingLLMRule, H2ORule, SnapKVRule, TOVARule, TriAttentionRule, RandomRule,
-                KeyNormRule)
+                KeyNormRule, PyramidKVRule, CAKERule, ScissorhandsRule, AdaKVRule, CaMRule, D2ORule)
+ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator)
 
 
 @hookimpl
 def register_operators(register):
     for rule in RULES:
         register(rule)
+
+
+@hookimpl
+def register_allocators(register):
+    for allocator in ALLOCATORS:
+        register(allocator)

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from polykv.profiling.capture import LayerCapture
-from polykv.profiling.sensitivity import LayerContext, followup_output, gather_tokens, select_prefix
+from polykv.profiling.sensitivity import LayerContext, PrefixRun, followup_through_storage, full_reference
 from polykv.runtime.signals import lower_right_causal
 
 STAT_CAPACITY = 256
@@ -57,16 +57,12 @@ def rule_cosines(cap: LayerCapture, prefix: int, rules: Sequence[str], ctx: Laye
     if capacity >= prefix:
         raise ValueError(f"layer {cap.layer_idx}: the statistics capacity ({capacity}) must be below the prefix "
                          f"length ({prefix}) or every rule keeps everything; lengthen the calibration sequences")
-    ref = reference if reference is not None else followup_output(cap, prefix, cap.key, cap.value)
+    ref = reference if reference is not None else full_reference(cap, prefix)
     full = mean_hidden(cap, ref)
-    k_follow, v_follow = cap.key[:, :, prefix:], cap.value[:, :, prefix:]
-    acc: dict = {}
     out = []
     for rule in rules:
-        idx = select_prefix(cap, prefix, rule, {}, capacity, ctx, _acc=acc)
-        keys = torch.cat([gather_tokens(cap.key[:, :, :prefix], idx), k_follow], dim=2)
-        vals = torch.cat([gather_tokens(cap.value[:, :, :prefix], idx), v_follow], dim=2)
-        out.append(cosine(full, mean_hidden(cap, followup_output(cap, prefix, keys, vals))))
+        kept = PrefixRun(cap, prefix, rule, {}, ctx).select(capacity)
+        out.append(cosine(full, mean_hidden(cap, followup_through_storage(cap, prefix, kept, 16, 16, ctx))))
     return out
 
 

@@ -1,21 +1,23 @@
 """Layer-local sensitivity: MoE-nD's relative L2 error of one layer's attention output under a config.
 
 For a captured sequence of T tokens split into a *prefix* of P tokens and F = T - P *follow-up*
-tokens, a config (rule, keep, K bits, V bits) is applied to the layer exactly as the runtime would
-after a P-token prefill followed by F more tokens:
+tokens, a config (rule, keep, K bits, V bits) is applied to the layer exactly as the runtime applies
+it after a P-token prefill followed by F more tokens, through the runtime's own code:
 
-1. the rule's ``select`` keeps ``capacity = ceil(keep * P)`` prefix tokens per KV head, from a
-   :class:`~polykv.operators.SelectionContext` built as the runtime builds it at the end of prefill
-   (the last ``w`` prefix queries, accumulated prefix attention, RoPE frequencies, ``model_data``, a
-   seeded generator);
-2. the kept prefix K/V are appended to fresh key and value stores of the quantizer (kivi by
-   default; 16 bits is the passthrough store), then the follow-up K/V are appended, and the stores
-   are dequantized;
-3. the F follow-up queries attend, causally, to the compressed prefix plus the follow-up tokens.
+1. a one-layer :class:`~polykv.runtime.cache.PlanCache` takes the prefix K/V (``update``) and its
+   queries (``after_attention``), so the rule's state observes the prefix as in a real prefill;
+2. the runtime's prefill selection (:meth:`LayerCache.select_prompt`) runs the rule with
+   ``capacity = ceil(keep * P)`` (ragged heads and merges included, checked as the runtime checks
+   them) from a seeded generator;
+3. the selected prefix fills a :class:`~polykv.runtime.storage.LayerStorage` of the config's widths
+   (the quantizer's stores; 16 bits is passthrough), the follow-up K/V are appended, and the F
+   follow-up queries attend the stored view with the runtime's attention (:func:`runtime.attention.sdpa`,
+   padding of ragged heads masked).
 
+Any registered rule, third-party included, is therefore profiled without re-implementation.
 Error: ``||o_c - o_full||_F / ||o_full||_F`` over the layer's attention output (before ``o_proj``)
-of the follow-up queries, [1, H, F, d], against full precision and no eviction. A selection is
-reused across every (K, V) width pair, and each quantized stream is computed once per width.
+of the follow-up queries, [B, H, F, d], against full precision and no eviction. A rule's prefix
+observation is shared by every capacity, and a selection by every (K, V) width pair.
 
 Several sequences of one length are processed together as batch rows (B); the error is the mean of
 the per-sequence relative errors.
@@ -26,23 +28,20 @@ KV heads, P prefix, F follow-up, C kept prefix tokens, d head dim.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from polykv.operators import SelectionContext
-from polykv.plan import PASSTHROUGH_BITS
+from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
-from polykv.runtime.signals import attention_column_sums, lower_right_causal
-from polykv.runtime.stores import passthrough_store
-
-FULL_SELECTION = None
-"""Selection marker for keep 1.0: every prefix token stays."""
-
+from polykv.runtime.attention import sdpa
+from polykv.runtime.cache import LayerSpec, PlanCache
+from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.runtime.stores import new_store
 
 @attrs.define(kw_only=True)
 class LayerContext:
@@ -52,6 +51,8 @@ class LayerContext:
     """Registry the rules and the quantizer come from."""
     quantizer: Any
     """Quantizer object (``registry.quantizer("kivi")(**params)``) for widths below 16."""
+    quantizer_name: str = attrs.field(default=attrs.Factory(lambda self: self.quantizer.name, takes_self=True))
+    """Its registered name (the plan layer's ``quantizer``)."""
     model_data: Mapping[str, Any] = attrs.field(factory=dict)
     """Per-model data of rules (``{"triattention": QueryStats}``)."""
     rope_inv_freq: torch.Tensor | None = None
@@ -69,91 +70,50 @@ def derived_seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def select_prefix(cap: LayerCapture, prefix: int, rule_name: str, params: Mapping[str, Any], capacity: int,
-                  ctx: LayerContext, *, _acc: dict | None = None) -> torch.Tensor:
-    """Indices [B, Hkv, capacity] of the prefix tokens ``rule_name`` keeps, as the runtime selects them.
+class PrefixRun:
+    """One rule's prefill over a captured prefix, ready to select at any capacity (runtime code throughout)."""
 
-    ``_acc`` caches the prefix's accumulated attention between calls on the same capture.
-    """
-    rule_cls = ctx.registry.operator(rule_name)
-    rule = rule_cls(**params)
-    k, v, q = cap.key[:, :, :prefix], cap.value[:, :, :prefix], cap.query[:, :, :prefix]
-    B, Hkv, P, _ = k.shape
-    positions = torch.arange(P, device=k.device).view(1, 1, P).expand(B, Hkv, P)
-    w = min(int(rule_cls.query_window(rule.params)), P)
-    acc = counts = None
-    if rule_cls.signal == "accumulated_attention":
-        if _acc is not None and "acc" in _acc:
-            acc = _acc["acc"]
-        else:
-            acc = attention_column_sums(q, k, cap.scaling)                       # (B, Hkv, P)
-            if _acc is not None:
-                _acc["acc"] = acc
-        counts = P - positions
-    gen = torch.Generator(device=k.device)
-    gen.manual_seed(derived_seed(ctx.seed, cap.layer_idx, rule_name, capacity))
-    sel = SelectionContext(
-        layer_idx=cap.layer_idx, phase="prefill", keys=k, positions=positions, tokens_seen=P, scaling=cap.scaling,
-        queries=q[:, :, P - w:] if w else None,
-        query_positions=torch.arange(P - w, P, device=k.device) if w else None,
-        values=v if rule.needs_values else None, accumulated=acc, query_counts=counts,
-        rope_inv_freq=None if ctx.rope_inv_freq is None else ctx.rope_inv_freq.to(k.device),
-        rope_scaling=ctx.rope_scaling, model_data=ctx.model_data, generator=gen)
-    idx = rule.select(sel, capacity)
-    if tuple(idx.shape) != (B, Hkv, capacity):
-        raise ValueError(f"layer {cap.layer_idx}: rule '{rule_name}' returned indices of shape {tuple(idx.shape)}, "
-                         f"expected {(B, Hkv, capacity)} (fix the rule's select())")
-    return idx
+    def __init__(self, cap: LayerCapture, prefix: int, rule_name: str, params: Mapping[str, Any], ctx: LayerContext):
+        self.cap, self.prefix, self.rule_name, self.ctx = cap, prefix, rule_name, ctx
+        op = OpSpec(rule=rule_name, capacity=1, params=dict(params))
+        lp = LayerPlan(layer=cap.layer_idx, prefill=op, decode=FULL_OP)
+        rule = ctx.registry.operator(rule_name)(**params)
+        inv = None if ctx.rope_inv_freq is None else ctx.rope_inv_freq.to(cap.key.device)
+        self.cache = PlanCache(specs=[LayerSpec(plan=lp, prefill_rule=rule)], registry=ctx.registry, decode_slack=1,
+                               rope_inv_freq=inv, rope_scaling=ctx.rope_scaling, model_data=ctx.model_data,
+                               generator=None)
+        self.cache.prefill_continues = True               # observe now, select per capacity later
+        layer = self.layer = self.cache.layers[0]
+        layer.update(cap.key[:, :, :prefix], cap.value[:, :, :prefix])
+        layer.after_attention(cap.query[:, :, :prefix], cap.scaling)
+        self._raw, self._states = layer._raw, layer.states
+
+    def select(self, capacity: int) -> StorageView:
+        """The prefix as the runtime stores it after selecting ``capacity`` tokens per head (merges applied)."""
+        layer = self.layer
+        layer._raw, layer.states = self._raw, copy.deepcopy(self._states)
+        gen = torch.Generator(device=self.cap.key.device)
+        gen.manual_seed(derived_seed(self.ctx.seed, self.cap.layer_idx, self.rule_name, capacity))
+        self.cache.generator = gen
+        layer.select_prompt(capacity)
+        return layer._raw
 
 
-def gather_tokens(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """x [B, Hkv, P, d], idx [B, Hkv, C] (or None = all) -> [B, Hkv, C, d]."""
-    if idx is None:
-        return x
-    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
-
-
-def stored_stream(prefix_kept: torch.Tensor, follow: torch.Tensor, stream: str, bits: int,
-                  quantizer: Any) -> torch.Tensor:
-    """What a store of ``bits`` returns after the kept prefix, then the follow-up tokens, are appended.
-
-    Parameters
-    ----------
-    prefix_kept : [B, Hkv, C, d]
-    follow : [B, Hkv, F, d]
-
-    Returns
-    -------
-    [B, Hkv, C + F, d] dequantized tensor in the inputs' dtype.
-    """
-    kw = dict(dtype=prefix_kept.dtype, device=prefix_kept.device)
-    store = passthrough_store(**kw) if bits == PASSTHROUGH_BITS else quantizer.new_store(stream, bits, **kw)
-    store.append(prefix_kept)
-    store.append(follow)
-    return store.dequantize()
-
-
-def followup_output(cap: LayerCapture, prefix: int, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention output [B, H, F, d] of the follow-up queries over ``keys``/``values`` [B, Hkv, C + F, d].
-
-    ``mask`` is :func:`followup_mask` for these shapes (built here when not given); attention runs in
-    SDPA with the G query heads of each KV head folded into the query axis, as in the runtime.
-    """
-    q = cap.query[:, :, prefix:]                                                # (B, H, F, d)
-    B, H, Fq, d = q.shape
-    Hkv, K = keys.shape[1], keys.shape[2]
-    if mask is None:
-        mask = followup_mask(Fq, K, H // Hkv, q.device)
-    qg = q.reshape(B, Hkv, (H // Hkv) * Fq, d)                                  # (B, Hkv, G*F, d)
-    out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                         scale=cap.scaling)
-    return out.view(B, H, Fq, -1)
-
-
-def followup_mask(follow: int, keys: int, group: int, device: torch.device) -> torch.Tensor:
-    """[G*F, K] bool: the F follow-up queries are the last F of the K keys, repeated for G heads."""
-    return lower_right_causal(follow, keys, device).repeat(group, 1)
+def followup_through_storage(cap: LayerCapture, prefix: int, kept: StorageView, k_bits: int, v_bits: int,
+                             ctx: LayerContext) -> torch.Tensor:
+    """[B, H, F, d] attention of the follow-up queries over ``kept`` stored at (``k_bits``, ``v_bits``),
+    then the follow-up tokens appended: the runtime's storage and attention."""
+    lp = LayerPlan(layer=cap.layer_idx, k_bits=k_bits, v_bits=v_bits, quantizer=ctx.quantizer_name,
+                   quantizer_params=dict(ctx.quantizer.params))
+    dtype, device = cap.key.dtype, cap.key.device
+    storage = LayerStorage(lambda stream: new_store(ctx.registry, lp, stream, dtype=dtype, device=device))
+    storage.fill(kept.keys, kept.values, kept.positions, None if kept.valid is None else kept.valid.sum(-1))
+    B, Hkv, T, _ = cap.key.shape
+    pos = torch.arange(prefix, T, device=device).view(1, 1, -1).expand(B, Hkv, T - prefix)
+    storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], pos)
+    view = storage.view()
+    q = cap.query[:, :, prefix:]
+    return sdpa(q, view.keys.to(q.dtype), view.values.to(q.dtype), cap.scaling, view.valid)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor, ref_norm: torch.Tensor | None = None) -> float:
@@ -169,12 +129,10 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=-1).double()
 
 
-def _selection_key(c: CandidateConfig, prefix: int) -> tuple:
-    if c.keeps_everything:
-        return (FULL_RULE, prefix, "{}")
-    import json
-
-    return (c.rule, tokens_for_keep(c.keep, prefix), json.dumps(c.params, sort_keys=True))
+def _whole_prefix(cap: LayerCapture, prefix: int) -> StorageView:
+    B, Hkv = cap.key.shape[:2]
+    pos = torch.arange(prefix, device=cap.key.device).view(1, 1, prefix).expand(B, Hkv, prefix)
+    return StorageView(keys=cap.key[:, :, :prefix], values=cap.value[:, :, :prefix], positions=pos, valid=None)
 
 
 @torch.no_grad()
@@ -184,37 +142,35 @@ def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig],
 
     The capture may hold B sequences of one length (batch rows); the error is the mean over rows.
     """
+    import json
+
     T = cap.num_tokens
     if not 0 < prefix < T:
         raise ValueError(f"layer {cap.layer_idx}: prefix {prefix} must lie strictly inside the {T}-token sequence")
-    k_follow, v_follow = cap.key[:, :, prefix:], cap.value[:, :, prefix:]
     ref = reference if reference is not None else full_reference(cap, prefix)
-    groups: dict[tuple, list[int]] = {}
-    for i, c in enumerate(configs):
-        groups.setdefault(_selection_key(c, prefix), []).append(i)
-    out = [float("nan")] * len(configs)
-    acc_cache: dict = {}
     ref_norm = _row_norms(ref)
-    G, Fq = cap.query.shape[1] // cap.key.shape[1], T - prefix
-    for (rule, capacity, _), members in groups.items():
-        c0 = configs[members[0]]
-        idx = FULL_SELECTION if rule == FULL_RULE or capacity >= prefix else select_prefix(
-            cap, prefix, rule, c0.params, capacity, ctx, _acc=acc_cache)
-        k_kept, v_kept = gather_tokens(cap.key[:, :, :prefix], idx), gather_tokens(cap.value[:, :, :prefix], idx)
-        mask = followup_mask(Fq, k_kept.shape[2] + Fq, G, k_kept.device)
-        keys: dict[int, torch.Tensor] = {}
-        vals: dict[int, torch.Tensor] = {}
-        for i in members:
-            c = configs[i]
-            if c.k_bits not in keys:
-                keys[c.k_bits] = stored_stream(k_kept, k_follow, "key", c.k_bits, ctx.quantizer)
-            if c.v_bits not in vals:
-                vals[c.v_bits] = stored_stream(v_kept, v_follow, "value", c.v_bits, ctx.quantizer)
-            o = followup_output(cap, prefix, keys[c.k_bits], vals[c.v_bits], mask)
-            out[i] = relative_error(o, ref, ref_norm)
+    out = [float("nan")] * len(configs)
+    runs: dict[tuple, PrefixRun] = {}
+    selections: dict[tuple, StorageView] = {}
+    for i, c in enumerate(configs):
+        capacity = prefix if c.keeps_everything else tokens_for_keep(c.keep, prefix)
+        if c.keeps_everything or capacity >= prefix:
+            key = (FULL_RULE,)
+            if key not in selections:
+                selections[key] = _whole_prefix(cap, prefix)
+        else:
+            rule_key = (c.rule, json.dumps(c.params, sort_keys=True))
+            key = rule_key + (capacity,)
+            if key not in selections:
+                if rule_key not in runs:
+                    runs[rule_key] = PrefixRun(cap, prefix, c.rule, c.params, ctx)
+                selections[key] = runs[rule_key].select(capacity)
+        o = followup_through_storage(cap, prefix, selections[key], c.k_bits, c.v_bits, ctx)
+        out[i] = relative_error(o, ref, ref_norm)
     return out
 
 
 def full_reference(cap: LayerCapture, prefix: int) -> torch.Tensor:
     """[B, H, F, d] follow-up attention output with every token at full precision."""
-    return followup_output(cap, prefix, cap.key, cap.value)
+    q = cap.query[:, :, prefix:]
+    return sdpa(q, cap.key.to(q.dtype), cap.value.to(q.dtype), cap.scaling)

@@ -35,17 +35,26 @@ def unbind(module: torch.nn.Module) -> None:
     _BOUND.pop(module, None)
 
 
-def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+         valid: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last q positions over K keys: [B, H, q, d].
 
     Parameters
     ----------
     query : [B, H, q, d]
     key, value : [B, Hkv, K, d], K >= q, the q new tokens last.
+    valid : [B, Hkv, K] bool, optional
+        False on the padding columns of a ragged layer (heads holding fewer tokens than the longest,
+        padded at the front); those columns are never attended.
     """
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
+    if valid is not None:
+        qg = query.reshape(B, Hkv, G * q, d)                                      # (B, Hkv, G*q, d)
+        mask = lower_right_causal(q, K, query.device).repeat(G, 1) & valid.unsqueeze(2)  # (B, Hkv, G*q, K)
+        out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
+        return out.view(B, H, q, -1)
     if q == K:
         # No stored tokens: plain causal attention.
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=G > 1)
@@ -83,7 +92,7 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
                                  f"eval mode; this model asks for {what} (call model.eval(), or use another model)")
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    out = sdpa(query, key, value, scaling)
+    out = sdpa(query, key, value, scaling, layer.attend_valid())
     layer.after_attention(query, scaling)
     return out.transpose(1, 2).contiguous(), None
 

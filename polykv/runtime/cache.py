@@ -1,16 +1,21 @@
 """The plan-driven KV cache: one :class:`LayerCache` per decoder layer inside a transformers ``Cache``.
 
-Each layer holds a key store and a value store (:class:`~polykv.operators.KVStore`), the original
-position of every stored token per KV head, its rule objects and its signals. A forward runs in two
-halves: ``update`` (called by the model right after RoPE) hands the attention function the keys and
-values to attend; :meth:`LayerCache.after_attention` (called by the attention function) records
-signals, then selects and stores (prefill) or evicts (decode).
+Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
+original position of every stored token, uniform or ragged across KV heads), its rule objects and
+their states (:mod:`polykv.rule_state`). A forward runs in two halves: ``update`` (called by the
+model right after RoPE) hands the attention function the keys and values to attend (and, for a
+ragged layer, which columns are padding); :meth:`LayerCache.after_attention` (called by the
+attention function) lets every state observe the forward, then selects and stores (prefill) or
+evicts (decode).
 
 Prefill (the first forward on an empty cache, or every chunk of :meth:`Session.prefill`): attention
-runs on the raw prompt K/V; after the last chunk the prefill rule keeps ``capacity`` tokens and only
-those are appended to the stores (quantization happens after eviction). Decode (every later forward,
-one token or many): append to the stores, attend, then evict back to capacity with the decode rule
-when storage exceeds capacity + ``decode_slack``.
+runs on the raw prompt K/V; after the last chunk the prefill rule selects (merging, when its
+selection says so, in full precision) and only the survivors are appended to the stores
+(quantization happens after eviction and merging). A layer in an allocation group waits for its
+allocator (:mod:`polykv.runtime.allocation`). Decode (every later forward, one token or many):
+append to the stores, attend, then evict with the decode rule once some head stores more than its
+capacity + ``decode_slack``; a merge is written into the stores (:meth:`KVStore.write`) before the
+gather.
 
 Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, q new tokens, d head dim.
 """
@@ -25,8 +30,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext
-from polykv.plan import LayerPlan, OpSpec
-from polykv.runtime.signals import SignalNeeds, SignalState
+from polykv.plan import LayerPlan
+from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
+from polykv.runtime.selection_check import checked_selection
+from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.runtime.stores import new_store
 
 
@@ -39,10 +46,15 @@ class LayerSpec:
     """Rule object of the prefill op, or None for ``full``."""
     decode_rule: Any = None
     """Rule object of the decode op, or None for ``full``."""
-    prefill_needs: SignalNeeds = SignalNeeds()
-    """Signals tracked during prefill (both rules' needs: decode scores start from the prompt)."""
-    decode_needs: SignalNeeds = SignalNeeds()
-    """Signals tracked after prefill (the decode rule's needs only)."""
+
+
+def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
+    """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
+    pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
+    dec = spec.decode_rule.new_state() if spec.decode_rule is not None else None
+    if pre is not None and dec is not None and pre.share_key is not None and pre.share_key == dec.share_key:
+        dec = pre
+    return {"prefill": pre, "decode": dec}
 
 
 class LayerCache(CacheLayerMixin):
@@ -59,12 +71,20 @@ class LayerCache(CacheLayerMixin):
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
-        self.key_store = self.value_store = None
-        self.positions: torch.Tensor | None = None
-        """[B, Hkv, T] int64 original positions of the stored tokens (or of the raw prompt in prefill)."""
-        self.signals = SignalState(needs=spec.prefill_needs)
-        self._raw_k = self._raw_v = None          # [B, Hkv, T, d] prompt K/V before selection
-        self._attend_k = self._attend_v = None    # what ``update`` returned for this forward
+        self.storage = LayerStorage(self._new_store)
+        self.states = new_rule_states(spec)
+        """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
+        self.extra_states: list = []
+        """More states observing this layer (an allocator's, a prefill capture's)."""
+        self.budget: int | torch.Tensor | None = None
+        """Capacity an allocator gave this layer: tokens per head, or [Hkv] per head; None = the plan's."""
+        self.scaling: float | None = None
+        self._raw: StorageView | None = None      # the prompt (or its selection) before storage
+        self._view: StorageView | None = None     # what ``update`` returned for this forward
+
+    def _new_store(self, stream: str):
+        return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
+                         storage_dtype=self.owner.storage_dtype)
 
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -75,7 +95,34 @@ class LayerCache(CacheLayerMixin):
         return self.tokens_seen
 
     def num_stored(self) -> int:
-        return 0 if self.positions is None else int(self.positions.shape[-1])
+        """Stored tokens of the longest head (the raw prompt during prefill)."""
+        if self._raw is not None:
+            return int(self._raw.positions.shape[-1])
+        return 0 if self.storage.shape is None else self.storage.width()
+
+    def head_counts(self) -> torch.Tensor:
+        """[B, Hkv] int64 tokens stored per head."""
+        if self._raw is not None:
+            B, H, T = self._raw.positions.shape
+            return torch.full((B, H), T) if self._raw.valid is None else self._raw.valid.sum(-1).cpu()
+        return self.storage.counts()
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[B, Hkv, T] int64 original positions of the stored tokens (-1 on ragged padding)."""
+        if self._raw is not None:
+            return self._raw.positions
+        if self.storage.shape is None:
+            return None
+        return self.storage.positions if not self.storage.ragged else self.storage.view().positions
+
+    @property
+    def key_store(self):
+        return self.storage.key_store
+
+    @property
+    def value_store(self):
+        return self.storage.value_store
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_stored() + query_length, 0
@@ -86,6 +133,14 @@ class LayerCache(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(layer_idx=self.layer_idx, spec=self.spec, owner=self.owner)
 
+    @property
+    def _attend_k(self):
+        return None if self._view is None else self._view.keys
+
+    def attend_valid(self) -> torch.Tensor | None:
+        """[B, Hkv, K] bool padding mask of this forward's keys (None when no head is padded)."""
+        return None if self._view is None else self._view.valid
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take the q new post-RoPE keys/values [B, Hkv, q, d]; return the K/V to attend."""
         if not self.is_initialized:
@@ -93,105 +148,161 @@ class LayerCache(CacheLayerMixin):
         B, Hkv, q, _ = key_states.shape
         pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
         pos = pos.view(1, 1, q).expand(B, Hkv, q)
-        if self.positions is not None and self.positions.shape[0] != B:
-            raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {self.positions.shape[0]} "
+        have = self._raw.positions.shape[0] if self._raw is not None else (self.storage.shape or (B,))[0]
+        if have != B:
+            raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {have} "
                                      f"but this forward has {B}; start a new cache with session.new_cache()")
-        self.positions = pos.contiguous() if self.positions is None else torch.cat([self.positions, pos], dim=-1)
         if not self.prefilled:
-            self._raw_k = key_states if self._raw_k is None else torch.cat([self._raw_k, key_states], dim=2)
-            self._raw_v = value_states if self._raw_v is None else torch.cat([self._raw_v, value_states], dim=2)
-            self._attend_k, self._attend_v = self._raw_k, self._raw_v
+            raw = self._raw
+            if raw is None:
+                self._raw = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
+            else:
+                self._raw = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
+                                        values=torch.cat([raw.values, value_states], dim=2),
+                                        positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
+            self._view = self._raw
         else:
-            self.key_store.append(key_states)
-            self.value_store.append(value_states)
-            self._attend_k, self._attend_v = self.key_store.dequantize(), self.value_store.dequantize()
-        return self._attend_k, self._attend_v
+            self.storage.append(key_states, value_states, pos)
+            self._view = self.storage.view()
+        return self._view.keys, self._view.values
 
     # -- after attention -------------------------------------------------------------------------
+    def observing_states(self) -> list:
+        """Every distinct state that observes this layer's forwards."""
+        out = []
+        for st in [self.states["prefill"], self.states["decode"], *self.extra_states]:
+            if st is not None and all(st is not o for o in out):
+                out.append(st)
+        return out
+
     def after_attention(self, query: torch.Tensor, scaling: float) -> None:
-        """Record signals of the q new queries [B, H, q, d], then select (prefill) or evict (decode)."""
-        q = query.shape[2]
-        self.signals.observe(query, self._attend_k, scaling, self.tokens_seen)
-        self.tokens_seen += q
+        """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode)."""
+        view = self._view
+        obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", query=query,
+                          keys=view.keys, positions=view.positions, valid=view.valid,
+                          first_position=self.tokens_seen, scaling=scaling)
+        for st in self.observing_states():
+            st.observe(obs)
+        self.tokens_seen += query.shape[2]
+        self.scaling = scaling
         try:
             if not self.prefilled:
                 if not self.owner.prefill_continues:
-                    self._finish_prefill(scaling)
+                    self.end_prefill()
             else:
-                self._maybe_evict(scaling)
+                self._maybe_evict()
         finally:
-            self._attend_k = self._attend_v = None
+            self._view = None
 
-    def _finish_prefill(self, scaling: float) -> None:
-        spec, k, v = self.spec, self._raw_k, self._raw_v
-        cap = spec.plan.prefill.resolve_capacity(self.tokens_seen)
-        if spec.prefill_rule is not None and cap is not None and k.shape[2] > cap:
-            idx = self._select(spec.prefill_rule, spec.plan.prefill, "prefill", cap, k, v, scaling)
-            k, v = _gather_tokens(k, idx), _gather_tokens(v, idx)
-        self._raw_k = self._raw_v = None
-        held = self.owner.storage_dtype
-        self.key_store = new_store(self.owner.registry, spec.plan, "key", dtype=k.dtype, device=k.device,
-                                   storage_dtype=held)
-        self.value_store = new_store(self.owner.registry, spec.plan, "value", dtype=v.dtype, device=v.device,
-                                     storage_dtype=held)
-        self.key_store.append(k)
-        self.value_store.append(v)
-        self.signals.narrow_to(spec.decode_needs)
+    def end_prefill(self) -> None:
+        """The prompt is complete: select and store now, or hand the layer to its allocation group."""
+        run = self.owner.group_run(self.layer_idx)
+        if run is not None:
+            run.layer_done(self)
+            return
+        self.select_prompt(self.spec.plan.prefill.resolve_capacity(self.tokens_seen))
+        self.store_prompt()
+
+    def select_prompt(self, capacity: int | None, head_capacity: torch.Tensor | None = None) -> None:
+        """Run the prefill rule on the (raw or already selected) prompt when some head exceeds its budget."""
+        rule, raw = self.spec.prefill_rule, self._raw
+        if rule is None or capacity is None:
+            return
+        if not self._over_budget(capacity, head_capacity, 0):
+            return
+        sel = self.select(rule, "prefill", capacity, raw, head_capacity)
+        keys, values = raw.keys, raw.values
+        if sel.merge is not None:
+            keys = sel.merge.apply(keys)[0] if "key" in sel.merge.streams else keys
+            values = sel.merge.apply(values)[0] if "value" in sel.merge.streams else values
+        idx = sel.index
+        at = idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1])
+        valid = sel.kept_mask() if sel.ragged else None
+        positions = raw.positions.gather(-1, idx)
+        if valid is not None:
+            positions = positions.masked_fill(~valid, -1)
+        self._raw = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
+
+    def store_prompt(self) -> None:
+        """Move the (selected) prompt into the stores; only the decode rule's state stays."""
+        raw = self._raw
+        counts = raw.valid.sum(-1) if raw.valid is not None else None
+        self.storage.fill(raw.keys, raw.values, raw.positions, counts)
+        self._raw = None
+        pre, dec = self.states["prefill"], self.states["decode"]
+        if dec is not None:
+            dec.after_prefill()
+        self.states = {"prefill": None, "decode": dec}
+        self.extra_states = []
         self.prefilled = True
+        del pre
 
-    def _maybe_evict(self, scaling: float) -> None:
-        spec = self.spec
-        if spec.decode_rule is None:
+    def _maybe_evict(self) -> None:
+        rule = self.spec.decode_rule
+        if rule is None:
             return
-        cap = spec.plan.decode.resolve_capacity(self.tokens_seen)
-        if cap is None or self.num_stored() <= cap + self.owner.decode_slack:
+        head_cap = self.budget if isinstance(self.budget, torch.Tensor) else None
+        if self.budget is not None:
+            cap = int(self.budget.max()) if head_cap is not None else int(self.budget)
+        else:
+            cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
+        if cap is None:
             return
-        idx = self._select(spec.decode_rule, spec.plan.decode, "decode", cap, self._attend_k, self._attend_v, scaling)
-        self.key_store.gather(idx)
-        self.value_store.gather(idx)
+        if not self._over_budget(cap, head_cap, self.owner.decode_slack):
+            return
+        view = self._view
+        sel = self.select(rule, "decode", cap, view, head_cap)
+        self.storage.evict(sel, view)
 
-    def _select(self, rule, op: OpSpec, phase: str, cap: int, keys: torch.Tensor, values: torch.Tensor,
-                scaling: float) -> torch.Tensor:
-        """Run ``rule`` on the current storage; gather positions and signals; return [B, Hkv, cap] indices."""
-        sig, owner = self.signals, self.owner
-        ctx = SelectionContext(
-            layer_idx=self.layer_idx, phase=phase, keys=keys, positions=self.positions,
-            tokens_seen=self.tokens_seen, scaling=scaling, queries=sig.queries,
-            query_positions=sig.query_positions, values=values if rule.needs_values else None,
-            accumulated=sig.accumulated,
-            query_counts=(self.tokens_seen - self.positions) if sig.accumulated is not None else None,
-            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling,
-            model_data=owner.model_data, generator=owner.generator)
-        idx = rule.select(ctx, cap)
-        B, Hkv, T = self.positions.shape
-        if tuple(idx.shape) != (B, Hkv, cap) or idx.dtype != torch.int64:
-            raise RuntimeConfigError(
-                f"layer {self.layer_idx} ({phase}): rule '{op.rule}' returned indices of shape {tuple(idx.shape)} "
-                f"and dtype {idx.dtype}; expected ({B}, {Hkv}, {cap}) int64 (fix the rule's select())")
-        if cap > 1 and not bool((idx[..., 1:] > idx[..., :-1]).all() & (idx[..., 0] >= 0).all()
-                                & (idx[..., -1] < T).all()):
-            raise RuntimeConfigError(f"layer {self.layer_idx} ({phase}): rule '{op.rule}' returned indices that are "
-                                     f"not strictly ascending within [0, {T}) (fix the rule's select())")
-        self.positions = self.positions.gather(-1, idx)
-        sig.gather(idx)
-        return idx
+    def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
+        """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
+        contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
+        owner = self.owner
+        window = state.component(QueryWindow) if state is not None else None
+        acc = state.component(AccumulatedAttention) if state is not None else None
+        return SelectionContext(
+            layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
+            tokens_seen=self.tokens_seen, scaling=self.scaling,
+            queries=window.queries if window is not None else None,
+            query_positions=window.positions if window is not None else None,
+            values=view.values if values else None,
+            accumulated=acc.sums if acc is not None else None,
+            query_counts=acc.query_counts(view.positions) if acc is not None else None,
+            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
+            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity)
+
+    def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+        """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
+        tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
+        With every head holding the same count this is "some head holds more than capacity + slack"."""
+        counts = self.head_counts()
+        Hkv = counts.shape[1]
+        budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+        return bool((counts.sum(-1) > budget + slack * Hkv).any())
+
+    def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
+        """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
+        state = self.states[phase]
+        B, Hkv, _ = view.positions.shape
+        ctx = self.context(phase, view, state, values=rule.needs_values,
+                           head_capacity=None if head_capacity is None
+                           else head_capacity.to(view.positions.device).expand(B, Hkv))
+        op = getattr(self.spec.plan, phase)
+        sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
+                                where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
+        for st in self.observing_states():
+            st.gather(sel)
+        return sel
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         """Key + value store bytes (codes, scales/zeros, full-precision residuals)."""
-        if self.key_store is None:
-            return 0
-        return int(self.key_store.resident_bytes()) + int(self.value_store.resident_bytes())
+        return self.storage.kv_bytes()
 
     def metadata_bytes(self) -> dict[str, int]:
-        """positions int64 [B, Hkv, T] (8 bytes per stored token per KV head) + signal state."""
-        pos = self.positions.numel() * 8 if (self.positions is not None and self.prefilled) else 0
-        return {"positions": pos, **self.signals.metadata_bytes()}
-
-
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [B, Hkv, T, d], idx [B, Hkv, k] -> [B, Hkv, k, d]."""
-    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+        """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
+        (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
+        return {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
 
 
 class PlanCache(Cache):
@@ -199,7 +310,9 @@ class PlanCache(Cache):
 
     def __init__(self, *, specs: list[LayerSpec], registry, decode_slack: int, rope_inv_freq: torch.Tensor | None,
                  rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None,
-                 storage_dtype: torch.dtype | None = None):
+                 groups: tuple = (), storage_dtype: torch.dtype | None = None):
+        from polykv.runtime.allocation import GroupRun
+
         self.registry, self.decode_slack = registry, decode_slack
         self.storage_dtype = storage_dtype
         """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
@@ -207,7 +320,21 @@ class PlanCache(Cache):
         self.model_data, self.generator = model_data, generator
         self.prefill_continues = False
         """True between the chunks of a chunked prefill (selection waits for the last chunk)."""
-        super().__init__(layers=[LayerCache(layer_idx=i, spec=s, owner=self) for i, s in enumerate(specs)])
+        super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, owner=self) for s in specs])
+        self.runs = [GroupRun(group, allocator, self) for group, allocator in groups]
+        self._run_of = {layer: run for run in self.runs for layer in run.group.layers}
+
+    def group_run(self, layer_idx: int):
+        """The allocation run of the group ``layer_idx`` belongs to, or None."""
+        return self._run_of.get(layer_idx)
+
+    def allocations(self) -> dict[int, dict[str, Any]]:
+        """Per allocated layer: ``budget`` (tokens per head: an int, or a list per KV head) and
+        ``stored`` (tokens each batch row and KV head held right after prefill)."""
+        out = {}
+        for run in self.runs:
+            out.update(run.report)
+        return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
@@ -223,8 +350,12 @@ class PlanCache(Cache):
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def stored_tokens(self) -> list[int]:
-        """Tokens stored per layer."""
+        """Tokens stored per layer (the longest head of a ragged layer)."""
         return [layer.num_stored() for layer in self.layers]
+
+    def head_counts(self) -> list[list[list[int]]]:
+        """Tokens stored per layer, batch row and KV head."""
+        return [layer.head_counts().tolist() for layer in self.layers]
 
     def _unsupported(self, what: str):
         raise RuntimeConfigError(f"{what} is not supported by the polykv cache (its layers hold different tokens); "

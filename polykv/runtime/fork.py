@@ -9,14 +9,15 @@ context once (:func:`capture_prefill`) and restores each plan's cache from the s
 (:func:`restore_prefill`), which then selects and quantizes exactly as
 :meth:`polykv.runtime.Session.prefill` would have.
 
-The snapshot records the union of the signals the plans need (the longest query window of any of
-their rules, accumulated attention if any rule needs it); a plan restored from it sees exactly the
-signals its own prefill would have recorded. Shapes: B batch, H query heads, Hkv KV heads, T prompt
-tokens, d head dim, w query window.
+The snapshot records the state of every rule (and allocator) of the plans it was captured for,
+one object per distinct ``share_key`` (a query window of each length, accumulated attention once);
+a plan restored from it gets copies of exactly the states its own prefill would have built.
+Shapes: B batch, H query heads, Hkv KV heads, T prompt tokens, d head dim.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import attrs
@@ -24,8 +25,8 @@ import torch
 
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
-from polykv.runtime.cache import PlanCache
-from polykv.runtime.signals import SignalNeeds, SignalState
+from polykv.runtime.cache import PlanCache, new_rule_states
+from polykv.runtime.storage import StorageView
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -40,14 +41,8 @@ class LayerSnapshot:
     """[B, Hkv, T] int64 original positions (0..T-1)."""
     tokens_seen: int
     """T."""
-    needs: SignalNeeds
-    """Signals recorded (the union over the plans the snapshot was captured for)."""
-    queries: torch.Tensor | None
-    """[B, H, w, d] the last w prompt queries (w = needs.window), or None."""
-    query_positions: torch.Tensor | None
-    """[w] int64 positions of ``queries``."""
-    accumulated: torch.Tensor | None
-    """[B, Hkv, T] float32 column sums of the prompt's attention, or None."""
+    states: dict
+    """``share_key`` -> the rule state that observed the whole prompt."""
     scaling: float
     """Attention scaling the layer used."""
 
@@ -65,21 +60,35 @@ class PrefillSnapshot:
         return int(self.input_ids.shape[1])
 
 
-def signal_needs(model, plans: Sequence[Plan], *, registry=None) -> list[SignalNeeds]:
-    """Per layer, the union of what the prefill of each plan in ``plans`` records (validates each plan)."""
+def _plan_states(session) -> list[list]:
+    """Per layer, fresh states of every rule and allocator of ``session``'s plan."""
+    out = []
+    for spec in session._specs:
+        states = [st for st in new_rule_states(spec).values() if st is not None]
+        out.append(states)
+    for group, allocator in session._groups:
+        for layer in group.layers:
+            st = allocator.new_state()
+            if st is not None:
+                out[layer].append(st)
+    return out
+
+
+def capture_states(model, plans: Sequence[Plan], *, registry=None) -> list[dict]:
+    """Per layer, one fresh state per distinct ``share_key`` over the rules of ``plans`` (validates each plan)."""
     from polykv.runtime.session import apply
 
-    union: list[SignalNeeds] | None = None
+    union: list[dict] | None = None
     for plan in plans:
-        specs = apply(model, plan, registry=registry)._specs
-        needs = [s.prefill_needs for s in specs]
+        per_layer = _plan_states(apply(model, plan, registry=registry))
         if union is None:
-            union = needs
-        else:
-            union = [SignalNeeds(window=max(a.window, b.window), accumulated=a.accumulated or b.accumulated)
-                     for a, b in zip(union, needs)]
+            union = [{} for _ in per_layer]
+        for have, states in zip(union, per_layer):
+            for st in states:
+                if st.share_key is not None:
+                    have.setdefault(st.share_key, st)
     if union is None:
-        raise RuntimeConfigError("capture_prefill needs at least one plan to know which signals to record")
+        raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
     return union
 
 
@@ -107,7 +116,7 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     from polykv.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
-    needs = signal_needs(model, plans, registry=registry)
+    states = capture_states(model, plans, registry=registry)
     session = apply(model, full_plan(geometry_of_model(model)), registry=registry)
     T = int(input_ids.shape[1])
     step = chunk_size or T
@@ -115,18 +124,17 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
         raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     with torch.no_grad(), session:
         cache = session.new_cache()
-        for layer, need in zip(cache.layers, needs):
-            layer.signals = SignalState(needs=need)
+        for layer, have in zip(cache.layers, states):
+            layer.extra_states = list(have.values())
         cache.prefill_continues = True  # selection never runs: the raw K/V stay in each layer
         for start in range(0, T, step):
             model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache})
         layers = []
-        for layer, module in zip(cache.layers, session._modules):
-            sig = layer.signals
-            layers.append(LayerSnapshot(
-                keys=layer._raw_k, values=layer._raw_v, positions=layer.positions, tokens_seen=layer.tokens_seen,
-                needs=sig.needs, queries=sig.queries, query_positions=sig.query_positions,
-                accumulated=sig.accumulated, scaling=_scaling(module, layer._raw_k.shape[-1])))
+        for layer, module, have in zip(cache.layers, session._modules, states):
+            raw = layer._raw
+            layers.append(LayerSnapshot(keys=raw.keys, values=raw.values, positions=raw.positions,
+                                        tokens_seen=layer.tokens_seen, states=have,
+                                        scaling=_scaling(module, raw.keys.shape[-1])))
     return PrefillSnapshot(layers=tuple(layers), input_ids=input_ids)
 
 
@@ -148,23 +156,31 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
         raise RuntimeConfigError(f"the prefill snapshot has {len(snapshot.layers)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")
     for layer, snap in zip(cache.layers, snapshot.layers):
-        need = layer.spec.prefill_needs
-        if need.window > snap.needs.window or (need.accumulated and not snap.needs.accumulated):
-            raise RuntimeConfigError(
-                f"layer {layer.layer_idx}: the plan needs {need} but the prefill snapshot recorded {snap.needs}; "
-                f"pass this plan to capture_prefill(..., plans=[...]) so its signals are recorded")
+        copies: dict[int, object] = {}
+
+        def restored(state, _snap=snap, _layer=layer):
+            if state is None:
+                return None
+            if id(state) not in copies:
+                found = _snap.states.get(state.share_key) if state.share_key is not None else None
+                if found is None:
+                    raise RuntimeConfigError(
+                        f"layer {_layer.layer_idx}: the plan's rule state {type(state).__name__} (share_key "
+                        f"{state.share_key!r}) was not recorded in the prefill snapshot; pass this plan to "
+                        f"capture_prefill(..., plans=[...]) (a state needs a share_key to be reused)")
+                copies[id(state)] = copy.deepcopy(found)
+            return copies[id(state)]
+
+        layer.states = {phase: restored(st) for phase, st in layer.states.items()}
+        layer.extra_states = [restored(st) for st in layer.extra_states]
+        run = cache.group_run(layer.layer_idx)
+        if run is not None:
+            run.states[layer.layer_idx] = layer.extra_states[0] if layer.extra_states else None
         layer.lazy_initialization(snap.keys, snap.values)
         layer.tokens_seen = snap.tokens_seen
-        layer.positions = snap.positions
-        layer._raw_k, layer._raw_v = snap.keys, snap.values
-        sig = SignalState(needs=need)
-        if need.window:
-            sig.queries = snap.queries[:, :, -need.window:].contiguous()
-            sig.query_positions = snap.query_positions[-need.window:]
-        if need.accumulated:
-            sig.accumulated = snap.accumulated
-        layer.signals = sig
-        layer._finish_prefill(snap.scaling)
+        layer.scaling = snap.scaling
+        layer._raw = StorageView(keys=snap.keys, values=snap.values, positions=snap.positions, valid=None)
+        layer.end_prefill()
     return cache
 
 

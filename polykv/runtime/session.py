@@ -24,7 +24,6 @@ from polykv.geometry import SLIDING, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import LayerSpec, PlanCache
-from polykv.runtime.signals import SignalNeeds
 from polykv.runtime.stores import new_store
 
 SUPPORTED_ATTN = ("sdpa", "eager")
@@ -43,8 +42,9 @@ class ResidentBytes:
     per_layer: tuple[int, ...]
     """K + V store bytes per layer: codes + scales/zeros + full-precision residuals."""
     metadata_per_layer: tuple[dict, ...]
-    """Per layer: ``positions`` (int64 [B, Hkv, T]), ``accumulated`` (float32 [B, Hkv, T], H2O),
-    ``query_window`` (kept queries [B, H, w, d] in the compute dtype + int64 positions [w])."""
+    """Per layer: ``positions`` (int64, 8 bytes per stored token per KV head) and ``rule_state``
+    (the bytes of every rule state the layer keeps, e.g. H2O's float32 accumulated attention or a
+    query window)."""
 
     @property
     def total(self) -> int:
@@ -152,6 +152,7 @@ class Session:
         """dtype the cache stores K/V in (None: the compute dtype); set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
+        self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
         self.rope_inv_freq, self.rope_scaling = _rope(model)
         self._cache: PlanCache | None = None
         self._active = False
@@ -161,19 +162,11 @@ class Session:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def _layer_spec(self, lp) -> LayerSpec:
-        rules, pre_needs, dec_needs = {}, [], []
+        rules = {}
         for phase in ("prefill", "decode"):
             op = getattr(lp, phase)
-            if op.keeps_everything:
-                rules[phase] = None
-                continue
-            cls = self.registry.operator(op.rule)
-            rules[phase] = cls(**op.params)
-            pre_needs.append((cls, op.params))
-            if phase == "decode":
-                dec_needs.append((cls, op.params))
-        return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
-                         prefill_needs=SignalNeeds.of(pre_needs), decode_needs=SignalNeeds.of(dec_needs))
+            rules[phase] = None if op.keeps_everything else self.registry.operator(op.rule)(**op.params)
+        return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"])
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -217,7 +210,8 @@ class Session:
         inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
         self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
                                 rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
-                                generator=gen, storage_dtype=self.storage_dtype)
+                                generator=gen, groups=self._groups,
+                                storage_dtype=self.storage_dtype)
         return self._cache
 
     @property
@@ -289,3 +283,9 @@ class Session:
         layers = self._cache.layers
         return ResidentBytes(per_layer=tuple(layer.kv_bytes() for layer in layers),
                              metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers))
+
+    def allocations(self) -> dict[int, dict[str, Any]]:
+        """What the plan's allocators gave each layer of the live cache (see ``PlanCache.allocations``)."""
+        if self._cache is None:
+            raise RuntimeConfigError("no cache yet: run generate(), prefill() or a forward with session.new_cache()")
+        return self._cache.allocations()

@@ -47,6 +47,12 @@ class StorageCast(KVStore):
     def gather(self, index: torch.Tensor) -> None:
         self.inner.gather(index)
 
+    def write(self, mask: torch.Tensor, x: torch.Tensor):
+        return self.inner.write(mask, x)
+
+    def split_heads(self) -> list[KVStore]:
+        return [StorageCast(s, self.compute_dtype) for s in self.inner.split_heads()]
+
     def dequantize(self) -> torch.Tensor:
         return self.inner.dequantize().to(self.compute_dtype)
 

@@ -58,16 +58,28 @@ def _attention_input(model, layer: int) -> tuple[list, object]:
     return seen, attn.o_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
 
 
-@pytest.mark.parametrize("layer,config", [
-    (1, CandidateConfig(rule="tova", keep=0.5, phase="prefill", k_bits=4, v_bits=8)),
-    (2, CandidateConfig(rule="h2o", keep=0.25, phase="prefill", k_bits=16, v_bits=4)),
-    (0, CandidateConfig(rule="streamingllm", keep=0.1, phase="prefill", k_bits=8, v_bits=16)),
+def _plugin_ctx():
+    from tests.runtime.v2_plugins import registry_with_plugins
+
+    reg = registry_with_plugins()
+    return LayerContext(registry=reg, quantizer=reg.quantizer("kivi")())
+
+
+@pytest.mark.parametrize("layer,config,third_party", [
+    (1, CandidateConfig(rule="tova", keep=0.5, phase="prefill", k_bits=4, v_bits=8), False),
+    (2, CandidateConfig(rule="h2o", keep=0.25, phase="prefill", k_bits=16, v_bits=4), False),
+    (0, CandidateConfig(rule="streamingllm", keep=0.1, phase="prefill", k_bits=8, v_bits=16), False),
+    # Rules the calibration code has never heard of: ragged heads, merges, a rule-owned state.
+    (1, CandidateConfig(rule="test-headwise", keep=0.25, phase="prefill", k_bits=4, v_bits=4), True),
+    (2, CandidateConfig(rule="test-merge", keep=0.25, phase="prefill", k_bits=16, v_bits=8,
+                        params={"keys": True}), True),
+    (0, CandidateConfig(rule="test-seen", keep=0.5, phase="prefill", k_bits=16, v_bits=16), True),
 ])
-def test_equals_the_runtime_with_a_one_layer_plan(model, sequences, layer, config):
+def test_equals_the_runtime_with_a_one_layer_plan(model, sequences, layer, config, third_party):
     """Prefill P tokens through the runtime with ``config`` on one layer, feed the follow-up tokens, and
     compare that layer's attention output with the uncompressed model's: the same relative error."""
     seqs = sequences(2)
-    ctx = _ctx()
+    ctx = _plugin_ctx() if third_party else _ctx()
     ours = layer_l2(_stack([capture_sequence(model, s) for s in seqs], layer), PREFIX, [config], ctx)[0]
     errors = []
     plan = config_plan(geometry_of_model(model), layer, config)
@@ -78,7 +90,7 @@ def test_equals_the_runtime_with_a_one_layer_plan(model, sequences, layer, confi
             with torch.no_grad():
                 model(input_ids=ids, use_cache=False)
                 full = seen.pop()[:, PREFIX:]
-                with apply(model, plan) as session:
+                with apply(model, plan, registry=ctx.registry) as session:
                     session.prefill(ids[:, :PREFIX])
                     seen.clear()
                     model(input_ids=ids[:, PREFIX:], use_cache=True, cache=session.cache)

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from polykv import hookspecs
-from polykv.plan import LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings
+from polykv.plan import AllocationGroup, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -32,7 +32,7 @@ def _table_fields(body: str) -> set[str]:
 # -- plan format ----------------------------------------------------------------------------------
 
 RECORDS = {"Plan": Plan, "ModelInfo": ModelInfo, "TriggerSettings": TriggerSettings, "Provenance": Provenance,
-           "LayerPlan": LayerPlan, "OpSpec": OpSpec}
+           "LayerPlan": LayerPlan, "OpSpec": OpSpec, "AllocationGroup": AllocationGroup}
 
 
 @pytest.mark.parametrize("record", sorted(RECORDS))

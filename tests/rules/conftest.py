@@ -57,3 +57,32 @@ def naive_top(scores, k, forced=()):
 @pytest.fixture
 def top():
     return naive_top
+
+
+def naive_attention_row(ctx, b, h, i):
+    """Softmax probabilities of query i (of ctx.queries) of query head h over the stored keys, by hand.
+
+    Plain Python floats; keys newer than the query (by original position) get probability 0.
+    """
+    import math
+
+    G = ctx.queries.shape[1] // ctx.keys.shape[1]
+    kv = h // G
+    q = ctx.queries[b, h, i].tolist()
+    qpos = int(ctx.query_positions[i])
+    logits = []
+    for j in range(ctx.keys.shape[2]):
+        if int(ctx.positions[b, kv, j]) <= qpos:
+            logits.append(sum(x * y for x, y in zip(q, ctx.keys[b, kv, j].tolist())) * ctx.scaling)
+        else:
+            logits.append(-math.inf)
+    m = max(logits)
+    e = [math.exp(x - m) if x != -math.inf else 0.0 for x in logits]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+@pytest.fixture
+def attn_row():
+    """``attn_row(ctx, b, h, i)``: one attention row computed loop by loop (list of floats)."""
+    return naive_attention_row

@@ -29,3 +29,16 @@ def test_code_examples_run(tmp_path):
     assert blocks
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), {"tmp_dir": str(tmp_path)})
+
+
+def test_every_builtin_allocator_is_listed_with_its_defaults():
+    from polykv.adapters.rules import ALLOCATORS
+
+    text = DOC.read_text(encoding="utf-8")
+    table = text[text.index("## Allocators"):text.index("## All methods in one plan")]
+    for alloc in ALLOCATORS:
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{alloc.name}` |")), None)
+        assert row is not None, f"docs/rules.md lists no allocator '{alloc.name}'"
+        for param, value in alloc.defaults.items():
+            assert f"`{param} = {value}`" in row, f"allocator '{alloc.name}' must give `{param} = {value}`"
+        assert alloc.paper

@@ -9,6 +9,8 @@ from polykv.adapters.rules import RULES
 from polykv.operators import PHASES, SIGNALS, RetentionRule
 from polykv.profiling.query_stats import QueryStats
 from polykv.registry import Registry
+from polykv.rule_state import Observation
+from polykv.selection import as_selection
 
 REGISTRY = Registry(load_entry_points=False)
 NAMES = REGISTRY.names("operator")
@@ -24,7 +26,8 @@ def stats(L=1, H=4, d=8):
 
 def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
-        ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm"])
+        ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
+         "scissorhands", "adakv", "cam", "d2o"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -32,6 +35,16 @@ def test_every_builtin_rule_is_registered_and_declared():
         assert rule.paper, f"{rule.name} must cite its paper"
         assert REGISTRY.entry("operator", rule.name).plugin == "polykv.adapters.rules"
         rule(**rule.defaults)  # every default is an accepted parameter
+
+
+def observed_state(rule, ctx):
+    """The rule's own state after observing the context's queries as the newest tokens of one forward."""
+    state = rule.new_state()
+    if state is not None:
+        state.observe(Observation(layer_idx=ctx.layer_idx, phase=ctx.phase, query=ctx.queries, keys=ctx.keys,
+                                  positions=ctx.positions, valid=None, first_position=int(ctx.query_positions[0]),
+                                  scaling=ctx.scaling))
+    return state
 
 
 @pytest.mark.parametrize("name,phase", CASES)
@@ -44,7 +57,16 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
         with pytest.raises(ValueError, match="keeps every token"):
             rule.select(ctx, capacity)
         return
-    idx = rule.select(ctx, capacity)
+    ctx.state = observed_state(rule, ctx)
+    sel = as_selection(rule.select(ctx, capacity))
+    if sel.ragged:  # head-wise budgets: each head keeps its own count, the layer at most its budget
+        assert int(sel.counts.sum(-1).max()) <= 2 * capacity
+        for rows, counts in zip(sel.index, sel.counts):
+            for row, c in zip(rows, counts):
+                kept = row[len(row) - int(c):]
+                assert bool((kept[1:] > kept[:-1]).all()) and 0 <= int(kept.min()) and int(kept.max()) < 16
+        return
+    idx = sel.index
     assert idx.shape == (2, 2, capacity) and idx.dtype == torch.int64
     assert bool((idx >= 0).all()) and bool((idx < 16).all())
     assert bool((idx[..., 1:] > idx[..., :-1]).all()), "indices must be strictly ascending (unique)"
@@ -52,6 +74,10 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
         assert torch.equal(idx[:, 0], idx[:, 1])
 
 
-def test_snapkv_is_prefill_only():
-    assert REGISTRY.operator("snapkv").phases == frozenset({"prefill"})
-    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n != "snapkv")
+PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv")
+
+
+def test_observation_window_rules_are_prefill_only():
+    for name in PREFILL_ONLY:
+        assert REGISTRY.operator(name).phases == frozenset({"prefill"})
+    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n not in PREFILL_ONLY)

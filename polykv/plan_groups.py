@@ -1,0 +1,76 @@
+"""Allocation groups in plan files: the optional top-level ``"allocation"`` list.
+
+``"allocation": [{"allocator": "cake", "layers": [2, 3, 4], "params": {"window": 32}}]`` puts
+layers 2-4 under the ``cake`` allocator; their planned prefill capacities add up to the group's
+total budget. A plan without the key is exactly a version-1 plan of before (it is written only
+when a plan has groups), so ``schema_version`` stays 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polykv.errors import PlanError, RegistryError
+from polykv.plan import AllocationGroup
+
+
+def groups_to_json(groups) -> list[dict[str, Any]]:
+    out = []
+    for g in groups:
+        row: dict[str, Any] = {"allocator": g.allocator, "layers": list(g.layers)}
+        if g.params:
+            row["params"] = dict(sorted(g.params.items()))
+        out.append(row)
+    return out
+
+
+def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
+    """Parse the ``allocation`` list with the plan reader ``reader`` (errors name file and field)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        reader.fail(f"expected a list of allocation groups, got {type(raw).__name__}", field="allocation")
+    groups = []
+    for i, entry in enumerate(raw):
+        field = f"allocation[{i}]"
+        reader.obj(entry, field, {"allocator": True, "layers": True, "params": False})
+        name = reader.str_(entry["allocator"], field + ".allocator")
+        layers = entry["layers"]
+        if not isinstance(layers, list) or not layers:
+            reader.fail("expected a non-empty list of layer indices", field=field + ".layers")
+        idx = [reader.int_(v, f"{field}.layers[{j}]", minimum=0) for j, v in enumerate(layers)]
+        if idx != sorted(set(idx)):
+            reader.fail("layers must be ascending and distinct", field=field + ".layers",
+                        hint="e.g. [0, 1, 2, 3]")
+        params = reader.dict_(entry.get("params", {}), field + ".params")
+        groups.append(AllocationGroup(allocator=name, layers=tuple(idx), params=params))
+    return tuple(groups)
+
+
+def check_groups(plan, *, source: str, registry=None) -> None:
+    """Members exist, belong to one group, and evict in prefill; allocators and their params are known."""
+    seen: dict[int, int] = {}
+    for gi, g in enumerate(plan.allocation):
+        field = f"allocation[{gi}]"
+        for layer in g.layers:
+            if layer >= plan.num_layers:
+                raise PlanError(f"group names layer {layer} but the plan has {plan.num_layers} layers",
+                                source=source, field=field + ".layers", hint="name existing layers only")
+            if layer in seen:
+                raise PlanError(f"layer {layer} is in allocation groups {seen[layer]} and {gi}", source=source,
+                                layer=layer, field=field + ".layers", hint="put every layer in at most one group")
+            seen[layer] = gi
+            if plan.layers[layer].prefill.keeps_everything:
+                raise PlanError("a layer in an allocation group needs a prefill rule with a capacity (its share "
+                                "of the group's budget)", source=source, layer=layer,
+                                field=f"layers[{layer}].prefill.rule",
+                                hint="route the layer's prefill to an eviction rule, or leave it out of the group")
+        if registry is not None:
+            try:
+                cls = registry.allocator(g.allocator)
+            except RegistryError as exc:
+                raise PlanError(str(exc), source=source, field=field + ".allocator") from None
+            try:
+                cls(**g.params)
+            except (TypeError, ValueError) as exc:
+                raise PlanError(str(exc), source=source, field=field + ".params") from None

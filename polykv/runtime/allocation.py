@@ -1,0 +1,71 @@
+"""Runs an allocation group during prefill (see :mod:`polykv.allocators` for the contract).
+
+Group layers keep their prompt unstored until the allocator has decided. A cascading allocator is
+asked after every group layer and the layers prefilled so far are re-selected at their new budgets
+right away (their raw K/V shrink as the cascade proceeds); otherwise the allocator runs once, after
+the group's last layer. Then every group layer's prompt is stored, and :attr:`GroupRun.report`
+says what was allocated and what each head holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polykv.allocators import AllocationRequest
+from polykv.errors import RuntimeConfigError
+from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
+
+
+class GroupRun:
+    """The state of one allocation group in one cache."""
+
+    def __init__(self, group, allocator, cache):
+        self.group, self.allocator, self.cache = group, allocator, cache
+        self.statistics: dict[int, Any] = {}
+        self.report: dict[int, dict[str, Any]] = {}
+        self.states = {}
+        for layer in group.layers:
+            state = allocator.new_state()
+            self.states[layer] = state
+            if state is not None:
+                cache.layers[layer].extra_states.append(state)
+
+    def _context(self, layer) -> SelectionContext:
+        return layer.context("prefill", layer._raw, self.states[layer.layer_idx], values=True)
+
+    def layer_done(self, layer) -> None:
+        """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""
+        name = self.group.allocator
+        self.statistics[layer.layer_idx] = self.allocator.layer_statistic(self._context(layer))
+        done = tuple(sorted(self.statistics))
+        final = len(done) == len(self.group.layers)
+        if not (self.allocator.cascades or final):
+            return
+        T = layer.tokens_seen
+        layers = self.cache.layers
+        caps = tuple(int(layers[i].spec.plan.prefill.resolve_capacity(T)) for i in self.group.layers)
+        request = AllocationRequest(group_layers=tuple(self.group.layers), layers=done,
+                                    statistics=tuple(self.statistics[i] for i in done), total=sum(caps),
+                                    capacities=caps, context_tokens=T, num_kv_heads=layer.head_counts().shape[1],
+                                    final=final)
+        budgets = torch.as_tensor(self.allocator.allocate(request))
+        Hkv = request.num_kv_heads
+        if budgets.dtype.is_floating_point or tuple(budgets.shape) not in ((len(done),), (len(done), Hkv)):
+            raise RuntimeConfigError(f"allocator '{name}' returned budgets of shape {tuple(budgets.shape)} and dtype "
+                                     f"{budgets.dtype}; expected int [{len(done)}] or [{len(done)}, {Hkv}] "
+                                     f"(fix the allocator's allocate())")
+        budgets = budgets.long().clamp(1, T)
+        for i, b in zip(done, budgets):
+            target = layers[i]
+            target.budget = b.clone() if b.dim() else int(b)
+            cap = int(b.max())
+            target.select_prompt(cap, b.clone() if b.dim() else None)
+        if final:
+            for i in self.group.layers:
+                target = layers[i]
+                target.store_prompt()
+                budget = target.budget
+                self.report[i] = {"budget": budget.tolist() if isinstance(budget, torch.Tensor) else budget,
+                                  "stored": target.head_counts().tolist()}

@@ -1,0 +1,214 @@
+"""Token storage of one layer: key and value stores plus positions, uniform or ragged across KV heads.
+
+*Uniform* storage is one key store and one value store of shape [B, Hkv, T, d] and positions
+[B, Hkv, T]: every head holds T tokens. A ragged :class:`~polykv.selection.Selection` turns a layer
+*ragged*: each (batch row, KV head) then owns its own key store, value store and positions, holding
+exactly its tokens, so memory is really freed (nothing is masked in place). For attention and
+selection, :meth:`LayerStorage.view` pads the heads to the longest one, right-aligned (padding
+first, every head's newest token in the last column), with a ``valid`` mask that attention uses so
+that no padding column is ever attended.
+
+Every later selection, merge and append goes through the same three calls, whatever the layout:
+:meth:`append` (new tokens), :meth:`view` (what attention and rules read), :meth:`evict` (merge,
+then gather). Shapes: B batch, Hkv KV heads, T stored tokens (padded width when ragged), d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import torch
+
+from polykv.operators import KVStore, WriteCost
+from polykv.selection import Selection
+
+
+@attrs.define(frozen=True, kw_only=True)
+class StorageView:
+    """The stored tokens as dense tensors (ragged heads padded, right-aligned)."""
+
+    keys: torch.Tensor
+    """[B, Hkv, T, d] dequantized keys (zeros on padding)."""
+    values: torch.Tensor
+    """[B, Hkv, T, d] dequantized values (zeros on padding)."""
+    positions: torch.Tensor
+    """[B, Hkv, T] int64 original positions (-1 on padding)."""
+    valid: torch.Tensor | None
+    """[B, Hkv, T] bool, False on padding; None when the storage is uniform."""
+
+
+@attrs.define
+class Segment:
+    """The tokens of one (batch row, KV head) of a ragged layer."""
+
+    key: KVStore
+    value: KVStore
+    positions: torch.Tensor
+    """[n] int64."""
+
+
+class LayerStorage:
+    """Stores and positions of one layer (see the module docstring).
+
+    Parameters
+    ----------
+    new_store : callable
+        ``new_store(stream)`` -> an empty :class:`~polykv.operators.KVStore` for ``"key"`` or ``"value"``.
+    """
+
+    def __init__(self, new_store: Callable[[str], KVStore]):
+        self._new_store = new_store
+        self.key_store: KVStore | None = None
+        self.value_store: KVStore | None = None
+        self.positions: torch.Tensor | None = None
+        """[B, Hkv, T] int64 (uniform storage only)."""
+        self.segments: list[Segment] | None = None
+        """Row-major (batch row, head) segments (ragged storage only)."""
+        self.shape: tuple[int, int] | None = None
+        self.write_cost = WriteCost()
+        """What merges written into this layer's stores have cost so far."""
+
+    @property
+    def ragged(self) -> bool:
+        return self.segments is not None
+
+    # -- filling ---------------------------------------------------------------------------------
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+             counts: torch.Tensor | None = None) -> None:
+        """Store the selected prompt tokens [B, Hkv, K, d]; with ``counts`` [B, Hkv] head h keeps its
+        last ``counts[b, h]`` columns (right-aligned ragged) in its own stores."""
+        B, H, K, _ = keys.shape
+        self.shape = (B, H)
+        if counts is None:
+            self.key_store, self.value_store = self._new_store("key"), self._new_store("value")
+            self.key_store.append(keys)
+            self.value_store.append(values)
+            self.positions = positions.contiguous()
+            return
+        self.segments = []
+        for b in range(B):
+            for h in range(H):
+                n = int(counts[b, h])
+                seg = Segment(key=self._new_store("key"), value=self._new_store("value"),
+                              positions=positions[b, h, K - n:].clone())
+                seg.key.append(keys[b:b + 1, h:h + 1, K - n:])
+                seg.value.append(values[b:b + 1, h:h + 1, K - n:])
+                self.segments.append(seg)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append q new tokens [B, Hkv, q, d] with positions [B, Hkv, q] to every head."""
+        if not self.ragged:
+            self.key_store.append(keys)
+            self.value_store.append(values)
+            self.positions = torch.cat([self.positions, positions], dim=-1)
+            return
+        for i, seg in enumerate(self.segments):
+            b, h = divmod(i, self.shape[1])
+            seg.key.append(keys[b:b + 1, h:h + 1])
+            seg.value.append(values[b:b + 1, h:h + 1])
+            seg.positions = torch.cat([seg.positions, positions[b, h]])
+
+    # -- reading ---------------------------------------------------------------------------------
+    def counts(self) -> torch.Tensor:
+        """[B, Hkv] int64 tokens stored per head."""
+        B, H = self.shape
+        if not self.ragged:
+            return torch.full((B, H), self.positions.shape[-1], dtype=torch.long)
+        return torch.tensor([seg.positions.numel() for seg in self.segments], dtype=torch.long).view(B, H)
+
+    def width(self) -> int:
+        """Stored tokens of the longest head (the padded width of :meth:`view`)."""
+        if not self.ragged:
+            return int(self.positions.shape[-1])
+        return max(seg.positions.numel() for seg in self.segments)
+
+    def view(self) -> StorageView:
+        """Dense, dequantized tensors of everything stored (see :class:`StorageView`)."""
+        if not self.ragged:
+            return StorageView(keys=self.key_store.dequantize(), values=self.value_store.dequantize(),
+                               positions=self.positions, valid=None)
+        B, H = self.shape
+        W = self.width()
+        parts = [(seg.key.dequantize(), seg.value.dequantize()) for seg in self.segments]
+        k0 = parts[0][0]
+        keys = k0.new_zeros(B, H, W, k0.shape[-1])
+        values = keys.new_zeros(B, H, W, parts[0][1].shape[-1])
+        positions = torch.full((B, H, W), -1, dtype=torch.long, device=k0.device)
+        valid = torch.zeros(B, H, W, dtype=torch.bool, device=k0.device)
+        for i, ((k, v), seg) in enumerate(zip(parts, self.segments)):
+            b, h = divmod(i, H)
+            n = seg.positions.numel()
+            keys[b, h, W - n:], values[b, h, W - n:] = k[0, 0], v[0, 0]
+            positions[b, h, W - n:] = seg.positions
+            valid[b, h, W - n:] = True
+        return StorageView(keys=keys, values=values, positions=positions, valid=valid)
+
+    # -- eviction --------------------------------------------------------------------------------
+    def evict(self, selection: Selection, view: StorageView) -> None:
+        """Apply ``selection`` (columns of ``view``): write its merge into the stores, then keep its tokens."""
+        if selection.merge is not None:
+            for stream in sorted(selection.merge.streams):
+                x = view.keys if stream == "key" else view.values
+                merged, touched = selection.merge.apply(x)
+                self._write(stream, touched, merged)
+        if not self.ragged and not selection.ragged:
+            self.key_store.gather(selection.index)
+            self.value_store.gather(selection.index)
+            self.positions = self.positions.gather(-1, selection.index)
+            return
+        if not self.ragged:
+            self._split()
+        W, K = view.positions.shape[-1], selection.width
+        counts = selection.head_counts().cpu()
+        index = selection.index.cpu()
+        for i, seg in enumerate(self.segments):
+            b, h = divmod(i, self.shape[1])
+            n, stored = int(counts[b, h]), seg.positions.numel()
+            cols = index[b, h, K - n:] - (W - stored)                     # padded column -> segment index
+            if n and int(cols.min()) < 0:
+                raise ValueError(f"the selection keeps a padding column of batch row {b}, KV head {h}")
+            idx = cols.view(1, 1, n).to(seg.positions.device)
+            seg.key.gather(idx)
+            seg.value.gather(idx)
+            seg.positions = seg.positions[idx.view(-1)]
+
+    def _write(self, stream: str, mask: torch.Tensor, x: torch.Tensor) -> None:
+        if not self.ragged:
+            store = self.key_store if stream == "key" else self.value_store
+            self.write_cost += store.write(mask, x)
+            return
+        W = x.shape[2]
+        for i, seg in enumerate(self.segments):
+            b, h = divmod(i, self.shape[1])
+            n = seg.positions.numel()
+            m = mask[b:b + 1, h:h + 1, W - n:]
+            if bool(m.any()):
+                store = seg.key if stream == "key" else seg.value
+                self.write_cost += store.write(m, x[b:b + 1, h:h + 1, W - n:])
+
+    def _split(self) -> None:
+        """Turn uniform storage ragged: one segment per (batch row, head), codes kept as they are."""
+        keys, values = self.key_store.split_heads(), self.value_store.split_heads()
+        H = self.shape[1]
+        self.segments = [Segment(key=k, value=v, positions=self.positions[i // H, i % H].clone())
+                         for i, (k, v) in enumerate(zip(keys, values))]
+        self.key_store = self.value_store = None
+        self.positions = None
+
+    # -- accounting ------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Key + value store bytes (codes, scales/zeros, full-precision residuals)."""
+        if self.shape is None:
+            return 0
+        if not self.ragged:
+            return int(self.key_store.resident_bytes()) + int(self.value_store.resident_bytes())
+        return sum(int(s.key.resident_bytes()) + int(s.value.resident_bytes()) for s in self.segments)
+
+    def positions_bytes(self) -> int:
+        """int64 positions: 8 bytes per stored token per head."""
+        if self.shape is None:
+            return 0
+        if not self.ragged:
+            return self.positions.numel() * 8
+        return sum(s.positions.numel() * 8 for s in self.segments)

@@ -1,0 +1,129 @@
+"""cake: preference, indicator, budget split and selection equal a loop-by-loop computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from polykv.adapters.rules.cake import CAKEAllocator, CAKERule, split_budgets
+from polykv.rule_state import QueryWindow
+
+
+def naive_rows(ctx, attn_row, b, h, rows):
+    nq = ctx.queries.shape[2]
+    return [attn_row(ctx, b, h, i) for i in range(nq - rows, nq)]
+
+
+def naive_var(xs):
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def naive_preference(ctx, attn_row, w, tau1, tau2):
+    B, Hkv, T = ctx.keys.shape[:3]
+    H = ctx.queries.shape[1]
+    ent = var = 0.0
+    for b in range(B):
+        for h in range(H):
+            rows = naive_rows(ctx, attn_row, b, h, w)
+            for j in range(T - w):
+                col = [r[j] for r in rows]
+                ent -= sum(a * math.log(a + 1e-10) for a in col)
+                var += naive_var(col)
+    return ent ** (1 / tau1) * var ** (1 / tau2)
+
+
+def naive_cake(ctx, attn_row, top, capacity, w, gamma, kernel, phase):
+    B, Hkv, T = ctx.keys.shape[:3]
+    H = ctx.queries.shape[1]
+    G = H // Hkv
+    out = []
+    for b in range(B):
+        heads = []
+        for kv in range(Hkv):
+            if capacity <= w:
+                heads.append(list(range(T - capacity, T)))
+                continue
+            n = T - w
+            ind = [0.0] * n
+            for g in range(G):
+                rows = naive_rows(ctx, attn_row, b, kv * G + g, 1 if phase == "decode" else w)
+                raw = []
+                for j in range(n):
+                    col = [r[j] for r in rows]
+                    v = sum(col) / len(col)
+                    if len(col) > 1:
+                        v += gamma * naive_var(col)
+                    raw.append(v)
+                for j in range(n):  # zero-padded average pool, padding counted
+                    window = [raw[x] if 0 <= x < n else 0.0 for x in range(j - kernel // 2, j + kernel // 2 + 1)]
+                    ind[j] += sum(window) / kernel / G
+            heads.append(sorted(top(ind, capacity - w) + list(range(n, T))))
+        out.append(heads)
+    return out
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("capacity,w,gamma,kernel,gaps", [
+    (9, 4, 200.0, 5, False), (6, 3, 0.0, 3, True), (12, 4, 5.0, 5, True), (3, 4, 200.0, 5, False),
+])
+def test_cake_selection_matches_definition(make_ctx, attn_row, top, phase, capacity, w, gamma, kernel, gaps):
+    ctx = make_ctx(T=16, w=w, gaps=gaps, phase=phase)
+    rule = CAKERule(window=w, gamma=gamma, kernel_size=kernel)
+    got = rule.select(ctx, capacity)
+    assert got.tolist() == naive_cake(ctx, attn_row, top, capacity, w, gamma, kernel, phase)
+
+
+@pytest.mark.parametrize("tau1,tau2", [(1.0, 1.0), (1.6, 0.4), (0.8, 0.5)])
+def test_cake_preference_matches_definition(make_ctx, attn_row, tau1, tau2):
+    ctx = make_ctx(T=14, w=4, gaps=True)
+    state = QueryWindow(4)
+    state.queries, state.positions = ctx.queries, ctx.query_positions
+    ctx.state = state
+    got = CAKEAllocator(window=4, tau1=tau1, tau2=tau2).layer_statistic(ctx)
+    assert got == pytest.approx(naive_preference(ctx, attn_row, 4, tau1, tau2), rel=1e-5)
+
+
+def test_split_budgets_by_hand():
+    # 0.1/0.3/0.6 of 100 -> 10, 30, 60; cap 40 moves 20 evenly to the two uncapped layers.
+    assert split_budgets([1.0, 3.0, 6.0], 100, 40) == [20, 40, 40]
+    # int() truncation leaves 1 token: it goes to the lowest-index layer below the cap.
+    assert split_budgets([1.0, 1.0, 1.0], 10, 8) == [4, 3, 3]
+    # Every layer capped: each keeps the whole context.
+    assert split_budgets([5.0, 1.0], 50, 20) == [20, 20]
+    # Proportional split, no cap.
+    assert split_budgets([2.0, 1.0, 1.0], 40, 100) == [20, 10, 10]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_budgets_sum_and_cap(seed):
+    import random
+
+    rng = random.Random(seed)
+    L = rng.randint(1, 8)
+    prefs = [rng.random() * 10 for _ in range(L)]
+    limit = rng.randint(5, 50)
+    total = rng.randint(L, L * limit)
+    got = split_budgets(prefs, total, limit)
+    assert sum(got) == total
+    assert all(0 <= b <= limit for b in got)
+
+
+def test_cake_rejects_bad_parameters_when_built():
+    for bad, match in [({"kernel_size": 4}, "kernel_size"), ({"window": 0}, "window"), ({"gamma": -1.0}, "gamma")]:
+        with pytest.raises(ValueError, match=match):
+            CAKERule(**bad)
+    for bad, match in [({"tau1": 0.0}, "tau1"), ({"window": 0}, "window")]:
+        with pytest.raises(ValueError, match=match):
+            CAKEAllocator(**bad)
+
+
+def test_cake_allocator_splits_the_group_total_by_preference():
+    from polykv.allocators import AllocationRequest
+
+    req = AllocationRequest(group_layers=(0, 1, 2), layers=(0, 1, 2), statistics=(1.0, 3.0, 6.0), total=3 * 44,
+                            capacities=(44, 44, 44), context_tokens=52, num_kv_heads=2, final=True)
+    got = CAKEAllocator(window=4).allocate(req).tolist()
+    # non-window total 3 * 40 = 120 split 12 / 36 / 72, capped at 48: excess 24 -> 12 each to the two others
+    assert got == [12 + 12 + 4, 36 + 12 + 4, 48 + 4] and sum(got) == 3 * 44
