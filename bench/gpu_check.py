@@ -1,35 +1,52 @@
-"""The runtime's core checks on CUDA: the same code that runs on CPU must run unchanged on a GPU.
+"""The runtime's checks and timings on CUDA, in one script with a hard time limit and one section each.
 
-Checks, on tiny random Llama and Qwen2 models moved to ``cuda`` in float32 (and a bf16 smoke run):
+Sections (each prints ``ok``/``FAIL`` with its seconds; the script exits non-zero if any failed):
 
-1. the keep-everything 16-bit plan matches vanilla ``generate`` token for token and logits within 1e-4
-   (prefill and 32 decode steps), batch 1 and 2;
-2. every rule in every phase equals a full-cache forward masked to the retained tokens (1e-4);
-3. capacity + slack holds, new positions equal tokens seen, and resident bytes equal
-   :func:`polykv.memory.predict_resident` for a quantized mixed plan;
-4. a mixed plan runs on llama, qwen2, qwen3 and mistral in bfloat16.
+1. vanilla equality: the keep-everything 16-bit plan matches vanilla ``generate`` token for token and
+   logits within 1e-4 in float32 (llama, qwen2; batch 1 and 2), and teacher-forced logits within
+   bf16 rounding on the timing model in bfloat16;
+2. masked reference: every rule in every phase equals a full-cache forward masked to the retained
+   tokens (float32, 1e-4);
+3. kernel: the Triton decode kernel equals the blockwise reference (bf16 on CUDA; float32 in
+   Triton's interpreter on CPU) for int2/int4/int8/16-bit key and value mixes, GQA, group ids after
+   a gather and ragged heads; on CUDA also its time against bf16 SDPA over the same number of keys;
+4. resident bytes: capacity + slack hold and resident bytes equal
+   :func:`polykv.memory.predict_resident` (float32 mixed plan, and after every timed prefill below);
+5. families: a mixed plan runs on llama, qwen2, qwen3 and mistral in bfloat16;
+6. timing: prefill and decode of a random-weight ~1B Llama (TinyLlama-1.1B's shape, built from a
+   config, nothing downloaded) at 16k and 32k tokens in bfloat16 for vanilla, the full plan, 8x
+   eviction plans and a keep-everything K4V4 plan, printed as ratios to vanilla.
 
-Exits 0 with a message when CUDA is not available; non-zero when a check fails.
+The whole run stops at ``--time-limit`` seconds (default 450): sections that no longer fit are
+reported as skipped, and a watchdog ends the process if one overruns.
 
-    python bench/gpu_check.py                 # on CUDA
-    python bench/gpu_check.py --device cpu    # the same checks on CPU (tests this script)
+    python bench/gpu_check.py                          # on CUDA (exits 0 with a message without one)
+    python bench/gpu_check.py --device cpu --small     # everything on CPU at toy sizes (tests this script)
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+import threading
 import time
 
 import torch
 
-import polykv
-from polykv.geometry import geometry_of_model
-from polykv.memory import predict_resident
-from polykv.plan import OpSpec
-from polykv.testing import tiny_model
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel section runs in Triton's interpreter on CPU
+
+import polykv  # noqa: E402
+from polykv.geometry import geometry_of_model  # noqa: E402
+from polykv.memory import predict_resident  # noqa: E402
+from polykv.plan import OpSpec  # noqa: E402
+from polykv.testing import tiny_model  # noqa: E402
 
 TOL = 1e-4
 KIVI = {"group_size": 16, "residual": 16}
+EVICTION_RULES = ("streamingllm", "snapkv", "h2o", "tova")
+"""Rules of the 8x eviction plans (in both phases where the rule decodes, else a full decode op)."""
 
 
 def _ids(batch, length, seed, device):
@@ -37,13 +54,14 @@ def _ids(batch, length, seed, device):
     return torch.randint(1, 128, (batch, length), generator=g).to(device)
 
 
-def check_full_plan(device) -> None:
-    for family in ("llama", "qwen2"):
+def check_full_plan(device, small=False) -> None:
+    for family in ("llama",) if small else ("llama", "qwen2"):
         model = tiny_model(family, layers=2, heads=4, kv_heads=2, head_dim=16).to(device)
         geo = geometry_of_model(model)
         for batch in (1, 2):
             ids = _ids(batch, 24, batch, device)
-            kw = dict(max_new_tokens=32, do_sample=False, output_scores=True, return_dict_in_generate=True)
+            kw = dict(max_new_tokens=8 if small else 32, do_sample=False, output_scores=True,
+                      return_dict_in_generate=True)
             with torch.no_grad():
                 ref = model.generate(ids, **kw)
                 with polykv.apply(model, polykv.full_plan(geo)):
@@ -53,7 +71,7 @@ def check_full_plan(device) -> None:
             assert diff < TOL, f"{family} batch {batch}: logits differ by {diff}"
 
 
-def check_masked_reference(device) -> None:
+def check_masked_reference(device, small=False) -> None:
     """Reuses the CPU test's recorder and reference on CUDA tensors."""
     import importlib.util
     from pathlib import Path
@@ -68,13 +86,13 @@ def check_masked_reference(device) -> None:
 
     stats = compute_query_stats(model, [_ids(1, 64, 7, device)])
     cases = [("prefill", r, 1) for r in mod.PREFILL_RULES]
-    cases += [("decode", r, s) for r in mod.DECODE_RULES for s in (1, 4)]
+    cases += [("decode", r, s) for r in mod.DECODE_RULES for s in ((4,) if small else (1, 4))]
     for phase, rule, slack in cases:
         op = OpSpec(rule=rule, capacity=12 if phase == "prefill" else 24, params=mod.PARAMS.get(rule, {}))
         plan = polykv.uniform_plan(geo, **{phase: op}, decode_slack=slack)
         ids, question = _ids(2, mod.PROMPT, 1, device), _ids(2, mod.QUESTION, 2, device)
         tokens, logits, records = mod._run_and_record(model, plan, ids, question, stats)
-        records = [(None if s is None else [p.cpu() for p in s], a, b) for s, a, b in records]
+        records = [(None if s is None else [p.cpu() for p in s], a, b) for s, a, b, *_ in records]
         ref = _reference_on(mod, model, tokens, records, geo)
         diff = (logits - ref).abs().max().item()
         assert diff < TOL, f"{phase} {rule} slack {slack}: logits differ from the masked reference by {diff}"
@@ -90,8 +108,8 @@ def _reference_on(mod, model, tokens, records, geo):
             causal = (rows[a:b, None] >= rows[None, :]) & (rows[None, :] >= a)
             allowed[:, :, a:b] = causal if stored is None else causal | (rows[None, :] < a)
             if stored is not None:
-                seen = torch.zeros(B, geo.num_kv_heads, N, dtype=torch.bool)
-                seen.scatter_(-1, stored[layer], True)
+                seen = torch.zeros(B, geo.num_kv_heads, N + 1, dtype=torch.bool)  # slot N: ragged padding
+                seen.scatter_(-1, stored[layer].masked_fill(stored[layer] < 0, N), True)
                 allowed[:, :, a:b, :a] = seen[:, :, None, :a]
         mod._MASKS[layer] = allowed.to(device)
     saved = model.config._attn_implementation_internal
@@ -143,29 +161,292 @@ def check_families_bf16(device) -> None:
             assert all(n <= 14 for n in session.cache.stored_tokens()), f"{family}: capacity exceeded"
 
 
-def main(argv=None) -> int:
-    import argparse
 
-    ap = argparse.ArgumentParser(description="runtime core checks on CUDA")
-    ap.add_argument("--device", default="cuda", help="device to check (cpu runs the same checks, to test this script)")
-    device = torch.device(ap.parse_args(argv).device)
+# -- kernel ------------------------------------------------------------------------------------------
+
+def _stores(T, k_bits, v_bits, *, B, Hkv, d, dtype, device, group_size, seed=0):
+    from polykv.adapters.quantizers.kivi import KiviQuantizer
+
+    quant = KiviQuantizer(group_size=group_size, residual=2 * group_size)
+    g = torch.Generator().manual_seed(seed)
+    ks = quant.new_store("key", k_bits, dtype=dtype, device=device)
+    vs = quant.new_store("value", v_bits, dtype=dtype, device=device)
+    for a in range(0, T, 4096):
+        n = min(4096, T - a)
+        ks.append(torch.randn(B, Hkv, n, d, generator=g).to(device, dtype))
+        vs.append(torch.randn(B, Hkv, n, d, generator=g).to(device, dtype))
+    return ks, vs
+
+
+def _ragged(stream, lengths):
+    """The stream with per-head lengths: each head keeps a prefix; its padding residual rows become nan."""
+    import attrs
+
+    from polykv.adapters.quantizers.packed_stream import with_head_counts
+
+    nq = lengths.clamp(max=stream.num_quantized)
+    nr = lengths - nq
+    res = stream.residual.clone()
+    rows = torch.arange(res.shape[2], device=res.device)
+    res[rows.view(1, 1, -1) >= nr.unsqueeze(-1)] = float("nan")
+    return with_head_counts(attrs.evolve(stream, residual=res), nq, nr)
+
+
+def check_kernel(device, small) -> str:
+    from polykv.adapters.quantizers import kivi_triton
+    from polykv.online_softmax import blockwise_attention, token_blocks
+
+    if device.type != "cuda" and not kivi_triton.interpreting():
+        raise RuntimeError("on CPU the kernel needs TRITON_INTERPRET=1 before Triton is imported")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
+    B, H, Hkv, d = (1, 8, 2, 32) if small else (1, 32, 4, 64)
+    contexts = (80,) if small else (16384, 32768)
+    lines = []
+    for T in contexts:
+        for kb, vb in ((2, 2), (4, 4), (8, 4), (4, 16), (16, 16)):
+            ks, vs = _stores(T, kb, vb, B=B, Hkv=Hkv, d=d, dtype=dtype, device=device, group_size=16 if small else 32)
+            for q_len in (1, 2):
+                q = torch.randn(B, H, q_len, d, generator=torch.Generator().manual_seed(T + q_len)).to(device, dtype)
+                kv, vv = token_blocks(ks), token_blocks(vs)
+                got = kivi_triton.decode_attention(q, kv, vv, scaling=d ** -0.5)
+                want = blockwise_attention(q, kv, vv, scaling=d ** -0.5)
+                diff = (got.float() - want.float()).abs().max().item()
+                assert diff < tol, f"K{kb}V{vb} T={T} q={q_len}: kernel differs from the reference by {diff}"
+            lengths = torch.randint(T // 2, T + 1, (B, Hkv), generator=torch.Generator().manual_seed(1)).to(device)
+            kr, vr = _ragged(token_blocks(ks), lengths), _ragged(token_blocks(vs), lengths)
+            got = kivi_triton.decode_attention(q[:, :, :1], kr, vr, scaling=d ** -0.5)
+            want = blockwise_attention(q[:, :, :1], kr, vr, scaling=d ** -0.5)
+            diff = (got.float() - want.float()).abs().max().item()
+            assert bool(torch.isfinite(got).all()) and diff < tol, f"K{kb}V{vb} ragged: differs by {diff}"
+            idx = torch.sort(torch.randperm(T, generator=torch.Generator().manual_seed(2))[: T // 2]).values
+            ks.gather(idx.to(device).expand(B, Hkv, -1))
+            vs.gather(idx.to(device).expand(B, Hkv, -1))
+            kv, vv = token_blocks(ks), token_blocks(vs)
+            diff = (kivi_triton.decode_attention(q[:, :, :1], kv, vv, scaling=d ** -0.5).float()
+                    - blockwise_attention(q[:, :, :1], kv, vv, scaling=d ** -0.5).float()).abs().max().item()
+            assert diff < tol, f"K{kb}V{vb} after a gather: differs by {diff}"
+        if device.type == "cuda":
+            lines.append(_kernel_timing(kivi_triton, T, B, H, Hkv, d, dtype, device))
+    return "; ".join(lines)
+
+
+def _kernel_timing(kivi_triton, T, B, H, Hkv, d, dtype, device) -> str:
+    import torch.nn.functional as F
+
+    from polykv.online_softmax import token_blocks
+
+    ks, vs = _stores(T, 4, 4, B=B, Hkv=Hkv, d=d, dtype=dtype, device=device, group_size=32)
+    kv, vv = token_blocks(ks), token_blocks(vs)
+    K, V = ks.dequantize(), vs.dequantize()
+    q = torch.randn(B, H, 1, d, device=device, dtype=dtype)
+    qf = q.view(B, Hkv, H // Hkv, d)
+
+    def best(fn, reps=50):
+        fn()
+        torch.cuda.synchronize(device)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(stop) / reps
+
+    kernel = best(lambda: kivi_triton.decode_attention(q, kv, vv, scaling=d ** -0.5))
+    sdpa = best(lambda: F.scaled_dot_product_attention(qf, K, V, scale=d ** -0.5))
+    deq = best(lambda: F.scaled_dot_product_attention(qf, ks.dequantize(), vs.dequantize(), scale=d ** -0.5))
+    return (f"{T} tokens K4V4: kernel {kernel:.3f} ms, bf16 SDPA {sdpa:.3f} ms ({kernel / sdpa:.2f}x), "
+            f"dequantize+SDPA {deq:.3f} ms")
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+_MODELS: dict = {}
+
+
+def timing_model(device, small):
+    """TinyLlama-1.1B's shape with random weights (``small``: a toy Llama), in bfloat16; built once."""
+    key = (str(device), small)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = _build_timing_model(device, small)
+    return _MODELS[key]
+
+
+def _build_timing_model(device, small):
+    import transformers
+
+    dtype = torch.bfloat16
+    if small:
+        return tiny_model("llama", layers=2, heads=8, kv_heads=2, head_dim=32, vocab=512, dtype=dtype).to(device)
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=40960, rope_theta=10000.0,
+        tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def timing_plans(geo, context):
+    plans = [("full", polykv.full_plan(geo))]
+    registry = polykv.get_registry()
+    for rule in EVICTION_RULES:
+        op = OpSpec(rule=rule, capacity=context // 8)
+        decode = op if "decode" in registry.operator(rule).phases else None
+        plans.append((f"{rule}@8x", polykv.uniform_plan(geo, prefill=op, decode=decode, decode_slack=16)))
+    k4v4 = [{"prefill": OpSpec(rule="full"), "decode": OpSpec(rule="full"), "k_bits": 4, "v_bits": 4,
+             "quantizer_params": {"group_size": 32, "residual": 32}}] * geo.num_layers
+    plans.append(("K4V4", polykv.per_layer_plan(geo, k4v4, decode_slack=16)))
+    return plans
+
+
+def time_one(model, ids, steps, plan, geo):
+    """Prefill seconds, decode tokens/s, peak bytes; for a plan, checks resident bytes after prefill."""
+    device = ids.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    with torch.no_grad():
+        session = None if plan is None else polykv.apply(model, plan).__enter__()
+        try:
+            sync()
+            t0 = time.perf_counter()
+            out = model(ids, use_cache=True, logits_to_keep=1) if plan is None else session.prefill(ids, logits_to_keep=1)
+            sync()
+            prefill = time.perf_counter() - t0
+            cache = out.past_key_values if plan is None else session.cache
+            if plan is not None:
+                got = list(session.resident_bytes().per_layer)
+                nbytes = torch.finfo(model.dtype).bits // 8
+                want = [r.resident_bytes for r in predict_resident(plan, geo, ids.shape[1], dtype_bytes=nbytes)]
+                assert got == want, f"resident bytes after prefill {sum(got)} != predicted {sum(want)}"
+            tok = out.logits[:, -1:].argmax(-1)
+            del out
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(tok, past_key_values=cache, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+            sync()
+            decode = steps / (time.perf_counter() - t0)
+        finally:
+            if session is not None:
+                session.__exit__(None, None, None)
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    return prefill, decode, peak
+
+
+def run_timing(device, small, deadline) -> str:
+    model = timing_model(device, small)
+    geo = geometry_of_model(model)
+    contexts, steps = ((256, 512), 4) if small else ((16384, 32768), 32)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    time_one(model, torch.randint(1, vocab, (1, 64), generator=g).to(device), 2, None, geo)  # warm-up
+    print(f"    {'config':<16}{'ctx':>7}{'prefill s':>10}{'x van':>7}{'dec tok/s':>10}{'x van':>7}{'peak GiB':>9}")
+    skipped = 0
+    for context in contexts:
+        ids = torch.randint(1, vocab, (1, context), generator=g).to(device)
+        base = None
+        for name, plan in [("vanilla", None)] + timing_plans(geo, context):
+            if time.monotonic() > deadline:
+                skipped += 1
+                print(f"    {name:<16}{context:>7}  skipped: time limit")
+                continue
+            prefill, decode, peak = time_one(model, ids, steps, plan, geo)
+            base = base or (prefill, decode)
+            print(f"    {name:<16}{context:>7}{prefill:>10.3f}{prefill / base[0]:>7.2f}{decode:>10.1f}"
+                  f"{decode / base[1]:>7.2f}{'n/a' if peak is None else f'{peak / 2 ** 30:.2f}':>9}", flush=True)
+    return f"{skipped} configuration(s) skipped for time" if skipped else ""
+
+
+def check_bf16_vanilla(device, small) -> str:
+    """The full plan in the timing model's dtype: teacher-forced logits against vanilla."""
+    model = timing_model(device, small)
+    geo = geometry_of_model(model)
+    T, steps = (64, 8) if small else (512, 16)
+    ids = torch.randint(1, model.config.vocab_size, (1, T + steps), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(device)
+    logits = []
+    for plan in (None, polykv.full_plan(geo)):
+        with torch.no_grad():
+            session = None if plan is None else polykv.apply(model, plan).__enter__()
+            try:
+                cache = None if plan is None else session.new_cache()
+                out = model(ids[:, :T], past_key_values=cache, use_cache=True)
+                cache, rows = out.past_key_values, [out.logits[:, -1]]
+                for i in range(T, T + steps):
+                    out = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                    rows.append(out.logits[:, -1])
+            finally:
+                if session is not None:
+                    session.__exit__(None, None, None)
+        logits.append(torch.stack(rows).float())
+    diff = (logits[0] - logits[1]).abs().max().item()
+    scale = logits[0].abs().max().item()
+    same = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
+    assert diff <= 2e-2 * max(scale, 1.0), f"{model.dtype} logits differ by {diff} (max |logit| {scale:.2f})"
+    return f"{model.dtype}: max |logit diff| {diff:.2e} of max |logit| {scale:.2f}, argmax agree {same:.0%}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="runtime checks and timings on CUDA")
+    ap.add_argument("--device", default="cuda", help="device to check (cpu runs everything, to test this script)")
+    ap.add_argument("--small", action="store_true", help="toy model and short contexts (minutes become seconds)")
+    ap.add_argument("--time-limit", type=float, default=450.0, help="hard limit for the whole run, seconds")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: CUDA is not available on this machine; nothing to check (exit 0). "
-              "Run it on a machine with an NVIDIA GPU.")
+              "Run it on a machine with an NVIDIA GPU, or with --device cpu --small.")
         return 0
+    t_start = time.monotonic()
+    deadline = t_start + args.time_limit
+    watchdog = threading.Timer(args.time_limit + 30, _overrun)
+    watchdog.daemon = True
+    watchdog.start()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu_check on {name}, torch {torch.__version__}")
-    failed = 0
-    for check in (check_full_plan, check_masked_reference, check_invariants, check_families_bf16):
+    print(f"gpu_check on {name}, torch {torch.__version__}, {'small' if args.small else 'full'} sizes, "
+          f"time limit {args.time_limit:.0f} s")
+    sections = [
+        ("1 vanilla equality (float32)", lambda: check_full_plan(device, args.small)),
+        ("1 vanilla equality (timing dtype)", lambda: check_bf16_vanilla(device, args.small)),
+        ("2 masked reference, every rule and phase", lambda: check_masked_reference(device, args.small)),
+        ("3 kernel vs blockwise reference", lambda: check_kernel(device, args.small)),
+        ("4 resident bytes and invariants", lambda: check_invariants(device)),
+        ("5 model families in bfloat16", lambda: check_families_bf16(device)),
+        ("6 timing: vanilla, full, 8x eviction, K4V4", lambda: run_timing(device, args.small, deadline)),
+    ]
+    failed = skipped = 0
+    for title, fn in sections:
+        print(f"== {title}", flush=True)
+        if time.monotonic() > deadline:
+            skipped += 1
+            print("   SKIP  time limit reached")
+            continue
         t0 = time.perf_counter()
         try:
-            check(device)
-            print(f"  ok    {check.__name__} ({time.perf_counter() - t0:.1f} s)")
-        except Exception as exc:  # report every check, then fail
+            note = fn()
+            print(f"   ok    ({time.perf_counter() - t0:.1f} s){' ' + note if note else ''}", flush=True)
+        except Exception as exc:  # report every section, then fail
             failed += 1
-            print(f"  FAIL  {check.__name__}: {type(exc).__name__}: {exc}")
-    print("gpu_check: all checks passed" if not failed else f"gpu_check: {failed} check(s) failed")
-    return 1 if failed else 0
+            print(f"   FAIL  {type(exc).__name__}: {exc}", flush=True)
+    watchdog.cancel()
+    total = time.monotonic() - t_start
+    verdict = "all checks passed" if not (failed or skipped) else f"{failed} failed, {skipped} skipped"
+    print(f"gpu_check: {verdict} in {total:.0f} s")
+    return 1 if failed or skipped else 0
+
+
+def _overrun() -> None:
+    print("gpu_check: FAIL  hard time limit exceeded; stopping", flush=True)
+    os._exit(3)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ if _threads is None or _threads.isdigit():
 
     torch.set_num_threads(int(_threads or 1))
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when it is
+# first imported, and a model forward imports it (through transformers), so it is set before any test.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:
     from hypothesis import settings
 except ImportError:  # hypothesis is a test extra; tests that need it import it themselves

@@ -15,6 +15,7 @@ import torch
 
 from polykv.operators import KVStore, WriteCost
 from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers.packed_stream import PackedStream
 from polykv.adapters.quantizers.packing import pack, packed_width
 from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
                                                 own_copy)
@@ -91,6 +92,13 @@ class KiviValueStore(KVStore):
                            self.zero.unsqueeze(-1), (B, H, Tq, d // G, G))
         out[:, :, Tq:] = self.residual
         return out
+
+    def token_blocks(self) -> PackedStream:
+        """The stored tensors as a token-blocks view (attention reads codes directly; no copy)."""
+        if self._shape is None:
+            raise ValueError("kivi values: the store is empty; append tokens before reading it")
+        return PackedStream(layout="token", bits=self.bits, group_size=self.group_size, codes=self.codes,
+                            scale=self.scale, zero=self.zero, residual=self.residual)
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.

@@ -62,6 +62,12 @@ class PassthroughStore(KVStore):
         """[B, Hkv, T, d] in ``dtype``. The stored tensor itself: treat it as read-only."""
         return self._data()
 
+    def token_blocks(self):
+        """The stored tensor as a token-blocks view (a ``PackedStream`` with no codes; no copy)."""
+        from polykv.adapters.quantizers.packed_stream import PackedStream
+
+        return PackedStream(layout="none", residual=self._data())
+
     def gather(self, index: torch.Tensor) -> None:
         """Keep only tokens ``index`` [B, Hkv, k] (strictly ascending, logical storage order)."""
         data = self._data()

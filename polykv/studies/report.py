@@ -243,6 +243,18 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str], pro
     return lines
 
 
+def prompt_line(res: Results) -> str:
+    """How the prompts began: the spec's ``prompt_format`` and ``bos``, and how many items' first stored
+    token was the BOS (recorded per result; older results files recorded nothing)."""
+    spec = res.header["spec"]
+    if "bos" not in spec:
+        return "Prompt: plain completion, no special tokens (written before the prompt rule was recorded)."
+    firsts = {(r["task"], r["item"]): r["bos_first"] for r in res.results if "bos_first" in r}
+    bos = {True: "true", False: "false"}.get(spec["bos"], spec["bos"])
+    return (f"Prompt: `{spec.get('prompt_format', 'plain')}` format, `bos`: `{bos}`; the first stored token is "
+            f"the tokenizer's BOS in {sum(firsts.values())} of {len(firsts)} items.")
+
+
 def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     from polykv.memory import kept_tokens
     from polykv.plan_io import parse_plan_dict
@@ -282,7 +294,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
              "cache of the same context. The predicted resident ratio is the memory model's (16-bit storage, "
              "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
              "reference continuation instead, one token per forward, and compare each next-token distribution with "
-             "the full cache's.", ""]
+             "the full cache's.", "", prompt_line(res), ""]
     profile_path = profile_path or spec.get("profile")
     prof = None
     if profile_path and os.path.isfile(profile_path):

@@ -36,3 +36,20 @@ def make_store():
 def random_index():
     """``random_index(B, H, T, k, shared=False, seed=0, device="cpu")``."""
     return _random_index
+
+
+def _load_read_path_cases():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).with_name("read_path_cases.py")
+    spec = importlib.util.spec_from_file_location("polykv_read_path_cases", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def cases():
+    """The read-path helpers (read_path_cases.py): filled store pairs, ragged counts, the dense oracle."""
+    return _load_read_path_cases()
