@@ -1,22 +1,84 @@
-"""Atomic file writes: write a temp file beside the target, fsync, then rename over it."""
+"""Safe file writes: atomic replacement, stale temp-file cleanup, and output-path checks.
+
+Every file polykv writes goes through a temp file beside the target (``.tmp-<pid>-<random>-<name>``),
+fsync, then a rename over the target, so a crash never leaves a half-written file. A process killed
+before the rename leaves its temp file behind; the next write into that folder removes temp files
+whose process is gone (same host; the pid is in the name).
+
+:func:`check_output` is what every CLI verb calls before it writes: it refuses an output path that
+is one of the command's inputs (symlinks resolved), a folder, or an existing file of another kind
+than the one the command writes (a file polykv did not create), so no command destroys a user's file.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import re
+import secrets
+import stat
+from typing import Callable, Iterable
+
+from polykv.errors import OutputError
+
+_TMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]{8}-")
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """Replace ``path`` with ``text``; on any failure the previous file is left untouched."""
+def temp_path(path: str) -> str:
+    """A fresh temp-file path beside ``path`` whose name records this process's pid."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{name}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clean_stale_temps(folder: str) -> list[str]:
+    """Remove ``.tmp-<pid>-...`` files in ``folder`` left by processes that no longer run; return them."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def replace_with(path: str, write: Callable[[str], None]) -> None:
+    """Write ``path`` atomically: ``write(tmp)`` fills a temp file beside it, which is then fsynced and
+    renamed over ``path``. On any failure the previous file is left untouched and the temp file removed."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
+    clean_stale_temps(folder)
+    tmp = temp_path(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -26,9 +88,118 @@ def write_text_atomic(path: str, text: str) -> None:
         raise
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Replace ``path`` with ``text``; on any failure the previous file is left untouched."""
+    def write(tmp: str) -> None:
+        with open(tmp, "x", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+
+    replace_with(path, write)
+
+
 def append_line_durable(path: str, line: str) -> None:
     """Append one line (a JSONL record) and fsync, so a crash never loses a finished record."""
     with open(path, "a", encoding="utf-8", newline="\n") as fh:
         fh.write(line.rstrip("\n") + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+# -- output-path checks ---------------------------------------------------------------------------
+
+def same_file(a: str, b: str) -> bool:
+    """True when ``a`` and ``b`` name the same file (symlinks and ``..`` resolved)."""
+    ra, rb = os.path.realpath(a), os.path.realpath(b)
+    if ra == rb:
+        return True
+    try:
+        return os.path.samefile(ra, rb)
+    except OSError:
+        return False
+
+
+def check_output(path: str, *, what: str, option: str, inputs: Iterable[str] = (),
+                 recognise: Callable[[str], bool] | None = None, folder: bool = False) -> None:
+    """Refuse to write ``path`` when that would destroy something that is not ours to replace.
+
+    Parameters
+    ----------
+    path : str
+        The output path the user gave.
+    what : str
+        What the command writes there (``"plan file"``), for the message.
+    option : str
+        The option or argument that named it (``"-o"``), for the message.
+    inputs : iterable of str
+        Paths the command reads; the output may be none of them (symlinks resolved).
+    recognise : callable, optional
+        ``recognise(existing_path) -> bool``: True when an existing file is one this command wrote
+        before (then it may be replaced). Without it, any existing file is refused.
+    folder : bool
+        The output is a folder (``report -o DIR``): an existing folder is fine, a file is not.
+
+    Raises
+    ------
+    OutputError
+        One line naming the path and what to do.
+    """
+    path = os.fspath(path)
+    if not path:
+        raise OutputError(f"{option}: empty output path; give a file name")
+    for src in inputs:
+        if src and same_file(path, src):
+            raise OutputError(f"{option} {path}: this is also an input of the command ({src}); writing the "
+                              f"{what} there would destroy it. Choose another output path")
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise OutputError(f"{option} {path}: a dangling or looping symbolic link; remove it or choose another "
+                          f"output path")
+    if folder:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise OutputError(f"{option} {path}: exists and is not a folder; the {what} is a folder. Choose "
+                              f"another output path")
+        return
+    if os.path.isdir(path):
+        raise OutputError(f"{option} {path}: is a folder; give a file path for the {what}")
+    if os.path.exists(path):
+        if not os.path.isfile(path):
+            raise OutputError(f"{option} {path}: not a regular file; choose another output path")
+        if recognise is None or not _recognised(recognise, path):
+            raise OutputError(f"{option} {path}: an existing file that is not a {what} polykv wrote; refusing "
+                              f"to replace it. Choose another output path (or move that file away)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise OutputError(f"{option} {path}: {parent} is not a folder; choose another output path")
+
+
+def _recognised(recognise: Callable[[str], bool], path: str) -> bool:
+    try:
+        return bool(recognise(path))
+    except Exception:  # unreadable or malformed: not a file this command wrote
+        return False
+
+
+def check_readable_file(path: str, what: str) -> None:
+    """Refuse a path that is missing, a folder, a FIFO or device (reading it could block), or unreadable."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise OutputError(f"{path}: no such file (the {what}); check the path") from None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read the {what} ({exc.strerror}); check the path") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{path}: is a folder, not a {what}; give the file's path")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{path}: not a regular file (a pipe, socket or device); give the {what}'s path")
+
+
+def read_json_head(path: str, limit: int = 1 << 20):
+    """The JSON object in a (small) file, or None when it is not one; for ``recognise`` callbacks."""
+    import json
+
+    if not os.path.isfile(path) or os.path.getsize(path) > limit * 64:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None

@@ -1,23 +1,48 @@
 """The ``polykv`` command line. Each verb lives in its own module under :mod:`polykv.commands`.
 
 A command module defines ``register(subparsers)``, which adds its parser and sets
-``func=callable(args) -> int``. Bad input raises :class:`polykv.errors.PolykvError`; the CLI prints
-its message (no traceback) and exits with status 2.
+``func=callable(args) -> int``. One error boundary here turns every bad input into one line on
+stderr, ``polykv VERB: error: <file or field>: <what to do>``, and exit status 2: polykv's own
+errors (:class:`polykv.errors.PolykvError`), argument errors, and the OSError, UnicodeDecodeError,
+OverflowError and ValueError that bad input raises deeper down. ``POLYKV_DEBUG=1`` re-raises them
+with the traceback. A closed stdout (``polykv plugins | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import pkgutil
 import sys
 
 from polykv import __version__
 from polykv.errors import PolykvError
 
+DEBUG_ENV = "POLYKV_DEBUG"
+"""Environment variable: set to 1 to see the traceback behind an error line."""
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """An argument the parser refused; carries the verb and the one-line message."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog, self.message = prog, message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an argument error is one line (no usage block), raised to the error boundary."""
+
+    def error(self, message: str):
+        raise UsageError(self.prog, message)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polykv", description="Compose KV-cache compression per layer and phase.")
+    parser = Parser(prog="polykv", description="Compose KV-cache compression per layer and phase.")
     parser.add_argument("--version", action="version", version=f"polykv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     import polykv.commands as commands
@@ -28,20 +53,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def describe(exc: BaseException) -> str:
+    """The one-line message for an error that reached the boundary."""
+    if isinstance(exc, PolykvError):
+        return _one_line(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return _one_line(f"a file is not UTF-8 text ({exc.reason} at byte {exc.start}); give a UTF-8 text file")
+    if isinstance(exc, OSError):
+        name = exc.filename if exc.filename is not None else ""
+        other = f" -> {exc.filename2}" if getattr(exc, "filename2", None) else ""
+        what = exc.strerror or str(exc)
+        hint = {errno.EACCES: "check its permissions", errno.EPERM: "check its permissions",
+                errno.EROFS: "choose a writable location", errno.ENOSPC: "free disk space",
+                errno.EISDIR: "give a file, not a folder", errno.ENOTDIR: "check the path",
+                errno.ELOOP: "fix the symbolic link", errno.ENOENT: "check the path",
+                errno.ENAMETOOLONG: "use a shorter path"}.get(exc.errno, "check the path")
+        return _one_line(f"{name}{other}: {what}; {hint}" if name else f"{what}; {hint}")
+    if isinstance(exc, OverflowError):
+        return _one_line(f"a number is too large ({exc}); give a smaller value")
+    return _one_line(f"{exc}; check the arguments and input files")
+
+
+def _verb(args) -> str:
+    parts = [getattr(args, "command", None) or ""]
+    for name in ("plan_command",):
+        if getattr(args, name, None):
+            parts.append(getattr(args, name))
+    return " ".join(p for p in parts if p)
+
+
+def _stdout_closed() -> int:
+    """stdout's reader went away (``| head``): silence the final flush and exit like a killed pipe writer."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests capture it)
+        pass
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"{exc.prog}: error: {_one_line(exc.message)} (see {exc.prog} --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return EXIT_BAD_INPUT
+    verb = _verb(args)
     try:
-        return int(args.func(args) or 0)
-    except PolykvError as exc:
-        print(f"polykv {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except KeyboardInterrupt:
-        print(f"polykv {args.command}: interrupted", file=sys.stderr)
+        print(f"polykv {verb}: interrupted", file=sys.stderr)
         return 130
+    except (PolykvError, OSError, UnicodeDecodeError, OverflowError, ValueError) as exc:
+        if _debug():
+            raise
+        print(f"polykv {verb}: error: {describe(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

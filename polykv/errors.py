@@ -48,3 +48,7 @@ class RuntimeConfigError(PolykvError):
 
 class StudyError(PolykvError):
     """A study spec, task file or results file is invalid."""
+
+
+class OutputError(PolykvError):
+    """An output path would destroy an input or a file polykv did not write, or cannot be written."""

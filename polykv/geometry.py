@@ -2,7 +2,8 @@
 
 Built from any transformers decoder config (Llama, Qwen2, Qwen3, Mistral, Gemma 3, ...). The
 fingerprint ties plans and profiles to one model: a digest of the config's shape fields plus,
-when weights are given, a cheap digest of a few weight tensors.
+when weights are given, a digest of the weights that does not depend on the compute dtype (see
+:func:`weights_digest`), so one profile and its plans serve float32, bfloat16 and float16 runs.
 """
 
 from __future__ import annotations
@@ -93,29 +94,45 @@ def geometry_from_config(config: Any, *, weights_digest: str | None = None) -> M
     return attrs.evolve(geo, fingerprint=fingerprint(geo, weights_digest))
 
 
+WEIGHTS_TAG = "s"
+"""Tag of the weights part of a fingerprint (``+s-<12 hex>``): a digest of weight sign bits."""
+LEGACY_WEIGHTS_TAG = "w"
+"""Tag written by polykv 0.1 (``+w-``): a digest of float32 weight values, which depended on the dtype."""
+
+
 def fingerprint(geo: ModelGeometry, weights_digest: str | None = None) -> str:
-    """``cfg-<12 hex>`` from the shape fields, ``+w-<12 hex>`` appended when weights are known."""
+    """``cfg-<12 hex>`` from the shape fields, ``+s-<12 hex>`` appended when weights are known."""
     shape = attrs.asdict(geo)
     shape.pop("fingerprint", None)
     text = json.dumps(shape, sort_keys=True, default=str)
     out = "cfg-" + hashlib.sha256(text.encode()).hexdigest()[:12]
     if weights_digest:
-        out += "+w-" + weights_digest[:12]
+        out += f"+{WEIGHTS_TAG}-" + weights_digest[:12]
     return out
 
 
-def weights_digest(model: Any, *, max_tensors: int = 4, max_values: int = 4096) -> str:
-    """Cheap digest of a model's weights: the first ``max_values`` values of a few named tensors."""
+def weights_digest(model: Any, *, max_values: int = 4096) -> str:
+    """Digest of a model's weights that is the same in every compute dtype.
+
+    For every named parameter (sorted by name): its name, its shape and the sign bits of its first
+    ``max_values`` values. Casting a float to float32, bfloat16 or float16 (round to nearest) never
+    changes its sign bit, not even when the value underflows to zero, so a model loaded in any of
+    those dtypes from the same checkpoint gets the same digest; different weights flip some of the
+    ~10^5-10^6 digested signs. (Digesting rounded values instead cannot be exact: a float32 weight
+    rounds to float16 and bfloat16 differently.)
+    """
+    import numpy as np
     import torch
 
     h = hashlib.sha256()
-    names = sorted(n for n, _ in model.named_parameters())
-    picked = names[:max_tensors // 2] + names[-(max_tensors - max_tensors // 2):]
-    params = dict(model.named_parameters())
-    for name in picked:
-        t = params[name].detach().reshape(-1)[:max_values].to("cpu", torch.float32)
-        h.update(name.encode())
-        h.update(t.numpy().tobytes())
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        t = param.detach().reshape(-1)[:max_values].to("cpu")
+        if t.dtype.is_floating_point:
+            bits = torch.signbit(t.float()).numpy()
+        else:
+            bits = (t < 0).numpy()
+        h.update(f"{name}:{list(param.shape)}".encode())
+        h.update(np.packbits(bits).tobytes())
     return h.hexdigest()
 
 
@@ -125,7 +142,11 @@ def geometry_of_model(model: Any) -> ModelGeometry:
 
 
 def fingerprints_match(a: str | None, b: str | None) -> bool:
-    """True unless both are known and differ. A config-only fingerprint matches any weights suffix."""
+    """True unless both are known and differ.
+
+    A config-only fingerprint matches any weights suffix, and so does a legacy ``+w-`` suffix
+    against a current ``+s-`` one (the two digests cannot be compared: only the shapes are).
+    """
     if not a or not b:
         return True
     if a == b:
@@ -133,4 +154,10 @@ def fingerprints_match(a: str | None, b: str | None) -> bool:
     ca, cb = a.split("+", 1)[0], b.split("+", 1)[0]
     if ca != cb:
         return False
-    return "+" not in a or "+" not in b
+    if "+" not in a or "+" not in b:
+        return True
+    return _weights_tag(a) != _weights_tag(b)
+
+
+def _weights_tag(fp: str) -> str:
+    return fp.split("+", 1)[1].split("-", 1)[0]

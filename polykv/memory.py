@@ -15,12 +15,18 @@ Which op bounds storage (``phase=``):
 * ``"prefill"``: right after prefill, the layer holds ``min(prefill capacity, T)`` tokens. Resident
   bytes are exact for this phase: the runtime selects on the full-precision prompt and appends only
   the survivors, so the quantizer stores see no eviction.
-* ``"decode"``: once generation runs, a decode op that evicts bounds storage at
-  ``min(decode capacity, T)`` (right after each eviction; up to ``decode_slack`` more tokens
-  accumulate between evictions); with a ``full`` decode op nothing is evicted during generation
-  and the prefill bound stands. Resident bytes here are those of stores holding that many tokens
-  appended without eviction: an estimate, since per-head gathers can change a quantized store's
-  layout (see docs/quantizers.md).
+* ``"decode"``: an upper bound on what the stores hold after any decode forward. A decode op
+  that evicts fires when storage exceeds ``capacity + decode_slack`` and cuts back to ``capacity``,
+  so a layer holds at most ``min(capacity + slack, prefill kept + new_tokens)`` tokens; eviction
+  gathers survivors out of quantized groups, so the bytes are the quantizer's ``bound_bytes`` (the
+  worst store layout of that many tokens after any appends and gathers: KIVI keys keep one scale
+  and minimum row per surviving group and int32 group ids, KIVI keys and values keep up to a full
+  residual block in the compute dtype). With a ``full`` decode op nothing is evicted: the layer
+  holds ``prefill kept + k`` tokens after k generated tokens (``k <= new_tokens``), appended
+  without eviction, and the bytes are the largest ``predict_bytes`` over that range (exact states).
+  ``new_tokens=None`` bounds an unlimited generation for absolute decode capacities; a ratio
+  capacity grows with the tokens seen and a ``full`` decode op with every token, so for those the
+  bound holds for ``new_tokens`` generated tokens (None counts as 0: the start of decoding).
 
 Metadata right after prefill (the runtime keeps only the decode rule's state): positions int64
 ``[B, Hkv, kept]``; then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
@@ -131,10 +137,50 @@ class MemoryRow:
         return sum(v for v in self.metadata.values() if v is not None)
 
 
+def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: int,
+                       new_tokens: int | None = None, after_prefill: int | None = None) -> tuple[int, int]:
+    """(fewest, most) tokens per KV head a layer's stores hold after a decode forward (see the module
+    docstring); ``after_prefill`` overrides the prefill op's count (an allocator's budget)."""
+    _check(context_tokens, "decode")
+    n = int(new_tokens or 0)
+    if after_prefill is None:
+        after_prefill = _kept(layer.prefill, context_tokens)
+    if layer.decode.keeps_everything:  # after k >= 1 decode forwards of one token each
+        return after_prefill + min(n, 1), after_prefill + n
+    cap = layer.decode.resolve_capacity(context_tokens + n)
+    most = cap + int(decode_slack)
+    if new_tokens is not None:
+        most = min(most, after_prefill + n)
+    return min(cap, after_prefill), max(most, min(cap, after_prefill))
+
+
+def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[int, int], evicts: bool,
+                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> list[int]:
+    """Bytes one stream's store holds at each token count of ``held`` = (fewest, most), or one bound.
+
+    With eviction: ``[bound]``, the quantizer's ``bound_bytes`` at the most tokens (the worst layout after
+    appends and gathers); a quantizer without one is assumed to hold ``predict_bytes`` of its token
+    count (a layout that depends on the count only), maximised over the range. Without eviction every
+    state is a fresh store after k appends: ``predict_bytes(k)`` for every k in the range.
+    """
+    shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+    lo, hi = held
+    if quantizer is None:  # 16 bits: passthrough, linear in the token count
+        counts = [hi] if evicts else range(lo, hi + 1)
+        return [batch * kv_heads * k * head_dim * dtype_bytes for k in counts]
+    bound = getattr(quantizer, "bound_bytes", None)
+    if evicts and bound is not None:
+        return [int(bound(stream, bits, tokens=hi, **shape))]
+    per_count = [int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1)]
+    return [max(per_count)] if evicts else per_count
+
+
 def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: int = 1, dtype_bytes: int = 2,
                      registry: Any = None, phase: str = "prefill", num_heads: int | None = None,
+                     decode_slack: int | None = None, new_tokens: int | None = None,
                      head_counts: Any = None, allocations: Any = None) -> list[MemoryRow]:
-    """Per-layer bytes the runtime holds for a ``context_tokens`` prompt (exact for ``phase="prefill"``).
+    """Per-layer bytes the runtime holds for a ``context_tokens`` prompt: exact right after prefill
+    (``phase="prefill"``), an upper bound over decoding (``phase="decode"``).
 
     Parameters
     ----------
@@ -155,6 +201,11 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         ``"prefill"`` or ``"decode"`` (see the module docstring).
     num_heads : int, optional
         Query heads H, when the geometry does not carry ``num_heads``.
+    decode_slack : int, optional
+        Decode phase: tokens past capacity before eviction fires (default: the plan's
+        ``trigger.decode_slack``, else 128).
+    new_tokens : int, optional
+        Decode phase: tokens generated after the context (see the module docstring).
     head_counts : sequence, optional
         Per layer, tokens stored per batch row and KV head (``cache.head_counts()``): exact bytes of
         ragged layers.
@@ -172,20 +223,28 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     nominal = nominal_bytes(plan, geo, context_tokens, phase=phase)
     bounds = _allocation_bounds(plan, registry, context_tokens, allocations or {})
     rows = []
+    if decode_slack is None:
+        decode_slack = int(getattr(getattr(plan, "trigger", None), "decode_slack", 128))
     for lp, nom in zip(plan.layers, nominal):
         kept = kept_tokens(lp, context_tokens, phase)
+        after_prefill = None
         bound = lp.layer in bounds
         if bound or (allocations and lp.layer in allocations):
             kept = bounds.get(lp.layer) or _allocated(allocations[lp.layer], context_tokens)
             nom = -(-kept * Hkv * d * (lp.k_bits + lp.v_bits) // 8)
+            after_prefill = kept
         per_head = _per_head(head_counts, lp.layer, batch, Hkv) if phase == "prefill" else None
-        stream_bytes = []
-        for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
-            if per_head is None:
-                stream_bytes.append(_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes))
-            else:
-                stream_bytes.append(sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes)
-                                        for n in per_head))
+        if phase == "decode":
+            held = decode_held_tokens(lp, context_tokens, decode_slack=decode_slack, new_tokens=new_tokens,
+                                      after_prefill=after_prefill)
+            kept = held[1]
+            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes)
+        elif per_head is None:
+            stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes)
+                            for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
+        else:
+            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes) for n in per_head)
+                            for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         width = kept if per_head is None else max(per_head)
         meta = _metadata(lp, registry, batch, Hkv, d, heads, width, context_tokens, dtype_bytes)
         if per_head is not None:
@@ -197,6 +256,24 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             full_bytes=2 * batch * Hkv * context_tokens * d * dtype_bytes,
             full_nominal_bytes=4 * Hkv * context_tokens * d, bound=bound))
     return rows
+
+
+def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], batch: int, Hkv: int, d: int,
+                         dtype_bytes: int) -> list[int]:
+    """[key, value] bytes bounding a layer's stores over decoding (see :func:`stream_bound_bytes`)."""
+    evicts = not lp.decode.keeps_everything
+    per_stream = []
+    for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
+        try:
+            quantizer = None if bits == PASSTHROUGH_BITS else registry.quantizer(lp.quantizer)(**lp.quantizer_params)
+            per_stream.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts, batch=batch,
+                                                 kv_heads=Hkv, head_dim=d, dtype_bytes=dtype_bytes))
+        except (ValueError, KeyError) as exc:
+            raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
+                            hint="fix the layer's quantizer, bits or parameters") from None
+    # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
+    at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
+    return [per_stream[0][at], per_stream[1][at]]
 
 
 def _stream_bytes(lp: LayerPlan, registry: Any, stream: str, bits: int, batch: int, Hkv: int, d: int, kept: int,
@@ -341,7 +418,8 @@ def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
 
 def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *, batch: int = 1,
                   dtype_bytes: int = 2, registry: Any = None, phase: str = "prefill",
-                  num_heads: int | None = None) -> MemoryReport:
+                  num_heads: int | None = None, decode_slack: int | None = None,
+                  new_tokens: int | None = None) -> MemoryReport:
     """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`).
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
@@ -349,7 +427,8 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
     from polykv.registry import get_registry
 
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
-                            registry=registry, phase=phase, num_heads=num_heads)
+                            registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
+                            new_tokens=new_tokens)
     registry = registry if registry is not None else get_registry()
     groups = []
     for g in getattr(plan, "allocation", ()):

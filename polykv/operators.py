@@ -133,6 +133,8 @@ class RetentionRule:
     phases: ClassVar[frozenset[str]] = frozenset(PHASES)
     signal: ClassVar[str] = SIGNAL_NONE
     defaults: ClassVar[Mapping[str, Any]] = {}
+    param_specs: ClassVar[Mapping[str, Any]] = {}
+    """Parameter name -> :class:`polykv.params.ParamSpec` (type, range or choices); values are checked."""
     needs_values: ClassVar[bool] = False
     shared_across_heads: ClassVar[bool] = False
     """True when one index set serves every KV head of the layer (e.g. TOVA)."""
@@ -144,6 +146,9 @@ class RetentionRule:
             raise ValueError(
                 f"rule '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}"
             )
+        from polykv.params import check_params
+
+        check_params(self.param_specs, params, owner=f"rule '{self.name}'")
         self.params = {**self.defaults, **params}
 
     @classmethod

@@ -77,6 +77,14 @@ def save(plan: Plan, path: str) -> None:
     write_text_atomic(path, dumps(plan))
 
 
+def is_plan_file(path: str) -> bool:
+    """True when ``path`` holds a JSON object shaped like a plan (``schema_version`` and ``layers``)."""
+    from polykv.atomic import read_json_head
+
+    raw = read_json_head(path)
+    return isinstance(raw, dict) and "schema_version" in raw and "layers" in raw
+
+
 # -- reading --------------------------------------------------------------------------------------
 
 class _Reader:
@@ -289,13 +297,22 @@ def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
 
 def load(path: str, *, registry=None, geometry=None) -> Plan:
     source = str(path)
+    from polykv.atomic import check_readable_file
+    from polykv.errors import OutputError
+
     try:
+        check_readable_file(source, "plan file")
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
         raise PlanError("no such file", source=source, hint="check the path") from None
+    except OutputError as exc:
+        raise PlanError(str(exc).split(": ", 1)[-1], source=source) from None
     except UnicodeDecodeError:
-        raise PlanError("not a UTF-8 text file", source=source) from None
+        raise PlanError("not a UTF-8 text file", source=source, hint="give a plan file (JSON)") from None
+    except OSError as exc:
+        raise PlanError(f"cannot read the file ({exc.strerror})", source=source,
+                        hint="check the path and its permissions") from None
     plan = parse_plan_text(text, source)
     if registry is not None or geometry is not None:
         validate(plan, registry=registry, geometry=geometry, source=source)
@@ -334,7 +351,11 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
             try:
                 cls(**op.params)
             except (TypeError, ValueError) as exc:
-                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".params") from None
+                param = getattr(exc, "param", None)
+                raise PlanError(str(exc), source=source, layer=lp.layer,
+                                field=field + ".params" + (f".{param}" if param else ""),
+                                hint="fix the value (see `polykv plugins` and docs/rules.md)" if param else None
+                                ) from None
         if lp.quantized:
             field = f"layers[{lp.layer}]"
             try:

@@ -34,3 +34,54 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def decode_soak(model, plan, *, context_tokens: int, steps: int, model_data=None, seed: int = 0,
+                through_model: bool = False):
+    """Prefill ``context_tokens`` tokens under ``plan``, decode ``steps`` tokens one forward at a time, and
+    compare the store bytes measured after every forward with the decode bound of
+    :func:`polykv.memory.predict_resident` (``phase="decode"``, ``new_tokens=steps``).
+
+    By default the plan's cache is driven directly with random post-RoPE keys, values and queries (the
+    attention and eviction path of the runtime, without the model's other layers: thousands of steps
+    in seconds); ``through_model=True`` runs the model's forward on random token ids instead.
+
+    Returns ``(worst_measured, bound, forwards_over)``: per layer, the largest K+V store bytes measured,
+    the predicted bound, and how many forwards ended above it.
+    """
+    import polykv
+    from polykv.geometry import geometry_of_model
+    from polykv.memory import predict_resident
+
+    geo = geometry_of_model(model)
+    elem = next(model.parameters()).element_size()
+    rows = predict_resident(plan, geo, context_tokens, dtype_bytes=elem, phase="decode", new_tokens=steps)
+    bound = [r.resident_bytes for r in rows]
+    worst, over = [0] * len(bound), [0] * len(bound)
+    gen = torch.Generator().manual_seed(seed)
+
+    def measure(session):
+        for i, b in enumerate(session.resident_bytes().per_layer):
+            worst[i] = max(worst[i], b)
+            over[i] += b > bound[i]
+
+    with torch.no_grad(), polykv.apply(model, plan, model_data=model_data) as session:
+        if through_model:
+            ids = torch.randint(1, model.config.vocab_size, (1, context_tokens + steps), generator=gen)
+            session.prefill(ids[:, :context_tokens])
+            for t in range(context_tokens, context_tokens + steps):
+                model(ids[:, t:t + 1], use_cache=True, **{session._cache_kw: session.cache})
+                measure(session)
+            return worst, bound, over
+        cache = session.new_cache()
+        dtype = next(model.parameters()).dtype
+        H, Hkv, d = geo.num_heads, geo.num_kv_heads, geo.head_dim
+        scaling = d ** -0.5
+        for q in [context_tokens] + [1] * steps:
+            for i, layer in enumerate(cache.layers):
+                k, v = (torch.randn(1, Hkv, q, d, generator=gen, dtype=torch.float32).to(dtype) for _ in range(2))
+                cache.update(k, v, i)
+                layer.after_attention(torch.randn(1, H, q, d, generator=gen).to(dtype), scaling)
+            if q == 1:
+                measure(session)
+    return worst, bound, over

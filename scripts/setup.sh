@@ -25,8 +25,8 @@ fi
 STAMP=.venv/.polykv-install-stamp
 WANT="$(cat pyproject.toml setup.py | sha256sum | cut -c1-16) $ROOT"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || ! python -c 'import polykv.adapters' 2>/dev/null; then
-    echo "setup: installing polykv (editable) with the test, report and kernels extras"
-    pip_install -e '.[test,report,kernels]'
+    echo "setup: installing polykv (editable) with the test, report, kernels and integrations (lm_eval, ray) extras"
+    pip_install -e '.[test,report,kernels,integrations]'
     echo "$WANT" > "$STAMP"
 fi
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from polykv.operators import KVStore, Quantizer
-from polykv.adapters.quantizers.kivi_keys import KiviKeyStore, key_bytes
-from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bytes
+from polykv.adapters.quantizers.kivi_keys import KiviKeyStore, key_bound_bytes, key_bytes
+from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
 from polykv.adapters.quantizers.passthrough import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
@@ -79,4 +79,23 @@ class KiviQuantizer(Quantizer):
             raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
                              f"set quantizer_params.group_size to a divisor of {head_dim}")
         fn = key_bytes if stream == "key" else value_bytes
+        return fn(bits=bits, group_size=G, residual=R, **shape)
+
+    def bound_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
+                    tokens: int, dtype_bytes: int) -> int:
+        """Most resident bytes of a store holding at most ``tokens`` tokens after any appends and gathers.
+
+        Gathers never requantize, so survivors keep what they had: a surviving key keeps its group's
+        scale and minimum row (in the worst case one row per surviving key, plus an int32 group id
+        each), and up to ``residual - 1`` keys or ``residual`` values stay in the compute dtype.
+        """
+        self._check(stream, bits)
+        shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, dtype_bytes=dtype_bytes)
+        if bits == 16:
+            return passthrough_bytes(**shape)
+        G, R = self.params["group_size"], self.params["residual"]
+        if stream == "value" and head_dim % G:
+            raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
+                             f"set quantizer_params.group_size to a divisor of {head_dim}")
+        fn = key_bound_bytes if stream == "key" else value_bound_bytes
         return fn(bits=bits, group_size=G, residual=R, **shape)

@@ -249,3 +249,14 @@ def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads
                 + 2 * (tq // group_size) * head_dim * dtype_bytes        # scale + minimum per group row
                 + tr * head_dim * dtype_bytes)                           # full-precision residual
     return batch * kv_heads * per_head
+
+
+def key_bound_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
+                    tokens: int, dtype_bytes: int) -> int:
+    """Most resident bytes of a :class:`KiviKeyStore` holding at most ``tokens`` keys after any appends
+    and gathers: per quantized key its codes, an int32 group id and (worst case, every survivor from
+    another group) its own scale and minimum row; up to ``residual - 1`` keys in the compute dtype."""
+    quantized = packed_width(head_dim, bits) + 4 + 2 * head_dim * dtype_bytes
+    full = head_dim * dtype_bytes
+    per_head = max((tokens - tr) * quantized + tr * full for tr in {0, min(residual - 1, tokens)})
+    return batch * kv_heads * per_head

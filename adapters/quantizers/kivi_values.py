@@ -176,3 +176,14 @@ def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_hea
                 + 2 * tq * (head_dim // group_size) * dtype_bytes       # scale + minimum
                 + tr * head_dim * dtype_bytes)                          # full-precision residual
     return batch * kv_heads * per_head
+
+
+def value_bound_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
+                      tokens: int, dtype_bytes: int) -> int:
+    """Most resident bytes of a :class:`KiviValueStore` holding at most ``tokens`` values after any
+    appends and gathers: survivors keep their per-token codes, scales and minima, and up to ``residual``
+    values stay in the compute dtype (whichever costs more per token fills the bound)."""
+    quantized = packed_width(head_dim, bits) + 2 * (head_dim // group_size) * dtype_bytes
+    full = head_dim * dtype_bytes
+    per_head = max((tokens - tr) * quantized + tr * full for tr in {0, min(residual, tokens)})
+    return batch * kv_heads * per_head

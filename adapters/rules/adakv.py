@@ -26,6 +26,7 @@ import torch
 from polykv.adapters.rules.wrapping import build_inner_rule
 from polykv.operators import SIGNAL_WINDOW, RetentionRule, ScoredRule, SelectionContext
 from polykv.selection import ragged_top_k
+from polykv.params import ParamSpec
 
 
 def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2,
@@ -90,6 +91,11 @@ class AdaKVRule(RetentionRule):
     phases = frozenset({"prefill"})
     signal = SIGNAL_WINDOW
     defaults = {"rule": "snapkv", "rule_params": {}, "floor_alpha": 0.2, "rounding": "exact"}
+    param_specs = {"rule": ParamSpec(str, description="the scoring rule whose scores Ada-KV allocates by"),
+                   "rule_params": ParamSpec(dict, description="parameters of that rule"),
+                   "floor_alpha": ParamSpec(float, low=0.0, high=1.0, description="share of the budget kept as a "
+                                            "per-head floor"),
+                   "rounding": ParamSpec(str, choices=("exact", "reference"), description="budget rounding")}
     shared_across_heads = False
     paper = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
              "Inference, arXiv:2407.11550")

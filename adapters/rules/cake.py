@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_WINDOW, ScoredRule, SelectionContext
 from polykv.rule_state import QueryWindow
+from polykv.params import ParamSpec
 
 ENTROPY_EPS = 1e-10
 """Inside the log of the entropy, as in the reference."""
@@ -123,6 +124,9 @@ class CAKERule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_WINDOW
     defaults = {"window": 32, "gamma": 200.0, "kernel_size": 5}
+    param_specs = {"window": ParamSpec(int, low=1, high=1 << 20, description="observation window in tokens"),
+                   "gamma": ParamSpec(float, low=0.0, high=1e12, description="weight of the attention variance"),
+                   "kernel_size": ParamSpec(int, low=1, high=1 << 12, description="pooling kernel, odd")}
     shared_across_heads = False
     paper = ("Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences, ICLR 2025 "
              "(arXiv:2503.12491)")

@@ -25,6 +25,7 @@ from polykv.adapters.rules.wrapping import build_inner_rule
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, RetentionRule, SelectionContext
 from polykv.rule_state import AccumulatedAttention, CompositeState, RuleState
 from polykv.selection import Merge, Selection, as_selection
+from polykv.params import ParamSpec
 
 
 def merge_weights(kept: torch.Tensor, accumulated: torch.Tensor, *, merge_window: int,
@@ -112,6 +113,10 @@ class CaMRule(RetentionRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
     defaults = {"rule": "streamingllm", "rule_params": {}, "merge_window": 32, "divide_by": "window"}
+    param_specs = {"rule": ParamSpec(str, description="the rule choosing which tokens stay"),
+                   "rule_params": ParamSpec(dict, description="parameters of that rule"),
+                   "merge_window": ParamSpec(int, low=1, high=1 << 20, description="tokens an evicted one may merge into"),
+                   "divide_by": ParamSpec(str, choices=("window", "m"), description="merge weight normaliser")}
     shared_across_heads = False
     paper = "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024"
 

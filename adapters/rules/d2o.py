@@ -32,6 +32,7 @@ from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
 from polykv.rule_state import AccumulatedAttention, CompositeState, Observation, RuleState
 from polykv.selection import Merge, Selection, as_selection
+from polykv.params import ParamSpec
 
 VARIANCE_EPS = 1e-6
 
@@ -174,6 +175,13 @@ class D2ORule(ScoredRule):
     signal = SIGNAL_ACCUMULATED
     defaults = {"recent_ratio": 0.5, "n_sink": 4, "variant": "code", "alpha": 0.5, "beta": 0.5,
                 "paper_beta": 0.7, "paper_c": 0.1}
+    param_specs = {"recent_ratio": ParamSpec(float, low=0.0, high=1.0, description="share kept for recent tokens"),
+                   "n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept"),
+                   "variant": ParamSpec(str, choices=("code", "paper"), description="threshold update"),
+                   "alpha": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
+                   "beta": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the mean"),
+                   "paper_beta": ParamSpec(float, low=0.0, high=1.0, description="paper variant: weight of the max"),
+                   "paper_c": ParamSpec(float, low=1e-12, high=1e6, description="paper variant: kept token weight")}
     shared_across_heads = False
     paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
              "Language Models, ICLR 2025 (arXiv:2406.13035)")

@@ -11,6 +11,7 @@ import math
 import torch
 
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 
 class H2ORule(ScoredRule):
@@ -39,6 +40,9 @@ class H2ORule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
     defaults = {"recent_ratio": 0.5, "normalize": False}
+    param_specs = {"recent_ratio": ParamSpec(float, low=0.0, high=1.0, description="share of the capacity kept "
+                                             "for the most recent tokens"),
+                   "normalize": ParamSpec(bool, description="divide accumulated attention by the query count")}
     shared_across_heads = False
     paper = ("Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large "
              "Language Models, NeurIPS 2023 (arXiv:2306.14048)")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from polykv.operators import SIGNAL_WINDOW, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 
 class SnapKVRule(ScoredRule):
@@ -39,6 +40,9 @@ class SnapKVRule(ScoredRule):
     phases = frozenset({"prefill"})
     signal = SIGNAL_WINDOW
     defaults = {"window": 32, "kernel_size": 7, "pooling": "max"}
+    param_specs = {"window": ParamSpec(int, low=1, high=1 << 20, description="observation window in tokens"),
+                   "kernel_size": ParamSpec(int, low=1, high=1 << 12, description="pooling kernel, odd"),
+                   "pooling": ParamSpec(str, choices=("max", "avg"), description="pooling of the votes")}
     shared_across_heads = False
     paper = ("Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 "
              "(arXiv:2404.14469)")

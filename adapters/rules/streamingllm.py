@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 
 class StreamingLLMRule(ScoredRule):
@@ -29,6 +30,7 @@ class StreamingLLMRule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
     defaults = {"n_sink": 4}
+    param_specs = {"n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept")}
     shared_across_heads = True
     paper = ("Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 "
              "(arXiv:2309.17453)")

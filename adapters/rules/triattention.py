@@ -11,6 +11,7 @@ import math
 import torch
 
 from polykv.operators import PHASES, SIGNAL_PREROPE_STATS, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 STATS_KEY = "triattention"
 
@@ -29,7 +30,8 @@ class TriAttentionRule(ScoredRule):
 
     which equals the paper's pre-RoPE form ``sum_f s^2 |mu_f||k_f| cos(omega_f D_j + phi_f)`` with
     ``D_j = t_j - p`` (p the key's original position) without inverting RoPE. Each query head's
-    scores are z-scored over the stored tokens; a KV head takes the max over its G query heads.
+    scores are z-scored over the stored tokens (a ragged layer's padding excluded); a KV head takes
+    the max over its G query heads.
     Every stored token is a candidate (the reference's truncation of a long prompt to its first
     ``budget`` tokens is not reproduced). The reference prunes during decode every 128 steps;
     here the runtime's trigger slack sets the cadence, and prefill is supported too.
@@ -47,6 +49,7 @@ class TriAttentionRule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_PREROPE_STATS
     defaults = {"max_offset": 65536}
+    param_specs = {"max_offset": ParamSpec(int, low=1, high=1 << 31, description="largest future offset scored")}
     shared_across_heads = False
     paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "
              "arXiv:2604.04921 (2026)")
@@ -72,8 +75,15 @@ class TriAttentionRule(ScoredRule):
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Per-KV-head max of per-query-head z-scored trigonometric scores: [B, Hkv, T] float32."""
         score = self.head_scores(ctx)                                      # (B, Hkv, G, T)
-        z = (score - score.mean(dim=-1, keepdim=True)) / (score.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
-        return z.amax(dim=2)                                               # (B, Hkv, T)
+        if ctx.valid is None:
+            z = (score - score.mean(dim=-1, keepdim=True)) / (score.std(dim=-1, unbiased=False, keepdim=True) + 1e-6)
+            return z.amax(dim=2)                                           # (B, Hkv, T)
+        # Ragged layer: each head's statistics over its own tokens only (padding columns excluded).
+        w = ctx.valid.unsqueeze(2).float()                                 # (B, Hkv, 1, T)
+        n = w.sum(-1, keepdim=True).clamp_min(1.0)
+        mean = (score * w).sum(-1, keepdim=True) / n
+        std = (((score - mean) ** 2 * w).sum(-1, keepdim=True) / n).sqrt()
+        return ((score - mean) / (std + 1e-6)).amax(dim=2)
 
     def head_scores(self, ctx: SelectionContext) -> torch.Tensor:
         """Raw ``S_trig + S_norm`` of every query head: [B, Hkv, G, T] float32 (query head = kv * G + g)."""

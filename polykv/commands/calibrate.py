@@ -37,6 +37,15 @@ def register(subparsers) -> None:
     p.add_argument("--validate-configs", type=int, default=8, metavar="K",
                    help="configs sampled for the KL validation, the same on every layer (default 8)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    p.add_argument("--dtype", default="float32", metavar="DTYPE",
+                   help="compute dtype: float32 (default), bfloat16 (bf16) or float16 (fp16); recorded in the "
+                        "profile's provenance. The profile serves every dtype (the model fingerprint does not "
+                        "depend on it)")
+    p.add_argument("--quantizer", default="kivi", metavar="NAME",
+                   help="quantizer of the measured K/V widths (default kivi); `polykv plugins` lists them")
+    p.add_argument("--quantizer-param", action="append", default=[], metavar="K=V",
+                   help="quantizer parameter, e.g. --quantizer-param group_size=16 for a model whose head_dim "
+                        "is not a multiple of the default group size (V is read as JSON when it parses)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="CPU threads for torch (default 1: the many small per-layer tensor operations run fastest "
                         "on one thread; measured 25x faster than 2 threads on a busy 2-core machine)")
@@ -47,49 +56,178 @@ def register(subparsers) -> None:
 
 
 def _floats(text: str, what: str) -> list[float]:
+    import math
+
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ProfileError(f"--{what} {text!r}: expected comma-separated numbers, e.g. 0.1,0.5,1.0") from None
+    if not all(math.isfinite(x) for x in out):
+        raise ProfileError(f"--{what} {text!r}: expected finite numbers, e.g. 0.1,0.5,1.0")
+    return out
 
 
-def load_model(name: str, device: str):
-    """(model, tokenizer) for 'default' or a local Hugging Face folder, float32, SDPA attention."""
+def _check_rules(settings) -> None:
+    """Every named rule is registered and runs in the recorded phase."""
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    for rule in settings.rules or ():
+        try:
+            cls = registry.operator(rule)
+        except Exception as exc:
+            raise ProfileError(f"--rules: {exc}") from None
+        if settings.phase != "both" and settings.phase not in cls.phases:
+            raise ProfileError(f"--rules: rule '{rule}' does not run in the {settings.phase} phase")
+    if settings.rules is not None and not settings.rules:
+        raise ProfileError("--rules: empty list; name at least one rule, e.g. --rules snapkv,tova")
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def load_model(name: str, device: str, dtype: str = "float32"):
+    """(model, tokenizer) for 'default' or a local Hugging Face folder, in ``dtype``, SDPA attention."""
     import torch
 
+    torch_dtype = getattr(torch, dtype)
     if name == "default":
         from polykv.models import load_default_model
 
-        model, tokenizer = load_default_model()
+        model, tokenizer = load_default_model(dtype=torch_dtype)
     else:
-        if not os.path.isdir(name):
-            raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
-                               "Hugging Face model (config.json, weights, tokenizer)")
+        check_model_folder(name)
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype,
                                                                   attn_implementation="sdpa").eval()
     return model.to(device), tokenizer
+
+
+def check_model_folder(name: str) -> None:
+    if not os.path.isdir(name):
+        raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
+                           "Hugging Face model (config.json, weights, tokenizer)")
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        raise ProfileError(f"model {name!r}: the folder holds no config.json; give a folder holding a Hugging Face "
+                           "model (config.json, weights, tokenizer)")
+
+
+def model_geometry(name: str):
+    """The model's geometry from its config alone (no weights are loaded)."""
+    from polykv.commands.plan import model_geometry as geometry_of
+
+    if name != "default":
+        check_model_folder(name)
+    return geometry_of(name)
+
+
+def check_args(args) -> dict:
+    """Check every argument that can be checked before the model loads; returns the quantizer params."""
+    from polykv.commands.solve import parse_params
+
+    for opt, value, low in (("--sequences", args.sequences, 1), ("--tokens", args.tokens, 2),
+                            ("--prefix", args.prefix, 1), ("--stat-capacity", args.stat_capacity, 1),
+                            ("--delta-ppl", args.delta_ppl, 0), ("--validate", args.validate, 0),
+                            ("--validate-configs", args.validate_configs, 1), ("--threads", args.threads, 1)):
+        if value < low:
+            raise ProfileError(f"{opt} must be at least {low}, got {value}")
+    if args.tokens <= args.prefix:
+        raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}): the tokens after the "
+                           "prefix are the queries whose attention output is compared")
+    if args.delta_ppl > args.sequences:
+        raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
+                           "the first N calibration sequences")
+    if args.dtype not in DTYPES:
+        raise ProfileError(f"--dtype {args.dtype!r}: use float32, bfloat16 (bf16) or float16 (fp16)")
+    args.dtype = DTYPES[args.dtype]
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ProfileError(f"--device {args.device!r}: not a torch device (use cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError(f"--device {args.device}: CUDA is not available on this machine (torch "
+                           f"{torch.__version__}); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ProfileError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ProfileError(f"--device {args.device}: MPS is not available on this machine; use --device cpu")
+    if device.type == "cpu" and args.dtype == "float16":
+        raise ProfileError("--dtype float16 on --device cpu: CPU half-precision kernels are slow and incomplete; "
+                           "calibrate float16 on a GPU, or use bfloat16 or float32 on the CPU")
+    keeps = _floats(args.keeps, "keeps")
+    bad = [k for k in keeps if not 0.0 < k <= 1.0]
+    if not keeps or bad:
+        raise ProfileError(f"--keeps {args.keeps!r}: every keep ratio must be in (0, 1], e.g. 0.1,0.5,1.0")
+    bits = _floats(args.bits, "bits")
+    if not bits or any(b != int(b) for b in bits):
+        raise ProfileError(f"--bits {args.bits!r}: expected whole bit widths, e.g. 16,8,4")
+    return parse_params(args.quantizer_param, option="--quantizer-param")
+
+
+def check_quantizer(name: str, params: dict, bits, geometry) -> None:
+    """The quantizer exists, takes ``params``, stores every width in ``bits`` and fits the model's heads."""
+    from polykv.registry import get_registry
+
+    try:
+        q = get_registry().quantizer(name)(**params)
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"--quantizer {name} / --quantizer-param: {exc}") from None
+    for b in bits:
+        if b != 16 and b not in type(q).bits:
+            raise ProfileError(f"--bits: quantizer '{name}' stores {sorted(type(q).bits)} bits (or 16 = "
+                               f"unquantized), not {b}; e.g. --bits 16,8,4")
+        for stream in ("key", "value"):
+            try:
+                q.predict_bytes(stream, b, batch=1, kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                                tokens=1, dtype_bytes=2)
+            except ValueError as exc:
+                raise ProfileError(f"--quantizer-param: {exc} (this model's head_dim is {geometry.head_dim}; "
+                                   "e.g. --quantizer-param group_size=16)") from None
+
+
+def check_outputs(args, stats_path: str) -> None:
+    """Neither output may be an input (a file of the model folder) or a file polykv did not write."""
+    from polykv.atomic import check_output, same_file
+    from polykv.profiling.profile_io import is_profile_file
+    from polykv.profiling.query_stats import is_query_stats_file
+
+    inputs = []
+    if args.model != "default" and os.path.isdir(args.model):
+        inputs = [os.path.join(args.model, f) for f in os.listdir(args.model)]
+    check_output(args.output, what="profile", option="-o", inputs=inputs, recognise=is_profile_file)
+    if same_file(args.output, stats_path):
+        raise ProfileError(f"--query-stats {stats_path}: the same file as the profile (-o); choose another path")
+    check_output(stats_path, what="query statistics file", option="--query-stats", inputs=inputs,
+                 recognise=is_query_stats_file)
+    partial = args.output + ".partial"
+    if os.path.lexists(partial) and not os.path.isdir(partial):
+        raise ProfileError(f"{partial}: exists and is not a folder; calibration keeps its checkpoints there. "
+                           "Move that file away or choose another -o")
 
 
 def run(args) -> int:
     from polykv.profiling.calibrate import CalibrationSettings, calibrate, corpus_sequences, query_stats_path
 
+    qparams = check_args(args)
     settings = CalibrationSettings(
         rules=None if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()],
         keeps=tuple(_floats(args.keeps, "keeps")), bits=tuple(int(b) for b in _floats(args.bits, "bits")),
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
-        delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs)
-    if args.tokens <= args.prefix:
-        raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}): the tokens after the "
-                           "prefix are the queries whose attention output is compared")
+        delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
+        quantizer_params=qparams)
+    stats_path = args.query_stats or query_stats_path(args.output)
+    check_outputs(args, stats_path)
+    check_quantizer(args.quantizer, qparams, settings.bits, model_geometry(args.model))
+    _check_rules(settings)
     import torch
 
-    if args.threads < 1:
-        raise ProfileError(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, args.device)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
     tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     seqs, corpus = corpus_sequences(tokenize, args.sequences + args.validate, args.tokens, seed=args.seed,
                                     kind=args.corpus)
@@ -97,7 +235,6 @@ def run(args) -> int:
                        checkpoint_dir=args.output + ".partial", corpus=corpus + (
                            f"; the last {args.validate} are held out for validation" if args.validate else ""),
                        progress=not args.no_progress)
-    stats_path = args.query_stats or query_stats_path(args.output)
     result.query_stats.save(stats_path)
     result.profile.save(args.output)
     from polykv.profiling.checkpoint import remove_folder

@@ -156,6 +156,25 @@ def set_threads(n: int | None) -> None:
     torch.set_num_threads(n)
 
 
+def _is_demo_spec(path: str) -> bool:
+    from polykv.atomic import read_json_head
+
+    raw = read_json_head(path)
+    return isinstance(raw, dict) and raw.get("name") == DEMO_SPEC["name"] and "tasks" in raw
+
+
+def check_demo_folder(out: str, spec_path: str) -> None:
+    """The demo's folder holds only what an earlier demo wrote (its spec, results and report)."""
+    from polykv.atomic import check_output
+    from polykv.studies.report import check_report_folder
+    from polykv.studies.results import is_results_file
+
+    check_output(out, what="demo folder", option="--out", folder=True)
+    check_output(spec_path, what="demo spec", option="--out", recognise=_is_demo_spec)
+    check_output(os.path.join(out, "results.jsonl"), what="results file", option="--out", recognise=is_results_file)
+    check_report_folder(out, "--out")
+
+
 def run(args) -> int:
     from polykv.studies.report import write_report
     from polykv.studies.runner import prepare, run_study
@@ -169,8 +188,9 @@ def run(args) -> int:
     start = time.perf_counter()
     default_model_path()  # the model package is there (else: the install command), before any other work
     set_threads(args.threads)
-    os.makedirs(args.out, exist_ok=True)
     spec_path = os.path.join(args.out, "spec.json")
+    check_demo_folder(args.out, spec_path)
+    os.makedirs(args.out, exist_ok=True)
     write_text_atomic(spec_path, json.dumps(demo_spec(args.samples, find_profile(args.profile), args.budgets,
                                                       args.basis), indent=2) + "\n")
     spec = load_spec(spec_path)

@@ -66,8 +66,10 @@ def run_validate(args) -> int:
 
 
 def run_show(args) -> int:
-    if args.context is not None and args.context < 1:
-        raise PolykvError(f"--context must be a positive number of tokens, got {args.context}")
+    from polykv.profiling.budget import MAX_CONTEXT_TOKENS
+
+    if args.context is not None and not 1 <= args.context <= MAX_CONTEXT_TOKENS:
+        raise PolykvError(f"--context must be a number of tokens in [1, {MAX_CONTEXT_TOKENS}], got {args.context}")
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
     if geometry is None and plan.model is None:

@@ -17,8 +17,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from polykv.studies.report import write_report
+    from polykv.studies.report import check_report_folder, write_report
 
+    check_report_folder(args.output, "-o", inputs=[args.results, args.profile])
     for path in write_report(args.results, args.output, profile_path=args.profile):
         print(f"wrote {path}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from polykv.errors import SolverError
 
@@ -41,24 +42,38 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_params(items: list[str]) -> dict:
+def _no_constant(name: str):
+    raise ValueError(name)
+
+
+def parse_params(items: list[str], option: str = "--param") -> dict:
+    """``KEY=VALUE`` items as a dict; VALUE is read as JSON when it parses (NaN and infinity are refused)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SolverError(f"--param {item!r}: expected KEY=VALUE, e.g. --param rule=tova")
+            raise SolverError(f"{option} {item!r}: expected KEY=VALUE, e.g. {option} rule=tova")
         try:
-            out[key] = json.loads(value)
+            out[key] = json.loads(value, parse_constant=_no_constant)
         except json.JSONDecodeError:
             out[key] = value
+        except ValueError:
+            raise SolverError(f"{option} {item!r}: {value} is not a finite number; give a finite value") from None
+        if isinstance(out[key], float) and not math.isfinite(out[key]):
+            raise SolverError(f"{option} {item!r}: {value} is not a finite number; give a finite value")
     return out
 
 
 def run(args) -> int:
+    from polykv.atomic import check_output
+    from polykv.plan_io import is_plan_file
     from polykv.profiling.budget import Budget
+    from polykv.profiling.calibrate import query_stats_path
     from polykv.profiling.profile import load_profile
     from polykv.solvers import solve
 
+    check_output(args.output, what="plan file", option="-o", recognise=is_plan_file,
+                 inputs=[args.profile, query_stats_path(args.profile)])
     profile = load_profile(args.profile)
     if args.batch < 1:
         raise SolverError(f"--batch must be a positive number of rows, got {args.batch}")

@@ -72,6 +72,12 @@ def bits_to_bytes(bits: int) -> int:
     return -(-int(bits) // 8)
 
 
+MAX_CONTEXT_TOKENS = 1 << 24
+"""Largest context length a budget may refer to (16M tokens)."""
+MAX_BUDGET_VALUE = 1e18
+"""Largest budget value in any unit (an exabyte, or as many tokens): anything above is a typo."""
+
+
 @attrs.define(frozen=True, kw_only=True)
 class Budget:
     """A memory budget at a stated context length."""
@@ -94,10 +100,16 @@ class Budget:
                 or self.context_tokens < 1:
             raise SolverError(f"budget context length must be a positive integer, got {self.context_tokens!r} "
                               "(pass --context N with the number of context tokens)")
+        if self.context_tokens > MAX_CONTEXT_TOKENS:
+            raise SolverError(f"budget context length {self.context_tokens} is more than any model reads; use at "
+                              f"most {MAX_CONTEXT_TOKENS} tokens")
         if not math.isfinite(self.value) or self.value <= 0:
             raise SolverError(f"budget {self.kind} must be a positive finite number, got {self.value!r}")
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             raise SolverError(f"budget batch must be a positive integer, got {self.batch!r}")
+        if self.value > MAX_BUDGET_VALUE:
+            raise SolverError(f"budget {self.kind} {self.value:g} is larger than any KV cache; give at most "
+                              f"{MAX_BUDGET_VALUE:.0e} (e.g. 8x, 3MiB or 256tok)")
         if self.kind == "ratio" and self.value < 1:
             raise SolverError(f"a compression ratio below 1 ({self.value:g}x) asks for more than a full cache; "
                               "give a ratio >= 1, e.g. 8x")
@@ -121,11 +133,14 @@ class Budget:
         ``basis`` keywords: ``basis`` (``"resident"`` or ``"nominal"``), ``batch``, ``cache_dtype``.
         """
         s = str(text).strip().lower().replace("_", "")
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(x|tok|tokens|[kmg]i?b|b)?", s)
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(x|tok|tokens|[kmg]i?b|b)?", s)
         if not m:
             raise SolverError(f"cannot read budget {text!r}: use bytes (1048576 or 3MiB), a ratio (8x) "
                               "or tokens per layer (256tok)")
         num, unit = float(m.group(1)), m.group(2) or ""
+        if not math.isfinite(num) or num > MAX_BUDGET_VALUE:
+            raise SolverError(f"budget {text!r} is larger than any KV cache; give at most {MAX_BUDGET_VALUE:.0e} "
+                              "(e.g. 8x, 3MiB or 256tok)")
         if unit == "x":
             return cls.of_ratio(num, context_tokens, **basis)
         if unit in ("tok", "tokens"):

@@ -223,7 +223,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
             on_layer(layer)
 
     profile = _assemble(geometry, configs, rules, done, val_cols, settings, corpus, len(seqs), len(held),
-                        int(seqs[0].numel()))
+                        int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     return CalibrationResult(profile=profile, query_stats=query_stats, seconds=time.perf_counter() - start)
 
 
@@ -280,7 +280,8 @@ def _kl(model, geometry, layer, configs, seqs, refs, settings, ctx) -> np.ndarra
     return out
 
 
-def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq, n_held, tokens) -> Profile:
+def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq, n_held, tokens, *,
+              dtype: str | None = None) -> Profile:
     L = geometry.num_layers
     table = lambda key: np.stack([done[layer][key] for layer in range(L)])  # noqa: E731
     cap = settings.stat_capacity
@@ -318,7 +319,7 @@ def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq,
             stats["l2_kl_correlation"] = StatTable(columns=("pearson", "spearman"), values=corr,
                                                    higher_is_better=True, description="per-layer correlation "
                                                    "between the l2 metric and kl_sampled over its columns")
-    prov = ProfileProvenance(corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
+    prov = ProfileProvenance(dtype=dtype, corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
                              context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
                                              f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -62,17 +61,13 @@ class Checkpoint:
         """Write ``layer``'s arrays atomically."""
         if self.folder is None:
             return
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=self.folder)
-        try:
-            with os.fdopen(fd, "wb") as fh:
+        from polykv.atomic import replace_with
+
+        def write(tmp: str) -> None:
+            with open(tmp, "xb") as fh:
                 np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()})
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._path(layer))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+        replace_with(self._path(layer), write)
 
     def remove(self) -> None:
         """Delete the folder (after the profile was written)."""

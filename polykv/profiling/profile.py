@@ -106,6 +106,8 @@ class ProfileProvenance:
     created: str | None = None
     """ISO-8601 UTC time."""
     note: str = ""
+    dtype: str | None = None
+    """Compute dtype of the calibration run (``float32``, ``bfloat16``, ``float16``); None when unrecorded."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

@@ -67,14 +67,30 @@ def dumps(p: Profile) -> str:
 def load_profile(path: str) -> Profile:
     """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
     source = str(path)
+    from polykv.atomic import check_readable_file
+    from polykv.errors import OutputError
+
     try:
+        check_readable_file(source, "profile file")
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
         raise ProfileError(f"{source}: no such file (check the path, or run polykv calibrate)") from None
+    except OutputError as exc:
+        raise ProfileError(str(exc)) from None
     except UnicodeDecodeError:
-        raise ProfileError(f"{source}: not a UTF-8 text file") from None
+        raise ProfileError(f"{source}: not a UTF-8 text file; give a profile written by polykv calibrate") from None
+    except OSError as exc:
+        raise ProfileError(f"{source}: cannot read the profile ({exc.strerror}); check the path and its "
+                           "permissions") from None
     return loads(text, source)
+
+
+def is_profile_file(path: str) -> bool:
+    """True when ``path`` looks like a profile polykv wrote (its header names the profile format)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096)
+    return f'"format": "{FORMAT}"'.encode() in head
 
 
 def _reject_constant(c: str):
@@ -146,7 +162,7 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     _obj(source, raw["metrics"], "metrics", [], raw["metrics"] if isinstance(raw["metrics"], dict) else [])
     metrics = {k: _num_table(source, f"metrics.{k}", v) for k, v in raw["metrics"].items()}
     stats = {}
-    sraw = raw.get("stats") or {}
+    sraw = {} if raw.get("stats") is None else raw["stats"]
     _obj(source, sraw, "stats", [], sraw if isinstance(sraw, dict) else [])
     for k, s in sraw.items():
         f = f"stats.{k}"

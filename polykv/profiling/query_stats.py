@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Iterable
 
 import attrs
@@ -135,11 +134,9 @@ class QueryStats:
         path = os.fspath(path)
         kind = _kind_of(path)
         arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous() for n in _ARRAYS}
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix="." + kind, dir=folder)
-        os.close(fd)
-        try:
+        from polykv.atomic import replace_with
+
+        def write(tmp: str) -> None:
             if kind == "safetensors":
                 from safetensors.torch import save_file
 
@@ -148,11 +145,8 @@ class QueryStats:
                 with open(tmp, "wb") as fh:
                     np.savez(fh, **{n: a.numpy() for n, a in arrays.items()},
                              metadata=np.array(json.dumps(self._metadata())))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+        replace_with(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "QueryStats":
@@ -277,3 +271,25 @@ def compute_query_stats(model: Any, token_batches: Iterable[torch.Tensor]) -> Qu
     mean = (sums / count[0]).float()
     return QueryStats(mu_real=mean[0], mu_imag=mean[1], mean_abs=mean[2], inv_freq=inv_freq.to("cpu", torch.float32),
                       attention_scaling=scaling, fingerprint=geo.fingerprint, num_tokens=count[0])
+
+
+def is_query_stats_file(path: str) -> bool:
+    """True when ``path`` is a query statistics file polykv wrote (its metadata carries ``num_tokens``)."""
+    if path.endswith(".safetensors"):
+        import struct
+
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return False
+            (n,) = struct.unpack("<Q", head)
+            if n > 1 << 24:
+                return False
+            meta = json.loads(fh.read(n)).get("__metadata__") or {}
+        return "num_tokens" in meta and "attention_scaling" in meta
+    if path.endswith(".npz"):
+        import zipfile
+
+        with zipfile.ZipFile(path) as zf:
+            return "metadata.npy" in zf.namelist() and "inv_freq.npy" in zf.namelist()
+    return False

@@ -142,6 +142,10 @@ def _rope(model) -> tuple[torch.Tensor | None, float]:
     return None, 1.0
 
 
+_ACTIVE_MARK = "_polykv_active_session"
+"""Attribute set on a model while a session is active on it (sessions on one model do not nest)."""
+
+
 class Session:
     """A plan applied to a model; the live state of one ``with`` block."""
 
@@ -172,6 +176,10 @@ class Session:
     def __enter__(self) -> "Session":
         if self._active:
             raise RuntimeConfigError("this session is already active; nest a new polykv.apply(...) instead")
+        other = self.model.__dict__.get(_ACTIVE_MARK)
+        if other is not None and other is not self:
+            raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first "
+                                     "(sessions on one model do not nest)")
         attention.register()
         configs = {id(c): c for c in [self.model.config] + [getattr(m, "config", None) for m in self._modules]
                    if c is not None}
@@ -182,6 +190,7 @@ class Session:
             c._attn_implementation_internal = attention.NAME
         self._saved_generate = self.model.__dict__.get("generate", _MISSING)
         self.model.generate = self._generate
+        self.model.__dict__[_ACTIVE_MARK] = self
         self._active = True
         return self
 
@@ -194,6 +203,8 @@ class Session:
             self.model.__dict__.pop("generate", None)
         else:
             self.model.generate = self._saved_generate
+        if self.model.__dict__.get(_ACTIVE_MARK) is self:
+            del self.model.__dict__[_ACTIVE_MARK]
         self._active = False
 
     def _require_active(self) -> None:
@@ -262,8 +273,10 @@ class Session:
         Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
         model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
         """
-        cache = self.new_cache()
         T = input_ids.shape[1]
+        if T < 1:
+            raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
+        cache = self.new_cache()
         self.note_context(T)
         step = chunk_size or T
         if step < 1:

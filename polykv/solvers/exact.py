@@ -25,6 +25,11 @@ def candidate_columns(solver: Solver, profile: Profile, rules: Any) -> np.ndarra
     """Config columns allowed by ``rules`` (None = all; keep-1.0 configs always stay), phase-checked."""
     if isinstance(rules, str):
         rules = [r for r in rules.split(",") if r]
+    if rules is not None:
+        missing = sorted(set(rules) - {c.rule for c in profile.configs})
+        if missing:
+            raise SolverError(f"solver '{solver.name}': parameter 'rules' names {missing}, of which the profile has "
+                              f"no configs; it has {sorted({c.rule for c in profile.configs})}")
     cols = [i for i, c in enumerate(profile.configs)
             if rules is None or c.rule in rules or c.keeps_everything]
     if not cols:

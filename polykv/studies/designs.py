@@ -289,3 +289,42 @@ def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[
                     "exact_same_rules": same, "exact_all_rules": every,
                     "gap": None if not same else loss / same - 1})
     return out
+
+
+def spec_geometry(spec: StudySpec):
+    """The geometry of the spec's model from its config alone (no weights are loaded or downloaded)."""
+    if spec.model == "default":
+        from polykv.models import default_geometry
+
+        return default_geometry()
+    from polykv.geometry import geometry_from_config
+    from polykv.testing import tiny_model
+
+    try:
+        return geometry_from_config(tiny_model(**dict(spec.model["tiny"])).config)
+    except (TypeError, ValueError) as exc:
+        raise StudyError(f"{spec.source}: field 'model.tiny': {exc}") from None
+
+
+def check_policies_fit(spec: StudySpec, policies: list[Policy], *, registry=None) -> list[str]:
+    """Check every policy's plan against the spec's model shape before the model loads; return warnings.
+
+    Plan files and solved plans are checked before the full baseline (whose shape is derived from
+    them), so a plan made for another model is blamed by its own file.
+    """
+    geo = spec_geometry(spec)
+    ordered = [p for p in policies if p.name != FULL_POLICY] + [p for p in policies if p.name == FULL_POLICY]
+    for pol in ordered:
+        source = spec.plans.get(pol.name) or f"{spec.source}: policy '{pol.name}'"
+        pol.plan.validate(registry=registry, geometry=geo, source=source)
+    notes = []
+    longest = [("context_tokens", spec.context_tokens)] + [
+        (f"tasks[{i}].params.{k}", t.params[k]) for i, t in enumerate(spec.tasks)
+        for k in ("length", "context_tokens") if isinstance(t.params.get(k), int)]
+    if geo.max_positions:
+        for field, n in longest:
+            if n > geo.max_positions:
+                notes.append(f"{spec.source}: field '{field}': {n} tokens exceed the model's "
+                             f"{geo.max_positions} positions (max_position_embeddings); the model was not trained "
+                             "on positions that far, so scores there measure extrapolation")
+    return notes

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import matplotlib
@@ -140,7 +139,10 @@ def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, 
 
 
 def _save(fig, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    from polykv.atomic import replace_with
+
+    try:
+        replace_with(path, lambda tmp: fig.savefig(tmp, dpi=130, format="png"))
+    finally:
+        plt.close(fig)
     return path

@@ -274,10 +274,26 @@ def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     return rows, T
 
 
+def is_report_file(path: str) -> bool:
+    """True when ``path`` is a report.md written by :func:`write_report` (it starts with ``# Study ``)."""
+    with open(path, "rb") as fh:
+        return fh.read(9) == b"# Study `"
+
+
+def check_report_folder(out_dir: str, option: str, inputs=()) -> None:
+    """Refuse a report folder that is an input, a file, or holds a report.md polykv did not write."""
+    from polykv.atomic import check_output
+
+    check_output(out_dir, what="report folder", option=option, inputs=[p for p in inputs if p], folder=True)
+    check_output(os.path.join(out_dir, "report.md"), what="report", option=option, recognise=is_report_file,
+                 inputs=[p for p in inputs if p])
+
+
 def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None) -> list[str]:
     """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written."""
     from polykv.atomic import write_text_atomic
 
+    check_report_folder(out_dir, "report folder", inputs=[results_path, profile_path])
     res = Results.load(results_path)
     spec = res.header["spec"]
     os.makedirs(out_dir, exist_ok=True)

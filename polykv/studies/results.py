@@ -25,11 +25,51 @@ FORMAT = "polykv-study-results"
 VERSION = 1
 
 
+HEADER_PREFIX = b'{"format": "polykv-study-results"'
+"""How polykv writes every header (sorted keys, so ``format`` comes first): how a torn header is recognised."""
+
+
+def _read_bytes(path: str) -> bytes:
+    from polykv.atomic import check_readable_file
+    from polykv.errors import OutputError
+
+    try:
+        check_readable_file(path, "results file")
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OutputError as exc:
+        raise StudyError(str(exc)) from None
+
+
+def _is_header(line: bytes) -> bool:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(rec, dict) and rec.get("kind") == "header" and rec.get("format") == FORMAT
+
+
+def _recognised(data: bytes) -> bool:
+    """Empty, a complete header line first, or a header torn while polykv was writing it."""
+    if not data:
+        return True
+    first, newline, _ = data.partition(b"\n")
+    if newline:
+        return _is_header(first)
+    return HEADER_PREFIX.startswith(first[:len(HEADER_PREFIX)]) or _is_header(first)
+
+
+def _not_ours(path: str) -> StudyError:
+    return StudyError(f"{path}: not a polykv study results file (its first line is not a '{FORMAT}' header); "
+                      "polykv will not change or delete it. Pass another results path")
+
+
 def _read_lines(path: str) -> tuple[list[dict], int | None]:
     """Parsed records, and the byte offset of a torn last line (None when the file ends cleanly)."""
     records, offset = [], 0
-    with open(path, "rb") as fh:
-        data = fh.read()
+    data = _read_bytes(path)
+    if not _recognised(data):
+        raise _not_ours(path)
     lines = data.split(b"\n")
     for i, line in enumerate(lines):
         last = i == len(lines) - 1
@@ -38,7 +78,7 @@ def _read_lines(path: str) -> tuple[list[dict], int | None]:
             continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
             if last:  # written without its newline: the process stopped mid-line
                 return records, offset
             raise StudyError(f"{path} line {i + 1}: not a JSON record; the results file is damaged "
@@ -49,9 +89,16 @@ def _read_lines(path: str) -> tuple[list[dict], int | None]:
     return records, None
 
 
+def is_results_file(path: str) -> bool:
+    """True when ``path`` is a results file (or empty, or a torn header): a file ``polykv study`` may extend."""
+    with open(path, "rb") as fh:
+        first = fh.readline(1 << 26)
+    return _recognised(first)
+
+
 def read_records(path: str) -> list[dict]:
     """All complete records of a results file (header first); a torn last line is ignored."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise StudyError(f"{path}: no such results file")
     records, _ = _read_lines(path)
     if not records or records[0].get("kind") != "header" or records[0].get("format") != FORMAT:
@@ -61,43 +108,78 @@ def read_records(path: str) -> list[dict]:
 
 
 class ResultsWriter:
-    """Append-only results of one study; refuses a file written by another study."""
+    """Append-only results of one study; refuses a file written by another study.
 
-    def __init__(self, path: str, spec_hash: str, records: list[dict]):
-        self.path, self.spec_hash = path, spec_hash
+    The writer holds an advisory lock (``fcntl.flock``) on ``<results>.lock`` from :meth:`open` to
+    :meth:`close`, so a second writer of the same file is refused with the holder's pid and host.
+    """
+
+    def __init__(self, path: str, spec_hash: str, records: list[dict], lock: "ResultsLock | None" = None):
+        self.path, self.spec_hash, self.lock = path, spec_hash, lock
         self.done: set[tuple[str, str, str]] = {(r["policy"], r["task"], r["item"]) for r in records
                                                 if r.get("kind") == "result"}
         self.policies: dict[str, dict] = {r["policy"]: r for r in records if r.get("kind") == "policy"}
 
     @classmethod
     def check(cls, path: str, spec_hash: str) -> list[dict]:
-        """Records of an existing file of this study ([] when there is none); else a StudyError."""
+        """Records of an existing file of this study ([] when there is none); else a StudyError.
+
+        Refuses a file that is not a results file (never deleting it), one of another study, and one
+        another process is writing right now.
+        """
+        ResultsLock.probe(path)
+        return cls._existing(path, spec_hash)
+
+    @staticmethod
+    def _existing(path: str, spec_hash: str) -> list[dict]:
+        if os.path.isdir(path):
+            raise StudyError(f"{path}: is a folder; --results names the results file (JSONL) to write")
         if not os.path.exists(path) or not _read_lines(path)[0]:
-            return []  # no file, or only a torn header: start afresh
+            return []  # no file, an empty one, or only a torn header: start afresh
         records = read_records(path)
         theirs = records[0].get("spec_hash")
         if theirs != spec_hash:
+            if not any(r.get("kind") == "result" for r in records):
+                return []  # a run refused before its first result (the spec was fixed since): nothing to lose
             raise StudyError(f"{path}: this results file belongs to another study (spec hash {theirs}, this spec "
                              f"is {spec_hash}); pass another results path, or delete the file to start over")
         return records
 
     @classmethod
     def open(cls, path: str, spec_hash: str, spec: dict[str, Any]) -> "ResultsWriter":
-        """Create the file with its header, or reopen it to resume (dropping a torn last line)."""
-        records = cls.check(path, spec_hash)
-        if records:
-            _, torn = _read_lines(path)
-            if torn is not None:
-                with open(path, "r+b") as fh:
-                    fh.truncate(torn)
-        else:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            header = {"kind": "header", "format": FORMAT, "version": VERSION, "spec_hash": spec_hash, "spec": spec}
-            if os.path.exists(path):
-                os.unlink(path)
-            append_line_durable(path, json.dumps(header, sort_keys=True))
-            records = [header]
-        return cls(path, spec_hash, records)
+        """Lock the file, then create it with its header or reopen it to resume (dropping a torn last line)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        lock = ResultsLock.acquire(path)
+        try:
+            records = cls._existing(path, spec_hash)
+            if records:
+                _, torn = _read_lines(path)
+                if torn is not None:
+                    with open(path, "r+b") as fh:
+                        fh.truncate(torn)
+            else:
+                header = {"kind": "header", "format": FORMAT, "version": VERSION, "spec_hash": spec_hash,
+                          "spec": spec}
+                with open(path, "wb"):  # empty, or only our own torn header (checked above)
+                    pass
+                append_line_durable(path, json.dumps(header, sort_keys=True))
+                records = [header]
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, spec_hash, records, lock)
+
+    def close(self) -> None:
+        """Release the lock (appending after this is an error)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record durably; a result record marks its (policy, task, item) done."""
@@ -106,6 +188,76 @@ class ResultsWriter:
             self.done.add((record["policy"], record["task"], record["item"]))
         elif record["kind"] == "policy":
             self.policies[record["policy"]] = record
+
+
+class ResultsLock:
+    """An exclusive advisory lock on ``<results>.lock`` (``fcntl.flock``), naming its holder.
+
+    The lock file stays after release (removing it would race with a process about to lock it); the
+    lock itself goes with the process, also when it is killed.
+    """
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+
+    @staticmethod
+    def lock_path(results: str) -> str:
+        return results + ".lock"
+
+    @classmethod
+    def acquire(cls, results: str, *, record: bool = True) -> "ResultsLock":
+        import fcntl
+        import socket
+        import time
+
+        path = cls.lock_path(results)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StudyError(f"{path}: cannot create the results lock file ({exc.strerror}); choose a writable "
+                             "results folder") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise StudyError(f"{results}: another polykv study is writing this results file ({holder}); wait "
+                             "for it to finish, or pass another --results path") from None
+        if not record:
+            return cls(path, fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
+        return cls(path, fd)
+
+    @classmethod
+    def probe(cls, results: str) -> None:
+        """Raise the lock's StudyError when another process holds it; hold nothing afterwards."""
+        if not os.path.exists(cls.lock_path(results)):
+            return
+        cls.acquire(results, record=False).release(clear=False)
+
+    def release(self, clear: bool = True) -> None:
+        import fcntl
+
+        if self.fd is None:
+            return
+        if clear:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "holder unknown"
 
 
 @attrs.define

@@ -28,7 +28,7 @@ durable result line per (policy, task, item), skipping those already in the resu
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
@@ -52,12 +52,19 @@ class Prepared:
     spec: StudySpec
     policies: list[Policy]
     results_path: str
+    warnings: list[str] = attrs.field(factory=list)
+    """Things to tell the user that do not stop the study (contexts past the model's positions)."""
 
 
 def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
-    """Check the results file against the spec and solve every policy; loads no model."""
+    """Check the results file against the spec, solve every policy and check that every plan fits the
+    spec's model (from its config); loads no model weights."""
+    from polykv.studies.designs import check_policies_fit
+
     ResultsWriter.check(results_path, spec.hash)
-    return Prepared(spec=spec, policies=build_policies(spec, registry=registry), results_path=results_path)
+    policies = build_policies(spec, registry=registry)
+    notes = check_policies_fit(spec, policies, registry=registry)
+    return Prepared(spec=spec, policies=policies, results_path=results_path, warnings=notes)
 
 
 class CharTokenizer:
@@ -89,7 +96,7 @@ def load_model(spec: StudySpec):
     return model, CharTokenizer(model.config.vocab_size)
 
 
-def _model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
+def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
     """Query statistics for TriAttention when a plan uses it.
 
     Read from the profile's side file (``x.qstats.safetensors``, written by ``polykv calibrate``) when
@@ -161,80 +168,149 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
         Show a progress bar (tqdm, on stderr).
     on_result : callable, optional
         Called with every result record right after it is written.
+
+    The results file is locked for the whole run (a second writer is refused).
     """
-    from polykv.registry import get_registry
-    from polykv.runtime.fork import capture_prefill
-
-    spec, policies = prepared.spec, prepared.policies
-    writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
-    if model is None:
-        model, tokenizer = load_model(spec)
-    from polykv.geometry import geometry_of_model
-
-    geo = geometry_of_model(model)
-    if spec.profile is not None:
-        from polykv.profiling.profile import load_profile
-
-        load_profile(spec.profile).check_model(geo)
-    for pol in policies:
-        pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
-        if pol.name not in writer.policies:
-            writer.append(pol.record(geo, spec.context_tokens))
-    device = next(model.parameters()).device
-    model_data = _model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
-    encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
-    stop = stop_ids(model, tokenizer)
-    counts = {"run": 0, "skipped": 0}
-    work = []
-    for t in spec.tasks:
-        task = (registry or get_registry()).task(t.task)()
-        for item in task.make_items(encoder, t.samples, t.seed, **t.params):
-            todo = [p for p in policies if (p.name, t.task, item.id) not in writer.done]
-            counts["skipped"] += len(policies) - len(todo)
-            if todo:
-                work.append((task, item, todo))
-    full = next((p for p in policies if p.name == FULL_POLICY), None)
-    bar = _bar(sum(len(w[2]) for w in work), progress, spec.name)
+    writer = ResultsWriter.open(prepared.results_path, prepared.spec.hash, prepared.spec.as_dict())
     try:
-        with torch.no_grad():
-            for task, item, todo in work:
-                ctx, question = (_ids(ids, device) for ids in encoder.prompt_ids(item.context, item.question))
-                forced = task.mode == TEACHER_FORCED
-                if forced and full is None:
-                    raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
-                                     "baseline policy as its reference; set \"baseline\": true")
-                plans = [p.plan for p in todo] + ([full.plan] if forced else [])
-                snap = None
-                if spec.reuse_prefill:
-                    start = time.perf_counter()
-                    snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size)
-                    prefill_s = time.perf_counter() - start
-                ref = None
-                if forced:
-                    cont = _ids(encoder.text_ids(item.answers[0]), device)
-                    ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
-                                      model_data=model_data, registry=registry)
-                for pol in todo:
-                    if forced:
-                        record = ref if pol is full else _run_forced(
-                            model, pol, task, item, ctx, cont, snap, ref["reference"], spec=spec, geo=geo,
-                            model_data=model_data, registry=registry)
-                        record = {k: v for k, v in record.items() if k != "reference"}
-                    else:
-                        record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
-                                             model_data=model_data, stop=stop, tokenizer=tokenizer,
-                                             registry=registry)
-                    if snap is not None:
-                        record["prefill_seconds"] = prefill_s
-                    record["bos_first"] = encoder.bos_id is not None and int(ctx[0, 0]) == encoder.bos_id
-                    writer.append(record)
-                    counts["run"] += 1
-                    bar.update(1)
-                    if on_result is not None:
-                        on_result(record)
+        return _run_locked(prepared, writer, model=model, tokenizer=tokenizer, progress=progress,
+                           on_result=on_result, registry=registry)
+    finally:
+        writer.close()
+
+
+def _run_locked(prepared: Prepared, writer: ResultsWriter, *, model, tokenizer, progress: bool, on_result,
+                registry) -> dict[str, int]:
+    study = LoadedStudy.load(prepared, model=model, tokenizer=tokenizer, registry=registry)
+    for record in study.policy_records():
+        if record["policy"] not in writer.policies:
+            writer.append(record)
+    work, skipped = pending_work(study.items(), prepared.policies, writer.done)
+    counts = {"run": 0, "skipped": skipped}
+    bar = _bar(sum(len(w[2]) for w in work), progress, prepared.spec.name)
+    try:
+        for task, item, todo in work:
+            for record in study.run_item(task, item, todo):
+                writer.append(record)
+                counts["run"] += 1
+                bar.update(1)
+                if on_result is not None:
+                    on_result(record)
     finally:
         bar.close()
     return counts
+
+
+def pending_work(items, policies: list[Policy], done) -> tuple[list[tuple[Any, Any, list[Policy]]], int]:
+    """``([(task, item, policies still to run on it)], number already done)`` over ``items``
+    (from :meth:`LoadedStudy.items`), skipping every (policy, task, item) key in ``done``."""
+    work, skipped = [], 0
+    for task, task_items in items:
+        for item in task_items:
+            todo = [p for p in policies if (p.name, task.name, item.id) not in done]
+            skipped += len(policies) - len(todo)
+            if todo:
+                work.append((task, item, todo))
+    return work, skipped
+
+
+@attrs.define
+class LoadedStudy:
+    """A prepared study with its model loaded: what every process that runs items holds once.
+
+    :func:`run_study` uses one in-process; :mod:`polykv.studies.distributed` builds one per worker and
+    calls :meth:`run_item` for the items it is sent, so both paths run exactly the same code per item.
+    """
+
+    spec: StudySpec
+    policies: list[Policy]
+    model: Any
+    tokenizer: Any
+    geometry: Any
+    model_data: dict[str, Any]
+    encoder: PromptEncoder
+    """The spec's prompt rule: how item texts become token ids."""
+    stop: frozenset[int]
+    """Token ids that end a generation."""
+    registry: Any = None
+
+    @classmethod
+    def load(cls, prepared: Prepared, *, model=None, tokenizer=None, registry=None) -> "LoadedStudy":
+        """Load the spec's model (unless given), check the profile and every plan against it."""
+        from polykv.geometry import geometry_of_model
+
+        spec, policies = prepared.spec, prepared.policies
+        if model is None:
+            model, tokenizer = load_model(spec)
+        geo = geometry_of_model(model)
+        if spec.profile is not None:
+            from polykv.profiling.profile import load_profile
+
+            load_profile(spec.profile).check_model(geo)
+        for pol in policies:
+            pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
+        model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
+        encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
+        return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,
+                   model_data=model_data, encoder=encoder, stop=stop_ids(model, tokenizer), registry=registry)
+
+    def policy_records(self) -> list[dict[str, Any]]:
+        """The ``policy`` line of every policy, in spec order."""
+        return [pol.record(self.geometry, self.spec.context_tokens) for pol in self.policies]
+
+    def items(self) -> list[tuple[Any, list]]:
+        """``[(task, [items])]`` for every task entry of the spec, made with this study's prompt rule."""
+        from polykv.registry import get_registry
+
+        out = []
+        for t in self.spec.tasks:
+            task = (self.registry or get_registry()).task(t.task)()
+            out.append((task, list(task.make_items(self.encoder, t.samples, t.seed, **t.params))))
+        return out
+
+    def run_item(self, task, item, todo: list[Policy]) -> Iterator[dict[str, Any]]:
+        """Run the policies ``todo`` on one item; yield one result record per policy as it finishes.
+
+        The context is prefilled once for all of them (with ``reuse_prefill``); a teacher-forced task
+        also runs the full baseline as the reference, whether or not it is in ``todo``.
+        """
+        from polykv.runtime.fork import capture_prefill
+
+        spec, model, tokenizer, registry = self.spec, self.model, self.tokenizer, self.registry
+        geo, model_data, encoder = self.geometry, self.model_data, self.encoder
+        device = next(model.parameters()).device
+        full = next((p for p in self.policies if p.name == FULL_POLICY), None)
+        with torch.no_grad():
+            ctx, question = (_ids(ids, device) for ids in encoder.prompt_ids(item.context, item.question))
+            forced = task.mode == TEACHER_FORCED
+            if forced and full is None:
+                raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
+                                 "baseline policy as its reference; set \"baseline\": true")
+            plans = [p.plan for p in todo] + ([full.plan] if forced else [])
+            snap = None
+            if spec.reuse_prefill:
+                start = time.perf_counter()
+                snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size)
+                prefill_s = time.perf_counter() - start
+            ref = None
+            if forced:
+                cont = _ids(encoder.text_ids(item.answers[0]), device)
+                ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
+                                  model_data=model_data, registry=registry)
+            for pol in todo:
+                if forced:
+                    record = ref if pol.name == full.name else _run_forced(
+                        model, pol, task, item, ctx, cont, snap, ref["reference"], spec=spec, geo=geo,
+                        model_data=model_data, registry=registry)
+                    record = {k: v for k, v in record.items() if k != "reference"}
+                else:
+                    record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
+                                         model_data=model_data, stop=self.stop, tokenizer=tokenizer,
+                                         registry=registry)
+                if snap is not None:
+                    record["prefill_seconds"] = prefill_s
+                record["bos_first"] = encoder.bos_id is not None and int(ctx[0, 0]) == encoder.bos_id
+                yield record
 
 
 def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: torch.Tensor, snap, *, spec: StudySpec,

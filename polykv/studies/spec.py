@@ -54,6 +54,8 @@ _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "basel
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_CONTEXT_TOKENS = 1 << 24
+"""Largest context a spec (or ``--context``) may name: 16M tokens."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -203,6 +205,9 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     if dtype not in DTYPES:
         raise _fail(source, "dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
     T = _int(raw, "context_tokens", 2048, source, "context_tokens", 1)
+    if T > MAX_CONTEXT_TOKENS:
+        raise _fail(source, "context_tokens", f"{T} tokens is more than any model reads",
+                    f"use at most {MAX_CONTEXT_TOKENS}")
     storage_dtype = raw.get("storage_dtype")
     if storage_dtype is not None and storage_dtype not in DTYPES:
         raise _fail(source, "storage_dtype", f"unknown dtype {storage_dtype!r}",
@@ -373,13 +378,29 @@ def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> 
     return tuple(out)
 
 
+def _no_constant(name: str):
+    raise ValueError(name)
+
+
 def load_spec(path: str, *, registry=None) -> StudySpec:
     """Read and check a spec file (see the module docstring); nothing here loads a model."""
+    from polykv.atomic import check_readable_file
+
     try:
+        check_readable_file(path, "study spec file")
         with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
+            raw = json.load(fh, parse_constant=_no_constant)
     except FileNotFoundError:
         raise StudyError(f"{path}: no such study spec file") from None
+    except PolykvError as exc:
+        raise StudyError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise StudyError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError:
+        raise StudyError(f"{path}: not UTF-8 text; a study spec is a UTF-8 JSON file") from None
+    except ValueError as exc:
+        raise StudyError(f"{path}: {exc} is not allowed in a study spec (numbers must be finite)") from None
+    except OSError as exc:
+        raise StudyError(f"{path}: cannot read the study spec ({exc.strerror}); check the path and permissions") \
+            from None
     return parse_spec(raw, base=os.path.dirname(os.path.abspath(path)), source=path, registry=registry)

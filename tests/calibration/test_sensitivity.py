@@ -136,3 +136,19 @@ def test_equals_a_hand_written_attention_for_streamingllm(model, sequences):
     full, comp = attend(range(PREFIX)), attend(kept)
     expected = float(torch.linalg.vector_norm(comp - full) / torch.linalg.vector_norm(full))
     assert ours == pytest.approx(expected, rel=1e-4)
+
+
+def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences):
+    """No rule needs calibration code of its own: every registered prefill rule gets a finite error."""
+    from polykv.profiling.query_stats import compute_query_stats
+
+    reg = get_registry()
+    seqs = sequences(1)
+    stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
+    ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(), model_data={"triattention": stats})
+    cap = _stack([capture_sequence(model, s) for s in seqs], 1)
+    rules = [n for n in reg.names("operator") if n != "full" and "prefill" in reg.operator(n).phases]
+    configs = [CandidateConfig(rule=r, keep=0.25, phase="prefill", k_bits=4, v_bits=4) for r in rules]
+    errors = layer_l2(cap, PREFIX, configs, ctx)
+    assert len(rules) >= 8
+    assert all(math.isfinite(e) and e > 0 for e in errors), dict(zip(rules, errors))

@@ -69,7 +69,7 @@ def test_geometry_of_smollm2(default_model, default_geometry):
     cfg_only = models.default_geometry()
     assert (cfg_only.num_layers, cfg_only.num_kv_heads, cfg_only.head_dim) == (30, 3, 64)
     assert fingerprints_match(cfg_only.fingerprint, g.fingerprint)
-    assert "+w-" in g.fingerprint and "+w-" not in cfg_only.fingerprint
+    assert "+s-" in g.fingerprint and "+s-" not in cfg_only.fingerprint
 
 
 @pytest.mark.model

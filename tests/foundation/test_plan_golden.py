@@ -118,7 +118,7 @@ def test_cli_exits_2_without_traceback(path, verb, model_folder, capsys):
     out, err = capsys.readouterr()
     assert rc == 2
     assert "Traceback" not in err and out == ""
-    assert err.startswith("polykv plan: error: ") and str(path) in err
+    assert err.startswith(f"polykv plan {verb}: error: ") and str(path) in err
     assert EXPECTED[path.name]["message"] in err
 
 

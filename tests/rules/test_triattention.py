@@ -173,3 +173,27 @@ def test_stats_file_round_trip(tmp_path, suffix):
         stats.save(tmp_path / "stats.bin")
     with pytest.raises(ProfileError, match="no such query statistics file"):
         QueryStats.load(tmp_path / ("missing" + suffix))
+
+
+def test_ragged_padding_does_not_change_a_heads_ranking():
+    """In a ragged layer each head is z-scored over its own tokens: padding a head in front changes nothing."""
+    import torch
+
+    from polykv.adapters.rules.triattention import TriAttentionRule
+    from polykv.operators import SelectionContext
+
+    g = torch.Generator().manual_seed(3)
+    Hkv, d, T = 2, 8, 10
+    stats = synthetic_stats(L=1, H=4, d=d, seed=3)
+    keys = torch.randn(1, Hkv, T, d, generator=g)
+    pos = torch.arange(T).expand(1, Hkv, T)
+    rule = TriAttentionRule()
+    plain = rule.score(SelectionContext(layer_idx=0, phase="decode", keys=keys, positions=pos, tokens_seen=T,
+                                        scaling=0.3, model_data={"triattention": stats}))
+    pad = 3                                                     # head 1 padded by 3 zero columns in front
+    keys_p = torch.cat([torch.zeros(1, Hkv, pad, d), keys], dim=2)
+    pos_p = torch.cat([torch.full((1, Hkv, pad), -1), pos], dim=2)
+    valid = pos_p >= 0
+    padded = rule.score(SelectionContext(layer_idx=0, phase="decode", keys=keys_p, positions=pos_p, tokens_seen=T,
+                                         scaling=0.3, model_data={"triattention": stats}, valid=valid))
+    assert torch.allclose(padded[..., pad:], plain, atol=1e-5)

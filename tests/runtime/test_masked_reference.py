@@ -200,13 +200,15 @@ def _v2_registry():
     return registry_with_plugins()
 
 
-@pytest.mark.parametrize("phase,slack", [("prefill", 1), ("decode", 1), ("decode", 3)])
-def test_ragged_heads_equal_masked_full_cache(llama, prompt, stats, phase, slack):
-    """A head-wise rule keeps a different number of tokens per KV head; storage holds exactly those."""
+@pytest.mark.parametrize("phase,slack,then", [("prefill", 1, "h2o"), ("prefill", 2, "triattention"),
+                                              ("prefill", 1, "tova"), ("decode", 1, None), ("decode", 3, None)])
+def test_ragged_heads_equal_masked_full_cache(llama, prompt, stats, phase, slack, then):
+    """A head-wise rule keeps a different number of tokens per KV head; storage holds exactly those, and a
+    uniform decode rule (``then``) then evicts from the ragged layer."""
     model, geo = llama
     registry = _v2_registry()
     op = OpSpec(rule="test-headwise", capacity=12 if phase == "prefill" else 20)
-    decode = OpSpec(rule="h2o", capacity=16) if phase == "prefill" else op
+    decode = OpSpec(rule=then, capacity=16) if phase == "prefill" else op
     plan = polykv.uniform_plan(geo, prefill=op if phase == "prefill" else None, decode=decode, decode_slack=slack)
     ids, question = prompt(2, PROMPT, seed=11), prompt(2, QUESTION, seed=12)
     tokens, logits, records = _run_and_record(model, plan, ids, question, stats, registry=registry)
@@ -231,5 +233,40 @@ def test_merges_equal_full_cache_with_merged_values(llama, prompt, stats, phase,
     ref = _reference(model, tokens, records, geo.num_layers, geo.num_kv_heads, merged=merged)
     assert (logits - ref).abs().max().item() < TOL
     # Merging changed the result: the same masks without the merged values do not match.
+    plain = _reference(model, tokens, records, geo.num_layers, geo.num_kv_heads)
+    assert (logits - plain).abs().max().item() > 10 * TOL
+
+
+@pytest.mark.parametrize("rule,params", [("cam", {"rule": "h2o", "merge_window": 3}),
+                                         ("d2o", {"n_sink": 2}), ("d2o", {"n_sink": 2, "variant": "paper"})])
+def test_decode_merging_methods_equal_full_cache_with_merged_values(llama, prompt, stats, monkeypatch, rule, params):
+    """CaM and D2O in decode: every unmerged stored token equals the reference's own K/V, and the rows
+    attend exactly the stored tokens with the merged tokens' stored K/V written in."""
+    from polykv.registry import get_registry
+
+    cls = get_registry().operator(rule)
+    logged: dict[int, set] = {}
+    original = cls.select
+
+    def logging_select(self, ctx, capacity):
+        sel = original(self, ctx, capacity)
+        m = sel.merge
+        touched = m.weights.ne(0).any(-1, keepdim=True).expand_as(m.targets)
+        pos = ctx.positions.gather(-1, m.targets.flatten(2)).view_as(m.targets)
+        got = logged.setdefault(ctx.layer_idx, set())
+        got.update(int(p) for p in pos[touched].tolist())
+        if m.target_scale is not None:
+            got.update(int(p) for p in ctx.positions[m.target_scale.ne(1)].tolist())
+        return sel
+
+    monkeypatch.setattr(cls, "select", logging_select)
+    model, geo = llama
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule=rule, capacity=20, params=params), decode_slack=2)
+    ids, question = prompt(1, PROMPT, seed=13), prompt(1, QUESTION, seed=14)
+    tokens, logits, records = _run_and_record(model, plan, ids, question, stats, merges=True)
+    merged = [logged.get(i, set()) for i in range(geo.num_layers)]
+    assert all(merged), "every layer must have merged"
+    ref = _reference(model, tokens, records, geo.num_layers, geo.num_kv_heads, merged=merged)
+    assert (logits - ref).abs().max().item() < TOL
     plain = _reference(model, tokens, records, geo.num_layers, geo.num_kv_heads)
     assert (logits - plain).abs().max().item() > 10 * TOL

@@ -226,3 +226,23 @@ def test_decode_rules_with_state_honour_capacity(llama, rule, params):
         assert out.shape == (2, 36)
         assert all(n <= 21 for n in session.cache.stored_tokens())
         assert session.resident_bytes().metadata_total > 0
+
+
+@pytest.mark.parametrize("rule,params", [("scissorhands", {"history": 20, "recent": 2}), ("d2o", {"n_sink": 2}),
+                                         ("cam", {"rule": "h2o"}), ("adakv", {"rule_params": {"window": 4}})])
+def test_state_and_ragged_bytes_equal_the_prediction(llama, rule, params):
+    """Right after prefill the resident K/V and rule-state bytes equal the memory model's prediction."""
+    from polykv.memory import predict_resident
+
+    model, geo = llama
+    op = OpSpec(rule=rule, capacity=16, params=params)
+    decodes = "decode" in get_registry().operator(rule)(**params).phases
+    plan = polykv.uniform_plan(geo, prefill=op, decode=op if decodes else OpSpec())
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        cache = session.new_cache()
+        model(_prompt(1, 48, 4), past_key_values=cache, use_cache=True)
+        got = session.resident_bytes()
+        rows = predict_resident(plan, geo, 48, dtype_bytes=4, num_heads=4, head_counts=cache.head_counts())
+    assert list(got.per_layer) == [r.resident_bytes for r in rows]
+    assert [sum(m.values()) for m in got.metadata_per_layer] == [r.metadata_bytes for r in rows]
+    assert got.metadata_total > 0

@@ -25,10 +25,10 @@ def profile_path(tmp_path):
 
 @pytest.mark.parametrize("budget,solver,params", [
     ("4x", "exact", []),
-    ("300000", "moend-greedy", ["--param", "rule=tova"]),
-    ("128tok", "profile-route", ["--param", "allocation=uniform", "--param", "scope=both"]),
-    ("128tok", "random-placement", ["--param", "count=3", "--param", "index=2"]),
-    ("128tok", "uniform", ["--param", "mode=1d"]),
+    ("1000000", "moend-greedy", ["--param", "rule=tova"]),
+    ("400tok", "profile-route", ["--param", "allocation=uniform", "--param", "scope=both"]),
+    ("400tok", "random-placement", ["--param", "count=3", "--param", "index=2"]),
+    ("400tok", "uniform", ["--param", "mode=1d"]),
 ])
 def test_solve_writes_a_valid_plan(tmp_path, capsys, profile_path, budget, solver, params):
     out = str(tmp_path / "plan.json")
@@ -48,8 +48,8 @@ def test_cli_plan_equals_python_plan(tmp_path, profile_path):
     from polykv.profiling.profile import load_profile
 
     out = str(tmp_path / "plan.json")
-    assert main(["solve", profile_path, "--budget", "5x", "--context", "700", "-o", out]) == 0
-    py = solve(load_profile(profile_path), Budget.parse("5x", 700, basis="resident"), "exact")
+    assert main(["solve", profile_path, "--budget", "2x", "--context", "700", "-o", out]) == 0
+    py = solve(load_profile(profile_path), Budget.parse("2x", 700, basis="resident"), "exact")
     assert load_plan(out).layers == py.layers
     nominal = str(tmp_path / "nominal.json")
     assert main(["solve", profile_path, "--budget", "5x", "--context", "700", "--basis", "nominal", "-o", nominal]) == 0
@@ -104,7 +104,7 @@ def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
         (tmp_path / "other" / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
     path = str(tmp_path / "profile.json")
     Profile.from_table(np.ones((4, 54)), moend_configs("tova"), geo).save(path)
-    args = ["solve", path, "--budget", "4x", "--context", "64", "-o", str(tmp_path / "plan.json")]
+    args = ["solve", path, "--budget", "2x", "--context", "1024", "-o", str(tmp_path / "plan.json")]
     assert main(args + ["--model", mine]) == 0
     capsys.readouterr()
     assert main(args + ["--model", other]) == 2

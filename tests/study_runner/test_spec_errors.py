@@ -80,8 +80,10 @@ def test_the_cli_prints_the_error_and_exits_2(tmp_path, spec_writer, capsys):
     assert not (tmp_path / "r.jsonl").exists()  # nothing written for a spec that never ran
 
 
-def test_a_good_spec_reaches_the_model_loader(tmp_path, spec_writer):
-    # The counterpart of the tests above: with valid input the first failure is the model itself.
-    with pytest.raises(ValueError, match="no-such-family"):
+def test_a_good_spec_reaches_the_model_check(tmp_path, spec_writer):
+    # The counterpart of the tests above: with valid input the first failure is the model itself, found
+    # from its config (every plan is checked against the model's shape) before any weights load.
+    with pytest.raises(StudyError, match="field 'model.tiny'.*no-such-family"):
         run_study(prepare(load_spec(spec_writer(tmp_path, model=UNLOADABLE)), str(tmp_path / "r.jsonl")),
                   progress=False)
+    assert not (tmp_path / "r.jsonl").exists()

@@ -65,14 +65,28 @@ class Task:
     description: ClassVar[str] = ""
     mode: ClassVar[str] = GENERATE
     defaults: ClassVar[Mapping[str, Any]] = {}
+    param_specs: ClassVar[Mapping[str, Any]] = {}
+    """Parameter name -> :class:`polykv.params.ParamSpec`; values are checked before any model loads."""
 
     def params(self, **overrides) -> dict[str, Any]:
-        """The task's defaults updated with ``overrides``; an unknown parameter is an error."""
+        """The task's defaults updated with ``overrides``; an unknown parameter or a value outside its
+        declared type or range is an error."""
         unknown = sorted(set(overrides) - set(self.defaults))
         if unknown:
             raise StudyError(f"task '{self.name}' has no parameter(s) {unknown}; its parameters are "
                              f"{dict(self.defaults)}")
-        return {**self.defaults, **overrides}
+        from polykv.params import ParamError, check_params
+
+        try:
+            check_params(self.param_specs, overrides, owner=f"task '{self.name}'")
+        except ParamError as exc:
+            raise StudyError(str(exc)) from None
+        merged = {**self.defaults, **overrides}
+        self.check_params(merged)
+        return merged
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        """Checks across parameters (each one's own type and range are in ``param_specs``); raise StudyError."""
 
     def make_items(self, tokenizer, n: int, seed: int = 0, **params) -> list[TaskItem]:
         """``n`` items, deterministic in ``seed`` (item i is independent of n)."""

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 from polykv.studies.tasks.base import (TEACHER_FORCED, Task, TaskItem, check_length, count_tokens, filler_units,
                                        fit_length, prompt_length)
+from polykv.studies.corpus import KINDS
+from polykv.params import ParamSpec
 
 
 CONTINUATION_SLACK = 16  # tokens a continuation may miss its requested length by (or 5%, whichever is more)
@@ -32,6 +34,11 @@ class ContinuationTask(Task):
         "context_tokens": 2048,      # tokens of the compressed context (its BOS included, where one is placed)
         "continuation_tokens": 256,  # tokens teacher-forced through the compressed cache
         "kind": "prose",             # corpus kind: "prose" or "code"
+    }
+    param_specs = {
+        "context_tokens": ParamSpec(int, low=1, high=1 << 22, description="tokens of the compressed context"),
+        "continuation_tokens": ParamSpec(int, low=1, high=1 << 20, description="tokens teacher-forced"),
+        "kind": ParamSpec(str, choices=KINDS, description="corpus kind"),
     }
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:

@@ -21,6 +21,7 @@ import random
 from typing import Any, Iterator, Mapping
 
 from polykv.errors import StudyError
+from polykv.params import ParamSpec
 from polykv.studies.tasks.base import Task, TaskItem
 from polykv.studies.tasks.metrics import METRICS
 
@@ -46,25 +47,55 @@ LONGBENCH_MAXLEN = {
 def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, dict]]:
     if not path:
         raise StudyError(f"a {fmt} task needs path= pointing at a {fmt} JSONL file on disk")
-    if not os.path.isfile(path):
+    from polykv.atomic import check_readable_file
+    from polykv.errors import OutputError
+
+    if not os.path.lexists(path):
         raise StudyError(f"{path}: no such {fmt} JSONL file")
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise StudyError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                 f"{fmt} files hold one JSON object per line") from None
-            if not isinstance(record, dict):
-                raise StudyError(f"{path} line {lineno}: expected a JSON object with fields {list(fields)}, "
-                                 f"got {type(record).__name__}")
-            missing = [f for f in fields if f not in record]
-            if missing:
-                raise StudyError(f"{path} line {lineno}: missing field(s) {missing}; {fmt} lines carry "
-                                 f"{list(fields)}. Is this a {fmt} file?")
-            yield lineno, record
+    try:
+        check_readable_file(path, f"{fmt} JSONL file")
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OutputError as exc:
+        raise StudyError(str(exc)) from None
+    except OSError as exc:
+        raise StudyError(f"{path}: cannot read the {fmt} file ({exc.strerror}); check the path and permissions") \
+            from None
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise StudyError(f"{path} line {lineno}: not UTF-8 text (byte {exc.start}); {fmt} files are UTF-8 "
+                             "JSONL") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line, parse_constant=_no_constant)
+        except json.JSONDecodeError as exc:
+            raise StudyError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                             f"{fmt} files hold one JSON object per line") from None
+        except ValueError as exc:
+            raise StudyError(f"{path} line {lineno}: {exc} is not allowed in a {fmt} file") from None
+        if not isinstance(record, dict):
+            raise StudyError(f"{path} line {lineno}: expected a JSON object with fields {list(fields)}, "
+                             f"got {type(record).__name__}")
+        missing = [f for f in fields if f not in record]
+        if missing:
+            raise StudyError(f"{path} line {lineno}: missing field(s) {missing}; {fmt} lines carry "
+                             f"{list(fields)}. Is this a {fmt} file?")
+        yield lineno, record
+
+
+def _no_constant(name: str):
+    raise ValueError(name)
+
+
+def _unique_id(seen: dict[str, int], item_id: str, path: str, lineno: int, field: str) -> None:
+    """Results are keyed by item id: a repeated id would silently drop an item from every report."""
+    if item_id in seen:
+        raise StudyError(f"{path} line {lineno}: field '{field}' is {item_id!r}, the id of line {seen[item_id]} "
+                         f"too; item ids must be unique within a file")
+    seen[item_id] = lineno
 
 
 def _str_list(value, path: str, lineno: int, field: str) -> tuple[str, ...]:
@@ -96,9 +127,13 @@ def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}
     """
     if metric is not None and metric not in METRICS:
         raise StudyError(f"unknown metric {metric!r} for LongBench file {path}; available: {sorted(METRICS)}")
-    items = []
+    items, seen = [], {}
     for lineno, rec in _lines(path, LONGBENCH_FIELDS, "LongBench"):
         dataset = _text(rec["dataset"], path, lineno, "dataset")
+        _unique_id(seen, str(rec["_id"]), path, lineno, "_id")
+        if not _text(rec["context"], path, lineno, "context").strip():
+            raise StudyError(f"{path} line {lineno}: field 'context' is empty; every item needs a context to "
+                             "compress")
         base = dataset[:-2] if dataset.endswith("_e") else dataset
         chosen = metric or LONGBENCH_METRIC.get(base)
         if chosen is None:
@@ -134,13 +169,19 @@ def load_ruler(path: str, *, metric: str = "string_match_all", question_separato
     """
     if metric not in METRICS:
         raise StudyError(f"unknown metric {metric!r} for RULER file {path}; available: {sorted(METRICS)}")
-    items = []
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise StudyError(f"RULER file {path}: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    items, seen = [], {}
     for lineno, rec in _lines(path, RULER_FIELDS, "RULER"):
         prompt = _text(rec["input"], path, lineno, "input")
+        _unique_id(seen, str(rec["index"]), path, lineno, "index")
         cut = prompt.rstrip().rfind(question_separator)
         if cut <= 0:
             raise StudyError(f"{path} line {lineno}: field 'input' has no {question_separator!r} before its last "
                              f"line, so the question cannot be split from the context; pass question_separator=")
+        if not prompt[:cut].strip():
+            raise StudyError(f"{path} line {lineno}: field 'input' has an empty context before the question; every "
+                             "item needs a context to compress")
         prefix = rec.get("answer_prefix") or ""
         items.append(TaskItem(
             task=RulerFileTask.name, id=str(rec["index"]), context=prompt[:cut], question=prompt[cut:] + prefix,
@@ -166,6 +207,10 @@ class LongBenchFileTask(Task):
     description = "LongBench items from a JSONL file on disk"
     defaults: Mapping[str, Any] = {"path": None, "question_template": "\n\nQuestion: {input}\nAnswer:",
                                    "metric": None}
+    param_specs = {"path": ParamSpec(str, description="LongBench JSONL file"),
+                   "question_template": ParamSpec(str, description="format string with {input}"),
+                   "metric": ParamSpec(str, choices=tuple(sorted(METRICS)), nullable=True,
+                                       description="null = LongBench's metric of the dataset")}
 
     def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
         p = self.params(**params)
@@ -185,6 +230,10 @@ class RulerFileTask(Task):
     description = "RULER items from a JSONL file on disk"
     defaults: Mapping[str, Any] = {"path": None, "metric": "string_match_all", "question_separator": "\n",
                                    "max_new_tokens": 128}
+    param_specs = {"path": ParamSpec(str, description="RULER JSONL file"),
+                   "metric": ParamSpec(str, choices=tuple(sorted(METRICS))),
+                   "question_separator": ParamSpec(str, description="the question starts after its last occurrence"),
+                   "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated")}
 
     def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
         p = self.params(**params)

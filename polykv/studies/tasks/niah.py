@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
+from polykv.studies.corpus import KINDS
+from polykv.params import ParamSpec
 
 ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
               "lively", "mellow", "noisy", "odd", "proud", "quiet", "rapid", "shy", "tidy", "upbeat", "vivid",
@@ -49,6 +51,20 @@ class NeedleTask(Task):
         "filler": "prose",     # corpus kind of the haystack
         "max_new_tokens": 128,
     }
+    param_specs = {
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
+        "num_keys": ParamSpec(int, low=1, high=1024, description="needles with distinct keys"),
+        "num_values": ParamSpec(int, low=1, high=1024, description="values per queried key"),
+        "num_queries": ParamSpec(int, low=1, high=1024, description="keys asked for, at most num_keys"),
+        "digits": ParamSpec(int, low=1, high=64, description="digits of each value"),
+        "filler": ParamSpec(str, choices=KINDS, description="corpus kind of the haystack"),
+        "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated for the answer"),
+    }
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        if params["num_queries"] > params["num_keys"]:
+            raise StudyError(f"task '{self.name}': num_queries ({params['num_queries']}) must not exceed num_keys "
+                             f"({params['num_keys']})")
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:
         nk, nv, nq = int(params["num_keys"]), int(params["num_values"]), int(params["num_queries"])

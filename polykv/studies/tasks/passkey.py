@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
+from polykv.studies.corpus import KINDS
+from polykv.params import ParamSpec
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorize it. I will quiz you about it.\n\n")
@@ -36,6 +38,13 @@ class PasskeyTask(Task):
         "digits": 5,          # digits of the key (no leading zero)
         "filler": "code",     # corpus kind of the filler: "code" or "prose" (see the module docstring)
         "max_new_tokens": 8,  # tokens generated for the answer
+    }
+    param_specs = {
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
+        "depth": ParamSpec(float, low=0.0, high=1.0, nullable=True, description="needle depth, null = random"),
+        "digits": ParamSpec(int, low=1, high=64, description="digits of the key"),
+        "filler": ParamSpec(str, choices=KINDS, description="corpus kind of the filler"),
+        "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated for the answer"),
     }
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
+from polykv.studies.corpus import KINDS
+from polykv.params import ParamSpec
 
 INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. "
@@ -35,6 +37,14 @@ class VariableTrackingTask(Task):
         "digits": 5,          # digits of each chain's value
         "filler": "prose",
         "max_new_tokens": 30,
+    }
+    param_specs = {
+        "length": ParamSpec(int, low=1, high=1 << 22, description="prompt tokens"),
+        "num_chains": ParamSpec(int, low=1, high=1024, description="chains in the haystack"),
+        "num_hops": ParamSpec(int, low=0, high=1024, description="assignments after the initial one"),
+        "digits": ParamSpec(int, low=1, high=64, description="digits of each chain's value"),
+        "filler": ParamSpec(str, choices=KINDS, description="corpus kind of the haystack"),
+        "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated for the answer"),
     }
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:

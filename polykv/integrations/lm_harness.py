@@ -1,0 +1,220 @@
+"""lm-evaluation-harness model ``polykv``: every request runs under a plan through :func:`polykv.apply`.
+
+Register it by importing this module (``polykv lm-eval`` does), then::
+
+    polykv lm-eval --model polykv --model_args pretrained=default,plan=my.plan.json --tasks TASKS
+
+or from Python ``lm_eval.simple_evaluate(model=PolykvLM(pretrained=..., plan=...), tasks=[...])``.
+``pretrained`` is ``default`` (SmolLM2-135M-Instruct, offline) or a local Hugging Face model folder;
+``plan`` a plan file or ``full`` (keep everything, 16-bit: the same scores as lm-eval's ``hf``).
+
+How the context is compressed, per request type (the protocol of ``polykv study``):
+
+* ``loglikelihood`` (and multiple choice, and ``loglikelihood_rolling`` windows): lm-eval gives the
+  split. The *context* is prefilled and compressed by the plan (the prefill rule selects after the
+  last prefill forward, then the kept tokens are quantized). The first continuation token is scored
+  from that prefill's last logits; the rest of the continuation is teacher-forced through the
+  compressed cache one token per decode forward (:func:`polykv.studies.fidelity.forced_logprobs`),
+  so the decode rule may evict between tokens, as it would while generating that text.
+* ``generate_until``: the whole prompt is the context. It is prefilled and compressed, then tokens
+  are generated greedily, one decode forward each, until a stop sequence, EOS or ``max_gen_toks``.
+  Sampling is refused (the runtime's generation here is greedy).
+
+Requests run one at a time (``batch_size`` 1: a plan cache holds one sequence). Measured resident KV
+bytes (:meth:`polykv.runtime.Session.resident_bytes`, in the run's compute dtype, metadata apart) are
+kept per request and reported under ``config.polykv`` of lm-eval's results (see :meth:`kv_summary`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polykv.errors import PolykvError
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.utils_hf import stop_sequences_criteria
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the polykv lm-eval model needs lm-evaluation-harness: pip install "
+                      "'polykv-compose[lm-eval]'") from exc
+
+FULL = "full"
+
+
+def load_pretrained(pretrained: Any, dtype: str = "float32"):
+    """(model, tokenizer): ``"default"`` is SmolLM2-135M-Instruct; else a local Hugging Face model folder."""
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    if pretrained == "default":
+        from polykv.models import load_default_model
+
+        return load_default_model(dtype=torch_dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained), dtype=torch_dtype,
+                                                              attn_implementation="sdpa")
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(str(pretrained))
+
+
+def resolve_plan(plan: Any, model):
+    """A :class:`~polykv.plan.Plan` from a Plan, ``"full"`` or a plan file, checked against ``model``."""
+    import polykv
+    from polykv.geometry import geometry_of_model
+    from polykv.plan import Plan, full_plan
+
+    geometry = geometry_of_model(model)
+    if isinstance(plan, Plan):
+        plan.validate(registry=polykv.get_registry(), geometry=geometry)
+        return plan
+    if plan is None or plan == FULL:
+        return full_plan(geometry)
+    return polykv.load_plan(str(plan), registry=polykv.get_registry(), geometry=geometry)
+
+
+@register_model("polykv")
+class PolykvLM(HFLM):
+    """lm-eval's ``hf`` model with every request run under a polykv plan (module docstring)."""
+
+    instances: list["PolykvLM"] = []
+    """Every model made in this process, in order (``polykv lm-eval`` prints their KV bytes)."""
+
+    def __init__(self, pretrained: Any = "default", plan: Any = FULL, dtype: str = "float32",
+                 tokenizer: Any = None, profile: str | None = None, batch_size: int | str = 1, **kwargs):
+        if str(batch_size) != "1":
+            raise PolykvError(f"the polykv lm-eval model runs one request at a time (a plan cache holds one "
+                              f"sequence); got batch_size={batch_size}, pass batch_size 1")
+        if isinstance(pretrained, (str, bytes)) or hasattr(pretrained, "__fspath__"):
+            model, tok = load_pretrained(pretrained, dtype)
+            self.model_name = str(pretrained)
+        else:
+            model, tok, self.model_name = pretrained, tokenizer, type(pretrained).__name__
+        if tokenizer is not None:
+            tok = tokenizer
+        super().__init__(pretrained=model, tokenizer=tok, batch_size=1, **kwargs)
+        self.plan = resolve_plan(plan, model)
+        self.plan_source = plan if isinstance(plan, str) else (self.plan.provenance.note or "Plan object")
+        from polykv.studies.runner import plan_model_data
+
+        self.model_data = plan_model_data(model, self.tokenizer, [self.plan], profile)
+        self._session()  # checks the plan against the model (stores, attention) before any request
+        self.requests: list[dict[str, Any]] = []
+        """Per request: type, context tokens, measured KV bytes after the context and at the end."""
+        PolykvLM.instances.append(self)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _session(self):
+        import polykv
+
+        return polykv.apply(self.model, self.plan, model_data=self.model_data)
+
+    def _full_bytes(self, tokens: int) -> int:
+        from polykv.geometry import geometry_of_model
+
+        geo = geometry_of_model(self.model)
+        elem = next(self.model.parameters()).element_size()
+        return 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * tokens * elem
+
+    def _record(self, kind: str, context: int, kv, end) -> None:
+        self.requests.append({"type": kind, "context_tokens": context, "kv_bytes": kv.total,
+                              "metadata_bytes": kv.metadata_total, "kv_bytes_end": end.total,
+                              "full_kv_bytes": self._full_bytes(context)})
+
+    # -- log-likelihood ------------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        from tqdm import tqdm
+
+        out = []
+        for cache_key, context_enc, continuation_enc in tqdm(requests, disable=disable_tqdm or self.rank != 0,
+                                                             desc="Running loglikelihood requests (polykv)"):
+            answer = self._score(context_enc, continuation_enc)
+            out.append(answer)
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+        return out
+
+    def _score(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
+        """(sum of log p(continuation | context), whether greedy decoding reproduces it), under the plan."""
+        from polykv.studies.fidelity import forced_logprobs
+
+        if not context_enc or not continuation_enc:
+            raise PolykvError("a loglikelihood request needs a non-empty context and continuation")
+        whole = (context_enc + continuation_enc)[-(self.max_length + 1):]    # lm-eval's left truncation
+        n = len(continuation_enc)
+        ctx = torch.tensor([whole[:-n]], dtype=torch.long, device=self.device)
+        cont = torch.tensor([whole[-n:]], dtype=torch.long, device=self.device)
+        with torch.no_grad(), self._session() as session:
+            first = session.prefill(ctx)
+            kv = session.resident_bytes()
+            rows = [torch.log_softmax(first.logits[0, -1:].float(), dim=-1)]      # predicts cont[0]
+            if n > 1:
+                rows += [lp for _, lp in forced_logprobs(session, cont, where="loglikelihood request")]
+            end = session.resident_bytes()
+        logprobs = torch.cat(rows)                                                # (n, V)
+        target = cont[0].to(logprobs.device)
+        self._record("loglikelihood", int(ctx.shape[1]), kv, end)
+        total = float(logprobs.gather(1, target[:, None]).sum())
+        return total, bool((logprobs.argmax(-1) == target).all())
+
+    # -- generation ----------------------------------------------------------------------------------
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        """Greedy generation of one prompt ``context`` [1, T] under the plan: [1, T + new] token ids."""
+        from polykv.runtime.fork import forward
+
+        mask = generation_kwargs.pop("attention_mask", None)
+        if context.shape[0] != 1 or (mask is not None and not bool(mask.all())):
+            raise PolykvError("the polykv lm-eval model generates for one unpadded prompt at a time (batch_size 1)")
+        if generation_kwargs.get("do_sample") or float(generation_kwargs.get("temperature", 0.0) or 0.0) > 0:
+            raise PolykvError("the polykv lm-eval model decodes greedily; set do_sample: false (temperature 0) in "
+                              "the task's generation_kwargs")
+        eos = self.model.generation_config.eos_token_id
+        eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+        criteria = stop_sequences_criteria(self.tokenizer, stop, context.shape[1], 1)
+        ids = context
+        with torch.no_grad(), self._session() as session:
+            out = session.prefill(context)
+            kv = session.resident_bytes()
+            while ids.shape[1] < max_length:
+                nxt = out.logits[:, -1:].argmax(-1)                               # (1, 1)
+                ids = torch.cat([ids, nxt], dim=1)
+                if int(nxt) in eos or bool(criteria(ids, None).all()) or ids.shape[1] >= max_length:
+                    break
+                out = forward(session, nxt)
+            end = session.resident_bytes()
+        self._record("generate_until", int(context.shape[1]), kv, end)
+        return ids
+
+    # -- results -------------------------------------------------------------------------------------
+    def kv_summary(self) -> dict[str, Any]:
+        """Per request type: requests, mean context tokens, mean measured KV bytes (after the context and
+        at the end), mean full-cache bytes of the same contexts and their ratio."""
+        out: dict[str, Any] = {"plan": self.plan_source, "basis": "measured resident K/V bytes in the compute "
+                               f"dtype ({next(self.model.parameters()).dtype}), metadata apart", "requests": {}}
+        for kind in sorted({r["type"] for r in self.requests}):
+            rows = [r for r in self.requests if r["type"] == kind]
+            mean = {k: sum(r[k] for r in rows) / len(rows)
+                    for k in ("context_tokens", "kv_bytes", "kv_bytes_end", "metadata_bytes", "full_kv_bytes")}
+            mean["full_over_measured"] = mean["full_kv_bytes"] / mean["kv_bytes"] if mean["kv_bytes"] else None
+            out["requests"][kind] = {"count": len(rows), **{f"mean_{k}" if k != "full_over_measured" else k: v
+                                                            for k, v in mean.items()}}
+        return out
+
+    def kv_report(self) -> str:
+        """:meth:`kv_summary` as a Markdown table."""
+        s = self.kv_summary()
+        lines = [f"polykv plan {s['plan']}: {s['basis']}", "",
+                 "| requests | count | mean context tokens | mean KV bytes (context) | mean KV bytes (end) "
+                 "| full cache bytes | full / measured |", "|---|---|---|---|---|---|---|"]
+        for kind, r in s["requests"].items():
+            ratio = f"{r['full_over_measured']:.2f}x" if r["full_over_measured"] else "-"
+            lines.append(f"| {kind} | {r['count']} | {r['mean_context_tokens']:.1f} | {r['mean_kv_bytes']:,.0f} | "
+                         f"{r['mean_kv_bytes_end']:,.0f} | {r['mean_full_kv_bytes']:,.0f} | {ratio} |")
+        return "\n".join(lines)
+
+    def get_model_info(self) -> dict:
+        """Model facts lm-eval stores in ``results["config"]``; ``polykv`` holds :meth:`kv_summary`
+        (no hub look-up, unlike ``hf``)."""
+        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(next(self.model.parameters()).dtype), "model_name": self.model_name,
+                "polykv": self.kv_summary()}
