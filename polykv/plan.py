@@ -125,12 +125,23 @@ class Provenance:
     predicted_loss: float | None = None
     """Sum of per-layer profile losses the solver predicts."""
     predicted_bytes: int | None = None
-    """Nominal KV bytes the solver predicts at ``context_tokens``."""
+    """KV bytes the solver predicts at ``context_tokens``, on ``basis`` (nominal when the basis is unstated)."""
     profile_fingerprint: str | None = None
     polykv_version: str | None = None
     created: str | None = None
     """ISO-8601 UTC time."""
     note: str = ""
+    basis: str | None = None
+    """What the budget counted: ``"resident"`` (bytes the runtime holds, metadata included) or
+    ``"nominal"`` (MoE-nD's codes-only formula); None in plans made before bases were recorded (nominal)."""
+    batch: int | None = None
+    """Batch rows a resident budget was counted for."""
+    cache_dtype: str | None = None
+    """Storage dtype of unquantized K/V, scales and residuals a resident budget was counted in."""
+
+
+OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype")
+"""Provenance fields written only when set (older plan files lack them and round-trip unchanged)."""
 
 
 @attrs.define(frozen=True, kw_only=True)

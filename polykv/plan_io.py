@@ -14,8 +14,8 @@ import attrs
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
-from polykv.plan import (FULL_RULE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec, Plan,
-                         Provenance, TriggerSettings)
+from polykv.plan import (FULL_RULE, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo,
+                         OpSpec, Plan, Provenance, TriggerSettings)
 
 PHASES = ("prefill", "decode")
 
@@ -48,7 +48,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         "schema_version": plan.schema_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
-        "provenance": attrs.asdict(plan.provenance),
+        "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
+                       if v is not None or k not in OPTIONAL_PROVENANCE},
         "layers": [layer_dict(lp) for lp in plan.layers],
     }
     if plan.allocation:
@@ -221,7 +222,17 @@ def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
         polykv_version=r.str_(raw.get("polykv_version"), f + "polykv_version", optional=True),
         created=r.str_(raw.get("created"), f + "created", optional=True),
         note=r.str_(raw.get("note", ""), f + "note"),
+        basis=_basis(r, raw.get("basis"), f + "basis"),
+        batch=r.int_(raw.get("batch"), f + "batch", minimum=1, optional=True),
+        cache_dtype=r.str_(raw.get("cache_dtype"), f + "cache_dtype", optional=True),
     )
+
+
+def _basis(r: "_Reader", value: Any, field: str) -> str | None:
+    basis = r.str_(value, field, optional=True)
+    if basis is not None and basis not in ("resident", "nominal"):
+        r.fail(f"unknown basis {basis!r}; use \"resident\" or \"nominal\"", field=field)
+    return basis
 
 
 def _parse_op(r: _Reader, layer: int, phase: str, raw: Any) -> OpSpec:

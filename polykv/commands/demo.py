@@ -3,9 +3,12 @@
 The demo is a study (``examples/demo_study.json`` is the same spec): on the default model with the
 shipped profile it solves ``1d``, ``2d_uniform``, ``2d`` (quant-only), ``2d_hetero`` (MoE-nD greedy),
 ``route`` (PolyKV profile route, 16 bits) and ``joint`` (exact knapsack over every profiled rule,
-keep and K/V width) at 8x and 4x compression, runs passkey retrieval (compress the context, feed the
-question through the compressed cache, generate greedily), prints accuracy with Wilson intervals,
-measured KV bytes and ratios, and writes the report. Running it again resumes an interrupted run.
+keep and K/V width) at 8x and 4x compression of the bytes the cache really holds (resident basis:
+codes, scales, residuals and metadata, stored in bfloat16 while the model computes in float32),
+runs passkey retrieval (compress the context, feed the question through the compressed cache,
+generate greedily), prints accuracy with Wilson intervals, measured bytes with metadata and their
+ratio against a 16-bit full cache, each solver's predicted loss beside the exact optimum, and writes
+the report. Running it again resumes an interrupted run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ DEMO_SPEC = {
     "name": "demo",
     "model": "default",
     "dtype": "float32",
+    "storage_dtype": "bfloat16",
+    "basis": "resident",
     "context_tokens": 2048,
     "profile": f"../profiles/{PROFILE_NAME}",
     "budgets": ["8x", "4x"],
@@ -54,6 +59,11 @@ def register(subparsers) -> None:
                     "compressed, then the question fed through the compressed cache), print accuracy with Wilson "
                     "intervals beside measured KV bytes, and write the report. Resumes when run again.")
     p.add_argument("--samples", type=int, default=20, metavar="N", help="passkey items per policy (default 20)")
+    p.add_argument("--budgets", nargs="+", default=None, metavar="B",
+                   help="compression budgets on the resident basis (default: 8x 4x), e.g. --budgets 10x 12x 14x")
+    p.add_argument("--basis", choices=("resident", "nominal"), default="resident",
+                   help="what the budgets count: resident bytes (default; metadata included) or MoE-nD's nominal "
+                        "codes-only bytes")
     p.add_argument("--out", default=os.path.join("results", "demo"), metavar="DIR",
                    help="output folder: spec.json, results.jsonl, report.md, figures (default results/demo)")
     p.add_argument("--model", default="default", metavar="NAME",
@@ -88,11 +98,15 @@ def find_profile(given: str | None, model: str = "default") -> str:
                      f"`polykv calibrate {model} -o profiles/{name}` or pass --profile PATH")
 
 
-def demo_spec(samples: int, profile: str, model: str = "default") -> dict:
+def demo_spec(samples: int, profile: str, budgets: list[str] | None = None, basis: str = "resident", *,
+              model: str = "default") -> dict:
     spec = copy.deepcopy(DEMO_SPEC)
     spec["profile"] = profile
     spec["model"] = model
     spec["tasks"][0]["samples"] = int(samples)
+    if budgets:
+        spec["budgets"] = [str(b) for b in budgets]
+    spec["basis"] = basis
     return spec
 
 
@@ -102,20 +116,46 @@ def print_table(results_path: str) -> None:
     from polykv.studies.results import Results
 
     res = Results.load(results_path)
+    profile = None
+    if res.header["spec"].get("profile") and os.path.isfile(res.header["spec"]["profile"]):
+        from polykv.profiling.profile import load_profile
+
+        profile = load_profile(res.header["spec"]["profile"])
     for task in res.tasks:
-        print(f"\n{task}: {len(res.items(task))} items per policy")
-        print(f"{'policy':<16} {'accuracy [Wilson 95%]':<24} {'KV MiB':>8} {'measured':>9} {'nominal':>8}")
+        print(f"\n{task}: {len(res.items(task))} items per policy; bytes held after compressing the context "
+              f"(K/V + metadata), ratio against a 16-bit full cache")
+        print(f"{'policy':<16} {'accuracy [Wilson 95%]':<24} {'MiB':>7} {'measured':>9} {'predicted':>9} "
+              f"{'nominal':>8}")
         for r in policy_rows(res, task):
             w = r["wilson"]
             acc = f"{w.estimate:6.1%} [{w.low:5.1%}, {w.high:5.1%}]" if w else f"{r['mean']:.3f}"
-            nominal = f"{r['full16'] / r['nominal']:.1f}x" if r.get("nominal") else "-"
-            print(f"{r['policy']:<16} {acc:<24} {r['bytes'] / 2 ** 20:8.3f} {r['ratio']:8.1f}x {nominal:>8}")
+            nominal = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
+            pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") else "-"
+            print(f"{r['policy']:<16} {acc:<24} {r['bytes'] / 2 ** 20:7.3f} {r['ratio']:8.2f}x {pred:>9} "
+                  f"{nominal:>8}")
         for b in designs.budgets(res):
             chain = designs.moend_chain(res, task, b)
             if chain:
                 parts = [f"{k} {v.estimate:+.2f} [{v.low:+.2f}, {v.high:+.2f}]" for k, v in chain["intervals"].items()
                          if k in ("d_quant", "d_evict", "d_total")]
                 print(f"MoE-nD chain at {b}: " + "; ".join(parts))
+            if "full" in res.policies:
+                for name, rec in res.policies.items():
+                    if rec.get("budget") == b and rec.get("role") != "placement":
+                        iv = designs.paired_vs(res, task, name, "full")
+                        verdict = "no difference from" if iv.low <= 0 <= iv.high else "differs from"
+                        print(f"  {name} - full: {iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] "
+                              f"({verdict} the full cache at 95%)")
+            names = [n for n, r in res.policies.items() if r.get("budget") == b and r.get("role") != "placement"]
+            for w in designs.unequal_memory(res, task, names):
+                print(f"  warning at {b}: {w}")
+            if profile is not None:
+                for r in designs.loss_vs_exact(res, b, profile):
+                    same = "-" if r["exact_same_rules"] is None else f"{r['exact_same_rules']:.3f}"
+                    gap = "" if r["gap"] is None else f" ({r['gap']:+.1%})"
+                    rules = ",".join(r["rules"]) if r["rules"] else "all rules"
+                    print(f"  predicted loss {r['policy']}: {r['loss']:.3f}; exact optimum over {rules} {same}{gap}; "
+                          f"over all rules {r['exact_all_rules']:.3f}")
 
 
 def set_threads(n: int | None) -> None:
@@ -172,7 +212,8 @@ def run(args) -> int:
     spec_path = os.path.join(args.out, "spec.json")
     check_demo_folder(args.out, spec_path)
     os.makedirs(args.out, exist_ok=True)
-    spec_dict = demo_spec(args.samples, find_profile(args.profile, args.model), args.model)
+    spec_dict = demo_spec(args.samples, find_profile(args.profile, args.model), args.budgets, args.basis,
+                          model=args.model)
     write_text_atomic(spec_path, json.dumps(spec_dict, indent=2) + "\n")
     spec = load_spec(spec_path)
     results = os.path.join(args.out, "results.jsonl")

@@ -136,6 +136,22 @@ def _layer_field(layer, field):
     return f"layers[{layer}].{field}"
 
 
+def budget_basis(prov) -> str:
+    """One line: what the plan's budget counted (older plans without a basis were budgeted nominally)."""
+    if prov.basis == "resident":
+        return (f"resident bytes (stores + metadata), batch {prov.batch or 1}, {prov.cache_dtype or 'bfloat16'} "
+                f"storage, at {prov.context_tokens} tokens")
+    if prov.basis == "nominal":
+        return f"nominal bytes (MoE-nD: codes only), at {prov.context_tokens} tokens"
+    return f"not recorded (nominal bytes: the plan predates recorded bases), at {prov.context_tokens} tokens"
+
+
+def absolute_capacities(plan) -> int:
+    """Number of rule ops whose capacity is a token count rather than a ratio."""
+    return sum(1 for lp in plan.layers for op in (lp.prefill, lp.decode)
+               if not op.keeps_everything and op.capacity is not None)
+
+
 def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None) -> str:
     """Header, provenance and one row per layer: ops with capacities resolved at ``context``.
 
@@ -149,9 +165,16 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
         lines.append(f"model    {m.name or '?'}  kv_heads={m.num_kv_heads} head_dim={m.head_dim} "
                      f"fingerprint={m.fingerprint or '-'}")
     lines.append(f"solver   {prov.solver or 'hand-made'}  budget={prov.budget or '-'}")
+    if prov.budget:
+        lines.append("basis    " + budget_basis(prov))
     if prov.predicted_loss is not None or prov.predicted_bytes is not None:
         lines.append(f"predicts loss={prov.predicted_loss}  bytes={prov.predicted_bytes} "
-                     f"at {prov.context_tokens} tokens")
+                     f"({prov.basis or 'nominal'}) at {prov.context_tokens} tokens")
+    tokens = absolute_capacities(plan)
+    if tokens:
+        lines.append(f"capacity {tokens} op(s) keep absolute token counts, budgeted for "
+                     f"{prov.context_tokens or 'an unrecorded'}-token contexts: at other lengths they hold another "
+                     f"share of the cache")
     if prov.note:
         lines.append(f"note     {prov.note}")
     lines.append(f"decode eviction fires past capacity + {plan.trigger.decode_slack} tokens")

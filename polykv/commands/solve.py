@@ -12,6 +12,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "solve", help="make a plan from a profile at a memory budget",
         description="Run a registered solver on a profile (see docs/solvers.md) and write the plan. "
+                    "Budgets count resident bytes by default: what the runtime holds (codes, scales, residuals, "
+                    "positions and rule state) for --batch rows stored in --cache-dtype. "
                     "Example: polykv solve profiles/x.json --budget 8x --context 4096 --solver exact -o plan.json")
     p.add_argument("profile", help="profile file (JSON, see docs/profiles.md)")
     p.add_argument("--budget", required=True, metavar="B",
@@ -19,6 +21,16 @@ def register(subparsers) -> None:
                         "or average tokens per layer at 16 bits (256tok)")
     p.add_argument("--context", required=True, type=int, metavar="N",
                    help="context length in tokens the budget and predictions refer to")
+    p.add_argument("--basis", choices=("resident", "nominal"), default="resident",
+                   help="what the budget counts: resident bytes the runtime holds, metadata included (default), or "
+                        "MoE-nD's nominal bytes (codes only, keep x T x Hkv x d x (K + V) / 8)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="batch rows a resident budget counts (default 1)")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="storage dtype of unquantized K/V, scales and residuals a resident budget counts "
+                        "(default bfloat16)")
+    p.add_argument("--capacities", choices=("ratio", "tokens"), default="ratio",
+                   help="write capacities as ratios of the context (default: the plan keeps its compression at "
+                        "any length) or as token counts for --context")
     p.add_argument("--solver", default="exact", metavar="NAME",
                    help="registered solver (default: exact); `polykv plugins` lists them")
     p.add_argument("--param", action="append", default=[], metavar="K=V",
@@ -63,13 +75,16 @@ def run(args) -> int:
     check_output(args.output, what="plan file", option="-o", recognise=is_plan_file,
                  inputs=[args.profile, query_stats_path(args.profile)])
     profile = load_profile(args.profile)
-    budget = Budget.parse(args.budget, args.context)
+    if args.batch < 1:
+        raise SolverError(f"--batch must be a positive number of rows, got {args.batch}")
+    budget = Budget.parse(args.budget, args.context, basis=args.basis, batch=args.batch, cache_dtype=args.cache_dtype)
     geometry = None
     if args.model:
         from polykv.commands.plan import model_geometry
 
         geometry = model_geometry(args.model)
-    plan = solve(profile, budget, args.solver, geometry=geometry, **parse_params(args.param))
+    plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
+                 **parse_params(args.param))
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"
@@ -77,6 +92,7 @@ def run(args) -> int:
 
     limit = budget_bytes(profile, budget)  # window-bounded layers at their window, the budget on the others
     print(f"{args.output}: {args.solver}, {plan.num_layers} layers, budget {budget.describe()} = {limit} bytes; "
-          f"predicted {prov.predicted_bytes} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), loss {loss}"
+          f"predicted {prov.predicted_bytes} {budget.basis} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), "
+          f"loss {loss}"
           + (f"; {prov.note}" if prov.note else ""))
     return 0

@@ -90,7 +90,8 @@ class LayerCache(CacheLayerMixin):
         self._view: StorageView | None = None     # what ``update`` returned for this forward
 
     def _new_store(self, stream: str):
-        return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device)
+        return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
+                         storage_dtype=self.owner.storage_dtype)
 
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -348,10 +349,12 @@ class PlanCache(Cache):
 
     def __init__(self, *, specs: list[LayerSpec], registry, decode_slack: int, rope_inv_freq: torch.Tensor | None,
                  rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None,
-                 groups: tuple = ()):
+                 groups: tuple = (), storage_dtype: torch.dtype | None = None):
         from polykv.runtime.allocation import GroupRun
 
         self.registry, self.decode_slack = registry, decode_slack
+        self.storage_dtype = storage_dtype
+        """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
         self.rope_inv_freq, self.rope_scaling = rope_inv_freq, rope_scaling
         self.model_data, self.generator = model_data, generator
         self.prefill_continues = False

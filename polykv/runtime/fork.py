@@ -153,6 +153,7 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
         with this plan among ``plans``).
     """
     cache = session.new_cache()
+    session.note_context(snapshot.tokens)
     if len(cache.layers) != len(snapshot.layers):
         raise RuntimeConfigError(f"the prefill snapshot has {len(snapshot.layers)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")

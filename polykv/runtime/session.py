@@ -13,6 +13,7 @@ unpatched.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Mapping
 
 import attrs
@@ -28,6 +29,11 @@ from polykv.runtime.support import SERVED, attention_bypasses_interface, check_s
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
+_NOTED: set = set()
+
+
+class ContextLengthWarning(UserWarning):
+    """A plan with absolute token capacities runs on a context other than the one it was budgeted for."""
 
 
 @attrs.define(frozen=True)
@@ -51,8 +57,12 @@ class ResidentBytes:
 
 
 def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
-          seed: int = 0) -> "Session":
+          seed: int = 0, storage_dtype: torch.dtype | None = None) -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
+
+    ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
+    cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
+    compute dtype. None keeps them in the compute dtype.
 
     Raises
     ------
@@ -78,11 +88,16 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
+    if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point):
+        raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
+                                 f"torch.float32), got {storage_dtype!r}")
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     modules = _attention_modules(model, geometry.num_layers)
     _check_layer_shapes(model, modules, geometry)
-    return Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
-                   geometry=geometry)
+    session = Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
+                      geometry=geometry)
+    session.storage_dtype = storage_dtype
+    return session
 
 
 def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
@@ -158,6 +173,8 @@ class Session:
                  geometry: ModelGeometry):
         self.model, self.plan, self.registry, self.seed = model, plan, registry, seed
         self.model_data, self.geometry = model_data, geometry
+        self.storage_dtype: torch.dtype | None = None
+        """dtype the cache stores K/V in (None: the compute dtype); set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
         self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
@@ -248,7 +265,8 @@ class Session:
         inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
         self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
                                 rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
-                                generator=gen, groups=self._groups)
+                                generator=gen, groups=self._groups,
+                                storage_dtype=self.storage_dtype)
         return self._cache
 
     @property
@@ -270,8 +288,23 @@ class Session:
                 f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
         return layer
 
+    def note_context(self, context_tokens: int) -> None:
+        """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
+        key = id(self.plan)
+        if key in _NOTED:
+            return
+        from polykv.memory import context_note
+
+        note = context_note(self.plan, int(context_tokens), registry=self.registry)
+        if note:
+            _NOTED.add(key)
+            warnings.warn(note, ContextLengthWarning, stacklevel=3)
+
     def _generate(self, *args, **kwargs):
         self._require_active()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self.note_context(ids.shape[1])
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)
@@ -293,6 +326,7 @@ class Session:
         if T < 1:
             raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
         cache = self.new_cache()
+        self.note_context(T)
         step = chunk_size or T
         if step < 1:
             raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")

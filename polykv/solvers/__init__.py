@@ -11,13 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, **params: Any):
+def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, capacities: str = "ratio",
+          **params: Any):
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
     ``geometry`` (a :class:`polykv.geometry.ModelGeometry`), when given, must be the model the
     profile was measured on (else :class:`polykv.errors.ProfileError`). Window-bounded layers
     (sliding-window, chunked) keep their model's window and the budget goes to the other layers
     (:mod:`polykv.solvers.windowed`).
+    (default) writes every capacity as a fraction of the context, so the plan keeps its compression
+    at any length; ``"tokens"`` writes token counts for the budget's context.
     """
     if registry is None:
         from polykv.registry import get_registry
@@ -25,6 +28,12 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
         registry = get_registry()
     if geometry is not None:
         profile.check_model(geometry)
+    if capacities not in ("ratio", "tokens"):
+        from polykv.errors import SolverError
+
+        raise SolverError(f"capacities must be 'ratio' or 'tokens', got {capacities!r}")
     from polykv.solvers.windowed import solve_around_windows
 
-    return solve_around_windows(registry.solver(solver)(registry=registry), profile, budget, **params)
+    instance = registry.solver(solver)(registry=registry)
+    instance.capacity_form = capacities
+    return solve_around_windows(instance, profile, budget, **params)

@@ -1,19 +1,26 @@
-"""What every solver shares: parameters, config -> layer entry, nominal bytes, and plan provenance.
+"""What every solver shares: parameters, config -> layer entry, costs on the budget's basis, provenance.
 
 A solver is a plugin class with ``name``, ``defaults`` and ``solve(profile, budget, **params)``
 returning a :class:`polykv.Plan`. It sees a :class:`~polykv.profiling.profile.Profile` and a
-:class:`~polykv.profiling.budget.Budget`, never a model.
+:class:`~polykv.profiling.budget.Budget`, never a model. :meth:`Solver.plan` counts the finished
+plan's bytes on the budget's basis itself (not trusting the solver's own count), refuses a plan over
+the budget, writes capacities as ratios of the context (or as tokens when ``capacities="tokens"``),
+and records the basis, batch and cache dtype in the provenance.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping, Sequence
 
+import attrs
 import numpy as np
 
 from polykv.errors import RegistryError, SolverError
-from polykv.plan import FULL_OP, FULL_RULE, OpSpec, Plan, Provenance, per_layer_plan
+from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
+
+CAPACITY_FORMS = ("ratio", "tokens")
+"""How plans write capacities: ``ratio`` of the context (keeps its compression at any length) or ``tokens``."""
 from polykv.profiling.profile import CandidateConfig, Profile, now_iso
 
 
@@ -28,8 +35,11 @@ class Solver:
     defaults: ClassVar[Mapping[str, Any]] = {}
     paper: ClassVar[str] = ""
 
-    def __init__(self, registry=None):
+    def __init__(self, registry=None, capacities: str = "ratio"):
+        if capacities not in CAPACITY_FORMS:
+            raise SolverError(f"capacities must be one of {CAPACITY_FORMS}, got {capacities!r}")
         self._registry = registry
+        self.capacity_form = capacities
 
     @property
     def registry(self):
@@ -78,30 +88,68 @@ class Solver:
 
     def plan(self, profile: Profile, budget: Budget, layers: Sequence[Mapping[str, Any]], params: Mapping[str, Any],
              *, predicted_loss: float | None, predicted_bits: int, note: str = "") -> Plan:
-        """A plan with full provenance; refuses to return one over the budget."""
+        """A plan with full provenance; refuses to return one over the budget.
+
+        The bytes recorded are counted here from the finished layers on the budget's basis;
+        ``predicted_bits`` (the solver's own count) must not exceed the budget either.
+        """
         limit = budget.to_bits(profile.model)
-        if predicted_bits > limit:
-            raise SolverError(f"solver '{self.name}' produced {bits_to_bytes(predicted_bits)} bytes, over the budget "
-                              f"of {limit // 8} bytes ({budget.describe()}); raise the budget")
+        entries = [LayerPlan(layer=i, **dict(e)) if not isinstance(e, LayerPlan) else e for i, e in enumerate(layers)]
+        entries = [self._capacity_form(lp, budget.context_tokens) for lp in entries]
+        used = sum(budget.layer_bits(profile.model, lp, self.registry) for lp in entries)
+        if max(used, predicted_bits) > limit:
+            raise SolverError(f"solver '{self.name}' produced {bits_to_bytes(max(used, predicted_bits))} bytes, over "
+                              f"the budget of {limit // 8} bytes ({budget.describe()}); raise the budget")
         from polykv import __version__
 
         prov = Provenance(solver=self.name, params=_jsonable(params), budget=budget.as_dict(),
                           context_tokens=budget.context_tokens,
                           predicted_loss=None if predicted_loss is None else float(predicted_loss),
-                          predicted_bytes=bits_to_bytes(predicted_bits), profile_fingerprint=profile.fingerprint,
-                          polykv_version=__version__, created=now_iso(), note=note)
-        return per_layer_plan(profile.model, list(layers), provenance=prov)
+                          predicted_bytes=bits_to_bytes(used), profile_fingerprint=profile.fingerprint,
+                          polykv_version=__version__, created=now_iso(), note=note, basis=budget.basis,
+                          batch=budget.batch if budget.resident else None,
+                          cache_dtype=budget.cache_dtype if budget.resident else None)
+        return per_layer_plan(profile.model, entries, provenance=prov)
+
+    def _capacity_form(self, lp: LayerPlan, context_tokens: int) -> LayerPlan:
+        """``lp`` with every rule op's capacity written as a ratio of ``context_tokens`` (or as tokens)."""
+        ops = {}
+        for phase in ("prefill", "decode"):
+            op = getattr(lp, phase)
+            if not op.keeps_everything and (op.capacity is not None or self.capacity_form == "tokens"):
+                tokens = op.resolve_capacity(context_tokens)
+                if self.capacity_form == "tokens":
+                    op = attrs.evolve(op, capacity=tokens, capacity_ratio=None)
+                else:
+                    op = attrs.evolve(op, capacity=None, capacity_ratio=min(1.0, tokens / context_tokens))
+            ops[phase] = op
+        return attrs.evolve(lp, **ops)
+
+    def config_layer(self, config: CandidateConfig, where: str = "") -> LayerPlan:
+        """:meth:`layer_entry` as a :class:`polykv.LayerPlan` (layer 0), for counting its bytes."""
+        return LayerPlan(layer=0, **self.layer_entry(config, where))
 
 
-def config_bits(profile: Profile, context_tokens: int) -> np.ndarray:
-    """[C] int64 nominal bits one layer takes under each config at ``context_tokens``."""
-    return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, context_tokens) for c in profile.configs],
-                    dtype=np.int64)
+def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" = None) -> np.ndarray:
+    """[C] int64 bits one layer takes under each config at the budget's context, on the budget's basis
+    (resident: :meth:`~polykv.profiling.budget.Budget.layer_bits_bound`, robust to slightly shorter contexts).
+
+    A context length in place of a budget gives the nominal bits at that length.
+    """
+    if isinstance(budget, int):
+        budget = Budget(kind="ratio", value=1.0, context_tokens=budget, basis="nominal")
+    T = budget.context_tokens
+    if not budget.resident:
+        return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, T) for c in profile.configs],
+                        dtype=np.int64)
+    solver = solver if solver is not None else Solver()
+    return np.array([budget.layer_bits_bound(profile.model, solver.config_layer(c, f"config {c.label}"),
+                                             solver.registry) for c in profile.configs], dtype=np.int64)
 
 
 def min_bytes_message(solver: str, need_bits: int, budget: Budget, what: str) -> str:
-    return (f"solver '{solver}': the cheapest plan ({what}) needs {bits_to_bytes(need_bits)} bytes at "
-            f"T={budget.context_tokens}, over the budget ({budget.describe()}); the minimum feasible budget is "
+    return (f"solver '{solver}': the cheapest plan ({what}) needs {bits_to_bytes(need_bits)} {budget.basis} bytes "
+            f"at T={budget.context_tokens}, over the budget ({budget.describe()}); the minimum feasible budget is "
             f"{bits_to_bytes(need_bits)} bytes")
 
 

@@ -47,7 +47,7 @@ def candidate_columns(solver: Solver, profile: Profile, rules: Any) -> np.ndarra
 def optimal_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray,
                     what: str) -> tuple[list[int], float, int]:
     """Optimal column per layer among ``cols``; (columns, loss, bits). Fails with the minimum budget."""
-    bits = config_bits(profile, budget.context_tokens)
+    bits = config_bits(profile, budget, solver)
     try:
         choice, loss, used = solve_mckp(table[:, cols], bits[cols], budget.to_bits(profile.model))
     except Infeasible as exc:

@@ -126,7 +126,7 @@ class MoendGreedy(Solver):
         p = self.params(params)
         table = profile.table(p["metric"])
         rule, grid, axes = rule_grid(profile, p["rule"], self.name)
-        bits = config_bits(profile, budget.context_tokens)
+        bits = config_bits(profile, budget, self)
         capacity = budget.to_bits(profile.model)
         try:
             pos, steps = moend_greedy(table[:, grid], bits[grid], capacity)

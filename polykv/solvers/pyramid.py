@@ -22,7 +22,7 @@ from typing import Any
 
 from polykv.errors import SolverError
 from polykv.plan import FULL_OP, OpSpec
-from polykv.profiling.budget import Budget, slot_bits
+from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
 
@@ -74,10 +74,10 @@ class Pyramid(Solver):
         M = budget.uniform_tokens(model)
         w = int(p["window"])
         if M < 1:
-            raise SolverError(min_bytes_message(self.name, L * slot_bits(model, 16, 16), budget,
+            raise SolverError(min_bytes_message(self.name, L * budget.token_bits(model), budget,
                                                 "one token per layer at 16 bits"))
         caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]))
-        per_token = slot_bits(model, 16, 16)
+        per_token = budget.token_bits(model)
         if caps is None:
             layers = [{"prefill": FULL_OP, "decode": FULL_OP}] * L
             return self.plan(profile, budget, layers, p, predicted_loss=None, predicted_bits=L * T * per_token,

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from polykv.errors import RegistryError, SolverError
-from polykv.plan import FULL_OP, FULL_RULE, OpSpec
-from polykv.profiling.budget import Budget, slot_bits
+from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec
+from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
 
@@ -107,12 +107,47 @@ class ProfileRoute(Solver):
         best = np.argmax(vals, axis=1) if st.higher_is_better else np.argmin(vals, axis=1)
         return scope, [st.columns[cols[int(b)]] for b in best]
 
-    def capacities(self, profile: Profile, budget: Budget, p: dict[str, Any]) -> list[int]:
-        L, T = profile.num_layers, budget.context_tokens
+    def capacities(self, profile: Profile, budget: Budget, p: dict[str, Any], scope: str | None = None,
+                   route: list[str] | None = None) -> list[int]:
+        """Tokens per layer; on the resident basis with a ``route``, the largest split whose plan (rule state
+        included: accumulated attention, query windows) fits the budget."""
+        L = profile.num_layers
         b = budget.uniform_tokens(profile.model)
         if b < 1:
-            raise SolverError(min_bytes_message(self.name, L * slot_bits(profile.model, 16, 16), budget,
+            raise SolverError(min_bytes_message(self.name, L * budget.token_bits(profile.model), budget,
                                                 "one token per layer at 16 bits"))
+        if not budget.resident or route is None or self._fits(profile, budget, scope, route,
+                                                              self._split(profile, budget, p, b)):
+            return self._split(profile, budget, p, b)
+        lo, hi = 0, b
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fits(profile, budget, scope, route, self._split(profile, budget, p, mid)):
+                lo = mid
+            else:
+                hi = mid
+        if lo < 1:
+            raise SolverError(f"solver '{self.name}': the route's rule state alone exceeds the budget "
+                              f"({budget.describe()}); raise the budget")
+        return self._split(profile, budget, p, lo)
+
+    def _fits(self, profile: Profile, budget: Budget, scope: str, route: list[str], caps: list[int]) -> bool:
+        layers = self.route_layers(budget.context_tokens, scope, route, caps)
+        used = sum(budget.layer_bits(profile.model, LayerPlan(layer=i, **e), self.registry)
+                   for i, e in enumerate(layers))
+        return used <= budget.to_bits(profile.model)
+
+    @staticmethod
+    def route_layers(T: int, scope: str, route: list[str], caps: list[int]) -> list[dict[str, Any]]:
+        layers = []
+        for rule, cap in zip(route, caps):
+            op = FULL_OP if cap >= T else OpSpec(rule=rule, capacity=cap)
+            layers.append({"prefill": op if scope in ("prefill", "both") else FULL_OP,
+                           "decode": op if scope in ("decode", "both") else FULL_OP})
+        return layers
+
+    def _split(self, profile: Profile, budget: Budget, p: dict[str, Any], b: int) -> list[int]:
+        L, T = profile.num_layers, budget.context_tokens
         alloc = p["allocation"]
         if alloc == "uniform":
             return [min(b, T)] * L
@@ -135,12 +170,8 @@ class ProfileRoute(Solver):
         T = budget.context_tokens
         for rule in sorted(set(route)):
             self.check_phase(rule, scope, f"route rule '{rule}'")
-        layers = []
-        for rule, cap in zip(route, caps):
-            op = FULL_OP if cap >= T else OpSpec(rule=rule, capacity=cap)
-            layers.append({"prefill": op if scope in ("prefill", "both") else FULL_OP,
-                           "decode": op if scope in ("decode", "both") else FULL_OP})
-        bits = sum(min(c, T) for c in caps) * slot_bits(profile.model, 16, 16)
+        layers = self.route_layers(T, scope, route, caps)
+        bits = sum(min(c, T) for c in caps) * budget.token_bits(profile.model)
         counts = ", ".join(f"{r} x{n}" for r, n in sorted(Counter(route).items()))
         return self.plan(profile, budget, layers, {**p, "scope": scope, "route": route}, predicted_loss=None,
                          predicted_bits=bits, note=f"{note}; {counts}")
@@ -148,7 +179,7 @@ class ProfileRoute(Solver):
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
         scope, route = self.route(profile, p)
-        return self.build(profile, budget, p, scope, route, self.capacities(profile, budget, p),
+        return self.build(profile, budget, p, scope, route, self.capacities(profile, budget, p, scope, route),
                           f"guided route by {p['statistic']}, allocation {p['allocation']}")
 
 
@@ -213,5 +244,5 @@ class RandomPlacement(ProfileRoute):
             raise SolverError(f"random-placement: index {index} is outside 0..{count - 1} (--param index=I)")
         placement = random_placements(route, count, int(p["seed"]))[index]
         return self.build(profile, budget, {**p, "guided_route": route}, scope, placement,
-                          self.capacities(profile, budget, p),
+                          self.capacities(profile, budget, p, scope, placement),
                           f"random placement {index} of {count} (seed {p['seed']})")

@@ -68,7 +68,7 @@ def solve_around_windows(solver, profile, budget: Budget, **params: Any):
             raise SolverError(f"the {len(bounds)} window-bounded layers alone hold {fixed} bytes at T={T} (16-bit, "
                               f"their model's window), at or over the budget of {int(budget.value)} bytes; raise "
                               f"the budget")
-        sub_budget = Budget.of_bytes(int(budget.value) - fixed, T)
+        sub_budget = attrs.evolve(budget, value=int(budget.value) - fixed)  # keeps the basis, batch and dtype
     else:  # a ratio or tokens per layer applies to the full-attention layers, where the context grows
         sub_budget = budget
     sub = solver.solve(_sub_profile(profile, free), sub_budget, **params)

@@ -51,18 +51,19 @@ class Policy:
 
     def record(self, geometry, context_tokens: int) -> dict[str, Any]:
         """The ``policy`` line of the results file."""
-        from polykv.memory import nominal_bytes, predict_resident
+        from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
         from polykv.plan_io import plan_dict
 
         nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
         resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
                                                                       dtype_bytes=2))
-        full16 = (geometry.full_cache_bytes(context_tokens, dtype_bytes=2) if hasattr(geometry, "full_cache_bytes")
-                  else 4 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * context_tokens)
+        held16 = sum(held_bytes_per_layer(self.plan, geometry, context_tokens, dtype_bytes=2))
+        full16 = full_cache_bytes_16bit(geometry, context_tokens)
         return {"kind": "policy", "policy": self.name, "method": self.method, "budget": self.budget,
                 "role": self.role, "solver": self.solver, "index": self.index, "guided": self.guided,
                 "profile_score": self.profile_score, "nominal_bytes": int(nominal),
-                "predicted_resident_bytes_16bit": int(resident16), "full_bytes_16bit": int(full16),
+                "predicted_resident_bytes_16bit": int(resident16), "predicted_held_bytes_16bit": int(held16),
+                "full_bytes_16bit": int(full16), "basis": self.plan.provenance.basis,
                 "plan": plan_dict(self.plan)}
 
 
@@ -95,7 +96,6 @@ def _full_plan(spec: StudySpec, profile, registry) -> Plan:
 def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
     """Solve every solver entry at every budget and load every plan file (no model needed)."""
     from polykv.plan import load_plan
-    from polykv.profiling.budget import Budget
     from polykv.solvers import solve
 
     out: list[Policy] = []
@@ -112,7 +112,7 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
                           plan=load_plan(path, registry=registry)))
     for entry in spec.solvers:
         for b in spec.budgets:
-            budget = Budget.parse(b, spec.context_tokens)
+            budget = spec.budget(b)
             indices = [None] if entry.count is None else list(range(entry.count))
             for i in indices:
                 params = dict(entry.params)
@@ -213,6 +213,82 @@ def paired_vs(results, task: str, a: str, b: str, **kw) -> stats.Interval:
 def mean_bytes(results, policy: str, task: str, field: str = "kv_bytes") -> float:
     values = results.field(policy, task, field)
     return float(np.mean(values)) if values.size else float("nan")
+
+
+def mean_held_bytes(results, policy: str, task: str) -> float:
+    """Mean measured bytes the cache held after compressing the context: K/V stores plus metadata."""
+    held = [r["kv_bytes"] + r.get("metadata_bytes", 0) for r in results.results
+            if r["policy"] == policy and r["task"] == task]
+    return float(np.mean(held)) if held else float("nan")
+
+
+def mean_full16_bytes(results, policy: str, task: str) -> float:
+    """Mean bytes of a 16-bit full cache of the same contexts (older results: the run's full cache)."""
+    recs = [r for r in results.results if r["policy"] == policy and r["task"] == task]
+    if recs and all("full_kv_bytes_16bit" in r for r in recs):
+        return float(np.mean([r["full_kv_bytes_16bit"] for r in recs]))
+    return mean_bytes(results, policy, task, "full_kv_bytes")
+
+
+BYTES_TOLERANCE = 0.05
+"""Two policies compared at one budget should hold measured bytes within this fraction of each other."""
+
+
+def unequal_memory(results, task: str, names: list[str], tolerance: float = BYTES_TOLERANCE) -> list[str]:
+    """One warning line per pair of ``names`` whose measured bytes (with metadata) differ by more than ``tolerance``."""
+    held = {n: mean_held_bytes(results, n, task) for n in names}
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            hi, lo = max(held[a], held[b]), min(held[a], held[b])
+            if lo > 0 and hi / lo - 1 > tolerance:
+                out.append(f"`{a}` holds {held[a] / held[b]:.2f}x the measured bytes of `{b}` "
+                           f"({held[a]:,.0f} vs {held[b]:,.0f} B): not a like-for-like comparison")
+    return out
+
+
+def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[str, Any]]:
+    """Per solved policy at ``budget``: its predicted loss beside the exact optimum of the additive model
+    over the same rules (the configs it could choose from, any per-layer mix) and over every rule.
+
+    ``gap`` = predicted / same-rules optimum - 1 (how far a greedy or uniform choice is from optimal).
+    """
+    from polykv.errors import PolykvError
+    from polykv.solvers import solve
+
+    spec = results.header["spec"]
+    from polykv.profiling.budget import Budget
+
+    b = Budget.parse(budget, int(spec["context_tokens"]), basis=spec.get("basis", "nominal"),
+                     cache_dtype=spec.get("storage_dtype") or spec.get("dtype") or "bfloat16")
+    optimum: dict[Any, float | None] = {}
+
+    def exact(rules, metric):
+        key = (tuple(rules) if rules else None, metric)
+        if key not in optimum:
+            try:
+                optimum[key] = solve(profile, b, "exact", registry=registry, rules=list(rules) if rules else None,
+                                     metric=metric).provenance.predicted_loss
+            except PolykvError:
+                optimum[key] = None
+        return optimum[key]
+
+    out = []
+    for name, rec in results.policies.items():
+        prov = (rec.get("plan") or {}).get("provenance") or {}
+        if rec.get("budget") != budget or rec.get("role") == "placement" or prov.get("predicted_loss") is None:
+            continue
+        params = prov.get("params") or {}
+        rule = params.get("rule")
+        rules = [rule] if rule else params.get("rules")
+        if isinstance(rules, str):
+            rules = [r for r in rules.split(",") if r]
+        same, every = exact(rules, params.get("metric")), exact(None, params.get("metric"))
+        loss = float(prov["predicted_loss"])
+        out.append({"policy": name, "solver": rec.get("solver"), "rules": rules, "loss": loss,
+                    "exact_same_rules": same, "exact_all_rules": every,
+                    "gap": None if not same else loss / same - 1})
+    return out
 
 
 def spec_geometry(spec: StudySpec):

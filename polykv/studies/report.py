@@ -1,9 +1,11 @@
 """``polykv report``: a Markdown report and PNG figures from a study's results file.
 
 Every accuracy carries a Wilson 95% interval; every difference between two policies is a paired
-bootstrap interval over the same items (10,000 seeded replicates). Measured resident KV bytes (after
-compressing the context, before the question) stand beside every score, with the ratio against the
-full cache measured in the same run. Sections appear when the study has the policies they need:
+bootstrap interval over the same items (10,000 seeded replicates). Measured bytes the cache holds
+after compressing the context (K/V stores with scales, minima and residuals, plus metadata: positions
+and rule state) stand beside every score, with the ratio against a 16-bit full cache of the same
+contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
+differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
 and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
 (``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
@@ -43,26 +45,49 @@ def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
         if not scores.size:
             continue
         k, n = int(round(scores.sum())), int(scores.size)
-        kv = designs.mean_bytes(res, name, task)
-        full = designs.mean_bytes(res, name, task, "full_kv_bytes")
+        held = designs.mean_held_bytes(res, name, task)
+        full = designs.mean_full16_bytes(res, name, task)
         rows.append({"policy": name, "method": rec.get("method"), "budget": rec.get("budget"),
                      "role": rec.get("role"), "k": k, "n": n, "mean": float(scores.mean()),
                      "binary": bool(np.all((scores == 0) | (scores == 1))),
                      "wilson": stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
-                     "bytes": kv, "ratio": full / kv if kv else float("inf"),
-                     "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit")})
+                     "bytes": held, "kv_bytes": designs.mean_bytes(res, name, task),
+                     "ratio": full / held if held else float("inf"),
+                     "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit"),
+                     "predicted": rec.get("predicted_held_bytes_16bit"), "basis": rec.get("basis")})
     return rows
 
 
 def _table(rows: list[dict]) -> list[str]:
-    out = ["| policy | budget | role | items | accuracy [Wilson 95%] | measured KV MiB | ratio vs full (measured) "
-           "| nominal 16-bit ratio |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| policy | budget | role | items | accuracy [Wilson 95%] | measured MiB (with metadata) "
+           "| measured ratio vs 16-bit full | predicted resident ratio | nominal ratio | budget basis |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
-        nom = f"{r['full16'] / r['nominal']:.1f}x" if r.get("nominal") else "-"
+        nom = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
+        pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") and r.get("full16") else "-"
         out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['role'] or '-'} | {r['n']} | {acc} | "
-                   f"{_mib(r['bytes'])} | {r['ratio']:.1f}x | {nom} |")
+                   f"{_mib(r['bytes'])} | {r['ratio']:.2f}x | {pred} | {nom} | {r.get('basis') or '-'} |")
     return out
+
+
+def _context_notes(res: Results, task: str) -> list[str]:
+    """One line per policy whose plan keeps absolute capacities budgeted for another context length."""
+    from polykv.memory import context_note
+    from polykv.plan_io import parse_plan_dict
+
+    out = []
+    for name, rec in res.policies.items():
+        if not rec.get("plan"):
+            continue
+        T = [r["context_tokens"] for r in res.results if r["policy"] == name and r["task"] == task]
+        if not T:
+            continue
+        plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
+        note = context_note(plan, int(round(float(np.mean(T)))))
+        if note:
+            out.append(f"- `{name}`: {note} (mean context of the items)")
+    return (["Context length:"] + out + [""]) if out else []
 
 
 def fidelity_rows(res: Results, task: str) -> list[dict[str, Any]]:
@@ -79,7 +104,7 @@ def fidelity_rows(res: Results, task: str) -> list[dict[str, Any]]:
         mean = {k: float(np.mean([r[k] for r in recs])) for k in ("top1", "kl", "kl_max", "ppl", "ppl_full")}
         rows.append({"policy": name, "budget": res.policies[name].get("budget"), "n": len(recs), **mean,
                      "positions": int(sum(r["positions"] for r in recs)),
-                     "bytes": designs.mean_bytes(res, name, task)})
+                     "bytes": designs.mean_held_bytes(res, name, task)})
     return rows
 
 
@@ -89,7 +114,7 @@ def _fidelity_table(rows: list[dict]) -> list[str]:
            "ppl is the policy's perplexity of the reference continuation, full ppl the full cache's on the same "
            "positions.", "",
            "| policy | budget | items | positions | top-1 agreement | mean KL | max KL (mean over items) | ppl | "
-           "full ppl | measured KV MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "full ppl | measured MiB (with metadata) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['n']} | {r['positions']} | {r['top1']:.3f} | "
                    f"{r['kl']:.4f} | {r['kl_max']:.3f} | {r['ppl']:.2f} | {r['ppl_full']:.2f} | "
@@ -105,8 +130,14 @@ def _pairs(res: Results, task: str, budget: str) -> list[str]:
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             iv = designs.paired_vs(res, task, a, b)
-            ratio = designs.mean_bytes(res, a, task) / designs.mean_bytes(res, b, task)
-            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f} |")
+            ratio = designs.mean_held_bytes(res, a, task) / designs.mean_held_bytes(res, b, task)
+            flag = " (!)" if b != "full" and abs(ratio - 1) > designs.BYTES_TOLERANCE else ""
+            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f}{flag} |")
+    compared = [n for n in names if n != "full"]
+    warnings = designs.unequal_memory(res, task, compared)
+    if warnings:
+        out += ["", f"(!) Warning: {len(warnings)} pair(s) at this budget differ by more than "
+                    f"{designs.BYTES_TOLERANCE:.0%} in measured bytes:"] + [f"- {w}" for w in warnings]
     return out
 
 
@@ -117,7 +148,7 @@ MATCHED = 1.25
 def _matched(res: Results, task: str) -> list[str]:
     """Paired intervals of every two policies (any budget) whose measured KV bytes are within MATCHED."""
     names = [n for n, r in res.policies.items() if r.get("role") not in ("placement", "full")]
-    kv = {n: designs.mean_bytes(res, n, task) for n in names}
+    kv = {n: designs.mean_held_bytes(res, n, task) for n in names}
     out = ["| A | B | bytes A / bytes B | mean(A) - mean(B) [paired bootstrap 95%] |", "|---|---|---|---|"]
     rows = 0
     for i, a in enumerate(names):
@@ -140,9 +171,26 @@ def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.
     return out + [""]
 
 
-def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> list[str]:
+def _optimality(rows: list[dict]) -> list[str]:
+    """Each solver's predicted loss (additive model) beside the exact optimum at the same budget."""
+    if not rows:
+        return []
+    f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    out = ["**Predicted loss vs the exact optimum** (the profile's additive loss model; the exact optimum is the "
+           "multiple-choice knapsack over the same rules, any per-layer mix, at the same budget):", "",
+           "| policy | solver | rules | predicted loss | exact, same rules | gap | exact, all rules |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "-" if r["gap"] is None else f"{r['gap']:+.1%}"
+        out.append(f"| {r['policy']} | {r['solver']} | {', '.join(r['rules']) if r['rules'] else 'all'} | "
+                   f"{f(r['loss'])} | {f(r['exact_same_rules'])} | {gap} | {f(r['exact_all_rules'])} |")
+    return out + [""]
+
+
+def _task_section(res: Results, task: str, out_dir: str, figures: list[str], profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
+    lines += _context_notes(res, task)
     forced = fidelity_rows(res, task)
     if forced:
         lines += _fidelity_table(forced) + [""]
@@ -164,6 +212,10 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
         if chain:
             lines += _intervals("MoE-nD ablation chain (d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d)",
                                 chain["policies"], chain["intervals"])
+            warn = designs.unequal_memory(res, task, [v for k, v in chain["policies"].items() if k != "full"])
+            lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
+        if profile is not None:
+            lines += _optimality(designs.loss_vs_exact(res, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
@@ -181,7 +233,7 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
                                                                    f"undefined ({pl['spearman_note']})"), ""]
     sweeps = designs.budget_sweep(res, task)
     for method, pts in sweeps.items():
-        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured KV MiB |",
+        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured MiB (with metadata) |",
                   "|---|---|---|"]
         for b, name in pts:
             r = next(x for x in rows if x["policy"] == name)
@@ -249,14 +301,24 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
     lines = [f"# Study `{spec.get('name')}`", "",
              f"Results: `{results_path}` (spec hash `{res.header['spec_hash']}`); model: `{spec.get('model')}` "
              f"({spec.get('dtype')}); budgets refer to a {spec.get('context_tokens')}-token context.", "",
+             f"Cache storage dtype: {spec.get('storage_dtype') or spec.get('dtype')}; solver budgets counted on the "
+             f"{spec.get('basis', 'nominal')} basis.", "",
              "Protocol: the context is prefilled and compressed by the policy, then the question is fed through "
-             "the compressed cache, then the answer is generated greedily. Measured KV bytes are the resident "
-             "key/value stores after compressing the context (metadata apart), in the run's compute dtype; "
-             "the nominal ratio is the plan's 16-bit bytes model. Teacher-forced tasks feed the reference "
-             "continuation instead, one token per forward, and compare each next-token distribution with the full "
-             "cache's.", "", prompt_line(res), ""]
+             "the compressed cache, then the answer is generated greedily. Measured bytes are what the cache holds "
+             "after compressing the context: key/value stores (codes, scales, minima, full-precision residuals) "
+             "plus metadata (positions, rule state), in the run's storage dtype; ratios are against a 16-bit full "
+             "cache of the same context. The predicted resident ratio is the memory model's (16-bit storage, "
+             "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
+             "reference continuation instead, one token per forward, and compare each next-token distribution with "
+             "the full cache's.", "", prompt_line(res), ""]
+    profile_path = profile_path or spec.get("profile")
+    prof = None
+    if profile_path and os.path.isfile(profile_path):
+        from polykv.profiling.profile import load_profile
+
+        prof = load_profile(profile_path)
     for task in res.tasks:
-        lines += _task_section(res, task, out_dir, figures)
+        lines += _task_section(res, task, out_dir, figures, prof)
     for b in designs.budgets(res):
         rows, T = _route_rows(res, b)
         if rows:
@@ -264,11 +326,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
                                     title=f"per-layer plans at budget {b} (T = {T})")
             figures.append(fig)
             lines += [f"![routes at {b}]({os.path.basename(fig)})", ""]
-    profile_path = profile_path or spec.get("profile")
-    if profile_path and os.path.isfile(profile_path):
-        from polykv.profiling.profile import load_profile
-
-        prof = load_profile(profile_path)
+    if prof is not None:
         stat = None
         if prof.stats:
             name = "cosine" if "cosine" in prof.stats else sorted(prof.stats)[0]

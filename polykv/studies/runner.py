@@ -326,7 +326,8 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
     import polykv
 
     start = time.perf_counter()
-    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
+    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,
+                      storage_dtype=_storage(spec)) as session:
         kv = _compress_context(session, ctx, snap, spec.chunk_size)
         tokens = _greedy(session, question, item.max_new_tokens, stop)
         end = session.resident_bytes()
@@ -361,6 +362,7 @@ def _base_record(pol: Policy, task, item, ctx: torch.Tensor, kv, geo, elem: int)
         "kind": "result", "policy": pol.name, "task": task.name, "item": item.id,
         "kv_bytes": kv.total, "kv_bytes_per_layer": list(kv.per_layer), "metadata_bytes": kv.metadata_total,
         "full_kv_bytes": geo.full_cache_bytes(T, dtype_bytes=elem), "context_tokens": T,
+        "full_kv_bytes_16bit": geo.full_cache_bytes(T, dtype_bytes=2),
         "meta": {k: v for k, v in item.meta.items() if isinstance(v, (int, float, str, bool))},
     }
 
@@ -375,7 +377,8 @@ def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.T
 
     where = f"policy '{pol.name}', task '{task.name}' item {item.id}"
     start = time.perf_counter()
-    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
+    with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,
+                      storage_dtype=_storage(spec)) as session:
         kv = _compress_context(session, ctx, snap, spec.chunk_size)
         if ref is None:
             own = fidelity.reference(session, cont, where=where)
@@ -390,6 +393,11 @@ def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.T
                    "seconds": time.perf_counter() - start, "prefill_seconds": None,
                    "reused_prefill": snap is not None, "reference": own})
     return record
+
+
+def _storage(spec: StudySpec):
+    """The torch dtype the spec stores the cache in (None: the compute dtype)."""
+    return None if spec.storage_dtype is None else getattr(torch, spec.storage_dtype)
 
 
 def _bar(total: int, enabled: bool, name: str):

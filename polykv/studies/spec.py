@@ -8,6 +8,8 @@ A spec is a JSON file (paths inside it are relative to the file's folder)::
       "dtype": "float32",
       "context_tokens": 2048,                   # T the budgets refer to
       "profile": "../profiles/smollm2.json",   # needed by solver entries
+      "storage_dtype": "bfloat16",              # cache storage (default: dtype); budgets count it
+      "basis": "resident",                      # budgets in real bytes (default) or MoE-nD "nominal" bytes
       "budgets": ["8x", "4x"],                  # bytes ("3MiB"), ratio ("8x") or tokens per layer ("256tok")
       "baseline": true,                         # also run the full cache ("full")
       "plans": {"mine": "plans/mine.json"},     # plan files, run as they are
@@ -48,7 +50,7 @@ FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_unifo
 ROLES = CHAIN_ROLES + FACTORIAL_ROLES + ("placement", "")
 FULL_POLICY = "full"
 _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "baseline", "plans", "solvers", "tasks",
-        "reuse_prefill", "chunk_size", "bos", "prompt_format"}
+        "reuse_prefill", "chunk_size", "bos", "prompt_format", "storage_dtype", "basis"}
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -102,9 +104,24 @@ class StudySpec:
     """BOS before every context: ``"auto"`` (what the tokenizer does), ``True`` or ``False``."""
     prompt_format: str = "plain"
     """``"plain"`` completion or ``"chat"`` (the tokenizer's chat template, split after the context)."""
+    storage_dtype: str | None = None
+    """dtype the cache stores unquantized K/V, scales and residuals in (None: ``dtype``)."""
+    basis: str = "resident"
+    """What solver budgets count: ``"resident"`` bytes (metadata included) or MoE-nD's ``"nominal"`` bytes."""
     source: str = "<spec>"
     digests: dict[str, str] = attrs.field(factory=dict)
     """sha256 of every file the spec reads (plans, profile, task files), keyed by path."""
+
+    @property
+    def cache_dtype(self) -> str:
+        """The dtype the cache holds: ``storage_dtype``, else the compute ``dtype``."""
+        return self.storage_dtype or self.dtype
+
+    def budget(self, text: str):
+        """Budget ``text`` at the spec's context, basis and cache dtype (batch 1)."""
+        from polykv.profiling.budget import Budget
+
+        return Budget.parse(str(text), self.context_tokens, basis=self.basis, cache_dtype=self.cache_dtype)
 
     def as_dict(self) -> dict[str, Any]:
         """The spec as written (paths resolved), for the results header."""
@@ -194,6 +211,13 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     if T > MAX_CONTEXT_TOKENS:
         raise _fail(source, "context_tokens", f"{T} tokens is more than any model reads",
                     f"use at most {MAX_CONTEXT_TOKENS}")
+    storage_dtype = raw.get("storage_dtype")
+    if storage_dtype is not None and storage_dtype not in DTYPES:
+        raise _fail(source, "storage_dtype", f"unknown dtype {storage_dtype!r}",
+                    f"use one of {', '.join(DTYPES)}, or leave it out to store in \"dtype\"")
+    basis = raw.get("basis", "resident")
+    if basis not in ("resident", "nominal"):
+        raise _fail(source, "basis", f"unknown budget basis {basis!r}", "use \"resident\" or \"nominal\"")
     budgets = raw.get("budgets", [])
     if not isinstance(budgets, list) or not all(isinstance(b, (str, int)) for b in budgets):
         raise _fail(source, "budgets", f"expected a list of budgets like [\"8x\", \"3MiB\"], got {budgets!r}")
@@ -259,7 +283,8 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
                      baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
                      chunk_size=_int(raw, "chunk_size", None, source, "chunk_size", 1), bos=bos,
-                     prompt_format=prompt_format, source=source, digests=digests)
+                     prompt_format=prompt_format, source=source, digests=digests,
+                     storage_dtype=storage_dtype, basis=basis)
 
 
 def _prompt_rule(raw: Mapping, tasks, source: str, registry) -> tuple[Any, str]:

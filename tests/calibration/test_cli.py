@@ -42,7 +42,7 @@ def test_calibrate_then_solve(model_dir, tmp_path, capsys):
     assert "stdlib" in prof.provenance.corpus and prof.provenance.seed == 0
     assert QueryStats.load(str(tmp_path / "tiny.qstats.safetensors")).num_layers == 2
     plan = str(tmp_path / "plan.json")
-    assert main(["solve", out, "--budget", "4x", "--context", "64", "-o", plan]) == 0
+    assert main(["solve", out, "--budget", "4x", "--context", "512", "-o", plan]) == 0, capsys.readouterr().err
     assert json.load(open(plan))["provenance"]["profile_fingerprint"] == prof.fingerprint
 
 

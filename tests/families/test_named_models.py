@@ -24,7 +24,7 @@ def test_names_and_aliases():
 
 
 def test_study_spec_and_demo_take_a_model_name(tmp_path):
-    spec = demo_spec(2, find_profile(None, "gemma3-270m"), "gemma3-270m")
+    spec = demo_spec(2, find_profile(None, "gemma3-270m"), model="gemma3-270m")
     assert spec["model"] == "gemma3-270m" and spec["profile"].endswith("profiles/gemma3-270m.profile.json")
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))

@@ -54,3 +54,28 @@ def test_uniform_tokens():
 def test_bad_budgets(text, context, pattern):
     with pytest.raises(SolverError, match=pattern):
         Budget.parse(text, context)
+
+
+def test_resident_budget_counts_real_bytes():
+    b = Budget.parse("8x", 4096, basis="resident")
+    assert b.to_bytes(MODEL) == 94371840 // 8  # the same 16-bit full cache as the ratio basis
+    # one 16-bit token in one layer: K and V (3 heads x 64 x 2 bytes each) plus its int64 position per KV head
+    assert b.token_bits(MODEL) == 8 * (3 * 64 * 2 * 2 + 3 * 8)
+    assert b.uniform_tokens(MODEL) == (94371840 // 8) // 30 // (3 * 64 * 4 + 24) < 512
+    assert Budget.parse("8x", 4096).uniform_tokens(MODEL) == 512  # nominal: positions not counted
+    assert "resident at T=4096, batch 1, bfloat16" in b.describe()
+    two = Budget.parse("8x", 4096, basis="resident", batch=2)
+    assert two.to_bytes(MODEL) == 2 * b.to_bytes(MODEL) and two.uniform_tokens(MODEL) == b.uniform_tokens(MODEL)
+    with pytest.raises(SolverError, match="batch must be a positive integer"):
+        Budget.parse("8x", 4096, basis="resident", batch=0)
+
+
+def test_tokens_that_fit_never_lands_after_a_dip():
+    from polykv.profiling.budget import tokens_that_fit
+
+    # a cost that drops at every 32nd token (a residual block filling): 66 tokens cost 118 <= 120, but 54..63
+    # cost more than 120, so a context a little shorter than T would hold more than the budget: stop at 53
+    cost = lambda t: 3 * t - 40 * (t // 32)  # noqa: E731
+    assert cost(66) <= 120 < cost(54)
+    assert tokens_that_fit(cost, 120, 1000) == 53
+    assert tokens_that_fit(cost, 10**6, 1000) == 1000

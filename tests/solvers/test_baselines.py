@@ -21,46 +21,77 @@ def profile(kit):
     return kit.grid_profile(kit.monotone_table(rng, 8, base.configs) + rng.random((8, 54)) * 0.01)
 
 
-def test_uniform_best_is_the_cheapest_summed_loss_that_fits(profile):
-    budget = Budget.of_ratio(4, 1000)
-    plan = solve(profile, budget, "uniform")
-    table, cap = profile.table(), budget.to_bits(profile.model)
-    fits = [i for i, c in enumerate(profile.configs)
-            if 8 * 2 * 16 * (c.k_bits + c.v_bits) * int(np.ceil(c.keep * 1000 - 1e-9)) <= cap]
-    best = min(fits, key=lambda i: table[:, i].sum())
-    assert plan.provenance.predicted_loss == pytest.approx(table[:, best].sum())
-    assert len({(lp.prefill.describe(), lp.k_bits, lp.v_bits) for lp in plan.layers}) == 1
-    plan.validate(registry=get_registry())
+def _interp(profile, rule, kb, vb, keep):
+    """Summed loss of ``rule`` at (kb, vb) interpolated linearly in keep (keep-1.0 config closes the range)."""
+    table = profile.table()
+    pts = sorted((c.keep, table[:, i].sum()) for i, c in enumerate(profile.configs)
+                 if c.k_bits == kb and c.v_bits == vb and (c.rule == rule or c.keeps_everything))
+    return float(np.interp(keep, [k for k, _ in pts], [v for _, v in pts]))
 
 
-def test_1d_and_2d_uniform_keep_the_token_budget(profile, kit):
-    budget = Budget.of_tokens(250, 1000)
-    one = solve(profile, budget, "uniform", mode="1d")
-    assert all(lp.prefill.capacity == lp.decode.capacity == 250 and (lp.k_bits, lp.v_bits) == (16, 16)
-               for lp in one.layers)
-    assert one.provenance.predicted_bytes == budget.to_bytes(profile.model)
-    assert one.provenance.predicted_loss is not None  # 250 tokens = keep 0.25, which is profiled
-    two = solve(profile, budget, "uniform", mode="2d_uniform", rule="tova")
-    assert all(lp.prefill.capacity == 250 and (lp.k_bits, lp.v_bits) == (8, 4) for lp in two.layers)
-    assert two.provenance.predicted_bytes * 32 == one.provenance.predicted_bytes * 12
-    odd = solve(profile, Budget.of_tokens(300, 1000), "uniform", mode="1d")
-    assert odd.provenance.predicted_loss is None and "not profiled" in odd.provenance.note
-    assert kit.plan_bits(odd, profile, 1000) == Budget.of_tokens(300, 1000).to_bits(profile.model)
+def test_uniform_fills_its_budget_with_the_largest_keep_that_fits(profile, kit):
+    T = 1000
+    budget = Budget.of_ratio(4, T)
+    cap = budget.to_bits(profile.model)
+    slot = 2 * 16  # Hkv * d
+    for mode, pairs in (("1d", [(16, 16)]), ("2d_uniform", None), ("best", None)):
+        plan = solve(profile, budget, "uniform", mode=mode)
+        lp = plan.layers[0]
+        same = {(x.prefill.describe(), x.decode.describe(), x.k_bits, x.v_bits) for x in plan.layers}
+        assert len(same) == 1, "uniform: the same layer everywhere"
+        assert lp.prefill.capacity is None and lp.prefill.capacity_ratio is not None  # a ratio: any length
+        t = lp.prefill.resolve_capacity(T)
+        per_token = slot * (lp.k_bits + lp.v_bits)
+        assert 8 * t * per_token <= cap < 8 * (t + 1) * per_token, (mode, t)  # the largest keep that fits
+        # it is the best width pair: no other profiled pair at its own largest keep has a lower loss
+        for kb, vb in (pairs or [(k, v) for k in (16, 8, 4) for v in (16, 8, 4)]):
+            tt = min(cap // (8 * slot * (kb + vb)), T)
+            if tt / T >= 0.1:
+                assert plan.provenance.predicted_loss <= _interp(profile, "tova", kb, vb, tt / T) + 1e-9
+        assert plan.provenance.predicted_loss == pytest.approx(
+            _interp(profile, "tova", lp.k_bits, lp.v_bits, t / T))
+        assert plan.provenance.predicted_bytes > 0.97 * budget.to_bytes(profile.model)
+    one = solve(profile, Budget.of_tokens(250, T), "uniform", mode="1d")
+    assert {lp.prefill.resolve_capacity(T) for lp in one.layers} == {250}
+    fixed = solve(profile, budget, "uniform", mode="2d_uniform", k_bits=8, v_bits=4)
+    assert {(lp.k_bits, lp.v_bits) for lp in fixed.layers} == {(8, 4)}
+    assert fixed.layers[0].prefill.resolve_capacity(T) == cap // (8 * slot * 12)
+
+
+def test_resident_uniform_fills_within_3_percent_below_the_budget():
+    """On the resident basis (positions, scales and residuals counted) a uniform plan lands just under its budget."""
+    from polykv.memory import held_bytes_per_layer
+
+    rng = np.random.default_rng(3)
+    from polykv.profiling.profile import moend_configs
+
+    configs = moend_configs("snapkv", "prefill")
+    profile = Profile.from_table(rng.random((6, len(configs))), configs, (6, 3, 64))
+    for ratio in (4, 8, 12):
+        for T in (1000, 2048):
+            budget = Budget.of_ratio(ratio, T, basis="resident")
+            for mode in ("1d", "2d_uniform", "best"):
+                plan = solve(profile, budget, "uniform", mode=mode)
+                held = sum(held_bytes_per_layer(plan, None, T))
+                assert 0.97 * budget.to_bytes(profile.model) <= held <= budget.to_bytes(profile.model), (ratio, T, mode)
+                assert plan.provenance.predicted_bytes == held and plan.provenance.basis == "resident"
+            two = solve(profile, budget, "quant-only")
+            assert sum(held_bytes_per_layer(two, None, T)) <= budget.to_bytes(profile.model)
 
 
 def test_quant_only_fixes_one_keep_and_routes_bits(profile):
-    budget = Budget.of_ratio(4, 1000)
+    T = 1000
+    budget = Budget.of_ratio(4, T)
     plan = solve(profile, budget, "quant-only")
     keep = plan.provenance.params["keep"]
-    # the largest profiled keep whose K8/V4 uniform plan fits 1/4 of a 16-bit cache: 0.75 * 12/32 <= 1/4 fails,
-    # 0.5 * 12 / 32 = 0.1875 fits
-    assert keep == 0.5
-    assert {lp.prefill.capacity_ratio for lp in plan.layers} == {0.5}
+    # the largest keep whose K8/V4 uniform plan fits 1/4 of a 16-bit cache: 1000 * 32 / 4 / 12 = 666 tokens
+    assert keep == pytest.approx(666 / T)
+    assert {lp.prefill.resolve_capacity(T) for lp in plan.layers} == {666}
     assert plan.provenance.predicted_bytes <= budget.to_bytes(profile.model)
     exact = solve(profile, budget, "exact")
-    assert exact.provenance.predicted_loss <= plan.provenance.predicted_loss
-    with pytest.raises(SolverError, match="not profiled"):
-        solve(profile, budget, "quant-only", keep=0.3)
+    assert exact.provenance.predicted_loss <= plan.provenance.predicted_loss + 0.05  # interpolated vs profiled
+    with pytest.raises(SolverError, match="below every profiled keep"):
+        solve(profile, budget, "quant-only", keep=0.05)
 
 
 def test_pyramid_schedule_matches_the_formula():
@@ -75,7 +106,7 @@ def test_pyramid_schedule_matches_the_formula():
 def test_pyramid_plan_is_prefill_snapkv_within_budget(profile):
     budget = Budget.of_tokens(128, 2048)
     plan = solve(profile, budget, "pyramid")
-    caps = [lp.prefill.capacity for lp in plan.layers]
+    caps = [lp.prefill.resolve_capacity(2048) for lp in plan.layers]
     assert caps == sorted(caps, reverse=True) and sum(caps) <= 8 * 128
     assert all(lp.prefill.rule == "snapkv" and lp.prefill.params == {"window": 8} for lp in plan.layers)
     assert all(lp.decode.keeps_everything for lp in plan.layers)

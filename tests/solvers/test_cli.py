@@ -16,7 +16,8 @@ from polykv.solvers import solve
 def profile_path(tmp_path):
     rng = np.random.default_rng(0)
     stats = {"cosine": StatTable(columns=["tova", "h2o"], values=rng.random((4, 2)), higher_is_better=True)}
-    p = Profile.from_table(rng.random((4, 54)), moend_configs("tova"), (4, 2, 16), stats=stats)
+    p = Profile.from_table(rng.random((4, 54)), moend_configs("tova"),
+                           {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "num_heads": 4}, stats=stats)
     path = tmp_path / "profile.json"
     p.save(str(path))
     return str(path)
@@ -24,10 +25,10 @@ def profile_path(tmp_path):
 
 @pytest.mark.parametrize("budget,solver,params", [
     ("4x", "exact", []),
-    ("30000", "moend-greedy", ["--param", "rule=tova"]),
-    ("128tok", "profile-route", ["--param", "allocation=uniform", "--param", "scope=both"]),
-    ("128tok", "random-placement", ["--param", "count=3", "--param", "index=2"]),
-    ("128tok", "uniform", ["--param", "mode=1d"]),
+    ("1000000", "moend-greedy", ["--param", "rule=tova"]),
+    ("400tok", "profile-route", ["--param", "allocation=uniform", "--param", "scope=both"]),
+    ("400tok", "random-placement", ["--param", "count=3", "--param", "index=2"]),
+    ("400tok", "uniform", ["--param", "mode=1d"]),
 ])
 def test_solve_writes_a_valid_plan(tmp_path, capsys, profile_path, budget, solver, params):
     out = str(tmp_path / "plan.json")
@@ -37,18 +38,32 @@ def test_solve_writes_a_valid_plan(tmp_path, capsys, profile_path, budget, solve
     plan = load_plan(out, registry=get_registry())
     prov = plan.provenance
     assert prov.solver == solver and prov.context_tokens == 1024 and prov.polykv_version and prov.created
-    b = Budget.parse(budget, 1024)
-    assert prov.budget == b.as_dict()
-    assert prov.predicted_bytes <= b.to_bytes(ProfileModel(num_layers=4, num_kv_heads=2, head_dim=16))
+    b = Budget.parse(budget, 1024, basis="resident")  # the CLI's default basis
+    assert prov.budget == b.as_dict() and prov.basis == "resident" and prov.cache_dtype == "bfloat16"
+    assert prov.predicted_bytes <= b.to_bytes(ProfileModel(num_layers=4, num_kv_heads=2, head_dim=64))
+    assert all(op.capacity is None for lp in plan.layers for op in (lp.prefill, lp.decode))  # ratios
 
 
 def test_cli_plan_equals_python_plan(tmp_path, profile_path):
     from polykv.profiling.profile import load_profile
 
     out = str(tmp_path / "plan.json")
-    assert main(["solve", profile_path, "--budget", "5x", "--context", "700", "-o", out]) == 0
-    py = solve(load_profile(profile_path), Budget.parse("5x", 700), "exact")
+    assert main(["solve", profile_path, "--budget", "2x", "--context", "700", "-o", out]) == 0
+    py = solve(load_profile(profile_path), Budget.parse("2x", 700, basis="resident"), "exact")
     assert load_plan(out).layers == py.layers
+    nominal = str(tmp_path / "nominal.json")
+    assert main(["solve", profile_path, "--budget", "5x", "--context", "700", "--basis", "nominal", "-o", nominal]) == 0
+    assert load_plan(nominal).layers == solve(load_profile(profile_path), Budget.parse("5x", 700), "exact").layers
+    assert load_plan(nominal).provenance.basis == "nominal"
+
+
+def test_capacities_tokens_writes_token_counts(tmp_path, profile_path):
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", profile_path, "--budget", "4x", "--context", "1000", "--capacities", "tokens",
+                 "--solver", "uniform", "--param", "mode=1d", "-o", out]) == 0
+    plan = load_plan(out)
+    assert all(lp.prefill.capacity is not None and lp.prefill.capacity_ratio is None for lp in plan.layers)
+    assert plan.provenance.context_tokens == 1000
 
 
 @pytest.mark.parametrize("args,pattern", [
@@ -79,7 +94,7 @@ def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
 
     def folder(name, layers):
         cfg = transformers.LlamaConfig(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                       head_dim=16, hidden_size=64)
+                                       head_dim=64, hidden_size=256)
         cfg.save_pretrained(str(tmp_path / name))
         return str(tmp_path / name), geometry_from_config(cfg)
 
@@ -89,8 +104,18 @@ def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
         (tmp_path / "other" / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
     path = str(tmp_path / "profile.json")
     Profile.from_table(np.ones((4, 54)), moend_configs("tova"), geo).save(path)
-    args = ["solve", path, "--budget", "4x", "--context", "64", "-o", str(tmp_path / "plan.json")]
+    args = ["solve", path, "--budget", "2x", "--context", "1024", "-o", str(tmp_path / "plan.json")]
     assert main(args + ["--model", mine]) == 0
     capsys.readouterr()
     assert main(args + ["--model", other]) == 2
     assert "field 'model.fingerprint': the profile was measured on model" in capsys.readouterr().err
+
+
+def test_plan_show_states_the_basis(tmp_path, capsys, profile_path):
+    out = str(tmp_path / "plan.json")
+    for basis, line in (("resident", "basis    resident bytes (stores + metadata), batch 1, bfloat16 storage, at 1000"),
+                        ("nominal", "basis    nominal bytes (MoE-nD: codes only), at 1000 tokens")):
+        assert main(["solve", profile_path, "--budget", "4x", "--context", "1000", "--basis", basis, "-o", out]) == 0
+        capsys.readouterr()
+        assert main(["plan", "show", out]) == 0
+        assert line in capsys.readouterr().out

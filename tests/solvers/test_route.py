@@ -31,7 +31,7 @@ def route_profile() -> Profile:
 def test_route_takes_the_top_ranked_rule_per_layer():
     plan = solve(route_profile(), Budget.of_tokens(100, 1000), "profile-route")
     assert [lp.prefill.rule for lp in plan.layers] == ["tova", "snapkv", "h2o", "snapkv"]
-    assert all(lp.prefill.capacity == 100 and lp.decode.keeps_everything for lp in plan.layers)
+    assert all(lp.prefill.resolve_capacity(1000) == 100 and lp.decode.keeps_everything for lp in plan.layers)
     assert plan.provenance.params["route"] == ["tova", "snapkv", "h2o", "snapkv"]
     plan.validate(registry=get_registry())
 
@@ -52,14 +52,14 @@ def test_lower_is_better_statistics_rank_by_minimum():
 
 def test_allocations_split_a_fixed_total():
     p, budget = route_profile(), Budget.of_tokens(100, 1000)
-    ent = [lp.prefill.capacity for lp in solve(p, budget, "profile-route", allocation="entropy").layers]
+    ent = [lp.prefill.resolve_capacity(1000) for lp in solve(p, budget, "profile-route", allocation="entropy").layers]
     # one token each, then 396 shared 1:3:0:4 = 49.5, 148.5, 0, 198; the spare token goes to the first .5
     assert ent == [51, 149, 1, 199]
-    dp = [lp.prefill.capacity for lp in solve(p, budget, "profile-route", allocation="delta-ppl").layers]
+    dp = [lp.prefill.resolve_capacity(1000) for lp in solve(p, budget, "profile-route", allocation="delta-ppl").layers]
     # per-layer max 0.2, 1.0, 100, 0.4; 100 is clipped to the 95th percentile 85.15, then 396 shared:
     # 0.913, 4.565, 388.70, 1.826 (+1 each), largest remainders take the 3 spare tokens
     assert dp == [2, 5, 390, 3]
-    unclipped = [lp.prefill.capacity for lp in solve(p, budget, "profile-route", allocation="delta-ppl",
+    unclipped = [lp.prefill.resolve_capacity(1000) for lp in solve(p, budget, "profile-route", allocation="delta-ppl",
                                                      clip_percentile=100).layers]
     assert unclipped[2] > dp[2]
 

@@ -34,3 +34,9 @@ def test_demo_spec_overrides_samples_and_profile():
     spec = demo_spec(7, "/x/profile.json")
     assert spec["tasks"][0]["samples"] == 7 and spec["profile"] == "/x/profile.json"
     assert DEMO_SPEC["tasks"][0]["samples"] == 20  # the shared default is not modified
+
+
+def test_the_demo_budgets_real_bytes_stored_in_16_bits():
+    assert DEMO_SPEC["basis"] == "resident" and DEMO_SPEC["storage_dtype"] == "bfloat16"
+    spec = demo_spec(3, "/x/profile.json", ["10x", "12x"], "nominal")
+    assert spec["budgets"] == ["10x", "12x"] and spec["basis"] == "nominal"

@@ -98,3 +98,22 @@ def test_policies_at_different_budgets_with_matched_bytes_are_compared(tmp_path)
     iv = designs.paired_vs(Results.load(str(path)), "passkey", "a@8x", "b@8x")
     assert f"| a@8x | b@8x | 0.91 | {iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]" in section
     assert "c@8x" not in section  # 3x the bytes of either: not a matched pair
+
+
+def test_bytes_are_measured_with_metadata_against_a_16_bit_cache_and_unequal_pairs_are_flagged(tmp_path):
+    path = tmp_path / "results.jsonl"
+    roles = {"full": "full", "a@8x": "", "b@8x": "", "c@8x": ""}
+    _write_results(path, {n: [1, 0, 1] for n in roles}, roles, {"full": 1000, "a@8x": 100, "b@8x": 102, "c@8x": 90})
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for x in lines:
+        if x["kind"] == "result":  # a float32 run: the full cache in the run's dtype is twice the 16-bit one
+            x.update(metadata_bytes=10, full_kv_bytes=2000, full_kv_bytes_16bit=1000)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = Results.load(str(path))
+    rows = {r["policy"]: r for r in policy_rows(res, "passkey")}
+    assert rows["a@8x"]["bytes"] == 110 and rows["a@8x"]["ratio"] == 1000 / 110
+    warnings = designs.unequal_memory(res, "passkey", ["a@8x", "b@8x", "c@8x"])
+    assert len(warnings) == 2 and all("c@8x" in w for w in warnings)  # a/b within 5%; c is 9-11% smaller
+    write_report(str(path), str(tmp_path / "out"))
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "differ by more than 5% in measured bytes" in md and "| a@8x | c@8x |" in md

@@ -33,6 +33,8 @@ def _fails(path, results, match):
     ({"solvers": [{"name": "x", "solver": "exact", "params": {"colour": 1}}]}, r"solvers\[0\]\.params.*colour"),
     ({"profile": None}, r"field 'profile'.*need a profile"),
     ({"samples": 3}, r"field 'samples': unknown key"),
+    ({"storage_dtype": "int8"}, r"field 'storage_dtype': unknown dtype 'int8'"),
+    ({"basis": "codes"}, r"field 'basis': unknown budget basis 'codes'"),
 ])
 def test_bad_spec_fields_are_named_before_the_model_loads(tmp_path, spec_writer, change, match):
     path = spec_writer(tmp_path, model=UNLOADABLE, **change)

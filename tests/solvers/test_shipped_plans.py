@@ -1,0 +1,36 @@
+"""Shipped plans: resident-basis plans hold what their budget says (memory model, 16-bit storage, metadata in),
+nominal ones say so in their names, and every capacity is a ratio of the context."""
+
+from __future__ import annotations
+
+import glob
+import pathlib
+
+import pytest
+
+from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes
+from polykv.plan import load_plan
+
+PLANS = sorted(glob.glob(str(pathlib.Path(__file__).resolve().parents[2] / "plans" / "smollm2-*.plan.json")))
+
+
+def test_both_bases_are_shipped():
+    assert any(p.endswith("-nominal.plan.json") for p in PLANS)
+    assert any(not p.endswith("-nominal.plan.json") for p in PLANS)
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: pathlib.Path(p).name)
+def test_a_shipped_plan_holds_its_budget_on_its_basis(path):
+    plan = load_plan(path)
+    prov = plan.provenance
+    T, ratio = prov.context_tokens, prov.budget["ratio"]
+    budget = full_cache_bytes_16bit(plan.model, T) / ratio
+    assert all(op.capacity is None for lp in plan.layers for op in (lp.prefill, lp.decode)), "ratios only"
+    if path.endswith("-nominal.plan.json"):
+        assert prov.basis == "nominal"
+        assert 0.97 * budget <= sum(nominal_bytes(plan, None, T, phase="decode")) <= budget
+    else:
+        assert prov.basis == "resident" and prov.cache_dtype == "bfloat16" and prov.batch == 1
+        held = sum(held_bytes_per_layer(plan, None, T, dtype_bytes=2))
+        assert held == prov.predicted_bytes
+        assert 0.97 * budget <= held <= budget, f"{held / budget:.4f} of the budget"
