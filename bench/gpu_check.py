@@ -92,14 +92,13 @@ def check_masked_reference(device, small=False) -> None:
         plan = polykv.uniform_plan(geo, **{phase: op}, decode_slack=slack)
         ids, question = _ids(2, mod.PROMPT, 1, device), _ids(2, mod.QUESTION, 2, device)
         tokens, logits, records = mod._run_and_record(model, plan, ids, question, stats)
-        records = [(None if r[0] is None else [p.cpu() for p in r[0]], r[1], r[2]) for r in records]
+        records = [(None if s is None else [p.cpu() for p in s], a, b) for s, a, b, *_ in records]
         ref = _reference_on(mod, model, tokens, records, geo)
         diff = (logits - ref).abs().max().item()
         assert diff < TOL, f"{phase} {rule} slack {slack}: logits differ from the masked reference by {diff}"
 
 
 def _reference_on(mod, model, tokens, records, geo):
-    """The test's masked reference (``mod._reference``) with its masks on the model's device."""
     device = tokens.device
     rows = torch.arange(tokens.shape[1])
     B, N = tokens.shape
@@ -109,8 +108,8 @@ def _reference_on(mod, model, tokens, records, geo):
             causal = (rows[a:b, None] >= rows[None, :]) & (rows[None, :] >= a)
             allowed[:, :, a:b] = causal if stored is None else causal | (rows[None, :] < a)
             if stored is not None:
-                seen = torch.zeros(B, geo.num_kv_heads, N + 1, dtype=torch.bool)
-                seen.scatter_(-1, stored[layer].masked_fill(stored[layer] < 0, N), True)  # padding -> spare slot
+                seen = torch.zeros(B, geo.num_kv_heads, N + 1, dtype=torch.bool)  # slot N: ragged padding
+                seen.scatter_(-1, stored[layer].masked_fill(stored[layer] < 0, N), True)
                 allowed[:, :, a:b, :a] = seen[:, :, None, :a]
         mod._MASKS[layer] = allowed.to(device)
     saved = model.config._attn_implementation_internal

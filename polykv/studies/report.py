@@ -191,6 +191,18 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str]) -> 
     return lines
 
 
+def prompt_line(res: Results) -> str:
+    """How the prompts began: the spec's ``prompt_format`` and ``bos``, and how many items' first stored
+    token was the BOS (recorded per result; older results files recorded nothing)."""
+    spec = res.header["spec"]
+    if "bos" not in spec:
+        return "Prompt: plain completion, no special tokens (written before the prompt rule was recorded)."
+    firsts = {(r["task"], r["item"]): r["bos_first"] for r in res.results if "bos_first" in r}
+    bos = {True: "true", False: "false"}.get(spec["bos"], spec["bos"])
+    return (f"Prompt: `{spec.get('prompt_format', 'plain')}` format, `bos`: `{bos}`; the first stored token is "
+            f"the tokenizer's BOS in {sum(firsts.values())} of {len(firsts)} items.")
+
+
 def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     from polykv.memory import kept_tokens
     from polykv.plan_io import parse_plan_dict
@@ -226,7 +238,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
              "key/value stores after compressing the context (metadata apart), in the run's compute dtype; "
              "the nominal ratio is the plan's 16-bit bytes model. Teacher-forced tasks feed the reference "
              "continuation instead, one token per forward, and compare each next-token distribution with the full "
-             "cache's.", ""]
+             "cache's.", "", prompt_line(res), ""]
     for task in res.tasks:
         lines += _task_section(res, task, out_dir, figures)
     for b in designs.budgets(res):

@@ -2,8 +2,13 @@
 
 Protocol per item (DESIGN.md, evaluation protocol): prefill the *context*, compress it with the
 policy's plan, THEN feed the *question* through the compressed cache in one forward, then generate
-greedily. Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the
-same for every policy; with ``reuse_prefill`` (the default) the context runs through the model once
+greedily. Token ids follow the spec's prompt rule (:mod:`polykv.studies.prompt`): the context starts
+with the tokenizer's own leading special tokens (its BOS, where it adds one; ``bos`` overrides), the
+question continues without a second BOS, and ``prompt_format`` "chat" wraps both in the chat
+template, split right after the context.
+
+Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the same for
+every policy; with ``reuse_prefill`` (the default) the context runs through the model once
 per item and every policy's cache is restored from that snapshot (:mod:`polykv.runtime.fork`, exact:
 the same tokens, logits and bytes as a prefill per policy).
 
@@ -30,6 +35,7 @@ import torch
 
 from polykv.plan import Plan
 from polykv.studies.designs import Policy, build_policies
+from polykv.studies.prompt import PromptEncoder
 from polykv.studies.results import ResultsWriter
 from polykv.errors import StudyError
 from polykv.studies.spec import FULL_POLICY, StudySpec
@@ -111,11 +117,23 @@ def _model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dic
     return {"triattention": compute_query_stats(model, batches)}
 
 
-def _encode(tokenizer, text: str, device) -> torch.Tensor:
-    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long, device=device)
+def _ids(ids: list[int], device) -> torch.Tensor:
+    return torch.tensor([ids], dtype=torch.long, device=device)
 
 
-def _greedy(session, question: torch.Tensor, max_new_tokens: int, eos: int | None) -> list[int]:
+def stop_ids(model, tokenizer) -> frozenset[int]:
+    """Token ids that end a generation: the tokenizer's EOS and the model's generation-config EOS ids
+    (chat models end a turn with their own token, e.g. Gemma's ``<end_of_turn>``)."""
+    ids = set()
+    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), cfg):
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, int) and not isinstance(v, bool):
+                ids.add(int(v))
+    return frozenset(ids)
+
+
+def _greedy(session, question: torch.Tensor, max_new_tokens: int, stop: frozenset[int]) -> list[int]:
     """Feed ``question`` [1, q] through the compressed cache, then generate greedily."""
     from polykv.runtime.fork import forward
 
@@ -123,7 +141,7 @@ def _greedy(session, question: torch.Tensor, max_new_tokens: int, eos: int | Non
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)                       # (1, 1)
         tokens.append(int(nxt))
-        if (eos is not None and tokens[-1] == eos) or len(tokens) == max_new_tokens:
+        if tokens[-1] in stop or len(tokens) == max_new_tokens:
             break
         out = forward(session, nxt)
     return tokens
@@ -164,12 +182,13 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
             writer.append(pol.record(geo, spec.context_tokens))
     device = next(model.parameters()).device
     model_data = _model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
-    eos = getattr(tokenizer, "eos_token_id", None)
+    encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
+    stop = stop_ids(model, tokenizer)
     counts = {"run": 0, "skipped": 0}
     work = []
     for t in spec.tasks:
         task = (registry or get_registry()).task(t.task)()
-        for item in task.make_items(tokenizer, t.samples, t.seed, **t.params):
+        for item in task.make_items(encoder, t.samples, t.seed, **t.params):
             todo = [p for p in policies if (p.name, t.task, item.id) not in writer.done]
             counts["skipped"] += len(policies) - len(todo)
             if todo:
@@ -179,7 +198,7 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
     try:
         with torch.no_grad():
             for task, item, todo in work:
-                ctx, question = _encode(tokenizer, item.context, device), _encode(tokenizer, item.question, device)
+                ctx, question = (_ids(ids, device) for ids in encoder.prompt_ids(item.context, item.question))
                 forced = task.mode == TEACHER_FORCED
                 if forced and full is None:
                     raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
@@ -192,7 +211,7 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
                     prefill_s = time.perf_counter() - start
                 ref = None
                 if forced:
-                    cont = _encode(tokenizer, item.answers[0], device)
+                    cont = _ids(encoder.text_ids(item.answers[0]), device)
                     ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
                                       model_data=model_data, registry=registry)
                 for pol in todo:
@@ -203,10 +222,11 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
                         record = {k: v for k, v in record.items() if k != "reference"}
                     else:
                         record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
-                                             model_data=model_data, eos=eos, tokenizer=tokenizer,
+                                             model_data=model_data, stop=stop, tokenizer=tokenizer,
                                              registry=registry)
                     if snap is not None:
                         record["prefill_seconds"] = prefill_s
+                    record["bos_first"] = encoder.bos_id is not None and int(ctx[0, 0]) == encoder.bos_id
                     writer.append(record)
                     counts["run"] += 1
                     bar.update(1)
@@ -218,7 +238,7 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
 
 
 def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: torch.Tensor, snap, *, spec: StudySpec,
-                geo, model_data, eos, tokenizer, registry) -> dict[str, Any]:
+                geo, model_data, stop, tokenizer, registry) -> dict[str, Any]:
     """Compress ``ctx`` [1, T] with ``pol``'s plan (restored from ``snap`` or prefilled), feed ``question``
     [1, q] through the compressed cache, generate greedily; the result record."""
     import polykv
@@ -226,7 +246,7 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry) as session:
         kv = _compress_context(session, ctx, snap, spec.chunk_size)
-        tokens = _greedy(session, question, item.max_new_tokens, eos)
+        tokens = _greedy(session, question, item.max_new_tokens, stop)
         end = session.resident_bytes()
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     record = _base_record(pol, task, item, ctx, kv, geo, next(model.parameters()).element_size())

@@ -13,7 +13,9 @@ A spec is a JSON file (paths inside it are relative to the file's folder)::
       "plans": {"mine": "plans/mine.json"},     # plan files, run as they are
       "solvers": [{"name": "2d_hetero", "solver": "moend-greedy", "params": {}},
                   {"name": "random", "solver": "random-placement", "count": 9, "guided": "route"}],
-      "tasks": [{"task": "passkey", "params": {"length": 2048}, "samples": 20, "seed": 0}]
+      "tasks": [{"task": "passkey", "params": {"length": 2048}, "samples": 20, "seed": 0}],
+      "bos": "auto",                            # BOS before the context: "auto" (as the tokenizer), true, false
+      "prompt_format": "plain"                  # or "chat": the tokenizer's chat template, split after the context
     }
 
 Every solver entry runs at every budget as policy ``<name>@<budget>``. A ``random-placement`` entry
@@ -25,6 +27,8 @@ placements of the guided route). ``role`` names the entry's place in a study des
 :func:`load_spec` checks everything that can be checked without the model (names, parameters, files,
 budgets) and raises :class:`~polykv.errors.StudyError` naming the file and field. A teacher-forced
 task (``continuation``) needs ``"baseline": true``: its metrics compare every policy with the full cache.
+``bos`` and ``prompt_format`` are the prompt rule of :mod:`polykv.studies.prompt`; ``"chat"`` applies to
+generated tasks only (a teacher-forced continuation is plain text).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_unifo
 ROLES = CHAIN_ROLES + FACTORIAL_ROLES + ("placement", "")
 FULL_POLICY = "full"
 _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "baseline", "plans", "solvers", "tasks",
-        "reuse_prefill", "chunk_size"}
+        "reuse_prefill", "chunk_size", "bos", "prompt_format"}
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,6 +96,10 @@ class StudySpec:
     reuse_prefill: bool = True
     """Run each context through the model once and restore every policy from it (exact)."""
     chunk_size: int | None = None
+    bos: Any = "auto"
+    """BOS before every context: ``"auto"`` (what the tokenizer does), ``True`` or ``False``."""
+    prompt_format: str = "plain"
+    """``"plain"`` completion or ``"chat"`` (the tokenizer's chat template, split after the context)."""
     source: str = "<spec>"
     digests: dict[str, str] = attrs.field(factory=dict)
     """sha256 of every file the spec reads (plans, profile, task files), keyed by path."""
@@ -234,6 +242,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
             raise _fail(source, "baseline", f"task '{forced[0]}' is teacher_forced: its KL and top-1 agreement "
                         "compare every policy with the full cache, so the study needs the full baseline",
                         "set \"baseline\": true")
+    bos, prompt_format = _prompt_rule(raw, tasks, source, registry)
     names = set(plans) | {s.name for s in solvers} | ({FULL_POLICY} if baseline else set())
     if len(names) != len(plans) + len(solvers) + int(baseline):
         raise _fail(source, "solvers", "policy names must be unique across plans, solvers and 'full'")
@@ -241,8 +250,27 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         raise _fail(source, "plans", "the spec names no policy", "add plans, solvers or \"baseline\": true")
     return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
                      baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
-                     chunk_size=_int(raw, "chunk_size", None, source, "chunk_size", 1), source=source,
-                     digests=digests)
+                     chunk_size=_int(raw, "chunk_size", None, source, "chunk_size", 1), bos=bos,
+                     prompt_format=prompt_format, source=source, digests=digests)
+
+
+def _prompt_rule(raw: Mapping, tasks, source: str, registry) -> tuple[Any, str]:
+    from polykv.studies.prompt import PROMPT_FORMATS
+    from polykv.studies.tasks.base import TEACHER_FORCED
+
+    bos = raw.get("bos", "auto")
+    if not (bos == "auto" or isinstance(bos, bool)):
+        raise _fail(source, "bos", f"expected \"auto\", true or false, got {bos!r}",
+                    "auto: a BOS exactly where the model's tokenizer adds one")
+    fmt = raw.get("prompt_format", "plain")
+    if fmt not in PROMPT_FORMATS:
+        raise _fail(source, "prompt_format", f"expected one of {', '.join(PROMPT_FORMATS)}, got {fmt!r}")
+    if fmt == "chat":
+        forced = [t.task for t in tasks if registry.task(t.task).mode == TEACHER_FORCED]
+        if forced:
+            raise _fail(source, "prompt_format", f"task '{forced[0]}' is teacher_forced: it continues plain text, "
+                        "which has no chat turn", "use \"plain\", or run that task in another study")
+    return bos, fmt
 
 
 def _solver_entries(raw: Any, source: str, registry) -> tuple[SolverEntry, ...]:

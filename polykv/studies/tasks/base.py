@@ -5,9 +5,13 @@ Every item separates the ``context`` (prefilled, then compressed by the plan) fr
 the full cache would flatter a method, so the two are never merged (DESIGN.md, evaluation protocol).
 
 A tokenizer here is anything with ``encode(text, add_special_tokens=False) -> list[int]``: a Hugging
-Face tokenizer, or the offline :class:`WhitespaceTokenizer` / :class:`CharTokenizer` below. Prompt
-lengths count the context and the question tokenized separately, without special tokens, because that
-is how the runner feeds them.
+Face tokenizer, the offline :class:`WhitespaceTokenizer` / :class:`CharTokenizer` below, or the
+runner's :class:`~polykv.studies.prompt.PromptEncoder` (a tokenizer with the study's ``bos`` and
+``prompt_format``). Prompt lengths (:func:`prompt_length`, the ``length`` of every needle task) count
+exactly the tokens the runner feeds: the tokens the tokenizer puts in front of the context (its BOS,
+where it adds one), the context and the question tokenized separately, and with ``prompt_format``
+"chat" the template around them. A plain tokenizer counts with the default rule (``bos`` "auto",
+plain completion).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import attrs
 
 from polykv.errors import StudyError
 from polykv.studies.corpus import filler_text
+from polykv.studies.prompt import as_encoder
 from polykv.studies.tasks import metrics
 
 GENERATE = "generate"
@@ -109,6 +114,12 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def prompt_length(tokenizer, context: str, question: str) -> int:
+    """Tokens the runner feeds for ``context`` then ``question``: special tokens in front of the context
+    (the BOS, where the prompt rule places one) and, for chat prompts, the template included."""
+    return as_encoder(tokenizer).prompt_length(context, question)
+
+
 # -- haystack building ----------------------------------------------------------------------------
 def text_units(text: str) -> list[str]:
     """``text`` as words with their trailing whitespace (joining the units gives back the stripped text)."""
@@ -153,14 +164,18 @@ def build_haystack(units: Sequence[str], k: int, needles: Sequence[tuple[float, 
     return "".join(parts).rstrip()
 
 
-def fit_length(tokenizer, build: Callable[[int], tuple[str, str]], hi: int, target: int, where: str) -> int:
-    """Largest k in [0, hi] with tokens(context) + tokens(question) <= target for ``build(k)``.
+def fit_length(tokenizer, build: Callable[[int], tuple[str, str]], hi: int, target: int, where: str, *,
+               prompt: bool = True) -> int:
+    """Largest k in [0, hi] with :func:`prompt_length` (context, question) <= target for ``build(k)``.
 
     ``build(k)`` returns (context, question) made of k filler units. Token counts grow with k (up to
-    tokenizer merges), so bisection lands within one unit of the target.
+    tokenizer merges), so bisection lands within one unit of the target. With ``prompt`` False the
+    texts are counted as continuing text (no special tokens), e.g. a teacher-forced continuation.
     """
     def total(k: int) -> int:
         context, question = build(k)
+        if prompt:
+            return prompt_length(tokenizer, context, question)
         return count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
 
     if total(0) > target:
@@ -184,7 +199,7 @@ def fit_haystack(tokenizer, units: Sequence[str], needles: Sequence[tuple[float,
         return instruction + build_haystack(units, k, needles), question
 
     context, _ = build(fit_length(tokenizer, build, len(units), length, where))
-    tokens = count_tokens(tokenizer, context) + count_tokens(tokenizer, question)
+    tokens = prompt_length(tokenizer, context, question)
     check_length(tokens, length, where)
     return context, tokens
 

@@ -16,7 +16,7 @@ import random
 from typing import Any, Mapping
 
 from polykv.studies.tasks.base import (TEACHER_FORCED, Task, TaskItem, check_length, count_tokens, filler_units,
-                                       fit_length)
+                                       fit_length, prompt_length)
 
 
 CONTINUATION_SLACK = 16  # tokens a continuation may miss its requested length by (or 5%, whichever is more)
@@ -29,7 +29,7 @@ class ContinuationTask(Task):
     description = "teacher-forced continuation of real text: KL and top-1 agreement against the full cache, perplexity"
     mode = TEACHER_FORCED
     defaults: Mapping[str, Any] = {
-        "context_tokens": 2048,      # tokens of the compressed context
+        "context_tokens": 2048,      # tokens of the compressed context (its BOS included, where one is placed)
         "continuation_tokens": 256,  # tokens teacher-forced through the compressed cache
         "kind": "prose",             # corpus kind: "prose" or "code"
     }
@@ -41,9 +41,9 @@ class ContinuationTask(Task):
         units = filler_units(tokenizer, int(1.1 * (n_ctx + n_cont)) + 16, kind=params["kind"], seed=filler_seed)
         k = fit_length(tokenizer, lambda j: ("".join(units[:j]), ""), len(units), n_ctx, where)
         rest = units[k:]
-        m = fit_length(tokenizer, lambda j: ("".join(rest[:j]), ""), len(rest), n_cont, where)
+        m = fit_length(tokenizer, lambda j: ("".join(rest[:j]), ""), len(rest), n_cont, where, prompt=False)
         context, continuation = "".join(units[:k]), "".join(rest[:m]).rstrip()
-        ctx_tokens, cont_tokens = count_tokens(tokenizer, context), count_tokens(tokenizer, continuation)
+        ctx_tokens, cont_tokens = prompt_length(tokenizer, context, ""), count_tokens(tokenizer, continuation)
         check_length(ctx_tokens, n_ctx, where + " context")
         # A short continuation cannot always land within 5% at word granularity: allow one long word.
         check_length(cont_tokens, n_cont, where + " continuation", slack=CONTINUATION_SLACK)

@@ -41,7 +41,7 @@ class NeedleTask(Task):
     name = "niah"
     description = "RULER-style needle in a haystack (keys, values per key and queried keys are parameters)"
     defaults: Mapping[str, Any] = {
-        "length": 2048,        # prompt tokens: context + question, tokenized separately
+        "length": 2048,        # prompt tokens as the runner feeds them: BOS, context, question
         "num_keys": 1,         # needles with distinct keys (queried + distractors)
         "num_values": 1,       # values per queried key
         "num_queries": 1,      # keys asked for (<= num_keys)

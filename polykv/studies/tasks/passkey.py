@@ -31,7 +31,7 @@ class PasskeyTask(Task):
     name = "passkey"
     description = "retrieve a random number hidden at a random depth of real filler text"
     defaults: Mapping[str, Any] = {
-        "length": 2048,       # prompt tokens: context + question, tokenized separately
+        "length": 2048,       # prompt tokens as the runner feeds them: BOS, context, question
         "depth": None,        # fraction of the filler before the needle; None draws it uniformly per item
         "digits": 5,          # digits of the key (no leading zero)
         "filler": "code",     # corpus kind of the filler: "code" or "prose" (see the module docstring)

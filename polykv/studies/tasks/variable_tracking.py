@@ -29,7 +29,7 @@ class VariableTrackingTask(Task):
     name = "variable_tracking"
     description = "RULER variable tracking: list every variable bound to a value through a chain of assignments"
     defaults: Mapping[str, Any] = {
-        "length": 2048,       # prompt tokens: context + question, tokenized separately
+        "length": 2048,       # prompt tokens as the runner feeds them: BOS, context, question
         "num_chains": 1,      # chains in the haystack (the first is queried)
         "num_hops": 4,        # assignments after the initial one (a chain names num_hops + 1 variables)
         "digits": 5,          # digits of each chain's value
