@@ -125,3 +125,10 @@ def ragged_top_k(scores: torch.Tensor, counts: torch.Tensor) -> Selection:
     keyed = torch.where(keep, order, torch.full_like(order, -1))
     index = torch.sort(keyed, dim=-1).values.clamp_min(0)
     return Selection(index=index, counts=counts)
+
+
+def newest_tokens(batch: int, kv_heads: int, stored: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """[B, Hkv, capacity] indices of the newest ``capacity`` of ``stored`` tokens, the same on every head
+    (what a windowed rule keeps when its observation window fills the whole capacity)."""
+    last = torch.arange(stored - capacity, stored, device=device)
+    return last.view(1, 1, capacity).expand(batch, kv_heads, capacity).clone()

@@ -70,16 +70,8 @@ class KiviQuantizer(Quantizer):
         ``d * bits / 8 + 2 * (d / G) * dtype_bytes`` each; the last ``min(T, R)`` cost ``d * dtype_bytes``.
         Everything is per (batch row, KV head).
         """
-        self._check(stream, bits)
-        shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, dtype_bytes=dtype_bytes)
-        if bits == 16:
-            return passthrough_bytes(**shape)
-        G, R = self.params["group_size"], self.params["residual"]
-        if stream == "value" and head_dim % G:
-            raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
-                             f"set quantizer_params.group_size to a divisor of {head_dim}")
-        fn = key_bytes if stream == "key" else value_bytes
-        return fn(bits=bits, group_size=G, residual=R, **shape)
+        return self._bytes(key_bytes, value_bytes, stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                           tokens=tokens, dtype_bytes=dtype_bytes)
 
     def bound_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
                     tokens: int, dtype_bytes: int) -> int:
@@ -89,13 +81,18 @@ class KiviQuantizer(Quantizer):
         scale and minimum row (in the worst case one row per surviving key, plus an int32 group id
         each), and up to ``residual - 1`` keys or ``residual`` values stay in the compute dtype.
         """
+        return self._bytes(key_bound_bytes, value_bound_bytes, stream, bits, batch=batch, kv_heads=kv_heads,
+                           head_dim=head_dim, tokens=tokens, dtype_bytes=dtype_bytes)
+
+    def _bytes(self, key_fn, value_fn, stream: str, bits: int, *, head_dim: int, **shape) -> int:
+        """``key_fn`` / ``value_fn`` of this store's layout (16 bits: the passthrough count)."""
         self._check(stream, bits)
-        shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, dtype_bytes=dtype_bytes)
+        shape["head_dim"] = head_dim
         if bits == 16:
             return passthrough_bytes(**shape)
         G, R = self.params["group_size"], self.params["residual"]
         if stream == "value" and head_dim % G:
             raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
                              f"set quantizer_params.group_size to a divisor of {head_dim}")
-        fn = key_bound_bytes if stream == "key" else value_bound_bytes
+        fn = key_fn if stream == "key" else value_fn
         return fn(bits=bits, group_size=G, residual=R, **shape)

@@ -33,6 +33,7 @@ from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_WINDOW, ScoredRule, SelectionContext
 from polykv.rule_state import QueryWindow
 from polykv.params import ParamSpec
+from polykv.selection import newest_tokens
 
 ENTROPY_EPS = 1e-10
 """Inside the log of the entropy, as in the reference."""
@@ -162,9 +163,7 @@ class CAKERule(ScoredRule):
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
         if capacity <= self._window(ctx):
-            B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
-            last = torch.arange(T - capacity, T, device=ctx.keys.device)
-            return last.view(1, 1, capacity).expand(B, Hkv, capacity).clone()
+            return newest_tokens(ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored, capacity, ctx.keys.device)
         return super().select(ctx, capacity)
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:

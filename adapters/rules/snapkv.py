@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from polykv.operators import SIGNAL_WINDOW, ScoredRule, SelectionContext
 from polykv.params import ParamSpec
+from polykv.selection import newest_tokens
 
 
 class SnapKVRule(ScoredRule):
@@ -85,9 +86,7 @@ class SnapKVRule(ScoredRule):
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
         """[B, Hkv, capacity] kept indices; the last ``capacity`` tokens when the window fills it."""
         if capacity <= self._window(ctx):
-            B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
-            last = torch.arange(T - capacity, T, device=ctx.keys.device)
-            return last.view(1, 1, capacity).expand(B, Hkv, capacity).clone()
+            return newest_tokens(ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored, capacity, ctx.keys.device)
         return super().select(ctx, capacity)
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
