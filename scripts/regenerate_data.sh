@@ -7,7 +7,7 @@
 #   FULL_STATS=1 bash scripts/regenerate_data.sh   # also delta-PPL and KL validation (+ the delta-ppl plans)
 #   PLANS_ONLY=1 bash scripts/regenerate_data.sh   # plans only, from the existing profile
 #
-# Timings (docs/calibration.md): the 13-rule design space alone took about 24 minutes on the shared
+# Timings (docs/calibration.md): the 13-rule design space took 46 min wall (505 s CPU) on the busy shared
 # 2-core machine; delta-PPL costs one whole-model forward per (layer, rule), about 1 hour more there.
 #
 # An interrupted calibration resumes from profiles/<name>.profile.json.partial/ when rerun.
