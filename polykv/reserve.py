@@ -21,7 +21,7 @@ A ragged layer (per-head stores) applies the same policy per head with ``hold = 
 
 from __future__ import annotations
 
-GROWTH_BLOCK = 64
+GROWTH_BLOCK = 16
 """Token rows a keep-everything buffer grows by (and rounds to)."""
 
 
@@ -51,3 +51,14 @@ def layer_hold(*, capacity: int | None, decode_slack: int, bound: int | None) ->
     if bound is not None:
         hold = int(bound) if hold is None else min(hold, int(bound))
     return hold
+
+
+def reserved_stream_bytes(quantizer, stream: str, bits: int, *, tokens: int, reserved: int, batch: int, kv_heads: int,
+                          head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of a fresh store that reserved ``reserved`` tokens and then received ``tokens`` (no eviction):
+    a 16-bit store (``quantizer`` None) holds its buffer, ``capacity_after(tokens, reserved)`` rows;
+    a quantized one says so in :meth:`polykv.operators.Quantizer.predict_reserved_bytes`."""
+    if quantizer is None:
+        return batch * kv_heads * capacity_after(tokens, reserved) * head_dim * dtype_bytes
+    return int(quantizer.predict_reserved_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                                                tokens=tokens, reserved=reserved, dtype_bytes=dtype_bytes))
