@@ -7,8 +7,9 @@ Two numbers per layer, for a context of ``T`` tokens:
   whole tokens (a ratio capacity resolves with :meth:`polykv.OpSpec.resolve_capacity`). Scales,
   minima and full-precision residuals are not counted; this is what solvers budget against.
 * **resident** bytes: exactly what the runtime's stores hold, via each quantizer's
-  ``predict_bytes`` (16-bit streams: ``tokens * Hkv * d * dtype_bytes`` per batch row). Metadata
-  the runtime keeps beside the stores is reported separately.
+  ``predict_reserved_bytes`` (16-bit streams: their preallocated buffers, ``C * Hkv * d * dtype_bytes``
+  per batch row for the ``C`` token rows :mod:`polykv.reserve` reserves). Metadata the runtime keeps
+  beside the stores is reported separately.
 
 Which op bounds storage (``phase=``):
 
@@ -36,7 +37,7 @@ is known when the geometry is a :class:`~polykv.geometry.ModelGeometry`; a plan'
 record carries no layer types, so pass the geometry for models with such layers.
 
 Metadata right after prefill (the runtime keeps only the decode rule's state): positions int64
-``[B, Hkv, kept]``; then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
+``[B, Hkv, C]`` (the reserved rows); then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
 :meth:`RuleState.predict_bytes` and reported under its ``metadata_name``: ``accumulated``
 (H2O's float32 ``[B, Hkv, kept]``), ``query_window`` (``[B, H, w, d]`` in the compute dtype plus
 int64 positions ``[w]``, ``w = min(window, T)``), ``rule_state`` (any other state). The window
@@ -266,10 +267,10 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
                                       after_prefill=after_prefill)
             if wbound is not None:  # a windowed layer is trimmed to its bound after every decode forward
                 held = (min(held[0], wbound), min(held[1], wbound))
-            rows = _decode_rows(lp, context_tokens, kept, after_prefill, decode_slack, wbound, new_tokens)
+            most_rows = _decode_rows(lp, context_tokens, after_prefill, decode_slack, wbound, new_tokens)
             kept = held[1]
-            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, rows)
-            reserved = [rows]
+            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, most_rows)
+            reserved = [most_rows]
         elif per_head is None:
             reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound))]
             stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes, reserved[0])
@@ -292,7 +293,7 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     return rows
 
 
-def _decode_rows(lp: LayerPlan, context_tokens: int, kept: int, after_prefill: int | None, decode_slack: int,
+def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
                  wbound: int | None, new_tokens: int | None) -> int:
     """Most token rows a layer's 16-bit buffers and positions reserve after any one-token decode forward
     (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (rounded up to the
