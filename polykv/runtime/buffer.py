@@ -24,7 +24,8 @@ class TokenBuffer:
         self.data: torch.Tensor | None = None
         """The whole buffer (None until the first append, or a reserve with a known shape)."""
         self.length = 0
-        self._pending = 0  # rows reserved before the shape was known
+        self.pending = 0
+        """Rows reserved before the shape was known (allocated by the first append)."""
     @property
     def capacity(self) -> int:
         return 0 if self.data is None else self.data.shape[2]
@@ -42,7 +43,7 @@ class TokenBuffer:
         rows = max(int(rows), self.length)
         if self.data is None:
             if shape is None:
-                self._pending = rows
+                self.pending = rows
                 return
         elif rows == self.capacity:
             return
@@ -52,7 +53,7 @@ class TokenBuffer:
         """Copy ``x`` [B, H, t, *trail] into the next ``t`` rows (growing when they do not fit)."""
         t, n = x.shape[2], self.length
         if self.data is None:
-            self._resize((*x.shape[:2], *x.shape[3:]), self._pending if t <= self._pending else grown_capacity(t))
+            self._resize((*x.shape[:2], *x.shape[3:]), self.pending if t <= self.pending else grown_capacity(t))
         elif n + t > self.capacity:
             self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(n + t))
         self.data[:, :, n:n + t].copy_(x)
@@ -133,7 +134,7 @@ class PassthroughStore(KVStore):
         if x.shape[2]:
             self.buffer.append(x)
         elif self.buffer.data is None:
-            self.buffer.reserve(0, self._shape)
+            self.buffer.reserve(self.buffer.pending, self._shape)
 
     def _data(self) -> torch.Tensor:
         if self._shape is None:

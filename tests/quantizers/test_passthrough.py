@@ -87,3 +87,12 @@ def test_wrong_shapes_are_rejected():
     store.append(torch.randn(1, 2, 3, 4))
     with pytest.raises(ValueError, match="one store per layer"):
         store.append(torch.randn(1, 2, 3, 8))
+
+
+def test_a_reserve_before_the_first_append_is_kept_even_for_an_empty_append():
+    store = PassthroughStore(dtype=torch.float32, device="cpu")
+    store.reserve(12)
+    store.append(torch.randn(1, 2, 0, 4))
+    assert len(store) == 0 and store.capacity == 12
+    store.append(torch.randn(1, 2, 5, 4))
+    assert store.capacity == 12 and store.resident_bytes() == 2 * 12 * 4 * 4
