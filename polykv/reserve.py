@@ -8,9 +8,10 @@ rows to the front of the same buffers. ``C`` is set in three places, always by t
   back between forwards to at most ``hold`` tokens per head (``capacity + decode_slack`` of an
   evicting decode op, an allocator's budget + slack, a window's bound, the smallest that applies)
   reserves ``max(kept, hold) + 1`` rows, so one-token decode forwards never reallocate; a layer that
-  keeps everything reserves ``kept + 1`` rounded up to a whole number of :data:`GROWTH_BLOCK` rows;
+  keeps everything reserves exactly ``kept`` rows (right after prefill it holds what vanilla holds);
 * when an append does not fit, :func:`grown_capacity`: the new length rounded up to a whole number of
-  :data:`GROWTH_BLOCK` rows (a keep-everything layer is copied once every ``GROWTH_BLOCK`` tokens);
+  :data:`GROWTH_BLOCK` rows (a keep-everything layer grows at its first decode token, then is copied
+  once every ``GROWTH_BLOCK`` tokens);
 * after an eviction, the layer asks again for :func:`reserve_tokens` of what it now holds; a store
   whose buffer is larger releases the extra rows (one reallocation; e.g. a decode-only rule after its
   first eviction of the whole prompt), a smaller one grows.
@@ -32,10 +33,10 @@ def grown_capacity(tokens: int) -> int:
 
 def reserve_tokens(kept: int, hold: int | None) -> int:
     """Rows to reserve for ``kept`` stored tokens when the layer is cut back to ``hold`` tokens per head
-    after every forward (None: never cut back): ``max(kept, hold) + 1``, or
-    ``grown_capacity(kept + 1)`` when nothing bounds the layer."""
+    after every forward (None: never cut back): ``max(kept, hold) + 1``, or exactly ``kept`` when
+    nothing bounds the layer (it grows by :func:`grown_capacity` when decoding starts)."""
     if hold is None:
-        return grown_capacity(int(kept) + 1)
+        return int(kept)
     return max(int(kept), int(hold)) + 1
 
 

@@ -173,16 +173,17 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
                  wbound: int | None, new_tokens: int | None) -> int:
     """Most token rows a layer's 16-bit buffers and positions reserve after any one-token decode forward
     (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (rounded up to the
-    growth block when a ratio capacity moves ``hold``), else the grown buffer of everything kept."""
+    growth block when a ratio capacity moves ``hold``), else the grown buffer of everything kept
+    (``new_tokens`` None or 0: the start of decoding, exactly what prefill kept)."""
     n = int(new_tokens or 0)
     evicts = not lp.decode.keeps_everything
     cap = None
     if evicts:
         cap = after_prefill if after_prefill is not None else lp.decode.resolve_capacity(context_tokens + n)
     hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
-    if hold is None:
+    if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
         start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
-        return grown_capacity(start + max(n, 1))
+        return grown_capacity(start + n) if n else start
     moving = evicts and after_prefill is None and lp.decode.capacity is None
     return grown_capacity(hold + 1) if moving else hold + 1
 

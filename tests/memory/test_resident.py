@@ -38,26 +38,26 @@ def test_prediction_equals_the_bytes_of_real_stores():
         got = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
             store = q.new_store(stream, bits, dtype=torch.float32, device="cpu")
+            store.reserve(row.kept_tokens)   # what the runtime reserves for a layer that keeps everything
             store.append(x[:, :, :100])
             store.append(x[:, :, 100:])
             got.append(store.resident_bytes())
         assert [row.key_bytes, row.value_bytes] == got
 
 
-# A 16-bit layer whose decode op keeps everything reserves kept + 1 token rows rounded up to the growth
-# block of 16 (polykv.reserve): 1,024 -> 1,040, 256 -> 272, 128 -> 144.
+# A 16-bit layer whose decode op keeps everything reserves exactly what it keeps (polykv.reserve).
 @pytest.mark.parametrize("make_plan,ratio", [
-    (lambda geo: full_plan(geo), 1_024 / 1_040),
-    (lambda geo: uniform_plan(geo, prefill="snapkv", capacity_ratio=0.25), 1_024 / 272),
-    (lambda geo: uniform_plan(geo, prefill="streamingllm", capacity=128), 1_024 / 144),
+    (lambda geo: full_plan(geo), 1.0),
+    (lambda geo: uniform_plan(geo, prefill="snapkv", capacity_ratio=0.25), 4.0),
+    (lambda geo: uniform_plan(geo, prefill="streamingllm", capacity=128), 8.0),
     # K8/V8, G = R = 32, d = 128, T = 1,024, bf16, per KV head:
     # keys 1,024 x 128 codes + 32 groups x 128 x 2 x 2; values 992 x 128 + 992 x 4 x 2 x 2 + 32 x 128 x 2
     (lambda geo: uniform_plan(geo, k_bits=8, v_bits=8),
      (2 * 1_024 * 128 * 2) / (1_024 * 128 + 32 * 128 * 4 + 992 * 128 + 992 * 4 * 4 + 32 * 128 * 2)),
-    # layer 0 full bf16 (1,040 rows reserved), layer 1 keeps 256 at K4/V4: (2 full) / (1 full x 1,040 / 1,024
-    # + keys 256 x 64 + 8 x 128 x 4 + values 224 x 64 + 224 x 4 x 4 + 32 x 128 x 2)
+    # layer 0 full bf16, layer 1 keeps 256 at K4/V4: (2 full) / (1 full + keys 256 x 64 + 8 x 128 x 4
+    # + values 224 x 64 + 224 x 4 x 4 + 32 x 128 x 2)
     (lambda geo: per_layer_plan(geo, [dict(), dict(prefill=OpSpec(rule="tova", capacity=256), k_bits=4, v_bits=4)]),
-     (2 * 524_288) / (524_288 * 1_040 // 1_024 + 256 * 64 + 8 * 128 * 4 + 224 * 64 + 224 * 4 * 4 + 32 * 128 * 2)),
+     (2 * 524_288) / (524_288 + 256 * 64 + 8 * 128 * 4 + 224 * 64 + 224 * 4 * 4 + 32 * 128 * 2)),
 ])
 def test_ratio_of_hand_computed_plans(make_plan, ratio):
     geo = geometry()
@@ -82,11 +82,11 @@ def test_metadata_positions_accumulated_scores_and_query_window():
         dict(decode=OpSpec(rule="tova", capacity=100)),                               # last query kept
     ])
     rows = predict_resident(plan, geo, 1_000, batch=3, dtype_bytes=2)
-    # positions live in a buffer of the layer's reserve (polykv.reserve): keep-everything layers 1,000 + 1
-    # rounded up to 1,008 and 100 + 1 to 112; an evicting layer capacity + slack (128) + 1 = 229 rows
-    assert rows[0].metadata == {"positions": 8 * 3 * 2 * 1_008, "accumulated": 0, "query_window": 0}
+    # positions live in a buffer of the layer's reserve (polykv.reserve): a keep-everything layer reserves
+    # what it keeps; an evicting layer capacity + slack (128) + 1 = 229 rows
+    assert rows[0].metadata == {"positions": 8 * 3 * 2 * 1_000, "accumulated": 0, "query_window": 0}
     assert rows[1].metadata == {"positions": 8 * 3 * 2 * 229, "accumulated": 4 * 3 * 2 * 100, "query_window": 0}
-    assert rows[2].metadata == {"positions": 8 * 3 * 2 * 112, "accumulated": 0, "query_window": 0}
+    assert rows[2].metadata == {"positions": 8 * 3 * 2 * 100, "accumulated": 0, "query_window": 0}
     assert rows[3].metadata["query_window"] == 3 * 8 * 1 * 128 * 2 + 8
     # The KV bytes never include metadata; they are the 16-bit buffers of 229 reserved rows.
     assert rows[1].resident_bytes == 2 * 3 * 2 * 229 * 128 * 2
