@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from polykv.studies import stats  # noqa: E402
+from polykv import stats  # noqa: E402
 
 _RULE_COLOURS = {"full": "#bbbbbb", "snapkv": "#1f77b4", "h2o": "#ff7f0e", "tova": "#2ca02c",
                  "triattention": "#d62728", "streamingllm": "#9467bd", "key_norm": "#8c564b", "random": "#e377c2",
