@@ -23,13 +23,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from polykv.plan import FULL_OP, OpSpec, full_plan
+from polykv.plan import DEFAULT_QUANTIZER, FULL_OP, OpSpec, full_plan
 from polykv.profiling.profile import CandidateConfig
 
 
 def one_layer_plan(geometry, layer: int, *, rule: str, k_bits: int = 16, v_bits: int = 16,
                    capacity: int | None = None, keep: float | None = None, params: Mapping[str, Any] | None = None,
-                   quantizer: str = "kivi", quantizer_params: Mapping[str, Any] | None = None):
+                   quantizer: str = DEFAULT_QUANTIZER, quantizer_params: Mapping[str, Any] | None = None):
     """A full plan except ``layer``, whose prefill op is ``rule`` at ``capacity`` tokens or ``keep`` ratio."""
     if keep is not None and keep >= 1.0:
         op = FULL_OP
@@ -40,7 +40,7 @@ def one_layer_plan(geometry, layer: int, *, rule: str, k_bits: int = 16, v_bits:
                                           quantizer_params=dict(quantizer_params or {}))
 
 
-def config_plan(geometry, layer: int, config: CandidateConfig, *, quantizer: str = "kivi",
+def config_plan(geometry, layer: int, config: CandidateConfig, *, quantizer: str = DEFAULT_QUANTIZER,
                 quantizer_params: Mapping[str, Any] | None = None):
     """The one-layer plan of a profile config (measured in the prefill phase, as calibration does)."""
     return one_layer_plan(geometry, layer, rule=config.rule, keep=config.keep, params=config.params,
