@@ -1,4 +1,4 @@
-"""Paired statistics for studies and calibration: intervals, bootstraps, correlations, placement controls.
+"""Paired statistics for studies and calibration: intervals, bootstraps and correlations.
 
 Compression effects between policies are small (PolyKV reports +0.26 LongBench points for routing),
 so a study never reports a bare difference: every comparison is paired over the same items (or the
@@ -10,17 +10,16 @@ reproducible to the last digit.
   (Efron & Tibshirani, 1993), 10,000 seeded replicates by default.
 - :func:`paired_bootstrap_tasks` — the same, resampling tasks (each task's mean is one unit).
 - :func:`spearman`, :func:`pearson` — correlations with a seeded permutation p-value.
-- :func:`placement_control` — PolyKV's count-matched placement control: the guided route's rank among
-  N random placements and the one-sided Monte Carlo p = (1 + #random >= guided) / (N + 1).
-- :func:`moend_ablation` — MoE-nD's chain d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d.
-- :func:`polykv_factorial` — PolyKV's 2 x 2 (homogeneous | routed) x (uniform | allocated) summary.
+
+The summaries of particular study designs (placement control, MoE-nD's ablation chain, PolyKV's
+factorial) build on these in :mod:`polykv.studies.stats`.
 """
 
 from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import attrs
 import numpy as np
@@ -80,29 +79,15 @@ class Correlation:
     """Seed of the shuffle generator."""
 
 
-@attrs.define(frozen=True, kw_only=True)
-class PlacementControl:
-    """The guided route against count-matched random placements (PolyKV's placement control)."""
-
-    guided: float
-    """Downstream score of the guided route."""
-    rank: int
-    """1 + number of random placements scoring at least as well (ties count against the guided route)."""
-    total: int
-    """Number of random placements + 1 (the guided route)."""
-    p_value: float
-    """One-sided Monte Carlo p = (1 + #random >= guided) / (N + 1) = rank / total."""
-    random_mean: float
-    """Mean score of the random placements."""
-
-
 def _level_z(level: float) -> float:
     if not 0.0 < level < 1.0:
         raise StudyError(f"confidence level must lie in (0, 1); got {level}")
     return NormalDist().inv_cdf(0.5 + level / 2.0)
 
 
-def _vector(x, name: str) -> np.ndarray:
+def as_scores(x, name: str) -> np.ndarray:
+    """``x`` as a float64 vector of per-item scores; a StudyError (naming ``name``) when it is not a
+    non-empty 1-D sequence of finite numbers."""
     arr = np.asarray(x, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
         raise StudyError(f"{name} must be a non-empty 1-D sequence of numbers; got shape {arr.shape}")
@@ -112,7 +97,7 @@ def _vector(x, name: str) -> np.ndarray:
 
 
 def _paired(a, b, names=("a", "b")) -> tuple[np.ndarray, np.ndarray]:
-    a, b = _vector(a, names[0]), _vector(b, names[1])
+    a, b = as_scores(a, names[0]), as_scores(b, names[1])
     if a.shape != b.shape:
         raise StudyError(f"paired scores must cover the same items: {names[0]} has {a.size} values, "
                          f"{names[1]} has {b.size}")
@@ -155,7 +140,7 @@ def bootstrap_mean(values, *, replicates: int = DEFAULT_REPLICATES, level: float
     The p-value is two-sided: 2 * min(P*(mean <= 0), P*(mean >= 0)), capped at 1, where P* is the
     bootstrap distribution (a common, approximate test; report the interval first).
     """
-    x = _vector(values, "values")
+    x = as_scores(values, "values")
     _level_z(level)
     if replicates < 1:
         raise StudyError(f"bootstrap needs at least one replicate; got {replicates}")
@@ -190,7 +175,7 @@ def paired_bootstrap(a, b, *, replicates: int = DEFAULT_REPLICATES, level: float
 def _task_means(scores: Mapping[str, object], name: str) -> dict[str, float]:
     out = {}
     for task, value in scores.items():
-        arr = _vector(np.atleast_1d(value), f"{name}[{task!r}]")
+        arr = as_scores(np.atleast_1d(value), f"{name}[{task!r}]")
         out[task] = float(arr.mean())
     return out
 
@@ -287,133 +272,3 @@ def pearson(x, y, *, permutations: int = DEFAULT_PERMUTATIONS, seed: int = 0,
             alternative: str = "two-sided") -> Correlation:
     """Pearson's r with a seeded permutation p-value (MoE-nD validates sensitivity against KL this way)."""
     return _correlate(x, y, method="pearson", permutations=permutations, seed=seed, alternative=alternative)
-
-
-# -- placement control ----------------------------------------------------------------------------
-def placement_control(guided: float, random_scores: Sequence[float], *,
-                      higher_is_better: bool = True) -> PlacementControl:
-    """Rank of the guided route among count-matched random placements, and its Monte Carlo p.
-
-    Parameters
-    ----------
-    guided : float
-        Downstream score of the profile-guided route.
-    random_scores : sequence of float, shape [N]
-        Scores of N random placements with the same per-method layer counts.
-    higher_is_better : bool
-        Set False for losses (perplexity, KL).
-    """
-    r = _vector(random_scores, "random_scores")
-    g = float(guided)
-    at_least = int(np.sum(r >= g)) if higher_is_better else int(np.sum(r <= g))
-    return PlacementControl(guided=g, rank=1 + at_least, total=r.size + 1,
-                            p_value=(1.0 + at_least) / (r.size + 1.0), random_mean=float(r.mean()))
-
-
-def random_placements(counts: Mapping[str, int], n: int, *, seed: int = 0,
-                      exclude: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
-    """``n`` unique random layer -> method placements with fixed method counts (seeded).
-
-    Parameters
-    ----------
-    counts : mapping method -> number of layers
-        E.g. ``{"snapkv": 20, "tova": 10}`` for a 30-layer route; the layers total sum(counts).
-    n : int
-        Placements to draw (PolyKV uses 99).
-    exclude : sequence of placements
-        Placements never returned (pass the guided route).
-    """
-    pool = [m for m in sorted(counts) for _ in range(int(counts[m]))]
-    if not pool:
-        raise StudyError("random placements need at least one layer in counts")
-    total = math.factorial(len(pool))
-    for m in counts:
-        total //= math.factorial(int(counts[m]))
-    seen = {tuple(e) for e in exclude}
-    excluded = sum(1 for e in seen if sorted(e) == pool)
-    if n > total - excluded:
-        raise StudyError(f"only {total} distinct placements exist for counts {dict(counts)} "
-                         f"({excluded} of them excluded); asked for {n}")
-    rng = np.random.default_rng(seed)
-    out: list[tuple[str, ...]] = []
-    while len(out) < n:
-        cand = tuple(pool[i] for i in rng.permutation(len(pool)))
-        if cand not in seen:
-            seen.add(cand)
-            out.append(cand)
-    return out
-
-
-# -- study summaries ------------------------------------------------------------------------------
-def moend_ablation(scores: Mapping[str, object], *, replicates: int = DEFAULT_REPLICATES, level: float = 0.95,
-                   seed: int = 0) -> dict[str, Interval]:
-    """MoE-nD's ablation chain with paired intervals over the same items.
-
-    Parameters
-    ----------
-    scores : mapping method -> per-item scores, shape [n]
-        Must hold "2d_uniform", "2d" and "2d_hetero" (MoE-nD's baselines); "full" and "1d" are optional.
-
-    Returns
-    -------
-    dict
-        ``d_quant`` = 2d - 2d_uniform (per-layer bit routing), ``d_evict`` = 2d_hetero - 2d (per-layer
-        eviction ratios), plus ``d_total`` = 2d_hetero - 2d_uniform, and ``hetero_vs_1d`` /
-        ``hetero_vs_full`` when those are present.
-    """
-    need = ("2d_uniform", "2d", "2d_hetero")
-    missing = [k for k in need if k not in scores]
-    if missing:
-        raise StudyError(f"MoE-nD ablation needs per-item scores for {list(need)}; missing {missing}")
-    pairs = {"d_quant": ("2d", "2d_uniform"), "d_evict": ("2d_hetero", "2d"),
-             "d_total": ("2d_hetero", "2d_uniform"), "hetero_vs_1d": ("2d_hetero", "1d"),
-             "hetero_vs_full": ("2d_hetero", "full")}
-    out = {}
-    for name, (hi, lo) in pairs.items():
-        if hi in scores and lo in scores:
-            out[name] = paired_bootstrap(scores[hi], scores[lo], replicates=replicates, level=level, seed=seed)
-    return out
-
-
-FACTORIAL_CELLS = ("homogeneous_uniform", "homogeneous_allocated", "routed_uniform", "routed_allocated")
-
-
-def polykv_factorial(scores: Mapping[str, object], *, replicates: int = DEFAULT_REPLICATES,
-                     level: float = 0.95, seed: int = 0) -> dict[str, Interval]:
-    """PolyKV's 2 x 2 factorial: (homogeneous | routed) x (uniform | allocated capacity).
-
-    Parameters
-    ----------
-    scores : mapping cell -> per-item scores, shape [n]
-        Cells: "homogeneous_uniform" (one rule, equal capacity), "homogeneous_allocated" (allocation
-        only), "routed_uniform" (route only), "routed_allocated" (joint), all over the same items.
-
-    Returns
-    -------
-    dict
-        Per-cell mean accuracy intervals (``mean:<cell>``, bootstrap), the simple effects
-        ``route_only`` / ``allocation_only`` / ``joint`` against homogeneous-uniform, the main effects
-        ``routing`` = mean over capacity levels of (routed - homogeneous) and ``allocation`` likewise,
-        and ``interaction`` = (joint - route_only) - (allocation_only - homogeneous); each a paired
-        bootstrap interval of that per-item contrast.
-    """
-    missing = [c for c in FACTORIAL_CELLS if c not in scores]
-    if missing:
-        raise StudyError(f"PolyKV factorial needs per-item scores for {list(FACTORIAL_CELLS)}; missing {missing}")
-    hu, ha, ru, ra = (_vector(scores[c], c) for c in FACTORIAL_CELLS)
-    if not hu.shape == ha.shape == ru.shape == ra.shape:
-        raise StudyError("PolyKV factorial cells must cover the same items: got sizes "
-                         + ", ".join(f"{c}={np.size(scores[c])}" for c in FACTORIAL_CELLS))
-    contrasts = {
-        "route_only": ru - hu,
-        "allocation_only": ha - hu,
-        "joint": ra - hu,
-        "routing": 0.5 * ((ru - hu) + (ra - ha)),
-        "allocation": 0.5 * ((ha - hu) + (ra - ru)),
-        "interaction": (ra - ru) - (ha - hu),
-    }
-    kw = dict(replicates=replicates, level=level, seed=seed)
-    out = {f"mean:{c}": bootstrap_mean(v, **kw) for c, v in zip(FACTORIAL_CELLS, (hu, ha, ru, ra))}
-    for name, diff in contrasts.items():
-        out[name] = bootstrap_mean(diff, method="paired-bootstrap-percentile", **kw)
-    return out
