@@ -52,9 +52,10 @@ EXCEPTIONS = {
     ("polykv.profiling.sensitivity", "polykv.runtime"): "selects and stores through PlanCache/LayerStorage",
     ("polykv.profiling.routing_stats", "polykv.runtime"): "causal masks of the runtime's signals",
     ("polykv.profiling.validation", "polykv.runtime"): "delta-PPL and KL run plans through polykv.runtime.apply",
-    # The runtime stores 16-bit (unquantized) streams in the passthrough store, which ships with the
-    # quantizer adapters so that it implements exactly the store interface every quantizer implements.
-    ("polykv.runtime.stores", "polykv.adapters"): "16-bit streams use the passthrough store",
+    # The 16-bit store's token-blocks view is the quantizers' packed layout type (PackedStream, with no
+    # codes), imported only when a block reader asks; the type belongs in a bottom module once the
+    # quantizer adapters and the runtime can move it together.
+    ("polykv.runtime.buffer", "polykv.adapters.quantizers.packed_stream"): "token_blocks() returns a PackedStream",
     # The package root declares the built-in plugin modules by name (BUILTIN_PLUGINS), so that the
     # registry, a bottom module, names none; the registry imports them when it is built.
     ("polykv", "polykv.adapters"): "declares the built-in rules and quantizers",
