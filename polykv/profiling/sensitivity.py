@@ -108,9 +108,7 @@ def followup_through_storage(cap: LayerCapture, prefix: int, kept: StorageView, 
     dtype, device = cap.key.dtype, cap.key.device
     storage = LayerStorage(lambda stream: new_store(ctx.registry, lp, stream, dtype=dtype, device=device))
     storage.fill(kept.keys, kept.values, kept.positions, None if kept.valid is None else kept.valid.sum(-1))
-    B, Hkv, T, _ = cap.key.shape
-    pos = torch.arange(prefix, T, device=device).view(1, 1, -1).expand(B, Hkv, T - prefix)
-    storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], pos)
+    storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], prefix)  # the follow-up at prefix ..
     view = storage.view()
     q = cap.query[:, :, prefix:]
     return sdpa(q, view.keys.to(q.dtype), view.values.to(q.dtype), cap.scaling, view.valid)
