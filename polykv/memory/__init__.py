@@ -7,8 +7,9 @@ Two numbers per layer, for a context of ``T`` tokens:
   whole tokens (a ratio capacity resolves with :meth:`polykv.OpSpec.resolve_capacity`). Scales,
   minima and full-precision residuals are not counted; this is what solvers budget against.
 * **resident** bytes: exactly what the runtime's stores hold, via each quantizer's
-  ``predict_bytes`` (16-bit streams: ``tokens * Hkv * d * dtype_bytes`` per batch row). Metadata
-  the runtime keeps beside the stores is reported separately.
+  ``predict_reserved_bytes`` (16-bit streams: their preallocated buffers, ``C * Hkv * d * dtype_bytes``
+  per batch row for the ``C`` token rows :mod:`polykv.reserve` reserves). Metadata the runtime keeps
+  beside the stores is reported separately.
 
 Which op bounds storage (``phase=``):
 
@@ -36,7 +37,7 @@ is known when the geometry is a :class:`~polykv.geometry.ModelGeometry`; a plan'
 record carries no layer types, so pass the geometry for models with such layers.
 
 Metadata right after prefill (the runtime keeps only the decode rule's state): positions int64
-``[B, Hkv, kept]``; then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
+``[B, Hkv, C]`` (the reserved rows); then the decode rule's state (:meth:`RetentionRule.new_state`), predicted by
 :meth:`RuleState.predict_bytes` and reported under its ``metadata_name``: ``accumulated``
 (H2O's float32 ``[B, Hkv, kept]``), ``query_window`` (``[B, H, w, d]`` in the compute dtype plus
 int64 positions ``[w]``, ``w = min(window, T)``), ``rule_state`` (any other state). The window

@@ -10,6 +10,7 @@ import attrs
 from polykv.errors import PlanError
 from polykv.memory.tokens import _check, _geometry, _kept, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
+from polykv.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -135,23 +136,30 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             nom = -(-kept * Hkv * d * (lp.k_bits + lp.v_bits) // 8)
             after_prefill = kept
         per_head = _per_head(head_counts, lp.layer, batch, Hkv) if phase == "prefill" else None
+        evicts = not lp.decode.keeps_everything
+        cap = (kept if after_prefill is not None else lp.decode.resolve_capacity(context_tokens)) if evicts else None
         if phase == "decode":
             held = decode_held_tokens(lp, context_tokens, decode_slack=decode_slack, new_tokens=new_tokens,
                                       after_prefill=after_prefill)
             if wbound is not None:  # a windowed layer is trimmed to its bound after every decode forward
                 held = (min(held[0], wbound), min(held[1], wbound))
+            most_rows = _decode_rows(lp, context_tokens, after_prefill, decode_slack, wbound, new_tokens)
             kept = held[1]
-            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes)
+            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, most_rows)
+            reserved = [most_rows]
         elif per_head is None:
-            stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes)
+            reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound))]
+            stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes, reserved[0])
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         else:
-            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes) for n in per_head)
+            reserved = [reserve_tokens(n, layer_hold(capacity=n if evicts else None, decode_slack=decode_slack,
+                                                     bound=wbound)) for n in per_head]
+            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes, r)
+                                for n, r in zip(per_head, reserved))
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         width = kept if per_head is None else max(per_head)
         meta = _metadata(lp, registry, batch, Hkv, d, heads, width, context_tokens, dtype_bytes)
-        if per_head is not None:
-            meta["positions"] = 8 * sum(per_head)
+        meta["positions"] = 8 * (sum(reserved) if per_head is not None else batch * Hkv * reserved[0])
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
             v_bits=lp.v_bits, window_bound=wbound, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
@@ -161,9 +169,29 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     return rows
 
 
+def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
+                 wbound: int | None, new_tokens: int | None) -> int:
+    """Most token rows a layer's 16-bit buffers and positions reserve after any one-token decode forward
+    (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (rounded up to the
+    growth block when a ratio capacity moves ``hold``), else the grown buffer of everything kept
+    (``new_tokens`` None or 0: the start of decoding, exactly what prefill kept)."""
+    n = int(new_tokens or 0)
+    evicts = not lp.decode.keeps_everything
+    cap = None
+    if evicts:
+        cap = after_prefill if after_prefill is not None else lp.decode.resolve_capacity(context_tokens + n)
+    hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
+    if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
+        start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
+        return grown_capacity(start + n) if n else start
+    moving = evicts and after_prefill is None and lp.decode.capacity is None
+    return grown_capacity(hold + 1) if moving else hold + 1
+
+
 def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], batch: int, Hkv: int, d: int,
-                         dtype_bytes: int) -> list[int]:
-    """[key, value] bytes bounding a layer's stores over decoding (see :func:`stream_bound_bytes`)."""
+                         dtype_bytes: int, rows: int) -> list[int]:
+    """[key, value] bytes bounding a layer's stores over decoding (see :func:`stream_bound_bytes`); a 16-bit
+    stream holds its buffer of ``rows`` token rows."""
     evicts = not lp.decode.keeps_everything
     per_stream = []
     for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
@@ -176,17 +204,18 @@ def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], ba
                             hint="fix the layer's quantizer, bits or parameters") from None
     # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
     at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
-    return [per_stream[0][at], per_stream[1][at]]
+    return [batch * Hkv * rows * d * dtype_bytes if bits == PASSTHROUGH_BITS else per_stream[i][at]
+            for i, bits in enumerate((lp.k_bits, lp.v_bits))]
 
 
 def _stream_bytes(lp: LayerPlan, registry: Any, stream: str, bits: int, batch: int, Hkv: int, d: int, kept: int,
-                  dtype_bytes: int) -> int:
+                  dtype_bytes: int, reserved: int) -> int:
+    shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, reserved=reserved, dtype_bytes=dtype_bytes)
     if bits == PASSTHROUGH_BITS:
-        return batch * Hkv * kept * d * dtype_bytes
-    shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, dtype_bytes=dtype_bytes)
+        return reserved_stream_bytes(None, stream, bits, **shape)
     try:
         quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
-        return int(quantizer.predict_bytes(stream, bits, **shape))
+        return reserved_stream_bytes(quantizer, stream, bits, **shape)
     except (ValueError, KeyError) as exc:
         raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
                         hint="fix the layer's quantizer, bits or parameters") from None
