@@ -349,13 +349,21 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
                                 f"{sorted(cls.phases)})", source=source, layer=lp.layer, field=field + ".rule",
                                 hint=f"choose a rule that supports {phase}, or 'full'")
             try:
-                cls(**op.params)
+                rule = cls(**op.params)
             except (TypeError, ValueError) as exc:
                 param = getattr(exc, "param", None)
                 raise PlanError(str(exc), source=source, layer=lp.layer,
                                 field=field + ".params" + (f".{param}" if param else ""),
                                 hint="fix the value (see `polykv plugins` and docs/rules.md)" if param else None
                                 ) from None
+            # A rule built with its parameters may run in fewer phases than its class (a wrapper runs
+            # where the rule it wraps runs): check the instance too.
+            built_phases = getattr(rule, "phases", cls.phases)
+            if phase not in built_phases:
+                raise PlanError(f"rule '{op.rule}' with params {dict(op.params)} does not run in the {phase} "
+                                f"phase (with these params it supports {sorted(built_phases)})", source=source,
+                                layer=lp.layer, field=field + ".params",
+                                hint=f"choose parameters (e.g. an inner rule) that run in {phase}, or another rule")
         if lp.quantized:
             field = f"layers[{lp.layer}]"
             try:

@@ -3,8 +3,12 @@
 # statistics beside it) and the plans at 4x and 8x compression, on the resident basis (real bytes) and,
 # under names ending in -nominal, on MoE-nD's nominal basis. See docs/calibration.md.
 #
-#   bash scripts/regenerate_data.sh            # everything (about 25 minutes on 2 CPU cores)
+#   bash scripts/regenerate_data.sh                # profile over every registered rule, then the plans
+#   FULL_STATS=1 bash scripts/regenerate_data.sh   # also delta-PPL and KL validation (+ the delta-ppl plans)
 #   PLANS_ONLY=1 bash scripts/regenerate_data.sh   # plans only, from the existing profile
+#
+# Timings (docs/calibration.md): the 13-rule design space took 46 min wall (505 s CPU) on the busy shared
+# 2-core machine; delta-PPL costs one whole-model forward per (layer, rule), about 1 hour more there.
 #
 # An interrupted calibration resumes from profiles/<name>.profile.json.partial/ when rerun.
 set -euo pipefail
@@ -16,12 +20,23 @@ PROFILE=profiles/$NAME.profile.json
 CONTEXT=${CONTEXT:-4096}   # context length (tokens) the plan budgets refer to
 
 if [ -z "${PLANS_ONLY:-}" ]; then
-  # MoE-nD design space (keep x K bits x V bits) for every registered rule, 8 sequences of 640 tokens
-  # (prefix 512 compressed, 128 follow-up queries); PolyKV delta-PPL on 1 sequence; KL validation of
-  # 6 sampled configs per layer on 1 held-out sequence.
-  polykv calibrate default -o "$PROFILE" --sequences 8 --tokens 640 --prefix 512 --seed 0 \
-    --delta-ppl 1 --validate 1 --validate-configs 6 --no-progress
+  # MoE-nD design space (keep x K bits x V bits) for every registered rule (wrappers around their
+  # default inner rule), 8 sequences of 640 tokens (prefix 512 compressed, 128 follow-up queries);
+  # with FULL_STATS=1 also PolyKV delta-PPL on 1 sequence and KL validation of 6 sampled configs per
+  # layer on 1 held-out sequence.
+  EXTRA=()
+  if [ -n "${FULL_STATS:-}" ]; then EXTRA=(--delta-ppl 1 --validate 1 --validate-configs 6); fi
+  polykv calibrate default -o "$PROFILE" --sequences 8 --tokens 640 --prefix 512 --seed 0 --threads 1 \
+    "${EXTRA[@]}" --no-progress
+  # Which parameters (and inner rules) the calibrated rules ran with, into the profile's provenance note.
+  python scripts/note_profile_rules.py "$PROFILE"
 fi
+
+# The delta-ppl route needs the profile's delta_ppl statistic (FULL_STATS=1); without it those plans
+# are not solved, and stale ones (from another profile) are removed so every shipped plan is this
+# profile's.
+HAS_DELTA_PPL=$(python -c "import sys; from polykv.profiling.profile import load_profile; \
+print(int('delta_ppl' in load_profile(sys.argv[1]).stats))" "$PROFILE")
 
 solve() {  # solve BASIS BUDGET OUTPUT-STEM SOLVER [--param K=V ...]
   local basis=$1 budget=$2 stem=$3 solver=$4; shift 4
@@ -47,6 +62,10 @@ for BASIS in resident nominal; do
     solve $BASIS "$B" quant-only-triattention quant-only --param rule=triattention
     solve $BASIS "$B" route-prefill profile-route --param scope=prefill
     solve $BASIS "$B" route-prefill-entropy profile-route --param scope=prefill --param allocation=entropy
-    solve $BASIS "$B" route-prefill-delta-ppl profile-route --param scope=prefill --param allocation=delta-ppl
+    if [ "$HAS_DELTA_PPL" = 1 ]; then
+      solve $BASIS "$B" route-prefill-delta-ppl profile-route --param scope=prefill --param allocation=delta-ppl
+    else
+      rm -f "plans/$NAME.route-prefill-delta-ppl.$B$([ "$BASIS" = nominal ] && echo -nominal).plan.json"
+    fi
   done
 done

@@ -26,7 +26,7 @@ import torch
 from polykv.adapters.rules.wrapping import build_inner_rule
 from polykv.operators import SIGNAL_WINDOW, RetentionRule, ScoredRule, SelectionContext
 from polykv.selection import ragged_top_k
-from polykv.params import ParamSpec
+from polykv.params import ParamError, ParamSpec
 
 
 def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2,
@@ -106,9 +106,11 @@ class AdaKVRule(RetentionRule):
         self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
         self.phases = frozenset({"prefill"}) & self.inner.phases
         if not self.phases:
-            raise ValueError(f"rule 'adakv': inner rule '{p['rule']}' does not run in prefill, where Ada-KV allocates")
+            raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' does not run in prefill, where Ada-KV "
+                                     f"allocates")
         if not isinstance(self.inner, ScoredRule):
-            raise ValueError(f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + protected)")
+            raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + "
+                                     f"protected), e.g. snapkv, h2o, tova")
         if not 0.0 <= float(p["floor_alpha"]) <= 1.0:
             raise ValueError(f"rule 'adakv': floor_alpha must lie in [0, 1], got {p['floor_alpha']}")
         if p["rounding"] not in ("exact", "reference"):

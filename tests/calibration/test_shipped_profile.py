@@ -49,3 +49,22 @@ def test_shipped_plans_come_from_this_profile_and_run(default_model, default_geo
         stored = session.cache.stored_tokens()
     assert out.shape[1] == ids.shape[1] + 4
     assert min(stored) < ids.shape[1]  # some layer evicted prompt tokens
+
+
+def test_profile_covers_every_built_in_rule_and_notes_their_parameters():
+    """Every built-in retention rule that runs in prefill (the calibrated phase) has its 45 configs in the
+    shipped profile, and the provenance note records the parameters each ran with (a wrapper's inner rule)."""
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    built_in = {e.name for e in registry.entries("operator") if e.plugin == "polykv.adapters.rules"}
+    wanted = {r for r in built_in if r != "full" and "prefill" in registry.operator(r).phases}
+    prof = load_profile(str(PROFILE))
+    counts = {}
+    for c in prof.configs:
+        counts[c.rule] = counts.get(c.rule, 0) + 1
+    assert wanted <= set(counts), sorted(wanted - set(counts))
+    assert all(counts[r] == 45 for r in wanted) and counts["full"] == 9
+    assert set(prof.stat("cosine").columns) == set(counts) - {"full"}
+    for rule in wanted:
+        assert f"{rule} {{" in prof.provenance.note, rule

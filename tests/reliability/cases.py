@@ -240,6 +240,27 @@ for rule, param, value, tag in PARAM_VALUES:
     PLAN_FIELDS.append((f"param-{rule}-{param}-{tag}", f"layers.{layer}.{phase}", op,
                         f"layers[{layer}].{phase}.params.{param}"))
 
+# wrappers (cam, adakv): the inner rule and its parameters are checked like the rule's own fields
+WRAPPER_INNER = [
+    ("cam", "unknown", {"rule": "magic"}, "params.rule'"),
+    ("cam", "self", {"rule": "cam"}, "params.rule'"),
+    ("cam", "full", {"rule": "full"}, "params.rule'"),
+    ("cam", "int", {"rule": 7}, "params.rule'"),
+    ("cam", "params-list", {"rule": "h2o", "rule_params": [1]}, "params.rule_params'"),
+    ("cam", "params-unknown", {"rule": "h2o", "rule_params": {"colour": 1}}, "params.rule_params'"),
+    ("cam", "params-value", {"rule": "snapkv", "rule_params": {"window": -3}}, "params.rule_params.window'"),
+    ("cam", "params-type", {"rule": "streamingllm", "rule_params": {"n_sink": "4"}}, "params.rule_params.n_sink'"),
+    ("adakv", "unknown", {"rule": "magic"}, "params.rule'"),
+    ("adakv", "not-scored", {"rule": "cam"}, "params.rule'"),
+    ("adakv", "params-value", {"rule": "snapkv", "rule_params": {"kernel_size": 0}}, "params.rule_params.kernel_size'"),
+]
+for wrapper, tag, params, field in WRAPPER_INNER:
+    PLAN_FIELDS.append((f"{wrapper}-inner-{tag}", "layers.0.prefill", {"rule": wrapper, "capacity": 32, "params": params},
+                        f"layers[0].prefill.{field}"))
+# a wrapper runs where its inner rule runs: CaM around SnapKV (prefill only) in the decode phase
+PLAN_FIELDS.append(("cam-inner-wrong-phase", "layers.1.decode",
+                    {"rule": "cam", "capacity": 32, "params": {"rule": "snapkv"}}, "layers[1].decode.params'"))
+
 for _id, _path, _value, _expect in PLAN_FIELDS:
     def _setup(d, p=_path, v=_value):
         plan = mutate(plan_dict(), p, None, delete=True) if v is DELETE else mutate(plan_dict(), p, v)

@@ -98,8 +98,29 @@ def test_a_plan_with_a_bad_inner_rule_fails_validation_naming_layer_and_field():
     from polykv.geometry import geometry_of_model
 
     geo = geometry_of_model(tiny_model("llama", layers=2))
-    for params, needle in [({"rule": "nope"}, "unknown inner rule"), ({"rule": "h2o", "rule_params": {"x": 1}}, "'x'")]:
+    for params, needle, field in [
+            ({"rule": "nope"}, "unknown inner rule", "params.rule"),
+            ({"rule": "h2o", "rule_params": {"x": 1}}, "'x'", "params.rule_params"),
+            ({"rule": "snapkv", "rule_params": {"window": 0}}, "window", "params.rule_params.window")]:
         plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="cam", capacity=8, params=params))
         with pytest.raises(PlanError, match=needle) as err:
             plan.validate(registry=get_registry(), geometry=geo)
-        assert "layers[0].prefill.params" in str(err.value)
+        assert f"field 'layers[0].prefill.{field}'" in str(err.value)
+
+
+def test_cam_around_a_prefill_only_rule_is_refused_in_decode_when_the_plan_is_validated():
+    """CaM runs where its inner rule runs; validation checks the built rule's phases, not the class's."""
+    import polykv
+    from polykv.errors import PlanError
+    from polykv.plan import OpSpec
+    from polykv.registry import get_registry
+    from polykv.testing import tiny_model
+    from polykv.geometry import geometry_of_model
+
+    geo = geometry_of_model(tiny_model("llama", layers=2))
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule="cam", capacity=8, params={"rule": "snapkv"}))
+    with pytest.raises(PlanError, match="does not run in the decode phase") as err:
+        plan.validate(registry=get_registry(), geometry=geo)
+    assert "field 'layers[0].decode.params'" in str(err.value)
+    ok = polykv.uniform_plan(geo, decode=OpSpec(rule="cam", capacity=8, params={"rule": "h2o"}))
+    ok.validate(registry=get_registry(), geometry=geo)
