@@ -154,4 +154,5 @@ def test_decode_memory_bound_holds_for_windowed_layers(gemma3):
     worst, bound, over = decode_soak(model, plan, context_tokens=30, steps=20, through_model=True)
     assert over == [0, 0, 0]
     slot = geo.num_kv_heads * geo.head_dim * 4 * 2                   # K + V, float32, one token
-    assert bound[:2] == [(WINDOW - 1) * slot] * 2 and worst[:2] == bound[:2]
+    # a sliding layer holds W - 1 tokens in buffers of W rows (one reserved for the next token)
+    assert bound[:2] == [WINDOW * slot] * 2 and worst[:2] == bound[:2]
