@@ -22,7 +22,7 @@ import torch
 
 from polykv.operators import KVStore, WriteCost
 from polykv.reserve import reserve_tokens
-from polykv.runtime.buffer import TokenBuffer
+from polykv.token_buffer import TokenBuffer
 from polykv.selection import Selection
 
 
