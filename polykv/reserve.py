@@ -11,7 +11,8 @@ rows to the front of the same buffers. ``C`` is set in three places, always by t
   keeps everything reserves exactly ``kept`` rows (right after prefill it holds what vanilla holds);
 * when an append does not fit, :func:`grown_capacity`: the new length rounded up to a whole number of
   :data:`GROWTH_BLOCK` rows (a keep-everything layer grows at its first decode token, then is copied
-  once every ``GROWTH_BLOCK`` tokens);
+  once every ``GROWTH_BLOCK`` tokens); an evicting layer (whose ratio capacity can outgrow its
+  reserve) grows to exactly the new length instead;
 * after an eviction, the layer asks again for :func:`reserve_tokens` of what it now holds; a store
   whose buffer is larger releases the extra rows (one reallocation; e.g. a decode-only rule after its
   first eviction of the whole prompt), a smaller one grows.

@@ -172,8 +172,8 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
                  wbound: int | None, new_tokens: int | None) -> int:
     """Most token rows a layer's 16-bit buffers and positions reserve after any one-token decode forward
-    (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (rounded up to the
-    growth block when a ratio capacity moves ``hold``), else the grown buffer of everything kept
+    (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (at the most tokens seen,
+    for a ratio capacity), else the grown buffer of everything kept
     (``new_tokens`` None or 0: the start of decoding, exactly what prefill kept)."""
     n = int(new_tokens or 0)
     evicts = not lp.decode.keeps_everything
@@ -184,8 +184,7 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
         start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
         return grown_capacity(start + n) if n else start
-    moving = evicts and after_prefill is None and lp.decode.capacity is None
-    return grown_capacity(hold + 1) if moving else hold + 1
+    return hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
 
 
 def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], batch: int, Hkv: int, d: int,

@@ -79,7 +79,8 @@ class LayerCache(CacheLayerMixin):
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
-        self.storage = LayerStorage(self._new_store, self.reserve_for)
+        self.storage = LayerStorage(self._new_store, self.reserve_for,
+                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
         self.states = new_rule_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
         self.extra_states: list = []

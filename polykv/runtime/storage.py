@@ -22,7 +22,7 @@ import torch
 
 from polykv.operators import KVStore, WriteCost
 from polykv.reserve import reserve_tokens
-from polykv.runtime.buffer import TokenBuffer
+from polykv.token_buffer import TokenBuffer
 from polykv.selection import Selection
 
 
@@ -75,12 +75,16 @@ class LayerStorage:
     reserve_for : callable, optional
         ``reserve_for(kept, ragged)`` -> token rows to reserve per head for a head holding ``kept``
         tokens right after the prompt is stored or an eviction (:mod:`polykv.reserve`); by default
-        ``kept + 1`` rounded up to :data:`polykv.reserve.GROWTH_BLOCK`.
+        exactly ``kept``.
+    exact_growth : bool
+        True for a layer that evicts: an append that does not fit grows the buffers to exactly the new
+        length (a ratio capacity's slow growth), not to the next :data:`polykv.reserve.GROWTH_BLOCK`.
     """
 
     def __init__(self, new_store: Callable[[str], KVStore],
-                 reserve_for: Callable[[int, bool], int] | None = None):
+                 reserve_for: Callable[[int, bool], int] | None = None, *, exact_growth: bool = False):
         self._new_store = new_store
+        self._exact_growth = exact_growth
         self._reserve_for = reserve_for or (lambda kept, ragged: reserve_tokens(kept, None))
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
@@ -139,12 +143,19 @@ class LayerStorage:
         """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""
         q = keys.shape[2]
         if not self.ragged:
+            n = self._pos.length
+            if self._exact_growth and n + q > self._pos.capacity:  # an evicting layer grows to exactly what it needs
+                for store in (self.key_store, self.value_store, self._pos):
+                    _reserve(store, n + q)
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append_arange(first_position, q)
             return
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
+            if self._exact_growth and seg.length + q > seg.pos.capacity:
+                for store in (seg.key, seg.value, seg.pos):
+                    _reserve(store, seg.length + q)
             seg.key.append(keys[b:b + 1, h:h + 1])
             seg.value.append(values[b:b + 1, h:h + 1])
             seg.pos.append_arange(first_position, q)

@@ -6,7 +6,7 @@ import torch
 
 from polykv.operators import KVStore
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.runtime.buffer import PassthroughStore
+from polykv.token_buffer import PassthroughStore
 
 
 def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,

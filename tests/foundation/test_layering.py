@@ -55,7 +55,7 @@ EXCEPTIONS = {
     # The 16-bit store's token-blocks view is the quantizers' packed layout type (PackedStream, with no
     # codes), imported only when a block reader asks; the type belongs in a bottom module once the
     # quantizer adapters and the runtime can move it together.
-    ("polykv.runtime.buffer", "polykv.adapters.quantizers.packed_stream"): "token_blocks() returns a PackedStream",
+    ("polykv.token_buffer", "polykv.adapters.quantizers.packed_stream"): "token_blocks() returns a PackedStream",
     # The package root declares the built-in plugin modules by name (BUILTIN_PLUGINS), so that the
     # registry, a bottom module, names none; the registry imports them when it is built.
     ("polykv", "polykv.adapters"): "declares the built-in rules and quantizers",

@@ -8,7 +8,7 @@ from polykv.adapters.quantizers.kivi import KiviQuantizer
 from polykv.adapters.quantizers.passthrough import PassthroughStore
 from polykv.registry import get_registry
 from polykv.reserve import GROWTH_BLOCK, capacity_after, grown_capacity
-from polykv.runtime.buffer import PassthroughStore as CorePassthroughStore
+from polykv.token_buffer import PassthroughStore as CorePassthroughStore
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -16,6 +16,7 @@ must equal the full recompute's.
 from __future__ import annotations
 
 import pytest
+import attrs
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -49,6 +50,10 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
         v_b = torch.where(where.unsqueeze(-1), v_over, value)
         out[:, :, a:b] = _masked(query[:, :, a:b], k_b, v_b, allowed[:, :, a:b], scaling, G)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _snapshot(view):
+    return attrs.evolve(view, keys=view.keys.clone(), values=view.values.clone(), positions=view.positions.clone())
 
 
 def _merge_overrides(layer, k_ref, v_ref):
@@ -115,7 +120,8 @@ def _run_and_record(model, plan, ids, question, stats, registry=None, merges=Fal
                 chunk = out.logits[:, -1:].argmax(-1)
             start = cache.get_seq_length()
             stored = [layer.positions.clone() for layer in cache.layers]
-            views = [layer.storage.view() for layer in cache.layers] if merges else None
+            # copies: a 16-bit store's view is its buffer, which later appends and evictions overwrite in place
+            views = [_snapshot(layer.storage.view()) for layer in cache.layers] if merges else None
             out = model(chunk, past_key_values=cache, use_cache=True)
             for layer in cache.layers:  # capacity is honoured after every decode forward
                 cap = layer.spec.plan.decode.resolve_capacity(cache.get_seq_length())
