@@ -10,8 +10,8 @@ query attends over them in three ways, timed in the same run (best of ``--reps``
 * the Triton kernel's agreement with the blockwise reference (on CPU it runs in Triton's
   interpreter, so it is checked, not timed, at ``--kernel-tokens``).
 
-    python bench/kernels.py                          # 2k, 4k and 16k tokens, K4V4 and K2V2, CPU
-    python bench/kernels.py --contexts 2048 --bits 4/4 --threads 2
+    python bench/attention_kernels.py                          # 2k, 4k and 16k tokens, K4V4 and K2V2, CPU
+    python bench/attention_kernels.py --contexts 2048 --bits 4/4 --threads 2
 """
 
 from __future__ import annotations
