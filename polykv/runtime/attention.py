@@ -28,7 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
-from polykv.runtime.signals import lower_right_causal
+from polykv.rule_state import AttentionSignals, attention_last_rows, signal_request
+from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
 
@@ -185,12 +186,34 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     valid = layer.attend_valid()
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if softcap is None and sinks is None:
+    signals = None
+    if not layer.prefilled and visible is None and softcap is None and sinks is None:
+        out, signals = prefill_attention_with_signals(layer, query, key, value, scaling, valid)
+    elif softcap is None and sinks is None:
         out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
-    layer.after_attention(query, scaling)
+    layer.after_attention(query, scaling, signals=signals)
     return out.transpose(1, 2).contiguous(), None
+
+
+def prefill_attention_with_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   scaling: float, valid: torch.Tensor | None
+                                   ) -> tuple[torch.Tensor, AttentionSignals | None]:
+    """A prefill forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
+
+    The layer's observing states declare what they read (``RuleState.needs``). Column sums (every
+    row contributes) come from :func:`~polykv.runtime.signals.attention_with_signals`, one pass that
+    also produces the output; newest rows alone are cheap and come from those rows only, next to
+    SDPA. With nothing declared, plain SDPA and no signals (the keep-everything plan stays vanilla).
+    """
+    request = signal_request(layer.observing_states())
+    if request.needs_every_row:
+        return attention_with_signals(query, key, value, scaling, request, valid)
+    out = sdpa(query, key, value, scaling, valid)
+    if not request:
+        return out, None
+    return out, AttentionSignals(last_rows=attention_last_rows(query, key, scaling, request.last_rows, valid))
 
 
 def _check_window(layer, layer_idx, model_window) -> None:
