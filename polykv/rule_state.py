@@ -17,6 +17,10 @@ The built-in signals are such helpers: :class:`QueryWindow` (the last ``w`` quer
 and :class:`AccumulatedAttention` (H2O's running column sums). :class:`CompositeState` combines
 several. Everything here computes attention in query chunks: no T x T score matrix is materialised.
 
+A state names what :meth:`RuleState.observe` reads from the forward in ``needs`` (:data:`NEEDS`);
+the prefill attention function then computes it in its own pass (:func:`signal_request`,
+:class:`AttentionSignals`) and the :class:`Observation` hands it over instead of recomputing.
+
 Shapes: B batch, H query heads, Hkv KV heads, G = H // Hkv, q new queries of one forward, K keys
 attended by them (stored + new, padded across heads when the layer is ragged), d head dim.
 """
