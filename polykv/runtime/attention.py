@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
-from polykv.rule_state import AttentionSignals, attention_last_rows, signal_request
+from polykv.attention_signals import AttentionSignals, attention_last_rows, signal_request
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"

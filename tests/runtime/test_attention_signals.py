@@ -13,7 +13,7 @@ import torch
 
 import polykv
 import polykv.operators as operators
-import polykv.rule_state as rule_state
+import polykv.attention_signals as attention_signals
 import polykv.runtime.attention as attention
 from polykv.operators import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
@@ -97,8 +97,8 @@ def test_observation_reads_the_pass_and_computes_only_once_otherwise(monkeypatch
     assert torch.equal(obs.last_rows(3), sig.last_rows[:, :, 2:])
     assert obs.precomputed_rows(6) is None                     # the pass computed 5
     calls = []
-    real = rule_state.attention_probabilities
-    monkeypatch.setattr(rule_state, "attention_probabilities", lambda *a: calls.append(1) or real(*a))
+    real = attention_signals.attention_probabilities
+    monkeypatch.setattr(attention_signals, "attention_probabilities", lambda *a: calls.append(1) or real(*a))
     plain = attrs.evolve(obs, signals=None)
     assert (plain.column_sums() - sig.column_sums).abs().max() < 1e-6
     assert plain.column_sums() is plain.column_sums() and len(calls) == 1
@@ -216,7 +216,7 @@ def test_h2o_prefill_reads_column_sums_from_the_pass_and_snapkv_its_rows(llama, 
     def recompute(*a, **k):
         raise AssertionError("a state recomputed attention the pass had produced")
 
-    monkeypatch.setattr(rule_state, "attention_probabilities", recompute)
+    monkeypatch.setattr(attention_signals, "attention_probabilities", recompute)
     monkeypatch.setattr(operators, "window_rows", recompute)
     plan = polykv.uniform_plan(geo, **PLANS["snapkv+h2o"])
     with torch.no_grad(), polykv.apply(model, plan) as session:
