@@ -211,8 +211,11 @@ class QueryWindow(RuleState):
         self._drop_rows()
         n = self.queries.shape[2]
         if obs.phase == "prefill" and n <= q:  # every kept query came from this forward
-            self.rows = obs.precomputed_rows(n)
-            self.row_key_positions = None if self.rows is None else obs.positions
+            rows = obs.precomputed_rows(n)
+            if rows is not None and rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+                rows = rows.clone()  # part of a larger slab (another state asked for more rows): hold only ours
+            self.rows = rows
+            self.row_key_positions = None if rows is None else obs.positions
 
     def attention_rows(self, queries: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
         """[B, H, w, K] the kept attention rows if they are those of ``queries`` (this window's own tensor)

@@ -163,6 +163,11 @@ def test_query_window_keeps_prefill_rows_only_for_its_own_queries_and_keys():
     assert state.nbytes() == 4 * 4 * 8 * 4 + 4 * 8 + 4 * 4 * 4 * 10
     state.after_prefill()
     assert state.rows is None and state.nbytes() == 4 * 4 * 8 * 4 + 4 * 8
+    newest = QueryWindow(1)                                      # a TOVA beside the SnapKV: one row of the four
+    newest.observe(Observation(layer_idx=0, phase="prefill", query=query, keys=key, positions=pos, valid=None,
+                               first_position=0, scaling=0.3, signals=sig))
+    assert torch.equal(newest.rows, sig.last_rows[:, :, 3:])
+    assert newest.rows.untyped_storage().nbytes() == 4 * 10 * 4    # holds its row, not the whole slab
 
 
 def _run(model, plan, ids, chunk=None):
