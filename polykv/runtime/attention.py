@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
-from polykv.attention_signals import AttentionSignals, attention_last_rows, signal_request
+from polykv.attention_signals import AttentionSignals, signal_request
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
@@ -202,18 +202,17 @@ def prefill_attention_with_signals(layer, query: torch.Tensor, key: torch.Tensor
                                    ) -> tuple[torch.Tensor, AttentionSignals | None]:
     """A prefill forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
 
-    The layer's observing states declare what they read (``RuleState.needs``). Column sums (every
-    row contributes) come from :func:`~polykv.runtime.signals.attention_with_signals`, one pass that
-    also produces the output; newest rows alone are cheap and come from those rows only, next to
-    SDPA. With nothing declared, plain SDPA and no signals (the keep-everything plan stays vanilla).
+    The layer's observing states declare what they read (``RuleState.needs``). When some state reads
+    column sums (every query row contributes), :func:`~polykv.runtime.signals.attention_with_signals`
+    computes the output and every declared signal in one pass. Otherwise plain SDPA and no signals:
+    the newest rows alone cost ``r x K`` whenever they are computed, so states compute them when
+    they select (a layer waiting for its allocation group holds no rows meanwhile), and the
+    keep-everything plan stays vanilla.
     """
     request = signal_request(layer.observing_states())
     if request.needs_every_row:
         return attention_with_signals(query, key, value, scaling, request, valid)
-    out = sdpa(query, key, value, scaling, valid)
-    if not request:
-        return out, None
-    return out, AttentionSignals(last_rows=attention_last_rows(query, key, scaling, request.last_rows, valid))
+    return sdpa(query, key, value, scaling, valid), None
 
 
 def _check_window(layer, layer_idx, model_window) -> None:
