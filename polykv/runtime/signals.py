@@ -28,8 +28,8 @@ from polykv.attention_signals import (AttentionSignals, SignalRequest, attention
 __all__ = ["attention_column_sums", "attention_probabilities", "attention_with_signals", "lower_right_causal",
            "SIGNAL_CHUNK_ELEMENTS"]
 
-SIGNAL_CHUNK_ELEMENTS = 1 << 20
-"""Float32 logits per query chunk of :func:`attention_with_signals` (4 MiB; the softmax doubles it)."""
+SIGNAL_CHUNK_ELEMENTS = 1 << 21
+"""Float32 logits per query chunk of :func:`attention_with_signals` (8 MiB; the softmax doubles it)."""
 
 
 def _chunk_rows(prefix: int, budget_rows: int, remaining: int) -> int:
@@ -72,43 +72,43 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
     G, dv, offset = H // Hkv, value.shape[-1], K - q
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     keys = key.to(work)                                                    # no copy for float32 models
-    qg = query.view(B, Hkv, G, q, d)
+    # Rows ordered (query, head in group): a chunk of queries is one contiguous [n * G, d] block per KV head.
+    same = work == query.dtype  # float32: scale once here; 16-bit: read each chunk in float32, then scale
+    rows_q = (query * scaling if same else query).view(B, Hkv, G, q, d).transpose(2, 3).reshape(B, Hkv, q * G, d)
     device = query.device
-    out = torch.empty(B, Hkv, G, q, dv, dtype=query.dtype, device=device)
+    out = torch.empty(B, Hkv, q * G, dv, dtype=query.dtype, device=device)
     cols = torch.zeros(B, Hkv, K, dtype=torch.float32, device=device) if request.column_sums else None
     per_head = torch.zeros(B, Hkv, G, K, dtype=torch.float32, device=device) if request.column_sums_per_head else None
     r = min(int(request.last_rows), q)
-    rows = torch.zeros(B, Hkv, G, r, K, dtype=torch.float32, device=device) if r else None
+    rows = torch.zeros(B, Hkv, r, G, K, dtype=torch.float32, device=device) if r else None
     pad = None if valid is None else ~valid.view(B, Hkv, 1, K)
     budget_rows = max(1, chunk_elements // (B * H))
     start = 0
     while start < q:
         n = _chunk_rows(offset + start, budget_rows, q - start)
         stop, prefix = start + n, offset + start + n                        # these rows see keys < prefix
-        chunk = (qg[:, :, :, start:stop].to(work) * scaling).reshape(B, Hkv, G * n, d)
-        logits = torch.matmul(chunk, keys[:, :, :prefix].transpose(-1, -2)).view(B, Hkv, G, n, prefix)
-        if n > 1:  # row start + i sees the first i + 1 of the chunk's own n keys
-            logits[..., prefix - n + 1:].masked_fill_(
-                torch.ones(n, n - 1, dtype=torch.bool, device=device).triu_(), float("-inf"))
+        chunk = rows_q[:, :, start * G:stop * G] if same else rows_q[:, :, start * G:stop * G].to(work) * scaling
+        logits = torch.matmul(chunk, keys[:, :, :prefix].transpose(-1, -2))
+        if n > 1:  # query start + i sees the first i + 1 of the chunk's own n keys
+            logits.view(B, Hkv, n, G, prefix)[..., prefix - n + 1:].masked_fill_(
+                torch.ones(n, n - 1, dtype=torch.bool, device=device).triu_().view(n, 1, n - 1), float("-inf"))
         if pad is not None:
-            logits.masked_fill_(pad[..., :prefix].unsqueeze(2), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)                               # (B, Hkv, G, n, prefix) float32
+            logits.masked_fill_(pad[..., :prefix], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)                               # (B, Hkv, n * G, prefix) float32
         del logits
-        out[:, :, :, start:stop] = torch.matmul(probs.view(B, Hkv, G * n, prefix).to(value.dtype),
-                                                value[:, :, :prefix]).view(B, Hkv, G, n, dv)
-        if cols is not None or per_head is not None:
-            summed = probs.sum(dim=3)                                       # (B, Hkv, G, prefix)
-            if per_head is not None:
-                per_head[..., :prefix] += summed
-            if cols is not None:
-                cols[..., :prefix] += summed.sum(dim=2)
+        out[:, :, start * G:stop * G] = torch.matmul(probs.to(value.dtype), value[:, :, :prefix])
+        if cols is not None:
+            cols[..., :prefix] += probs.sum(dim=2)
+        if per_head is not None:
+            per_head[..., :prefix] += probs.view(B, Hkv, n, G, prefix).sum(dim=2)
         if rows is not None and stop > q - r:
             first = max(start, q - r)
-            rows[:, :, :, first - (q - r):stop - (q - r), :prefix] = probs[:, :, :, first - start:]
+            rows[:, :, first - (q - r):, :, :prefix] = probs.view(B, Hkv, n, G, prefix)[:, :, first - start:]
         del probs
         start = stop
+    out = out.view(B, Hkv, q, G, dv).transpose(2, 3).reshape(B, H, q, dv)
     signals = AttentionSignals(
         column_sums=cols,
         column_sums_per_head=None if per_head is None else per_head.view(B, H, K),
-        last_rows=None if rows is None else rows.view(B, H, r, K))
-    return out.view(B, H, q, dv), signals
+        last_rows=None if rows is None else rows.transpose(2, 3).reshape(B, H, r, K))
+    return out, signals
