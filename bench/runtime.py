@@ -4,6 +4,8 @@ Every configuration runs in the same process on the same prompt (random token id
 
 * ``vanilla``: the model with its own attention and a transformers ``DynamicCache``;
 * ``full``: the keep-everything 16-bit plan through the polykv runtime (its overhead);
+* ``full-k4v4``: the keep-everything plan with every layer's keys and values at 4 bits (KIVI, group 32,
+  residual 32);
 * every retention rule at 4x and 8x (capacity = context / ratio; the rule in both phases when it
   supports decode, else prefill only with a ``full`` decode op);
 * ``mixed``: a per-layer plan cycling rules, half the layers at K8/V4 (KIVI).
@@ -17,7 +19,7 @@ metadata apart).
 
     python bench/runtime.py            # SmolLM2-135M, contexts 2048 and 4096, 32 decode steps
     python bench/runtime.py --tiny     # a tiny random Llama, seconds
-    python bench/runtime.py --contexts 1024 --steps 8 --only vanilla full h2o
+    python bench/runtime.py --contexts 1024 --steps 8 --only vanilla full full-k4v4 h2o
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ def run_one(model, ids, steps, plan=None, model_data=None):
 
 def configs(geo, context: int, only: set[str] | None, registry, kivi: dict):
     """(name, plan) pairs for one context length."""
-    out = [("vanilla", None), ("full", polykv.full_plan(geo))]
+    out = [("vanilla", None), ("full", polykv.full_plan(geo)),
+           ("full-k4v4", polykv.uniform_plan(geo, k_bits=4, v_bits=4, quantizer_params=kivi))]
     for rule in RULES:
         decodes = "decode" in registry.operator(rule).phases
         for ratio in (4, 8):

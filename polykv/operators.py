@@ -274,6 +274,12 @@ class KVStore:
         """Keep only tokens ``index`` [B, Hkv, k] (ascending); survivors keep their codes and scales."""
         raise NotImplementedError
 
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` tokens per head, so that appends up to that many do not reallocate
+        (the runtime calls it when the prompt is stored and after each eviction, with the policy of
+        :mod:`polykv.reserve`). A store may also release room beyond ``max(tokens, len(self))``.
+        Optional: the default does nothing (a store that allocates as it goes)."""
+
     def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":
         """Overwrite the tokens where ``mask`` [B, Hkv, T] (bool, storage order) is True with the
         same columns of ``x`` [B, Hkv, T, d]. A quantized store re-encodes only the quantization
@@ -341,6 +347,15 @@ class Quantizer:
         """Exact resident bytes of a fresh store after ``tokens`` tokens were appended (in any
         chunking) with no eviction since; ``dtype_bytes`` is the compute dtype's element size."""
         raise NotImplementedError
+
+    def predict_reserved_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
+                               tokens: int, reserved: int, dtype_bytes: int) -> int:
+        """Exact resident bytes of a fresh store that was asked to :meth:`KVStore.reserve` ``reserved``
+        tokens and then received ``tokens`` tokens with no eviction. The default is
+        :meth:`predict_bytes` (a store whose ``reserve`` does nothing); a store that preallocates
+        overrides both."""
+        return self.predict_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens,
+                                  dtype_bytes=dtype_bytes)
 
 
 Register = Callable[[type], None]

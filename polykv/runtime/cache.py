@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext
 from polykv.plan import LayerPlan
+from polykv.reserve import layer_hold, reserve_tokens
 from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.runtime.selection_check import checked_selection
 from polykv.runtime.storage import LayerStorage, StorageView
@@ -78,7 +79,7 @@ class LayerCache(CacheLayerMixin):
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
-        self.storage = LayerStorage(self._new_store)
+        self.storage = LayerStorage(self._new_store, self.reserve_for)
         self.states = new_rule_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
         self.extra_states: list = []
@@ -88,6 +89,24 @@ class LayerCache(CacheLayerMixin):
         self.scaling: float | None = None
         self._raw: StorageView | None = None      # the prompt (or its selection) before storage
         self._view: StorageView | None = None     # what ``update`` returned for this forward
+
+    def hold_tokens(self, kept: int, ragged: bool) -> int | None:
+        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
+        ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
+        capped by a window's bound; None when nothing cuts the layer back."""
+        cap = None
+        if self.spec.decode_rule is not None:
+            if ragged:
+                cap = kept
+            elif self.budget is not None:
+                cap = int(self.budget.max()) if isinstance(self.budget, torch.Tensor) else int(self.budget)
+            else:
+                cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
+        return layer_hold(capacity=cap, decode_slack=self.owner.decode_slack, bound=self.spec.token_bound)
+
+    def reserve_for(self, kept: int, ragged: bool) -> int:
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.reserve.reserve_tokens`)."""
+        return reserve_tokens(kept, self.hold_tokens(kept, ragged))
 
     def _new_store(self, stream: str):
         return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
@@ -157,13 +176,13 @@ class LayerCache(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, Hkv, q, _ = key_states.shape
-        pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
-        pos = pos.view(1, 1, q).expand(B, Hkv, q)
         have = self._raw.positions.shape[0] if self._raw is not None else (self.storage.shape or (B,))[0]
         if have != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {have} "
                                      f"but this forward has {B}; start a new cache with session.new_cache()")
         if not self.prefilled:
+            pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
+            pos = pos.view(1, 1, q).expand(B, Hkv, q)
             raw = self._raw
             if raw is None:
                 self._raw = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
@@ -173,7 +192,7 @@ class LayerCache(CacheLayerMixin):
                                         positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
             self._view = self._raw
         else:
-            self.storage.append(key_states, value_states, pos)
+            self.storage.append(key_states, value_states, self.tokens_seen)
             self._view = self.storage.view()
         return self._view.keys, self._view.values
 
@@ -191,11 +210,13 @@ class LayerCache(CacheLayerMixin):
 
         ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any."""
         view = self._view
-        obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", query=query,
-                          keys=view.keys, positions=view.positions, valid=view.valid,
-                          first_position=self.tokens_seen, scaling=scaling, signals=signals)
-        for st in self.observing_states():
-            st.observe(obs)
+        states = self.observing_states()
+        if states:
+            obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill",
+                              query=query, keys=view.keys, positions=view.positions, valid=view.valid,
+                              first_position=self.tokens_seen, scaling=scaling, signals=signals)
+            for st in states:
+                st.observe(obs)
         self.tokens_seen += query.shape[2]
         self.scaling = scaling
         try:
@@ -276,7 +297,7 @@ class LayerCache(CacheLayerMixin):
 
     def _maybe_evict(self) -> None:
         bound = self.spec.token_bound
-        if bound is not None and bool((self.head_counts() > bound).any()):
+        if bound is not None and self.storage.width() > bound:
             view = self._keep_newest(self._view, bound)
             self._view = view if self.spec.decode_rule is not None else None
         rule = self.spec.decode_rule
@@ -316,10 +337,16 @@ class LayerCache(CacheLayerMixin):
         """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
         tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
         With every head holding the same count this is "some head holds more than capacity + slack"."""
-        counts = self.head_counts()
-        Hkv = counts.shape[1]
+        if self._raw is None:
+            n, Hkv = self.storage.uniform_count(), self.storage.shape[1]
+            if n is not None and head_capacity is None:
+                return n > capacity + slack                      # the decode hot path: plain ints
+            totals = self.storage.row_totals()
+        else:
+            counts = self.head_counts()
+            Hkv, totals = counts.shape[1], counts.sum(-1).tolist()
         budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
-        return bool((counts.sum(-1) > budget + slack * Hkv).any())
+        return any(t > budget + slack * Hkv for t in totals)
 
     def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
         """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""

@@ -21,6 +21,8 @@ import attrs
 import torch
 
 from polykv.operators import KVStore, WriteCost
+from polykv.reserve import reserve_tokens
+from polykv.runtime.buffer import TokenBuffer
 from polykv.selection import Selection
 
 
@@ -44,8 +46,23 @@ class Segment:
 
     key: KVStore
     value: KVStore
-    positions: torch.Tensor
-    """[n] int64."""
+    pos: TokenBuffer
+    """[1, 1, n] int64 original positions, preallocated."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[n] int64 (a view)."""
+        return self.pos.view()[0, 0]
+
+    @property
+    def length(self) -> int:
+        return self.pos.length
+
+
+def _reserve(store: KVStore, tokens: int) -> None:
+    reserve = getattr(store, "reserve", None)
+    if reserve is not None:
+        reserve(tokens)
 
 
 class LayerStorage:
@@ -55,14 +72,19 @@ class LayerStorage:
     ----------
     new_store : callable
         ``new_store(stream)`` -> an empty :class:`~polykv.operators.KVStore` for ``"key"`` or ``"value"``.
+    reserve_for : callable, optional
+        ``reserve_for(kept, ragged)`` -> token rows to reserve per head for a head holding ``kept``
+        tokens right after the prompt is stored or an eviction (:mod:`polykv.reserve`); by default
+        ``kept + 1`` rounded up to :data:`polykv.reserve.GROWTH_BLOCK`.
     """
 
-    def __init__(self, new_store: Callable[[str], KVStore]):
+    def __init__(self, new_store: Callable[[str], KVStore],
+                 reserve_for: Callable[[int, bool], int] | None = None):
         self._new_store = new_store
+        self._reserve_for = reserve_for or (lambda kept, ragged: reserve_tokens(kept, None))
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
-        self.positions: torch.Tensor | None = None
-        """[B, Hkv, T] int64 (uniform storage only)."""
+        self._pos: TokenBuffer | None = None
         self.segments: list[Segment] | None = None
         """Row-major (batch row, head) segments (ragged storage only)."""
         self.shape: tuple[int, int] | None = None
@@ -73,61 +95,91 @@ class LayerStorage:
     def ragged(self) -> bool:
         return self.segments is not None
 
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[B, Hkv, T] int64 original positions (uniform storage only; a view of the buffer)."""
+        return None if self._pos is None else self._pos.view()
+
+    def _new_positions(self, device) -> TokenBuffer:
+        return TokenBuffer(dtype=torch.long, device=device)
+
     # -- filling ---------------------------------------------------------------------------------
     def fill(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
              counts: torch.Tensor | None = None) -> None:
         """Store the selected prompt tokens [B, Hkv, K, d]; with ``counts`` [B, Hkv] head h keeps its
-        last ``counts[b, h]`` columns (right-aligned ragged) in its own stores."""
+        last ``counts[b, h]`` columns (right-aligned ragged) in its own stores. Every buffer reserves
+        ``reserve_for(kept)`` rows first."""
         B, H, K, _ = keys.shape
         self.shape = (B, H)
         if counts is None:
+            rows = self._reserve_for(K, False)
             self.key_store, self.value_store = self._new_store("key"), self._new_store("value")
+            self._pos = self._new_positions(positions.device)
+            for store in (self.key_store, self.value_store, self._pos):
+                _reserve(store, rows)
             self.key_store.append(keys)
             self.value_store.append(values)
-            self.positions = positions.contiguous()
+            self._pos.append(positions)
             return
         self.segments = []
         for b in range(B):
             for h in range(H):
                 n = int(counts[b, h])
                 seg = Segment(key=self._new_store("key"), value=self._new_store("value"),
-                              positions=positions[b, h, K - n:].clone())
+                              pos=self._new_positions(positions.device))
+                rows = self._reserve_for(n, True)
+                for store in (seg.key, seg.value, seg.pos):
+                    _reserve(store, rows)
                 seg.key.append(keys[b:b + 1, h:h + 1, K - n:])
                 seg.value.append(values[b:b + 1, h:h + 1, K - n:])
+                seg.pos.append(positions[b:b + 1, h:h + 1, K - n:])
                 self.segments.append(seg)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append q new tokens [B, Hkv, q, d] with positions [B, Hkv, q] to every head."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
+        """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""
+        q = keys.shape[2]
         if not self.ragged:
             self.key_store.append(keys)
             self.value_store.append(values)
-            self.positions = torch.cat([self.positions, positions], dim=-1)
+            self._pos.append_arange(first_position, q)
             return
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
             seg.key.append(keys[b:b + 1, h:h + 1])
             seg.value.append(values[b:b + 1, h:h + 1])
-            seg.positions = torch.cat([seg.positions, positions[b, h]])
+            seg.pos.append_arange(first_position, q)
 
     # -- reading ---------------------------------------------------------------------------------
+    def uniform_count(self) -> int | None:
+        """Tokens every head stores (uniform storage), None when ragged."""
+        return None if self.ragged else self._pos.length
+
+    def row_totals(self) -> list[int]:
+        """Tokens stored per batch row, summed over its KV heads (plain ints)."""
+        B, H = self.shape
+        if not self.ragged:
+            return [self._pos.length * H] * B
+        return [sum(seg.length for seg in self.segments[b * H:(b + 1) * H]) for b in range(B)]
+
     def counts(self) -> torch.Tensor:
         """[B, Hkv] int64 tokens stored per head."""
         B, H = self.shape
         if not self.ragged:
-            return torch.full((B, H), self.positions.shape[-1], dtype=torch.long)
-        return torch.tensor([seg.positions.numel() for seg in self.segments], dtype=torch.long).view(B, H)
+            return torch.full((B, H), self._pos.length, dtype=torch.long)
+        return torch.tensor([seg.length for seg in self.segments], dtype=torch.long).view(B, H)
 
     def width(self) -> int:
         """Stored tokens of the longest head (the padded width of :meth:`view`)."""
         if not self.ragged:
-            return int(self.positions.shape[-1])
-        return max(seg.positions.numel() for seg in self.segments)
+            return self._pos.length
+        return max(seg.length for seg in self.segments)
 
     def view(self) -> StorageView:
-        """Dense, dequantized tensors of everything stored (see :class:`StorageView`)."""
+        """Dense, dequantized tensors of everything stored (see :class:`StorageView`); uniform 16-bit
+        storage returns views of its buffers (no copy)."""
         if not self.ragged:
             return StorageView(keys=self.key_store.dequantize(), values=self.value_store.dequantize(),
-                               positions=self.positions, valid=None)
+                               positions=self._pos.view(), valid=None)
         B, H = self.shape
         W = self.width()
         parts = [(seg.key.dequantize(), seg.value.dequantize()) for seg in self.segments]
@@ -138,7 +190,7 @@ class LayerStorage:
         valid = torch.zeros(B, H, W, dtype=torch.bool, device=k0.device)
         for i, ((k, v), seg) in enumerate(zip(parts, self.segments)):
             b, h = divmod(i, H)
-            n = seg.positions.numel()
+            n = seg.length
             keys[b, h, W - n:], values[b, h, W - n:] = k[0, 0], v[0, 0]
             positions[b, h, W - n:] = seg.positions
             valid[b, h, W - n:] = True
@@ -153,9 +205,10 @@ class LayerStorage:
                 merged, touched = selection.merge.apply(x)
                 self._write(stream, touched, merged)
         if not self.ragged and not selection.ragged:
-            self.key_store.gather(selection.index)
-            self.value_store.gather(selection.index)
-            self.positions = self.positions.gather(-1, selection.index)
+            rows = self._reserve_for(selection.index.shape[-1], False)
+            for store in (self.key_store, self.value_store, self._pos):
+                store.gather(selection.index)
+                _reserve(store, rows)
             return
         if not self.ragged:
             self._split()
@@ -164,14 +217,15 @@ class LayerStorage:
         index = selection.index.cpu()
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
-            n, stored = int(counts[b, h]), seg.positions.numel()
+            n, stored = int(counts[b, h]), seg.length
             cols = index[b, h, K - n:] - (W - stored)                     # padded column -> segment index
             if n and int(cols.min()) < 0:
                 raise ValueError(f"the selection keeps a padding column of batch row {b}, KV head {h}")
-            idx = cols.view(1, 1, n).to(seg.positions.device)
-            seg.key.gather(idx)
-            seg.value.gather(idx)
-            seg.positions = seg.positions[idx.view(-1)]
+            idx = cols.view(1, 1, n).to(seg.pos.device)
+            rows = self._reserve_for(n, True)
+            for store in (seg.key, seg.value, seg.pos):
+                store.gather(idx)
+                _reserve(store, rows)
 
     def _write(self, stream: str, mask: torch.Tensor, x: torch.Tensor) -> None:
         if not self.ragged:
@@ -181,7 +235,7 @@ class LayerStorage:
         W = x.shape[2]
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
-            n = seg.positions.numel()
+            n = seg.length
             m = mask[b:b + 1, h:h + 1, W - n:]
             if bool(m.any()):
                 store = seg.key if stream == "key" else seg.value
@@ -191,10 +245,15 @@ class LayerStorage:
         """Turn uniform storage ragged: one segment per (batch row, head), codes kept as they are."""
         keys, values = self.key_store.split_heads(), self.value_store.split_heads()
         H = self.shape[1]
-        self.segments = [Segment(key=k, value=v, positions=self.positions[i // H, i % H].clone())
-                         for i, (k, v) in enumerate(zip(keys, values))]
+        positions = self._pos.view()
+        self.segments = []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            pos = self._new_positions(positions.device)
+            pos.reserve(positions.shape[-1])
+            pos.append(positions[i // H:i // H + 1, i % H:i % H + 1])
+            self.segments.append(Segment(key=k, value=v, pos=pos))
         self.key_store = self.value_store = None
-        self.positions = None
+        self._pos = None
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -206,9 +265,9 @@ class LayerStorage:
         return sum(int(s.key.resident_bytes()) + int(s.value.resident_bytes()) for s in self.segments)
 
     def positions_bytes(self) -> int:
-        """int64 positions: 8 bytes per stored token per head."""
+        """int64 positions: 8 bytes per reserved token row per head (the buffers' bytes)."""
         if self.shape is None:
             return 0
         if not self.ragged:
-            return self.positions.numel() * 8
-        return sum(s.positions.numel() * 8 for s in self.segments)
+            return self._pos.nbytes()
+        return sum(s.pos.nbytes() for s in self.segments)

@@ -6,6 +6,7 @@ import torch
 
 from polykv.operators import KVStore
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
+from polykv.runtime.buffer import PassthroughStore
 
 
 def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,
@@ -30,8 +31,6 @@ def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, devic
 
 def passthrough_store(*, dtype: torch.dtype, device: torch.device) -> KVStore:
     """The 16-bit store: unquantized tensors in the compute dtype."""
-    from polykv.adapters.quantizers.passthrough import PassthroughStore
-
     return PassthroughStore(dtype=dtype, device=device)
 
 
@@ -46,6 +45,9 @@ class StorageCast(KVStore):
 
     def gather(self, index: torch.Tensor) -> None:
         self.inner.gather(index)
+
+    def reserve(self, tokens: int) -> None:
+        self.inner.reserve(tokens)
 
     def write(self, mask: torch.Tensor, x: torch.Tensor):
         return self.inner.write(mask, x)

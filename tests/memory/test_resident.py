@@ -38,12 +38,14 @@ def test_prediction_equals_the_bytes_of_real_stores():
         got = []
         for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
             store = q.new_store(stream, bits, dtype=torch.float32, device="cpu")
+            store.reserve(row.kept_tokens)   # what the runtime reserves for a layer that keeps everything
             store.append(x[:, :, :100])
             store.append(x[:, :, 100:])
             got.append(store.resident_bytes())
         assert [row.key_bytes, row.value_bytes] == got
 
 
+# A 16-bit layer whose decode op keeps everything reserves exactly what it keeps (polykv.reserve).
 @pytest.mark.parametrize("make_plan,ratio", [
     (lambda geo: full_plan(geo), 1.0),
     (lambda geo: uniform_plan(geo, prefill="snapkv", capacity_ratio=0.25), 4.0),
@@ -80,12 +82,14 @@ def test_metadata_positions_accumulated_scores_and_query_window():
         dict(decode=OpSpec(rule="tova", capacity=100)),                               # last query kept
     ])
     rows = predict_resident(plan, geo, 1_000, batch=3, dtype_bytes=2)
+    # positions live in a buffer of the layer's reserve (polykv.reserve): a keep-everything layer reserves
+    # what it keeps; an evicting layer capacity + slack (128) + 1 = 229 rows
     assert rows[0].metadata == {"positions": 8 * 3 * 2 * 1_000, "accumulated": 0, "query_window": 0}
-    assert rows[1].metadata == {"positions": 8 * 3 * 2 * 100, "accumulated": 4 * 3 * 2 * 100, "query_window": 0}
+    assert rows[1].metadata == {"positions": 8 * 3 * 2 * 229, "accumulated": 4 * 3 * 2 * 100, "query_window": 0}
     assert rows[2].metadata == {"positions": 8 * 3 * 2 * 100, "accumulated": 0, "query_window": 0}
     assert rows[3].metadata["query_window"] == 3 * 8 * 1 * 128 * 2 + 8
-    # The KV bytes never include metadata.
-    assert rows[1].resident_bytes == 2 * 3 * 2 * 100 * 128 * 2
+    # The KV bytes never include metadata; they are the 16-bit buffers of 229 reserved rows.
+    assert rows[1].resident_bytes == 2 * 3 * 2 * 229 * 128 * 2
 
 
 def test_query_window_without_head_count_is_reported_as_not_counted():

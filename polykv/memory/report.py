@@ -1,0 +1,122 @@
+"""A plan's memory report: per-layer and total nominal, resident and metadata bytes, and their table."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from polykv.memory.resident import MemoryRow, predict_resident
+from polykv.memory.tokens import _kept
+
+
+@attrs.define(frozen=True, kw_only=True)
+class MemoryReport:
+    """Per-layer and total bytes of a plan at one context length, batch and dtype."""
+
+    rows: tuple[MemoryRow, ...] = attrs.field(converter=tuple)
+    context_tokens: int
+    batch: int
+    dtype_bytes: int
+    phase: str
+    group_bounds: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=tuple)
+    """Per allocation group: (``allocator[first..last]``, most tokens per KV head over all its layers)."""
+
+    @property
+    def nominal_total(self) -> int:
+        return sum(r.nominal_bytes for r in self.rows)
+
+    @property
+    def resident_total(self) -> int:
+        """Key + value store bytes over all layers (metadata excluded)."""
+        return sum(r.resident_bytes for r in self.rows)
+
+    @property
+    def metadata_total(self) -> int:
+        return sum(r.metadata_bytes for r in self.rows)
+
+    @property
+    def metadata_complete(self) -> bool:
+        """False when some metadata could not be counted (query windows without ``num_heads``)."""
+        return all(v is not None for r in self.rows for v in r.metadata.values())
+
+    @property
+    def full_total(self) -> int:
+        """Bytes of an uncompressed K+V cache (compute dtype; 16-bit by default) holding the whole context."""
+        return sum(r.full_bytes for r in self.rows)
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: full cache bytes / resident K+V bytes."""
+        return self.full_total / self.resident_total
+
+    @property
+    def ratio_with_metadata(self) -> float:
+        """Full cache bytes / (resident K+V + counted metadata)."""
+        return self.full_total / (self.resident_total + self.metadata_total)
+
+    @property
+    def nominal_ratio(self) -> float:
+        """Nominal compression: 16-bit nominal bytes of the whole context / the plan's nominal bytes."""
+        return sum(r.full_nominal_bytes for r in self.rows) / self.nominal_total
+
+    def format_table(self) -> str:
+        """A plain-text table: one line per layer, then totals and ratios."""
+        head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
+        body = [(str(r.layer) + ("w" if r.window_bound is not None else ""), r.prefill, r.decode, str(r.k_bits),
+                 str(r.v_bits), ("<=" if r.bound else "") + f"{r.kept_tokens:,}",
+                 f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
+                 f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
+                for r in self.rows]
+        total = ("total", "", "", "", "", "", f"{self.nominal_total:,}", f"{self.resident_total:,}",
+                 f"{self.metadata_total:,}" + ("" if self.metadata_complete else "+?"))
+        lines = _align([head] + body + [total], right_from=3)
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        lines += [
+            f"context {self.context_tokens:,} tokens, batch {self.batch}, {self.dtype_bytes}-byte compute dtype, "
+            f"phase {self.phase} ({'right after prefill' if self.phase == 'prefill' else 'decode bound'})",
+            f"full cache (whole context, compute dtype) {self.full_total:,} B; compression {self.ratio:.2f}x resident "
+            f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal",
+        ]
+        bounded = [r for r in self.rows if r.window_bound is not None]
+        if bounded:
+            lines.append(f"w = window-bounded layer ({len(bounded)} of {len(self.rows)}): keeps at most its model's "
+                         f"window ({bounded[0].window_bound:,} tokens) whatever the plan says")
+        if not self.metadata_complete:
+            lines.append("+? query windows not counted: the geometry has no num_heads (pass num_heads=)")
+        if any(r.bound for r in self.rows):
+            lines.append("<= an allocator decides these layers' budgets after prefill: each row is that layer's own "
+                         "bound, so the totals over-state the group (session.allocations() reports what was allocated)")
+        for name, tokens in self.group_bounds:
+            lines.append(f"allocation group {name}: at most {tokens:,} tokens per KV head over all its layers")
+        return "\n".join(lines)
+
+
+def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *, batch: int = 1,
+                  dtype_bytes: int = 2, registry: Any = None, phase: str = "prefill",
+                  num_heads: int | None = None, decode_slack: int | None = None,
+                  new_tokens: int | None = None) -> MemoryReport:
+    """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`).
+
+    >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
+    """
+    from polykv.registry import get_registry
+
+    rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
+                            registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
+                            new_tokens=new_tokens)
+    registry = registry if registry is not None else get_registry()
+    groups = []
+    for g in getattr(plan, "allocation", ()):
+        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
+    return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
+                        group_bounds=groups)
+

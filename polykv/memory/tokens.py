@@ -1,0 +1,88 @@
+"""Tokens a plan's layer holds at a context length and phase, and MoE-nD's nominal bytes of them.
+
+The rules (capacities, decode slack, window-bounded layers) are described in :mod:`polykv.memory`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polykv.errors import PlanError
+from polykv.plan import LayerPlan, OpSpec
+
+MEMORY_PHASES = ("prefill", "decode")
+
+
+def _geometry(plan: Any, geometry: Any) -> Any:
+    geo = geometry if geometry is not None else getattr(plan, "model", None)
+    if geo is None:
+        raise PlanError("no model geometry: the plan has no 'model' record and none was given", field="model",
+                        hint="pass a geometry (polykv.geometry.geometry_from_config(config)) or a plan with a model")
+    n = len(plan.layers)
+    if int(geo.num_layers) != n:
+        raise PlanError(f"the plan has {n} layers but the model geometry has {geo.num_layers}", field="layers",
+                        hint="use a plan made for this model")
+    return geo
+
+
+def _check(context_tokens: int, phase: str) -> None:
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"context_tokens must be a positive integer, got {context_tokens!r}")
+    if phase not in MEMORY_PHASES:
+        raise ValueError(f"phase must be one of {MEMORY_PHASES}, got {phase!r}")
+
+
+def _kept(op: OpSpec, context_tokens: int) -> int:
+    cap = op.resolve_capacity(context_tokens)
+    return context_tokens if cap is None else min(cap, context_tokens)
+
+
+def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill", *, bound: int | None = None) -> int:
+    """Tokens a layer holds for a ``context_tokens`` context in ``phase`` (see :mod:`polykv.memory`).
+
+    ``bound``: the layer's own token bound (a window-bounded layer), or None.
+    """
+    _check(context_tokens, phase)
+    kept = _kept(layer.prefill, context_tokens)
+    if phase == "decode" and not layer.decode.keeps_everything:
+        kept = _kept(layer.decode, context_tokens)
+    return kept if bound is None else min(kept, bound)
+
+
+def layer_bounds(geometry: Any, num_layers: int) -> list[int | None]:
+    """Per layer the token bound of a window-bounded layer, None elsewhere (all None without layer types)."""
+    bound = getattr(geometry, "token_bound", None)
+    if not callable(bound) or not getattr(geometry, "layer_types", None):
+        return [None] * num_layers
+    return [bound(i) for i in range(num_layers)]
+
+
+def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str = "prefill") -> list[int]:
+    """MoE-nD nominal bytes per layer: ``kept * Hkv * d * (k_bits + v_bits) / 8`` (rounded up to a byte).
+
+    ``geometry`` needs ``num_layers``, ``num_kv_heads``, ``head_dim``; None uses ``plan.model``.
+    """
+    geo = _geometry(plan, geometry)
+    slot = int(geo.num_kv_heads) * int(geo.head_dim)
+    bounds = layer_bounds(geo, len(plan.layers))
+    return [-(-kept_tokens(lp, context_tokens, phase, bound=b) * slot * (lp.k_bits + lp.v_bits) // 8)
+            for lp, b in zip(plan.layers, bounds)]
+
+
+
+def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: int,
+                       new_tokens: int | None = None, after_prefill: int | None = None) -> tuple[int, int]:
+    """(fewest, most) tokens per KV head a layer's stores hold after a decode forward (see
+    :mod:`polykv.memory`); ``after_prefill`` overrides the prefill op's count (an allocator's budget)."""
+    _check(context_tokens, "decode")
+    n = int(new_tokens or 0)
+    if after_prefill is None:
+        after_prefill = _kept(layer.prefill, context_tokens)
+    if layer.decode.keeps_everything:  # after k >= 1 decode forwards of one token each
+        return after_prefill + min(n, 1), after_prefill + n
+    cap = layer.decode.resolve_capacity(context_tokens + n)
+    most = cap + int(decode_slack)
+    if new_tokens is not None:
+        most = min(most, after_prefill + n)
+    return min(cap, after_prefill), max(most, min(cap, after_prefill))
+

@@ -1,0 +1,65 @@
+"""How much room a layer's storage reserves: one policy shared by the runtime and the memory model.
+
+A layer's stores and positions live in preallocated buffers of ``C`` token rows per KV head
+(``C >=`` the tokens stored). Decode appends write into the free rows; eviction compacts the kept
+rows to the front of the same buffers. ``C`` is set in three places, always by these functions:
+
+* when the prompt is stored (``kept`` tokens per head), :func:`reserve_tokens`: a layer that is cut
+  back between forwards to at most ``hold`` tokens per head (``capacity + decode_slack`` of an
+  evicting decode op, an allocator's budget + slack, a window's bound, the smallest that applies)
+  reserves ``max(kept, hold) + 1`` rows, so one-token decode forwards never reallocate; a layer that
+  keeps everything reserves exactly ``kept`` rows (right after prefill it holds what vanilla holds);
+* when an append does not fit, :func:`grown_capacity`: the new length rounded up to a whole number of
+  :data:`GROWTH_BLOCK` rows (a keep-everything layer grows at its first decode token, then is copied
+  once every ``GROWTH_BLOCK`` tokens);
+* after an eviction, the layer asks again for :func:`reserve_tokens` of what it now holds; a store
+  whose buffer is larger releases the extra rows (one reallocation; e.g. a decode-only rule after its
+  first eviction of the whole prompt), a smaller one grows.
+
+A ragged layer (per-head stores) applies the same policy per head with ``hold = kept_h + slack``
+(its own count, not the layer's capacity), so no head is padded to the longest.
+"""
+
+from __future__ import annotations
+
+GROWTH_BLOCK = 16
+"""Token rows a keep-everything buffer grows by (and rounds to)."""
+
+
+def grown_capacity(tokens: int) -> int:
+    """Rows of a buffer that grew to hold ``tokens``: ``tokens`` rounded up to :data:`GROWTH_BLOCK`."""
+    return -(-int(tokens) // GROWTH_BLOCK) * GROWTH_BLOCK
+
+
+def reserve_tokens(kept: int, hold: int | None) -> int:
+    """Rows to reserve for ``kept`` stored tokens when the layer is cut back to ``hold`` tokens per head
+    after every forward (None: never cut back): ``max(kept, hold) + 1``, or exactly ``kept`` when
+    nothing bounds the layer (it grows by :func:`grown_capacity` when decoding starts)."""
+    if hold is None:
+        return int(kept)
+    return max(int(kept), int(hold)) + 1
+
+
+def capacity_after(tokens: int, reserved: int) -> int:
+    """Rows of a buffer that reserved ``reserved`` rows and then received appends up to ``tokens``."""
+    return int(reserved) if tokens <= reserved else grown_capacity(tokens)
+
+
+def layer_hold(*, capacity: int | None, decode_slack: int, bound: int | None) -> int | None:
+    """Most tokens per head a layer keeps between forwards: ``capacity + decode_slack`` when its decode op
+    evicts (``capacity`` not None), capped by the window ``bound``; None when neither applies."""
+    hold = None if capacity is None else int(capacity) + int(decode_slack)
+    if bound is not None:
+        hold = int(bound) if hold is None else min(hold, int(bound))
+    return hold
+
+
+def reserved_stream_bytes(quantizer, stream: str, bits: int, *, tokens: int, reserved: int, batch: int, kv_heads: int,
+                          head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of a fresh store that reserved ``reserved`` tokens and then received ``tokens`` (no eviction):
+    a 16-bit store (``quantizer`` None) holds its buffer, ``capacity_after(tokens, reserved)`` rows;
+    a quantized one says so in :meth:`polykv.operators.Quantizer.predict_reserved_bytes`."""
+    if quantizer is None:
+        return batch * kv_heads * capacity_after(tokens, reserved) * head_dim * dtype_bytes
+    return int(quantizer.predict_reserved_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                                                tokens=tokens, reserved=reserved, dtype_bytes=dtype_bytes))
