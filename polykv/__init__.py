@@ -8,7 +8,18 @@ __version__ = "0.1.0"
 from polykv.hookspecs import hookimpl  # noqa: E402
 from polykv.plan import (FULL_OP, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings,  # noqa: E402
                          full_plan, load_plan, per_layer_plan, uniform_plan)
-from polykv.registry import get_registry  # noqa: E402
+from polykv.registry import declare_builtin_plugins, get_registry  # noqa: E402
+
+BUILTIN_PLUGINS = (
+    "polykv.adapters.rules",
+    "polykv.adapters.quantizers",
+    "polykv.solvers.builtin",
+    "polykv.studies.builtin_tasks",
+)
+"""The modules whose hooks register the built-in rules, quantizers, allocators, solvers and tasks. They
+register through the same hooks a third-party plugin implements; declared here, at the top of the
+package, so the registry (a bottom module) names no higher layer."""
+declare_builtin_plugins(BUILTIN_PLUGINS, version=__version__)
 
 
 def apply(model, plan, **kwargs):

@@ -14,8 +14,8 @@ import attrs
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
-from polykv.plan import (FULL_RULE, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo,
-                         OpSpec, Plan, Provenance, TriggerSettings)
+from polykv.plan import (DEFAULT_QUANTIZER, FULL_RULE, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan,
+                         ModelInfo, OpSpec, Plan, Provenance, TriggerSettings)
 
 PHASES = ("prefill", "decode")
 
@@ -290,7 +290,7 @@ def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
         prefill=_parse_op(r, i, "prefill", raw["prefill"]),
         decode=_parse_op(r, i, "decode", raw["decode"]),
         k_bits=kb, v_bits=vb,
-        quantizer=r.str_(raw.get("quantizer", "kivi"), field + ".quantizer", layer=i),
+        quantizer=r.str_(raw.get("quantizer", DEFAULT_QUANTIZER), field + ".quantizer", layer=i),
         quantizer_params=r.dict_(raw.get("quantizer_params", {}), field + ".quantizer_params", layer=i),
     )
 

@@ -1,6 +1,8 @@
 """The plugin manager: built-in and third-party adapters register through the same hooks.
 
-Built-ins are the modules in ``DEFAULT_PLUGINS``; third-party plugins are found through the
+Built-ins are plugin modules like any other: the ``polykv`` package declares them (its
+``BUILTIN_PLUGINS``) with :func:`declare_builtin_plugins` when it is imported, so this bottom module
+names no higher layer and no plugin. Third-party plugins are found through the
 ``polykv`` entry-point group (skipped when the environment variable ``POLYKV_NO_PLUGINS`` is set
 to anything but ``""`` or ``"0"``). Each hook receives a ``register`` callable, so the registry
 records which plugin provided which name and two plugins claiming one name is an error that
@@ -31,12 +33,23 @@ _HOOK_FOR_KIND = {
     "task": "register_tasks",
     "allocator": "register_allocators",
 }
-DEFAULT_PLUGINS = (
-    "polykv.adapters.rules",
-    "polykv.adapters.quantizers",
-    "polykv.solvers.builtin",
-    "polykv.studies.builtin_tasks",
-)
+_builtin_plugins: tuple[str, ...] = ()
+_builtin_version = "0"
+
+
+def declare_builtin_plugins(modules: tuple[str, ...], version: str) -> None:
+    """Name the modules whose hooks register the built-ins, and their version (the package's).
+
+    Called by the ``polykv`` package on import; every :class:`Registry` built afterwards registers them
+    first, under their module names, exactly as it registers an entry-point plugin.
+    """
+    global _builtin_plugins, _builtin_version
+    _builtin_plugins, _builtin_version = tuple(modules), str(version)
+
+
+def builtin_plugins() -> tuple[str, ...]:
+    """The declared built-in plugin modules (see :func:`declare_builtin_plugins`)."""
+    return _builtin_plugins
 
 
 @attrs.define(frozen=True)
@@ -58,10 +71,10 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._versions: dict[str, str] = {}
         self._entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
-        for modname in DEFAULT_PLUGINS:
+        for modname in _builtin_plugins:
             mod = importlib.import_module(modname)
             self.pm.register(mod, name=modname)
-            self._versions[modname] = _own_version()
+            self._versions[modname] = _builtin_version
         if load_entry_points is None:
             load_entry_points = os.environ.get(DISABLE_ENV, "") in ("", "0")
         if load_entry_points:
@@ -179,12 +192,6 @@ def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
         f"unknown {kind} '{name}'. Available: {avail}. A plugin that provides it must be installed "
         f"(pip install the package that declares it in the '{ENTRY_POINT_GROUP}' entry-point group)."
     )
-
-
-def _own_version() -> str:
-    from polykv import __version__
-
-    return __version__
 
 
 _lock = threading.Lock()

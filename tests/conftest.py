@@ -70,3 +70,34 @@ def default_geometry(default_model):
     from polykv.geometry import geometry_of_model
 
     return geometry_of_model(default_model[0])
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_model(tmp_path_factory):
+    """``saved_tiny_model(head_dim)``: a folder holding a 2-layer tiny random-weight Llama (4 query heads,
+    2 KV heads) and a 320-token byte-level BPE tokenizer trained on the offline corpus, as
+    ``polykv calibrate MODEL`` reads it; built once per head_dim and session."""
+    made: dict[int, str] = {}
+
+    def make(head_dim: int) -> str:
+        if head_dim not in made:
+            from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+            from transformers import PreTrainedTokenizerFast
+
+            from polykv.corpus import corpus_texts
+            from polykv.testing import tiny_model
+
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+            tok.train_from_iterator(corpus_texts("prose", 10, min_chars=500, seed=0), trainer=trainer)
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
+            folder = tmp_path_factory.mktemp(f"tiny-model-d{head_dim}")
+            tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=head_dim,
+                       vocab=len(tokenizer)).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            made[head_dim] = str(folder)
+        return made[head_dim]
+
+    return make

@@ -10,10 +10,18 @@ import math
 
 import torch
 
+from polykv.model_data import ModelDataNeed
 from polykv.operators import PHASES, SIGNAL_PREROPE_STATS, ScoredRule, SelectionContext
 from polykv.params import ParamSpec
+from polykv.profiling.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 
 STATS_KEY = "triattention"
+
+QUERY_STATISTICS = ModelDataNeed(
+    key=STATS_KEY, suffix=QUERY_STATS_SUFFIX, compute=compute_query_stats, load=QueryStats.load,
+    check=lambda stats, model: stats.check_model(model), description="pre-RoPE query statistics")
+"""What the rule needs measured on the model: calibration computes it over its sequences and saves it
+beside the profile (``x.qstats.safetensors``); studies load that file or compute it."""
 
 
 class TriAttentionRule(ScoredRule):
@@ -51,6 +59,7 @@ class TriAttentionRule(ScoredRule):
     defaults = {"max_offset": 65536}
     param_specs = {"max_offset": ParamSpec(int, low=1, high=1 << 31, description="largest future offset scored")}
     shared_across_heads = False
+    model_data_need = QUERY_STATISTICS
     paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "
              "arXiv:2604.04921 (2026)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from polykv.errors import ProfileError
+from polykv.plan import DEFAULT_QUANTIZER
 
 
 def register(subparsers) -> None:
@@ -42,8 +43,9 @@ def register(subparsers) -> None:
                    help="compute dtype: float32 (default), bfloat16 (bf16) or float16 (fp16); recorded in the "
                         "profile's provenance. The profile serves every dtype (the model fingerprint does not "
                         "depend on it)")
-    p.add_argument("--quantizer", default="kivi", metavar="NAME",
-                   help="quantizer of the measured K/V widths (default kivi); `polykv plugins` lists them")
+    p.add_argument("--quantizer", default=DEFAULT_QUANTIZER, metavar="NAME",
+                   help=f"quantizer of the measured K/V widths (default {DEFAULT_QUANTIZER}); `polykv plugins` "
+                        "lists them")
     p.add_argument("--quantizer-param", action="append", default=[], metavar="K=V",
                    help="quantizer parameter, e.g. --quantizer-param group_size=16 for a model whose head_dim "
                         "is not a multiple of the default group size (V is read as JSON when it parses)")
@@ -51,7 +53,8 @@ def register(subparsers) -> None:
                    help="CPU threads for torch (default 1: the many small per-layer tensor operations run fastest "
                         "on one thread; measured 25x faster than 2 threads on a busy 2-core machine)")
     p.add_argument("--query-stats", default=None, metavar="PATH",
-                   help="where to write the TriAttention query statistics (default: beside the profile)")
+                   help="where to write the query statistics of the rules that need them (default: beside the "
+                        "profile)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -246,8 +249,8 @@ def run(args) -> int:
                            f"; the last {args.validate} are held out for validation" if args.validate else ""),
                        progress=not args.no_progress)
     stats_path = args.query_stats or query_stats_path(args.output)
-    if result.query_stats is not None:
-        result.query_stats.save(stats_path)
+    for path, data in result.side_files(args.output, query_stats_path=stats_path).items():
+        data.save(path)
     result.profile.save(args.output)
     from polykv.profiling.checkpoint import remove_folder
 
@@ -255,6 +258,6 @@ def run(args) -> int:
     prof = result.profile
     print(f"{args.output}: {prof.num_layers} layers x {len(prof.configs)} configs, metrics {sorted(prof.metrics)}, "
           f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: "
-          f"{stats_path if result.query_stats is not None else 'none (TriAttention not calibrated)'}"
+          f"{stats_path if result.query_stats is not None else 'none (no calibrated rule needs them)'}"
           + (f"; {prof.provenance.note.split('; ', 1)[1]}" if "; " in prof.provenance.note else ""))
     return 0

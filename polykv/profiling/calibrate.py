@@ -5,9 +5,9 @@
 
 Steps (``docs/calibration.md``):
 
-1. TriAttention query statistics over the calibration sequences
-   (:func:`~polykv.profiling.query_stats.compute_query_stats`), passed to rules as
-   ``model_data["triattention"]`` and saved beside the profile.
+1. The per-model data the calibrated rules declare (:mod:`polykv.model_data`; e.g. query statistics,
+   :func:`~polykv.profiling.query_stats.compute_query_stats`), computed over the calibration
+   sequences, passed to rules as ``model_data[need.key]`` and saved beside the profile.
 2. One captured forward per sequence (:mod:`polykv.profiling.capture`).
 3. Per layer: the ``l2`` error of every candidate config (:mod:`polykv.profiling.sensitivity`),
    PolyKV's ``cosine`` per rule and ``entropy`` (:mod:`polykv.profiling.routing_stats`), each averaged
@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from polykv.errors import ProfileError
+from polykv.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
+from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling.profile import (FULL_RULE, CandidateConfig, Profile, ProfileProvenance, StatTable, model_info,
@@ -37,8 +39,7 @@ from polykv.profiling.profile import (FULL_RULE, CandidateConfig, Profile, Profi
 from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
 from polykv.profiling import validation as val
-
-TRIATTENTION = "triattention"
+from polykv.profiling.query_stats import QUERY_STATS_SUFFIX, QueryStats
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -63,39 +64,55 @@ class CalibrationSettings:
     """Calibration sequences the delta-PPL statistic runs on (0 = not measured; the whole model per rule)."""
     validate_configs: int = 8
     """Configs sampled (the same for every layer) for the KL validation when held-out sequences are given."""
-    quantizer: str = "kivi"
+    quantizer: str = DEFAULT_QUANTIZER
     quantizer_params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
 class CalibrationResult:
     profile: Profile
-    query_stats: Any
-    """:class:`~polykv.profiling.query_stats.QueryStats` measured on the calibration sequences (None when
-    TriAttention is not among the calibrated rules)."""
+    model_data: dict[str, Any] = attrs.field(factory=dict)
+    """Per-model data the calibrated rules declared, by key, measured on the calibration sequences."""
+    needs: tuple[ModelDataNeed, ...] = ()
+    """The declarations behind ``model_data`` (their side files go beside the profile)."""
     seconds: float
     """Wall time of the run (resumed layers excluded)."""
 
+    @property
+    def query_stats(self) -> QueryStats | None:
+        """The :class:`~polykv.profiling.query_stats.QueryStats` among ``model_data`` (None when no
+        calibrated rule needs query statistics)."""
+        return next((v for v in self.model_data.values() if isinstance(v, QueryStats)), None)
+
+    def side_files(self, profile_path: str, *, query_stats_path: str | None = None) -> dict[str, Any]:
+        """``{path: data}`` to save beside ``profile_path`` (``query_stats_path`` overrides where query
+        statistics go)."""
+        out = {}
+        for need in self.needs:
+            path = side_file(profile_path, need.suffix)
+            if query_stats_path and need.suffix == QUERY_STATS_SUFFIX:
+                path = query_stats_path
+            out[path] = self.model_data[need.key]
+        return out
+
 
 def query_stats_path(profile_path: str) -> str:
-    """Where the TriAttention query statistics of a profile live: ``x.profile.json`` -> ``x.qstats.safetensors``."""
-    base = str(profile_path)
-    for ext in (".profile.json", ".json"):
-        if base.endswith(ext):
-            base = base[: -len(ext)]
-            break
-    return base + ".qstats.safetensors"
+    """Where the query statistics of a profile live: ``x.profile.json`` -> ``x.qstats.safetensors``."""
+    return side_file(profile_path, QUERY_STATS_SUFFIX)
 
 
-def model_data_for(profile_path: str) -> dict[str, Any]:
-    """``model_data`` for :func:`polykv.apply` from the side files of a profile (``{"triattention": QueryStats}``).
+def model_data_for(profile_path: str, *, registry=None, model=None) -> dict[str, Any]:
+    """``model_data`` for :func:`polykv.apply` from the side files of a profile: ``{need.key: data}`` for
+    every registered rule's declared need whose side file exists (checked against ``model`` if given).
 
     >>> with polykv.apply(model, plan, model_data=model_data_for("profiles/x.profile.json")):  # doctest: +SKIP
     ...     ...
     """
-    from polykv.profiling.query_stats import QueryStats
+    if registry is None:
+        from polykv.registry import get_registry
 
-    return {TRIATTENTION: QueryStats.load(query_stats_path(profile_path))}
+        registry = get_registry()
+    return load_side_files(profile_path, registered_needs(registry), model=model)
 
 
 def default_rules(registry) -> tuple[str, ...]:
@@ -132,9 +149,9 @@ def _rope(model) -> tuple[torch.Tensor | None, float]:
 def _versions() -> dict[str, str]:
     import transformers
 
-    import polykv
+    from polykv import __version__
 
-    return {"polykv": polykv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"polykv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "numpy": np.__version__, "python": platform.python_version()}
 
 
@@ -167,7 +184,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
     """
     from polykv.geometry import geometry_of_model
-    from polykv.profiling.query_stats import compute_query_stats
 
     if registry is None:
         from polykv.registry import get_registry
@@ -194,11 +210,12 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                          "tokens": [s.tolist() for s in seqs], "heldout": [s.tolist() for s in held]})
     ckpt = Checkpoint(checkpoint_dir, digest)
 
-    # TriAttention's statistics need one RoPE per model; models with per-layer-type RoPE (Gemma 3)
-    # are calibrated without them when TriAttention is not among the rules.
-    query_stats = compute_query_stats(model, [s.view(1, -1) for s in seqs]) if TRIATTENTION in rules else None
+    # Only the data the calibrated rules declare is computed (query statistics need one RoPE per model:
+    # models with per-layer-type RoPE, Gemma 3, calibrate the rules that need none).
+    needs = tuple(needs_of_rules(registry, rules))
+    model_data = {need.key: need.compute(model, [s.view(1, -1) for s in seqs]) for need in needs}
     inv_freq, rope_scaling = _rope(model)
-    ctx = LayerContext(registry=registry, quantizer=quantizer, model_data={TRIATTENTION: query_stats},
+    ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
     L = geometry.num_layers
     done = {layer: ckpt.load(layer) for layer in range(L)}
@@ -227,18 +244,18 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
 
     profile = _assemble(geometry, configs, rules, done, val_cols, settings, corpus, len(seqs), len(held),
                         int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
-    return CalibrationResult(profile=profile, query_stats=query_stats, seconds=time.perf_counter() - start)
+    return CalibrationResult(profile=profile, model_data=model_data, needs=needs, seconds=time.perf_counter() - start)
 
 
 def corpus_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: int, *, seed: int = 0,
                      kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
     """``n`` sequences of exactly ``tokens`` token ids from the offline corpus, and their description.
 
-    Texts come from :func:`polykv.studies.corpus.corpus_texts` (``kind``, ``seed``), at least
+    Texts come from :func:`polykv.corpus.corpus_texts` (``kind``, ``seed``), at least
     ``4 * tokens`` characters long; each is tokenized and cut to its first ``tokens`` ids; texts that
     tokenize shorter are skipped, in the corpus order, so the result depends only on the arguments.
     """
-    from polykv.studies.corpus import corpus_fingerprint, corpus_id, corpus_texts
+    from polykv.corpus import corpus_fingerprint, corpus_id, corpus_texts
 
     if n < 1 or tokens < 2:
         raise ProfileError(f"need at least one sequence of at least 2 tokens, got n={n}, tokens={tokens}")

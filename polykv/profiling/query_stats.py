@@ -28,6 +28,8 @@ import torch
 from polykv.errors import ProfileError
 
 FORMAT = "polykv-query-stats"
+QUERY_STATS_SUFFIX = ".qstats.safetensors"
+"""Side file of a profile that keeps its query statistics: ``x.profile.json`` -> ``x.qstats.safetensors``."""
 FORMAT_VERSION = 1
 PAIRING = "half"
 _ARRAYS = ("mu_real", "mu_imag", "mean_abs", "inv_freq")

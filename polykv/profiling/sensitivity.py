@@ -54,7 +54,7 @@ class LayerContext:
     quantizer_name: str = attrs.field(default=attrs.Factory(lambda self: self.quantizer.name, takes_self=True))
     """Its registered name (the plan layer's ``quantizer``)."""
     model_data: Mapping[str, Any] = attrs.field(factory=dict)
-    """Per-model data of rules (``{"triattention": QueryStats}``)."""
+    """Per-model data the rules declared (:mod:`polykv.model_data`), by key."""
     rope_inv_freq: torch.Tensor | None = None
     """[d/2] RoPE inverse frequencies."""
     rope_scaling: float = 1.0
@@ -108,9 +108,7 @@ def followup_through_storage(cap: LayerCapture, prefix: int, kept: StorageView, 
     dtype, device = cap.key.dtype, cap.key.device
     storage = LayerStorage(lambda stream: new_store(ctx.registry, lp, stream, dtype=dtype, device=device))
     storage.fill(kept.keys, kept.values, kept.positions, None if kept.valid is None else kept.valid.sum(-1))
-    B, Hkv, T, _ = cap.key.shape
-    pos = torch.arange(prefix, T, device=device).view(1, 1, -1).expand(B, Hkv, T - prefix)
-    storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], pos)
+    storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], prefix)  # the follow-up at prefix ..
     view = storage.view()
     q = cap.query[:, :, prefix:]
     return sdpa(q, view.keys.to(q.dtype), view.values.to(q.dtype), cap.scaling, view.valid)

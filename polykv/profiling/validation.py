@@ -23,13 +23,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from polykv.plan import FULL_OP, OpSpec, full_plan
+from polykv.plan import DEFAULT_QUANTIZER, FULL_OP, OpSpec, full_plan
 from polykv.profiling.profile import CandidateConfig
 
 
 def one_layer_plan(geometry, layer: int, *, rule: str, k_bits: int = 16, v_bits: int = 16,
                    capacity: int | None = None, keep: float | None = None, params: Mapping[str, Any] | None = None,
-                   quantizer: str = "kivi", quantizer_params: Mapping[str, Any] | None = None):
+                   quantizer: str = DEFAULT_QUANTIZER, quantizer_params: Mapping[str, Any] | None = None):
     """A full plan except ``layer``, whose prefill op is ``rule`` at ``capacity`` tokens or ``keep`` ratio."""
     if keep is not None and keep >= 1.0:
         op = FULL_OP
@@ -40,7 +40,7 @@ def one_layer_plan(geometry, layer: int, *, rule: str, k_bits: int = 16, v_bits:
                                           quantizer_params=dict(quantizer_params or {}))
 
 
-def config_plan(geometry, layer: int, config: CandidateConfig, *, quantizer: str = "kivi",
+def config_plan(geometry, layer: int, config: CandidateConfig, *, quantizer: str = DEFAULT_QUANTIZER,
                 quantizer_params: Mapping[str, Any] | None = None):
     """The one-layer plan of a profile config (measured in the prefill phase, as calibration does)."""
     return one_layer_plan(geometry, layer, rule=config.rule, keep=config.keep, params=config.params,
@@ -100,11 +100,11 @@ def sample_configs(configs: Sequence[CandidateConfig], count: int, seed: int) ->
 def correlations(l2: np.ndarray, kl: np.ndarray, *, seed: int = 0) -> np.ndarray:
     """Per-layer (Pearson, Spearman) between the L2 proxy and KL over the sampled configs: [L, 2].
 
-    Uses :func:`polykv.studies.stats.pearson` / :func:`~polykv.studies.stats.spearman`; a layer whose
+    Uses :func:`polykv.stats.pearson` / :func:`~polykv.stats.spearman`; a layer whose
     values are constant on one side gets NaN (the correlation is undefined there).
     """
     from polykv.errors import StudyError
-    from polykv.studies.stats import pearson, spearman
+    from polykv.stats import pearson, spearman
 
     out = np.full((l2.shape[0], 2), np.nan)
     for layer in range(l2.shape[0]):

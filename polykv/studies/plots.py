@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import matplotlib
@@ -10,21 +11,29 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from polykv.studies import stats  # noqa: E402
+from polykv import stats  # noqa: E402
+from polykv.plan import FULL_RULE  # noqa: E402
 
-_RULE_COLOURS = {"full": "#bbbbbb", "snapkv": "#1f77b4", "h2o": "#ff7f0e", "tova": "#2ca02c",
-                 "triattention": "#d62728", "streamingllm": "#9467bd", "key_norm": "#8c564b", "random": "#e377c2",
-                 "pyramid": "#17becf"}
-_EXTRA = ["#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
-_OTHER: dict[str, str] = {}
-"""Colours handed to rules outside the built-in palette, in order of first use."""
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+           "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#9edae5")
+"""Rule colours, handed out by rule name order (see :func:`rule_colour`)."""
+FULL_COLOUR = "#bbbbbb"
+"""The keep-everything op's colour."""
 
 
-def rule_colour(rule: str) -> str:
-    """A fixed colour per built-in rule; third-party rules get the next spare colour."""
-    if rule in _RULE_COLOURS:
-        return _RULE_COLOURS[rule]
-    return _OTHER.setdefault(rule, _EXTRA[len(_OTHER) % len(_EXTRA)])
+def rule_colour(rule: str, registry=None) -> str:
+    """A stable colour per rule: grey for the keep-everything op; otherwise the palette entry at the rule's
+    place among the registered rule names in sorted order (a name no plugin registers: a palette entry picked
+    by a checksum of the name), so a rule keeps its colour across figures and no plugin is named here."""
+    if rule == FULL_RULE:
+        return FULL_COLOUR
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    names = [n for n in registry.names("operator") if n != FULL_RULE]
+    index = names.index(rule) if rule in names else zlib.crc32(rule.encode())
+    return PALETTE[index % len(PALETTE)]
 
 
 def score_vs_memory(points: Sequence[dict], path: str, *, title: str, full: dict | None = None) -> str:

@@ -44,7 +44,7 @@ from polykv.studies.spec import FULL_POLICY, StudySpec
 from polykv.studies.tasks.base import TEACHER_FORCED
 
 QUERY_STATS_TOKENS = 512
-"""Tokens per calibration text when a plan's TriAttention rule needs query statistics."""
+"""Tokens per corpus text when a plan's rule needs per-model data (e.g. query statistics) computed here."""
 
 
 @attrs.define
@@ -102,32 +102,31 @@ def load_model(spec: StudySpec):
     return model, CharTokenizer(model.config.vocab_size)
 
 
-def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None) -> dict[str, Any]:
-    """Query statistics for TriAttention when a plan uses it.
+def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *, registry=None) -> dict[str, Any]:
+    """The per-model data the plans' rules declare (:mod:`polykv.model_data`; e.g. query statistics).
 
-    Read from the profile's side file (``x.qstats.safetensors``, written by ``polykv calibrate``) when
-    there is one, else computed once here on the offline corpus (4 texts of 512 tokens).
+    Each is read from the profile's side file (e.g. ``x.qstats.safetensors``, written by ``polykv
+    calibrate``) when there is one, else computed once here on the offline corpus (4 texts of 512 tokens).
     """
-    if not any("triattention" in p.rules_used() for p in plans):
+    from polykv.model_data import load_side_files, needs_of_rules
+
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    needs = needs_of_rules(registry, sorted({rule for p in plans for rule in p.rules_used()}))
+    if not needs:
         return {}
-    import os
+    out = load_side_files(profile, needs, model=model) if profile is not None else {}
+    missing = [need for need in needs if need.key not in out]
+    if missing:
+        from polykv.corpus import corpus_texts
 
-    from polykv.profiling.query_stats import QueryStats, compute_query_stats
-
-    if profile is not None:
-        from polykv.profiling.calibrate import query_stats_path
-
-        path = query_stats_path(profile)
-        if os.path.isfile(path):
-            stats = QueryStats.load(path)
-            stats.check_model(model)
-            return {"triattention": stats}
-    from polykv.studies.corpus import corpus_texts
-
-    device = next(model.parameters()).device
-    batches = [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:QUERY_STATS_TOKENS]], device=device)
-               for t in corpus_texts("mixed", 4, min_chars=4 * QUERY_STATS_TOKENS, seed=0)]
-    return {"triattention": compute_query_stats(model, batches)}
+        device = next(model.parameters()).device
+        batches = [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:QUERY_STATS_TOKENS]], device=device)
+                   for t in corpus_texts("mixed", 4, min_chars=4 * QUERY_STATS_TOKENS, seed=0)]
+        out.update({need.key: need.compute(model, batches) for need in missing})
+    return out
 
 
 def _ids(ids: list[int], device) -> torch.Tensor:
@@ -255,7 +254,7 @@ class LoadedStudy:
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
-        model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile)
+        model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile, registry=registry)
         encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
         return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,
                    model_data=model_data, encoder=encoder, stop=stop_ids(model, tokenizer), registry=registry)

@@ -10,25 +10,11 @@ import pytest
 from polykv.cli import main
 from polykv.profiling.profile import load_profile
 from polykv.profiling.query_stats import QueryStats
-from polykv.studies.corpus import corpus_texts
-from polykv.testing import tiny_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus_texts("prose", 10, min_chars=500, seed=0), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32, vocab=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+def model_dir(saved_tiny_model):
+    return saved_tiny_model(32)
 
 
 def test_calibrate_then_solve(model_dir, tmp_path, capsys):

@@ -62,22 +62,8 @@ def test_the_shipped_profile_and_plans_accept_smollm2_in_16_bit_dtypes(dtype):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from polykv.studies.corpus import corpus_texts
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus_texts("prose", 10, min_chars=500, seed=0), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, vocab=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+def model_dir(saved_tiny_model):
+    return saved_tiny_model(16)
 
 
 def test_calibration_runs_in_bfloat16_records_it_and_serves_float32(model_dir, tmp_path, capsys):

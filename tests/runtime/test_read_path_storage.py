@@ -30,7 +30,7 @@ def test_uniform_storage_read_from_codes_equals_sdpa_over_its_view():
     k, v = _tokens(41, 0)
     storage.fill(k, v, torch.arange(41).expand(B, HKV, 41))
     k1, v1 = _tokens(1, 1)
-    storage.append(k1, v1, torch.full((B, HKV, 1), 41))
+    storage.append(k1, v1, 41)
     view = storage.view()
     query = torch.randn(B, HKV * G, 1, D, generator=torch.Generator().manual_seed(2))
     want = F.scaled_dot_product_attention(query, view.keys, view.values, scale=0.25, enable_gqa=True)
@@ -43,7 +43,7 @@ def test_ragged_segments_read_per_head_equal_masked_sdpa_over_the_padded_view():
     k, v = _tokens(40, 3)
     storage.fill(k, v, torch.arange(40).expand(B, HKV, 40), counts=torch.tensor([[40, 23]]))
     k1, v1 = _tokens(1, 4)
-    storage.append(k1, v1, torch.full((B, HKV, 1), 40))
+    storage.append(k1, v1, 40)
     assert storage.ragged
     view = storage.view()  # right-aligned: padding first, valid marks each head's tokens
     query = torch.randn(B, HKV * G, 1, D, generator=torch.Generator().manual_seed(5))
