@@ -100,23 +100,57 @@ class SelectionContext:
         return self.keys.shape[2]
 
     def window_attention(self, window: int | None = None) -> torch.Tensor:
-        """Softmax attention of the last ``window`` queries over the stored keys: [B, H, w, T].
+        """Softmax attention of the last ``window`` queries over the stored keys: [B, H, w, T] float32.
 
-        Causal: a query at position p sees only stored tokens with position <= p. Computed in
-        float32 from ``queries`` and ``keys`` (GQA keys are expanded as a view, never stored).
+        Causal: a query at position p sees only stored tokens with position <= p (padding never).
+        The rows the prefill attention pass already computed for these queries over these keys
+        (kept by the state's :class:`~polykv.rule_state.QueryWindow`) are returned as they are;
+        otherwise they are computed in float32 from ``queries`` and ``keys``, the G query heads of a
+        KV head folded into the row axis (keys are never repeated), in query chunks.
         """
         if self.queries is None or self.query_positions is None:
             raise ValueError("this context carries no queries; the rule must declare a query signal")
-        q = self.queries if window is None else self.queries[:, :, -window:]
-        qpos = self.query_positions if window is None else self.query_positions[-window:]
-        B, H, w, d = q.shape
-        Hkv = self.keys.shape[1]
-        k = self.keys.float().unsqueeze(2).expand(B, Hkv, H // Hkv, self.num_stored, d).reshape(B, H, -1, d)
-        logits = torch.matmul(q.float(), k.transpose(-1, -2)) * self.scaling  # (B, H, w, T)
-        pos = self.positions.unsqueeze(2).expand(B, Hkv, H // Hkv, -1).reshape(B, H, 1, -1)
-        visible = (pos <= qpos.view(1, 1, -1, 1).to(pos.device)) & (pos >= 0)
-        logits = logits.masked_fill(~visible, float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        n = self.queries.shape[2]
+        w = n if window is None else min(int(window), n)
+        holder = None if self.state is None else self.state.component(QueryWindow)
+        kept = None if holder is None else holder.attention_rows(self.queries, self.positions)
+        if kept is not None:
+            return kept[:, :, n - w:]
+        return window_rows(self.queries[:, :, n - w:], self.query_positions[n - w:], self.keys, self.positions,
+                           self.scaling)
+
+
+_WINDOW_CHUNK_ELEMENTS = 1 << 21
+"""Float32 logits per query chunk of :func:`window_rows` (8 MiB)."""
+
+
+def window_rows(queries: torch.Tensor, query_positions: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """Softmax attention of ``queries`` [B, H, w, d] at ``query_positions`` [w] over ``keys`` [B, Hkv, T, d]
+    at ``positions`` [B, Hkv, T] (-1 = padding): [B, H, w, T] float32, a query seeing positions <= its own.
+
+    The G query heads of a KV head are folded into the row axis (no copy of the keys per head);
+    query rows run in chunks of at most 8 MiB of logits.
+    """
+    B, H, w, d = queries.shape
+    Hkv, T = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    kt = keys.float().transpose(-1, -2)                                       # (B, Hkv, d, T)
+    qg = queries.view(B, Hkv, G, w, d)
+    qpos = query_positions.to(positions.device).view(1, 1, 1, w, 1)
+    pos = positions.view(B, Hkv, 1, 1, T)
+    out = torch.empty(B, Hkv, G, w, T, dtype=torch.float32, device=keys.device)
+    rows = max(1, _WINDOW_CHUNK_ELEMENTS // max(1, B * H * T))
+    for start in range(0, w, rows):
+        stop = min(w, start + rows)
+        c = stop - start
+        chunk = qg[:, :, :, start:stop].float().reshape(B, Hkv, G * c, d) * scaling
+        logits = torch.matmul(chunk, kt).view(B, Hkv, G, c, T)
+        hidden = (pos > qpos[..., start:stop, :]) | (pos < 0)                 # (B, Hkv, 1, c, T)
+        logits.masked_fill_(hidden, float("-inf"))
+        out[:, :, :, start:stop] = torch.softmax(logits, dim=-1)
+        del logits
+    return out.view(B, H, w, T)
 
 
 class RetentionRule:

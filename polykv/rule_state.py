@@ -17,6 +17,10 @@ The built-in signals are such helpers: :class:`QueryWindow` (the last ``w`` quer
 and :class:`AccumulatedAttention` (H2O's running column sums). :class:`CompositeState` combines
 several. Everything here computes attention in query chunks: no T x T score matrix is materialised.
 
+A state names what :meth:`RuleState.observe` reads from the forward in ``needs`` (:data:`NEEDS`);
+the prefill attention function then computes it in its own pass (:func:`signal_request`,
+:class:`AttentionSignals`) and the :class:`Observation` hands it over instead of recomputing.
+
 Shapes: B batch, H query heads, Hkv KV heads, G = H // Hkv, q new queries of one forward, K keys
 attended by them (stored + new, padded across heads when the layer is ragged), d head dim.
 """
@@ -28,62 +32,10 @@ from typing import Hashable, Iterator
 import attrs
 import torch
 
-_CHUNK_ELEMENTS = 1 << 21
-"""Float32 logits per query chunk (8 MiB)."""
-
-
-def lower_right_causal(q: int, k: int, device: torch.device) -> torch.Tensor:
-    """[q, k] bool mask: the q new queries are the last q of the k keys (True = may attend)."""
-    rows = torch.arange(q, device=device).unsqueeze(1) + (k - q)
-    return torch.arange(k, device=device).unsqueeze(0) <= rows
-
-
-def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                            valid: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """Softmax attention of the q new queries over ``key``, one query chunk at a time.
-
-    Parameters
-    ----------
-    query : [B, H, q, d]
-        Post-RoPE queries of the new tokens (the last q of the K keys).
-    key : [B, Hkv, K, d]
-        Keys they attend (stored + new), unrepeated.
-    valid : [B, Hkv, K] bool, optional
-        False on padding columns of a ragged layer; they get probability 0.
-
-    Yields
-    ------
-    (start, probs) with probs [B, Hkv, G, c, K] float32 for query rows ``start .. start + c``.
-    """
-    B, H, q, d = query.shape
-    Hkv, K = key.shape[1], key.shape[2]
-    G = H // Hkv
-    kt = key.float().transpose(-1, -2).unsqueeze(2)                         # (B, Hkv, 1, d, K)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, B * H * K))
-    qg = query.view(B, Hkv, G, q, d)
-    pad = None if valid is None else ~valid.view(B, Hkv, 1, 1, K)
-    for start in range(0, q, rows):
-        stop = min(q, start + rows)
-        logits = torch.matmul(qg[:, :, :, start:stop].float(), kt) * scaling  # (B, Hkv, G, c, K)
-        if q > 1:
-            logits.masked_fill_(~lower_right_causal(q, K, key.device)[start:stop], float("-inf"))
-        if pad is not None:
-            logits.masked_fill_(pad, float("-inf"))
-        yield start, torch.softmax(logits, dim=-1)
-        del logits
-
-
-def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                          valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of every new query summed over queries and the G heads of each KV head.
-
-    Returns [B, Hkv, K] float32 (see :func:`attention_probabilities` for the arguments).
-    """
-    B, Hkv, K = key.shape[0], key.shape[1], key.shape[2]
-    out = torch.zeros(B, Hkv, K, dtype=torch.float32, device=key.device)
-    for _, probs in attention_probabilities(query, key, scaling, valid):
-        out += probs.sum(dim=(2, 3))
-    return out
+from polykv.attention_signals import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS,  # noqa: F401
+                                     AttentionSignals, SignalRequest, attention_column_sums,
+                                     attention_column_sums_per_head, attention_last_rows, attention_probabilities,
+                                     lower_right_causal, signal_request)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -105,17 +57,53 @@ class Observation:
     """Position of the first new token (tokens seen before this forward)."""
     scaling: float
     """Attention scaling."""
+    signals: AttentionSignals | None = None
+    """What the attention pass already computed for the states of this layer (None: nothing)."""
+    _computed: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
     @property
     def num_new(self) -> int:
         return int(self.query.shape[2])
 
+    def _signal(self, name: str, compute):
+        got = None if self.signals is None else getattr(self.signals, name)
+        if got is None:
+            got = self._computed.get(name)
+        if got is None:
+            got = self._computed[name] = compute()
+        return got
+
     def column_sums(self) -> torch.Tensor:
-        """[B, Hkv, K] float32: this forward's attention summed over its queries and each group's heads."""
-        return attention_column_sums(self.query, self.keys, self.scaling, self.valid)
+        """[B, Hkv, K] float32: this forward's attention summed over its queries and each group's heads.
+
+        Read-only (shared by every state of the layer): copy before changing it in place."""
+        return self._signal(COLUMN_SUMS, lambda: attention_column_sums(self.query, self.keys, self.scaling,
+                                                                       self.valid))
+
+    def column_sums_per_head(self) -> torch.Tensor:
+        """[B, H, K] float32: this forward's attention summed over its queries, per query head (read-only)."""
+        return self._signal(COLUMN_SUMS_PER_HEAD, lambda: attention_column_sums_per_head(
+            self.query, self.keys, self.scaling, self.valid))
+
+    def precomputed_rows(self, rows: int) -> torch.Tensor | None:
+        """[B, H, rows, K] attention rows of the last ``rows`` new queries if the attention pass computed
+        them (``rows <= num_new``), else None."""
+        got = None if self.signals is None else self.signals.last_rows
+        if got is None or rows > got.shape[2] or rows > self.num_new:
+            return None
+        return got[:, :, got.shape[2] - rows:]
+
+    def last_rows(self, rows: int) -> torch.Tensor:
+        """[B, H, rows, K] float32 attention rows of the last ``rows`` (at most ``num_new``) new queries:
+        the attention pass's, or computed now (read-only)."""
+        rows = min(int(rows), self.num_new)
+        got = self.precomputed_rows(rows)
+        if got is not None:
+            return got
+        return attention_last_rows(self.query, self.keys, self.scaling, rows, self.valid)
 
     def probabilities(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """Chunks ``(start, [B, Hkv, G, c, K] float32)`` of this forward's attention rows."""
+        """Chunks ``(start, [B, Hkv, G, c, K] float32)`` of this forward's attention rows (always computed)."""
         return attention_probabilities(self.query, self.keys, self.scaling, self.valid)
 
 
@@ -127,6 +115,13 @@ class RuleState:
     (and a prefill snapshot can hand it to another plan)."""
     metadata_name: str = "rule_state"
     """The key its bytes are reported under in ``session.resident_bytes().metadata_per_layer``."""
+    needs: frozenset[str] = frozenset()
+    """Signals :meth:`observe` reads from the :class:`Observation` (:data:`COLUMN_SUMS`,
+    :data:`COLUMN_SUMS_PER_HEAD`, :data:`LAST_ROWS`): the attention function then computes them in
+    its own pass over the prompt, so ``obs.column_sums()`` and the like cost nothing more. A state
+    that declares nothing still gets everything, computed when it asks."""
+    needed_rows: int = 0
+    """With :data:`LAST_ROWS` in ``needs``: how many of the newest attention rows ``observe`` reads."""
 
     def observe(self, obs: Observation) -> None:
         """Record one attention forward; per-token tensors grow by ``obs.num_new`` columns."""
@@ -173,12 +168,20 @@ def state_bytes(states) -> dict[str, int]:
 
 
 class QueryWindow(RuleState):
-    """The last ``window`` post-RoPE queries and their positions (SnapKV's observation window, TOVA's query)."""
+    """The last ``window`` post-RoPE queries and their positions (SnapKV's observation window, TOVA's query).
+
+    During prefill it also keeps the attention rows of those queries when the attention pass computed
+    them (:data:`LAST_ROWS`), so the rule's :meth:`~polykv.operators.SelectionContext.window_attention`
+    reads them instead of recomputing; they are dropped at the first eviction or after prefill.
+    """
+
+    needs = frozenset({LAST_ROWS})
 
     def __init__(self, window: int):
         if window < 1:
             raise ValueError(f"a query window needs at least 1 query, got {window}")
         self.window = int(window)
+        self.needed_rows = self.window
         self.share_key = ("query_window", self.window)
         self.metadata_name = "query_window"
         self.reset()
@@ -188,6 +191,14 @@ class QueryWindow(RuleState):
         """[B, H, w, d] newest queries (newest last), compute dtype."""
         self.positions: torch.Tensor | None = None
         """[w] int64 positions of ``queries``."""
+        self._drop_rows()
+
+    def _drop_rows(self) -> None:
+        self.rows: torch.Tensor | None = None
+        """[B, H, w, K] float32 attention rows of ``queries`` over the keys of the forward that made them
+        (prefill only, from the attention pass), or None."""
+        self.row_key_positions: torch.Tensor | None = None
+        """[B, Hkv, K] positions of the keys ``rows`` cover."""
 
     def observe(self, obs: Observation) -> None:
         q, w = obs.num_new, self.window
@@ -197,11 +208,36 @@ class QueryWindow(RuleState):
         else:
             self.queries = torch.cat([self.queries, obs.query], dim=2)[:, :, -w:].contiguous()
             self.positions = torch.cat([self.positions, pos])[-w:]
+        self._drop_rows()
+        n = self.queries.shape[2]
+        if obs.phase == "prefill" and n <= q:  # every kept query came from this forward
+            rows = obs.precomputed_rows(n)
+            if rows is not None and rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+                rows = rows.clone()  # part of a larger slab (another state asked for more rows): hold only ours
+            self.rows = rows
+            self.row_key_positions = None if rows is None else obs.positions
+
+    def attention_rows(self, queries: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """[B, H, w, K] the kept attention rows if they are those of ``queries`` (this window's own tensor)
+        over keys at ``key_positions`` [B, Hkv, K]; else None."""
+        if self.rows is None or queries is not self.queries:
+            return None
+        kept = self.row_key_positions
+        if kept.shape != key_positions.shape or not torch.equal(kept, key_positions):
+            return None
+        return self.rows
+
+    def gather(self, selection) -> None:
+        self._drop_rows()
+
+    def after_prefill(self) -> None:
+        self._drop_rows()
 
     def nbytes(self) -> int:
         if self.queries is None:
             return 0
-        return self.queries.numel() * self.queries.element_size() + self.positions.numel() * 8
+        rows = 0 if self.rows is None else self.rows.numel() * 4
+        return self.queries.numel() * self.queries.element_size() + self.positions.numel() * 8 + rows
 
     def predict_bytes(self, *, batch, kv_heads, heads, head_dim, tokens, context_tokens, dtype_bytes) -> int | None:
         w = min(self.window, context_tokens)
@@ -218,6 +254,7 @@ class AccumulatedAttention(RuleState):
 
     share_key = "accumulated_attention"
     metadata_name = "accumulated"
+    needs = frozenset({COLUMN_SUMS})
 
     def __init__(self):
         self.reset()
@@ -259,6 +296,9 @@ class CompositeState(RuleState):
         self.parts = tuple(parts)
         keys = tuple(p.share_key for p in self.parts)
         self.share_key = None if None in keys else ("composite",) + keys
+        # (the runtime reads needs from leaves(); these are the union, for anyone asking the composite)
+        self.needs = frozenset().union(*(p.needs for p in self.parts))
+        self.needed_rows = max((p.needed_rows for p in self.parts), default=0)
 
     def observe(self, obs: Observation) -> None:
         for p in self.parts:

@@ -30,7 +30,7 @@ import torch
 
 from polykv.allocators import AllocationRequest, Allocator
 from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
-from polykv.rule_state import AccumulatedAttention, CompositeState, Observation, RuleState
+from polykv.rule_state import COLUMN_SUMS_PER_HEAD, AccumulatedAttention, CompositeState, Observation, RuleState
 from polykv.selection import Merge, Selection, as_selection
 from polykv.params import ParamSpec
 
@@ -234,6 +234,7 @@ class ColumnSumsPerHead(RuleState):
     """Column sums of a layer's prefill attention per query head: ``sums`` [B, H, T] float32 (D2O's allocator)."""
 
     share_key = "column_sums_per_head"
+    needs = frozenset({COLUMN_SUMS_PER_HEAD})
 
     def reset(self) -> None:
         self.sums: torch.Tensor | None = None
@@ -244,13 +245,11 @@ class ColumnSumsPerHead(RuleState):
     def observe(self, obs: Observation) -> None:
         if obs.phase != "prefill":
             return
-        B, Hkv, K = obs.keys.shape[:3]
-        out = torch.zeros(B, obs.query.shape[1], K, dtype=torch.float32, device=obs.keys.device)
-        for _, probs in obs.probabilities():                                # (B, Hkv, G, c, K)
-            out += probs.sum(dim=3).reshape(B, -1, K)
+        sums = obs.column_sums_per_head()                                   # (B, H, K), read-only
         if self.sums is not None:
-            out[..., : self.sums.shape[-1]] += self.sums
-        self.sums = out
+            sums = sums.clone()
+            sums[..., : self.sums.shape[-1]] += self.sums
+        self.sums = sums
 
     def after_prefill(self) -> None:
         self.sums = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
-from polykv.rule_state import Observation, RuleState
+from polykv.rule_state import LAST_ROWS, Observation, RuleState
 from polykv.params import ParamSpec
 
 
@@ -63,19 +63,10 @@ def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_po
 def history_attention(obs: Observation, rows: int) -> torch.Tensor:
     """Softmax attention of the last ``rows`` new queries of ``obs`` over its keys: [B, H, rows, K] float32.
 
-    Each query sees the keys at positions up to its own (padding of a ragged layer never).
+    Each query sees the keys at positions up to its own (padding of a ragged layer never): the rows
+    the attention pass computed (prefill), or computed now in chunks (read-only either way).
     """
-    q = obs.query[:, :, -rows:].float()                                   # (B, H, r, d)
-    B, H, r, d = q.shape
-    Hkv, K = obs.keys.shape[1], obs.keys.shape[2]
-    G = H // Hkv
-    k = obs.keys.float().unsqueeze(2).expand(B, Hkv, G, K, d).reshape(B, H, K, d)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * obs.scaling          # (B, H, r, K)
-    qpos = torch.arange(obs.first_position + obs.num_new - r, obs.first_position + obs.num_new,
-                        device=obs.keys.device)
-    pos = obs.positions.repeat_interleave(G, dim=1).unsqueeze(2)          # (B, H, 1, K)
-    visible = (pos <= qpos.view(1, 1, r, 1)) & (pos >= 0)
-    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    return obs.last_rows(rows)
 
 
 class UnimportantHistory(RuleState):
@@ -86,8 +77,11 @@ class UnimportantHistory(RuleState):
     enter with 0 events in older rows (those queries could not see them); eviction gathers columns.
     """
 
+    needs = frozenset({LAST_ROWS})
+
     def __init__(self, history: int, threshold: str, quantile: float):
         self.history, self.threshold, self.quantile = int(history), threshold, float(quantile)
+        self.needed_rows = self.history
         self.share_key = ("scissorhands_history", self.history, self.threshold, self.quantile)
         self.reset()
 

@@ -28,7 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
-from polykv.runtime.signals import lower_right_causal
+from polykv.attention_signals import AttentionSignals, signal_request
+from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
 
@@ -185,12 +186,33 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     valid = layer.attend_valid()
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if softcap is None and sinks is None:
+    signals = None
+    if not layer.prefilled and visible is None and softcap is None and sinks is None:
+        out, signals = prefill_attention_with_signals(layer, query, key, value, scaling, valid)
+    elif softcap is None and sinks is None:
         out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
-    layer.after_attention(query, scaling)
+    layer.after_attention(query, scaling, signals=signals)
     return out.transpose(1, 2).contiguous(), None
+
+
+def prefill_attention_with_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   scaling: float, valid: torch.Tensor | None
+                                   ) -> tuple[torch.Tensor, AttentionSignals | None]:
+    """A prefill forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
+
+    The layer's observing states declare what they read (``RuleState.needs``). When some state reads
+    column sums (every query row contributes), :func:`~polykv.runtime.signals.attention_with_signals`
+    computes the output and every declared signal in one pass. Otherwise plain SDPA and no signals:
+    the newest rows alone cost ``r x K`` whenever they are computed, so states compute them when
+    they select (a layer waiting for its allocation group holds no rows meanwhile), and the
+    keep-everything plan stays vanilla.
+    """
+    request = signal_request(layer.observing_states())
+    if request.needs_every_row:
+        return attention_with_signals(query, key, value, scaling, request, valid)
+    return sdpa(query, key, value, scaling, valid), None
 
 
 def _check_window(layer, layer_idx, model_window) -> None:

@@ -206,14 +206,16 @@ class LayerCache(CacheLayerMixin):
                 out.append(st)
         return out
 
-    def after_attention(self, query: torch.Tensor, scaling: float) -> None:
-        """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode)."""
+    def after_attention(self, query: torch.Tensor, scaling: float, signals=None) -> None:
+        """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode).
+
+        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any."""
         view = self._view
         states = self.observing_states()
         if states:
             obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill",
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
-                              first_position=self.tokens_seen, scaling=scaling)
+                              first_position=self.tokens_seen, scaling=scaling, signals=signals)
             for st in states:
                 st.observe(obs)
         self.tokens_seen += query.shape[2]

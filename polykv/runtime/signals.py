@@ -1,9 +1,114 @@
-"""Attention signals for rules: the chunked attention math, now shared with rule states.
+"""Attention and the signals rule states declared, in one pass over causal query chunks.
 
-The helpers live in :mod:`polykv.rule_state` (a bottom module, so that rules, calibration and the
-runtime use one implementation); this module keeps the runtime's import path.
+When some state of a layer needs this forward's attention (``RuleState.needs``: column sums per KV
+head or per query head, the newest rows), :func:`attention_with_signals` computes the attention
+output itself and collects those signals from the same probabilities, so no state recomputes
+them. Query rows run in chunks; a chunk attends only the causal prefix of the keys it may see
+(nothing is spent on the masked upper triangle); the G query heads of a KV head are folded into the
+row axis, so keys are never repeated; logits and softmax are float32 (a 16-bit model's keys are read
+in float32 once per forward), probabilities meet the values in the values' dtype, as transformers'
+eager attention does.
+
+The chunked math of the generic path (a state asking for something no pass computed) lives in
+:mod:`polykv.attention_signals`, a bottom module shared with calibration; it is re-exported here.
+
+Shapes: B batch, H query heads, Hkv KV heads, G = H // Hkv, q new queries (the last q of the K
+keys), d head dim.
 """
 
-from polykv.rule_state import attention_column_sums, attention_probabilities, lower_right_causal
+from __future__ import annotations
 
-__all__ = ["attention_column_sums", "attention_probabilities", "lower_right_causal"]
+import math
+
+import torch
+
+from polykv.attention_signals import (AttentionSignals, SignalRequest, attention_column_sums, attention_probabilities,
+                                      lower_right_causal)
+
+__all__ = ["attention_column_sums", "attention_probabilities", "attention_with_signals", "lower_right_causal",
+           "SIGNAL_CHUNK_ELEMENTS"]
+
+SIGNAL_CHUNK_ELEMENTS = 1 << 21
+"""Float32 logits per query chunk of :func:`attention_with_signals` (8 MiB; the softmax doubles it)."""
+
+
+def _chunk_rows(prefix: int, budget_rows: int, remaining: int) -> int:
+    """Rows n with n * (prefix + n) <= budget_rows (at least 1, at most ``remaining``)."""
+    n = int((-prefix + math.sqrt(prefix * prefix + 4.0 * budget_rows)) / 2)
+    return max(1, min(remaining, n))
+
+
+def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                           request: SignalRequest, valid: torch.Tensor | None = None, *,
+                           chunk_elements: int = SIGNAL_CHUNK_ELEMENTS) -> tuple[torch.Tensor, AttentionSignals]:
+    """Softmax attention of the last q positions over K keys, and the signals ``request`` asks for.
+
+    Parameters
+    ----------
+    query : [B, H, q, d]
+        Post-RoPE queries of the q new tokens (the last q of the keys; lower-right causal).
+    key, value : [B, Hkv, K, d]
+        Every key and value they attend, unrepeated, the new ones last.
+    scaling : float
+        Attention scaling.
+    request : SignalRequest
+        Which signals to collect (:func:`polykv.attention_signals.signal_request` of the layer's states).
+    valid : [B, Hkv, K] bool, optional
+        False on padding columns of a ragged layer (never attended, probability 0).
+    chunk_elements : int
+        Float32 logits per query chunk.
+
+    Returns
+    -------
+    (out [B, H, q, dv] in the query's dtype, :class:`~polykv.attention_signals.AttentionSignals`) with
+    ``column_sums`` [B, Hkv, K], ``column_sums_per_head`` [B, H, K], ``last_rows`` [B, H, r, K]
+    (r = min(request.last_rows, q)) float32, each None unless requested.
+    """
+    B, H, q, d = query.shape
+    Hkv, K = key.shape[1], key.shape[2]
+    if H % Hkv or K < q:
+        raise ValueError(f"attention of {q} queries over {K} keys with {H} query heads and {Hkv} KV heads: the keys "
+                         f"must include the queries' own and the heads must group evenly")
+    G, dv, offset = H // Hkv, value.shape[-1], K - q
+    work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    keys = key.to(work)                                                    # no copy for float32 models
+    # Rows ordered (query, head in group): a chunk of queries is one contiguous [n * G, d] block per KV head.
+    same = work == query.dtype  # float32: scale once here; 16-bit: read each chunk in float32, then scale
+    rows_q = (query * scaling if same else query).view(B, Hkv, G, q, d).transpose(2, 3).reshape(B, Hkv, q * G, d)
+    device = query.device
+    out = torch.empty(B, Hkv, q * G, dv, dtype=query.dtype, device=device)
+    cols = torch.zeros(B, Hkv, K, dtype=torch.float32, device=device) if request.column_sums else None
+    per_head = torch.zeros(B, Hkv, G, K, dtype=torch.float32, device=device) if request.column_sums_per_head else None
+    r = min(int(request.last_rows), q)
+    rows = torch.zeros(B, Hkv, r, G, K, dtype=torch.float32, device=device) if r else None
+    pad = None if valid is None else ~valid.view(B, Hkv, 1, K)
+    budget_rows = max(1, chunk_elements // (B * H))
+    start = 0
+    while start < q:
+        n = _chunk_rows(offset + start, budget_rows, q - start)
+        stop, prefix = start + n, offset + start + n                        # these rows see keys < prefix
+        chunk = rows_q[:, :, start * G:stop * G] if same else rows_q[:, :, start * G:stop * G].to(work) * scaling
+        logits = torch.matmul(chunk, keys[:, :, :prefix].transpose(-1, -2))
+        if n > 1:  # query start + i sees the first i + 1 of the chunk's own n keys
+            logits.view(B, Hkv, n, G, prefix)[..., prefix - n + 1:].masked_fill_(
+                torch.ones(n, n - 1, dtype=torch.bool, device=device).triu_().view(n, 1, n - 1), float("-inf"))
+        if pad is not None:
+            logits.masked_fill_(pad[..., :prefix], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)                               # (B, Hkv, n * G, prefix) float32
+        del logits
+        out[:, :, start * G:stop * G] = torch.matmul(probs.to(value.dtype), value[:, :, :prefix])
+        if cols is not None:
+            cols[..., :prefix] += probs.sum(dim=2)
+        if per_head is not None:
+            per_head[..., :prefix] += probs.view(B, Hkv, n, G, prefix).sum(dim=2)
+        if rows is not None and stop > q - r:
+            first = max(start, q - r)
+            rows[:, :, first - (q - r):, :, :prefix] = probs.view(B, Hkv, n, G, prefix)[:, :, first - start:]
+        del probs
+        start = stop
+    out = out.view(B, Hkv, q, G, dv).transpose(2, 3).reshape(B, H, q, dv)
+    signals = AttentionSignals(
+        column_sums=cols,
+        column_sums_per_head=None if per_head is None else per_head.view(B, H, K),
+        last_rows=None if rows is None else rows.transpose(2, 3).reshape(B, H, r, K))
+    return out, signals

@@ -24,7 +24,9 @@ def test_gpu_check_runs_every_section_on_cpu():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     titles = re.findall(r"^== (.+)$", out, flags=re.M)
-    assert len(titles) == 7 and len(re.findall(r"^   ok ", out, flags=re.M)) == 7, out
+    assert len(titles) == 9 and len(re.findall(r"^   ok ", out, flags=re.M)) == 9, out
+    summary = out[out.index("\nsummary:\n"):]
+    assert re.findall(r"^  (\S+)\s+[\d.]+ s  (.+)$", summary, flags=re.M) == [("ok", t) for t in titles], summary
     assert "FAIL" not in out and "skipped" not in out
     rows = re.findall(r"^    (\S+)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+n/a$", out, flags=re.M)
     names = ["vanilla", "full"] + [f"{r}@8x" for r in RULES] + ["K4V4"]
