@@ -12,6 +12,12 @@ context once (:func:`capture_prefill`) and restores each plan's cache from the s
 The snapshot records the state of every rule (and allocator) of the plans it was captured for,
 one object per distinct ``share_key`` (a query window of each length, accumulated attention once);
 a plan restored from it gets copies of exactly the states its own prefill would have built.
+
+One thing a plan does change during prefill: a layer whose states read every attention row (H2O's
+column sums) attends in the one-pass signal kernel, others in SDPA (:mod:`polykv.runtime.attention`);
+the two agree to float rounding, not bit for bit. So plans are grouped by which layers take the
+signal pass (their *attention signature*), the model runs over the prompt once per group, and each
+plan is restored from its own group's prefill: still exactly its own ``Session.prefill``.
 Shapes: B batch, H query heads, Hkv KV heads, T prompt tokens, d head dim.
 """
 
@@ -24,6 +30,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from polykv.attention_signals import signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.runtime.cache import PlanCache, new_rule_states
@@ -50,15 +57,25 @@ class LayerSnapshot:
 
 @attrs.define(frozen=True, kw_only=True)
 class PrefillSnapshot:
-    """Raw prefill of one prompt on one model: one :class:`LayerSnapshot` per layer."""
+    """Raw prefill of one prompt on one model: per attention signature (a tuple of one bool per layer,
+    True where the layer attends in the signal pass), one :class:`LayerSnapshot` per layer."""
 
-    layers: tuple[LayerSnapshot, ...]
+    variants: dict
+    """Attention signature -> tuple of :class:`LayerSnapshot` (one per layer)."""
     input_ids: torch.Tensor
     """[B, T] the prompt that was prefilled."""
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def layers(self) -> tuple[LayerSnapshot, ...]:
+        """The layers of the only variant (an error when plans of several signatures were captured)."""
+        if len(self.variants) != 1:
+            raise RuntimeConfigError(f"the snapshot holds {len(self.variants)} prefills (plans whose layers attend "
+                                     f"differently); pick one with snapshot.variants[signature]")
+        return next(iter(self.variants.values()))
 
 
 def _plan_states(session) -> list[list]:
@@ -75,22 +92,34 @@ def _plan_states(session) -> list[list]:
     return out
 
 
-def capture_states(model, plans: Sequence[Plan], *, registry=None) -> list[dict]:
-    """Per layer, one fresh state per distinct ``share_key`` over the rules of ``plans`` (validates each plan)."""
-    from polykv.runtime.session import apply
+def attention_signature(per_layer_states: Sequence[Sequence]) -> tuple[bool, ...]:
+    """Per layer, whether its prefill attends in the signal pass (some state reads every attention row)."""
+    return tuple(signal_request(states).needs_every_row for states in per_layer_states)
 
-    union: list[dict] | None = None
-    for plan in plans:
-        per_layer = _plan_states(apply(model, plan, registry=registry))
-        if union is None:
-            union = [{} for _ in per_layer]
+
+def _union(per_plan: Sequence[list[list]]) -> list[dict]:
+    """Per layer, one state per distinct ``share_key`` over the plans' states."""
+    union = [{} for _ in per_plan[0]]
+    for per_layer in per_plan:
         for have, states in zip(union, per_layer):
             for st in states:
                 if st.share_key is not None:
                     have.setdefault(st.share_key, st)
-    if union is None:
-        raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
     return union
+
+
+def capture_groups(model, plans: Sequence[Plan], *, registry=None) -> dict[tuple[bool, ...], list[dict]]:
+    """Attention signature -> per layer, one fresh state per distinct ``share_key`` over the rules of the plans
+    of that signature (validates each plan)."""
+    from polykv.runtime.session import apply
+
+    groups: dict[tuple[bool, ...], list] = {}
+    for plan in plans:
+        per_layer = _plan_states(apply(model, plan, registry=registry))
+        groups.setdefault(attention_signature(per_layer), []).append(per_layer)
+    if not groups:
+        raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
+    return {sig: _union(per_plan) for sig, per_plan in groups.items()}
 
 
 def _scaling(module, head_dim: int) -> float:
@@ -99,7 +128,8 @@ def _scaling(module, head_dim: int) -> float:
 
 def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, registry=None,
                     chunk_size: int | None = None) -> PrefillSnapshot:
-    """Run the model once over ``input_ids`` [B, T] and keep the raw K/V and signals of every layer.
+    """Run the model over ``input_ids`` [B, T] and keep the raw K/V and signals of every layer: once per
+    attention signature among ``plans`` (once when every plan's layers attend alike).
 
     Parameters
     ----------
@@ -117,12 +147,19 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     from polykv.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
-    states = capture_states(model, plans, registry=registry)
-    session = apply(model, full_plan(geometry_of_model(model)), registry=registry)
+    groups = capture_groups(model, plans, registry=registry)
     T = int(input_ids.shape[1])
     step = chunk_size or T
     if step < 1:
         raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    session = apply(model, full_plan(geometry_of_model(model)), registry=registry)
+    variants = {sig: _capture_one(model, session, input_ids, states, step) for sig, states in groups.items()}
+    return PrefillSnapshot(variants=variants, input_ids=input_ids)
+
+
+def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], step: int) -> tuple:
+    """One prefill of ``input_ids`` observed by ``states`` (per layer); its layer snapshots."""
+    T = int(input_ids.shape[1])
     with torch.no_grad(), session:
         cache = session.new_cache()
         for layer, have in zip(cache.layers, states):
@@ -137,7 +174,7 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
             layers.append(LayerSnapshot(keys=raw.keys, values=raw.values, positions=raw.positions,
                                         tokens_seen=layer.tokens_seen, states=have,
                                         scaling=_scaling(module, raw.keys.shape[-1])))
-    return PrefillSnapshot(layers=tuple(layers), input_ids=input_ids)
+    return tuple(layers)
 
 
 def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
@@ -154,10 +191,16 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
     """
     cache = session.new_cache()
     session.note_context(snapshot.tokens)
-    if len(cache.layers) != len(snapshot.layers):
-        raise RuntimeConfigError(f"the prefill snapshot has {len(snapshot.layers)} layers but the session's model "
+    some = next(iter(snapshot.variants.values()))
+    if len(cache.layers) != len(some):
+        raise RuntimeConfigError(f"the prefill snapshot has {len(some)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")
-    for layer, snap in zip(cache.layers, snapshot.layers):
+    signature = attention_signature([layer.observing_states() for layer in cache.layers])
+    if signature not in snapshot.variants:
+        raise RuntimeConfigError("the prefill snapshot holds no prefill whose layers attend as this plan's do (its "
+                                 "rules' signal pass differs from every captured plan's); pass this plan to "
+                                 "capture_prefill(..., plans=[...])")
+    for layer, snap in zip(cache.layers, snapshot.variants[signature]):
         copies: dict[int, object] = {}
 
         def restored(state, _snap=snap, _layer=layer):
