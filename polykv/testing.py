@@ -103,3 +103,42 @@ def decode_soak(model, plan, *, context_tokens: int, steps: int, model_data=None
             if q == 1:
                 measure(session)
     return worst, bound, over
+
+
+def full_plan_against_vanilla(model, geometry, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Run ``prompt`` [B, T] through vanilla transformers and through the keep-everything plan: a prefill
+    forward and ``new_tokens`` greedy ``generate`` steps each. Returns ``prefill_diff`` (max |logit
+    difference| of the prefill), ``same_tokens`` (generated sequences equal), ``score_diff`` (max |logit
+    difference| over the generated steps) and the plan cache's ``stored_tokens()`` after the prefill
+    (``stored_after_prefill``) and after generating (``stored_after_generate``)."""
+    import polykv
+
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref_prefill = model(prompt).logits
+        ref = model.generate(prompt, **kwargs)
+        with polykv.apply(model, polykv.full_plan(geometry)) as session:
+            got_prefill = model(prompt, past_key_values=session.new_cache(), use_cache=True).logits
+            after_prefill = session.cache.stored_tokens()
+            got = model.generate(prompt, **kwargs)
+            after_generate = session.cache.stored_tokens()
+    return {"prefill_diff": (got_prefill - ref_prefill).abs().max().item(),
+            "same_tokens": torch.equal(got.sequences, ref.sequences),
+            "score_diff": max((a - b).abs().max().item() for a, b in zip(got.scores, ref.scores)),
+            "stored_after_prefill": after_prefill, "stored_after_generate": after_generate}
+
+
+def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split: int, chunk_size: int,
+                                    ) -> tuple[float, float]:
+    """Prefill ``prompt[:, :split]`` in chunks of ``chunk_size`` under the keep-everything plan, then feed the
+    rest in one multi-token forward. Returns the max |logit difference| against one vanilla forward over the
+    whole prompt for the last prefill chunk and for the continuation."""
+    import polykv
+
+    with torch.no_grad():
+        ref = model(prompt).logits
+        with polykv.apply(model, polykv.full_plan(geometry)) as session:
+            out = session.prefill(prompt[:, :split], chunk_size=chunk_size).logits
+            more = model(prompt[:, split:], past_key_values=session.cache, use_cache=True).logits
+    return ((out - ref[:, split - out.shape[1]:split]).abs().max().item(),
+            (more - ref[:, split:]).abs().max().item())

@@ -17,7 +17,7 @@ from polykv.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.reference import masked_reference_logits, record_run
 from polykv.runtime.attention import eager_attention, sdpa
-from polykv.testing import random_model, token_ids
+from polykv.testing import full_plan_against_vanilla, random_model, token_ids
 
 TOL = 1e-4
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -55,17 +55,10 @@ def variant(request):
 
 def test_full_plan_equals_vanilla(variant):
     name, model, geo = variant
-    prompt = token_ids(2, 22, seed=1)
-    kwargs = dict(max_new_tokens=16, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ref_prefill = model(prompt).logits
-        ref = model.generate(prompt, **kwargs)
-        with polykv.apply(model, polykv.full_plan(geo)) as session:
-            got_prefill = model(prompt, past_key_values=session.new_cache(), use_cache=True).logits
-            got = model.generate(prompt, **kwargs)
-    assert (got_prefill - ref_prefill).abs().max().item() < TOL, name
-    assert torch.equal(got.sequences, ref.sequences), name
-    assert max((a - b).abs().max().item() for a, b in zip(got.scores, ref.scores)) < TOL, name
+    r = full_plan_against_vanilla(model, geo, token_ids(2, 22, seed=1), new_tokens=16)
+    assert r["prefill_diff"] < TOL, name
+    assert r["same_tokens"], name
+    assert r["score_diff"] < TOL, name
 
 
 @pytest.mark.parametrize("plan_kw", [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
 
@@ -12,6 +11,7 @@ from polykv.geometry import CHUNKED, geometry_of_model
 from polykv.plan import OpSpec
 from polykv.reference import masked_reference_logits, record_run
 from polykv.testing import random_model as build
+from polykv.testing import chunked_prefill_against_vanilla, full_plan_against_vanilla
 from polykv.testing import token_ids as ids
 
 TOL = 1e-4
@@ -37,31 +37,18 @@ def test_geometry_records_chunked_layers(llama4):
 
 def test_full_plan_equals_vanilla_across_chunks(llama4):
     model, geo = llama4
-    prompt = ids(2, 24, seed=1)
-    kwargs = dict(max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ref_prefill = model(prompt).logits
-        ref = model.generate(prompt, **kwargs)
-        with polykv.apply(model, polykv.full_plan(geo)) as session:
-            got_prefill = model(prompt, past_key_values=session.new_cache(), use_cache=True).logits
-            got = model.generate(prompt, **kwargs)
-            stored = session.cache.stored_tokens()
-    assert (got_prefill - ref_prefill).abs().max().item() < TOL       # first token included
-    assert torch.equal(got.sequences, ref.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(got.scores, ref.scores)) < TOL
-    assert max(stored) <= CHUNK - 1                                    # the layer's own bound
+    r = full_plan_against_vanilla(model, geo, ids(2, 24, seed=1), new_tokens=20)
+    assert r["prefill_diff"] < TOL                                     # first token included
+    assert r["same_tokens"]
+    assert r["score_diff"] < TOL
+    assert max(r["stored_after_generate"]) <= CHUNK - 1                # the layer's own bound
 
 
 def test_chunked_prefill_and_multi_token_decode_equal_vanilla(llama4):
     model, geo = llama4
-    prompt = ids(1, 37, seed=2)
-    with torch.no_grad():
-        ref = model(prompt).logits
-        with polykv.apply(model, polykv.full_plan(geo)) as session:
-            out = session.prefill(prompt[:, :27], chunk_size=5)
-            more = model(prompt[:, 27:], past_key_values=session.cache, use_cache=True).logits
-    assert (out.logits - ref[:, 25:27]).abs().max().item() < TOL
-    assert (more - ref[:, 27:]).abs().max().item() < TOL
+    prefill_diff, more_diff = chunked_prefill_against_vanilla(model, geo, ids(1, 37, seed=2), split=27, chunk_size=5)
+    assert prefill_diff < TOL
+    assert more_diff < TOL
 
 
 @pytest.mark.parametrize("plan_kw", [

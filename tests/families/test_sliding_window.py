@@ -22,7 +22,7 @@ from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, moend_configs
 from polykv.reference import masked_reference_logits, record_run
 from polykv.reserve import layer_hold, reserve_tokens
-from polykv.testing import random_model, token_ids
+from polykv.testing import chunked_prefill_against_vanilla, full_plan_against_vanilla, random_model, token_ids
 
 TOL = 1e-4
 WINDOW = 8
@@ -49,31 +49,20 @@ def test_geometry_records_attention_type_and_window(gemma3):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_full_plan_equals_vanilla_across_the_window(gemma3, batch):
     model, geo = gemma3
-    prompt = token_ids(batch, 30, seed=batch)
-    kwargs = dict(max_new_tokens=24, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        ref_prefill = model(prompt).logits
-        ref = model.generate(prompt, **kwargs)
-        with polykv.apply(model, polykv.full_plan(geo)) as session:
-            got_prefill = model(prompt, past_key_values=session.new_cache(), use_cache=True).logits
-            assert session.cache.stored_tokens() == [WINDOW - 1, WINDOW - 1, 30]
-            got = model.generate(prompt, **kwargs)
-            assert session.cache.stored_tokens() == [WINDOW - 1, WINDOW - 1, 30 + 24 - 1]
-    assert (got_prefill - ref_prefill).abs().max().item() < TOL
-    assert torch.equal(got.sequences, ref.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(got.scores, ref.scores)) < TOL
+    r = full_plan_against_vanilla(model, geo, token_ids(batch, 30, seed=batch), new_tokens=24)
+    assert r["stored_after_prefill"] == [WINDOW - 1, WINDOW - 1, 30]
+    assert r["stored_after_generate"] == [WINDOW - 1, WINDOW - 1, 30 + 24 - 1]
+    assert r["prefill_diff"] < TOL
+    assert r["same_tokens"]
+    assert r["score_diff"] < TOL
 
 
 def test_chunked_prefill_and_multi_token_decode_equal_vanilla(gemma3):
     model, geo = gemma3
-    prompt = token_ids(1, 41, seed=5)
-    with torch.no_grad():
-        ref = model(prompt).logits
-        with polykv.apply(model, polykv.full_plan(geo)) as session:
-            out = session.prefill(prompt[:, :29], chunk_size=6)
-            more = model(prompt[:, 29:], past_key_values=session.cache, use_cache=True).logits
-    assert (out.logits - ref[:, 24:29]).abs().max().item() < TOL
-    assert (more - ref[:, 29:]).abs().max().item() < TOL
+    prefill_diff, more_diff = chunked_prefill_against_vanilla(model, geo, token_ids(1, 41, seed=5), split=29,
+                                                              chunk_size=6)
+    assert prefill_diff < TOL
+    assert more_diff < TOL
 
 
 def test_a_plan_never_widens_the_window(gemma3):
