@@ -39,6 +39,10 @@ class RecordedRun:
     the forward (None for the prefill), the forward covering positions ``start .. stop - 1``."""
     geometry: Any
     """:class:`polykv.geometry.ModelGeometry` of the model."""
+    allocations: dict = attrs.field(factory=dict)
+    """``PlanCache.allocations()`` at the end of the run (allocated layers only)."""
+    head_counts: list = attrs.field(factory=list)
+    """``PlanCache.head_counts()`` at the end of the run: tokens stored per layer, batch row and KV head."""
 
 
 def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor | None = None, steps: int = 8,
@@ -62,8 +66,9 @@ def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor 
             logits.append(out.logits)
             fed.append(chunk)
         geometry = session.geometry
+        allocations, head_counts = cache.allocations(), cache.head_counts()
     return RecordedRun(tokens=torch.cat(fed, dim=1), logits=torch.cat(logits, dim=1), forwards=tuple(forwards),
-                       geometry=geometry)
+                       geometry=geometry, allocations=allocations, head_counts=head_counts)
 
 
 def visibility_masks(run: RecordedRun) -> dict[int, torch.Tensor]:

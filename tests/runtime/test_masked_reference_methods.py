@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import polykv
 from polykv.operators import SelectionContext
 from polykv.plan import AllocationGroup, OpSpec
+from polykv.reference import record_run
 from polykv.registry import get_registry
 from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow
 
@@ -59,27 +60,6 @@ def _masked(query, key, value, allowed, scaling):
 
 AttentionInterface.register(REF, _reference_attention)
 AttentionMaskInterface.register(REF, lambda *a, **k: None)
-
-
-def _run_and_record(model, plan, ids, question):
-    records, logits, fed = [], [], [ids]
-    with torch.no_grad(), polykv.apply(model, plan) as session:
-        cache = session.new_cache()
-        out = model(ids, past_key_values=cache, use_cache=True)
-        records.append((None, 0, ids.shape[1]))
-        logits.append(out.logits)
-        for chunk in [question] + [None] * STEPS:
-            if chunk is None:
-                chunk = out.logits[:, -1:].argmax(-1)
-            start = cache.get_seq_length()
-            stored = [layer.positions.clone() for layer in cache.layers]
-            out = model(chunk, past_key_values=cache, use_cache=True)
-            records.append((stored, start, start + chunk.shape[1]))
-            logits.append(out.logits)
-            fed.append(chunk)
-        allocations = cache.allocations()
-        counts = cache.head_counts()
-    return torch.cat(fed, dim=1), torch.cat(logits, dim=1), records, allocations, counts
 
 
 def _eager(model, tokens):
@@ -152,13 +132,13 @@ def _replay_prefill_merges(model, plan, ids):
 
 def _check(model, geo, plan, *, batch=1, merges=False):
     ids, question = _prompt(batch, PROMPT, 1), _prompt(batch, QUESTION, 2)
-    tokens, logits, records, allocations, counts = _run_and_record(model, plan, ids, question)
-    assert any(r[0] is not None and bool((r[0][0] >= 0).sum(-1).min() < r[1]) for r in records)
+    run = record_run(model, plan, ids, continuation=question, steps=STEPS)
+    assert any(r[0] is not None and bool((r[0][0] >= 0).sum(-1).min() < r[1]) for r in run.forwards)
     if merges:
         _replay_prefill_merges(model, plan, ids)
-    ref = _reference(model, tokens, records, geo.num_layers, geo.num_kv_heads)
-    assert (logits - ref).abs().max().item() < TOL
-    return allocations, counts
+    ref = _reference(model, run.tokens, run.forwards, geo.num_layers, geo.num_kv_heads)
+    assert (run.logits - ref).abs().max().item() < TOL
+    return run.allocations, run.head_counts
 
 
 def _prompt(batch, length, seed):
