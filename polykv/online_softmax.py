@@ -169,6 +169,11 @@ def blockwise_attention(query: torch.Tensor, keys: TokenBlocks, values: TokenBlo
     check_lengths(lengths, (B, Hkv), T, q)
     G = H // Hkv
     rows = query.float().reshape(B, Hkv, G * q, d)  # (B, Hkv, G*q, d): no copy of the keys per query head
+    if T <= block_size and visible(q, G, 0, T, lengths, T, query.device) is None:
+        # One block that every row sees whole (a decode step over uniform heads): a plain softmax.
+        logits = torch.matmul(rows, first.float().transpose(-1, -2)) * scaling    # (B, Hkv, G*q, T)
+        out = torch.matmul(torch.softmax(logits, dim=-1), values.read(0, T).float())
+        return out.view(B, H, q, -1).to(query.dtype)
     state: OnlineSoftmax | None = None
     for start in range(0, T, block_size):
         stop = min(start + block_size, T)
@@ -207,6 +212,38 @@ def per_head_attention(query: torch.Tensor, heads: list[tuple[TokenBlocks, Token
     return torch.cat(outs, dim=1).view(B, H, q, -1)
 
 
+DECODE_BLOCK = 8192
+"""Tokens per block of :func:`decode_attention_from_stores` on the CPU: a decode step has G * q query
+rows per KV head, so the float32 block (``DECODE_BLOCK * d * 4`` bytes per head and stream) is the
+only transient, and a context up to this length is read in one block."""
+
+
+def decode_attention_from_stores(query: torch.Tensor, key_store, value_store, *, scaling: float,
+                                 block_size: int = DECODE_BLOCK) -> torch.Tensor:
+    """Attention of ``query`` [B, H, q, d] over a layer's stores read from their codes: [B, H, q, dv].
+
+    The call a decoding runtime makes for a layer whose stores offer token blocks: the key view's
+    fused kernel when the view says it runs for this query (``fused_ready(query)``, e.g. the Triton
+    kernel on a CUDA query with Triton installed); otherwise
+    :func:`blockwise_attention` with blocks of ``block_size`` tokens. Nothing dequantizes a whole
+    store; a store without token blocks is an error that says so.
+    """
+    keys, values = _views(key_store, value_store)
+    ready = getattr(keys, "fused_ready", None)
+    if ready is not None and ready(query):
+        return keys.fused_decode(query, values, scaling)
+    return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
+
+
+def _views(key_store, value_store):
+    keys, values = token_blocks(key_store), token_blocks(value_store)
+    for store, view in ((key_store, keys), (value_store, values)):
+        if view is None:
+            raise ValueError(f"{type(store).__name__} offers no token blocks (no token_blocks() method): attention "
+                             f"cannot read it from its codes; dequantize() it and use SDPA instead")
+    return keys, values
+
+
 BACKENDS = ("blockwise", "fused")
 
 
@@ -221,11 +258,7 @@ def attend_stores(query: torch.Tensor, key_store, value_store, *, scaling: float
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {BACKENDS}")
-    keys, values = token_blocks(key_store), token_blocks(value_store)
-    for store, view in ((key_store, keys), (value_store, values)):
-        if view is None:
-            raise ValueError(f"{type(store).__name__} offers no token blocks (no token_blocks() method): attention "
-                             f"cannot read it from its codes; dequantize() it and use SDPA instead")
+    keys, values = _views(key_store, value_store)
     if backend == "blockwise":
         return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
     fused = getattr(keys, "fused_decode", None)

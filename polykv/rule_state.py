@@ -132,6 +132,10 @@ class RuleState:
     def after_prefill(self) -> None:
         """Drop what only prefill needed (called once, after the prefill selection)."""
 
+    def after_decode_step(self) -> None:
+        """Drop what only this decode forward needed (called after every decode forward's eviction
+        check, so nothing of one step's signals is held between steps)."""
+
     def reset(self) -> None:
         """Forget everything (a new sequence starts)."""
 
@@ -170,9 +174,11 @@ def state_bytes(states) -> dict[str, int]:
 class QueryWindow(RuleState):
     """The last ``window`` post-RoPE queries and their positions (SnapKV's observation window, TOVA's query).
 
-    During prefill it also keeps the attention rows of those queries when the attention pass computed
-    them (:data:`LAST_ROWS`), so the rule's :meth:`~polykv.operators.SelectionContext.window_attention`
-    reads them instead of recomputing; they are dropped at the first eviction or after prefill.
+    When every kept query came from this forward (the prompt, or the one query of a decode step for a
+    window of 1) it also keeps their attention rows if the attention pass computed them
+    (:data:`LAST_ROWS`), so the rule's :meth:`~polykv.operators.SelectionContext.window_attention`
+    reads them instead of recomputing; they are dropped at the first eviction, after prefill and
+    after every decode step.
     """
 
     needs = frozenset({LAST_ROWS})
@@ -210,7 +216,7 @@ class QueryWindow(RuleState):
             self.positions = torch.cat([self.positions, pos])[-w:]
         self._drop_rows()
         n = self.queries.shape[2]
-        if obs.phase == "prefill" and n <= q:  # every kept query came from this forward
+        if n <= q:  # every kept query came from this forward (a decode step of a one-query window too)
             rows = obs.precomputed_rows(n)
             if rows is not None and rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
                 rows = rows.clone()  # part of a larger slab (another state asked for more rows): hold only ours
@@ -231,6 +237,9 @@ class QueryWindow(RuleState):
         self._drop_rows()
 
     def after_prefill(self) -> None:
+        self._drop_rows()
+
+    def after_decode_step(self) -> None:
         self._drop_rows()
 
     def nbytes(self) -> int:
@@ -311,6 +320,10 @@ class CompositeState(RuleState):
     def after_prefill(self) -> None:
         for p in self.parts:
             p.after_prefill()
+
+    def after_decode_step(self) -> None:
+        for p in self.parts:
+            p.after_decode_step()
 
     def reset(self) -> None:
         for p in self.parts:

@@ -100,15 +100,17 @@ class PackedStream:
         return int(lengths.max()) if lengths.numel() else 0
 
     # -- reads ------------------------------------------------------------------------------------
-    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Code rows ``start .. stop - 1`` (stop <= Tq) dequantized: [B, Hkv, n, d] in the compute dtype.
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Code rows ``start .. stop - 1`` (stop <= Tq) dequantized: [B, Hkv, n, d] in the compute dtype,
+        written into ``out`` when given (e.g. the front of a block whose tail is residual rows).
 
         Uses :func:`minmax.decode_into`, the arithmetic of the stores' ``dequantize``, so a token
         dequantizes to the same bits here as in the dense read.
         """
         B, H, _, d = self.residual.shape
         n, G = stop - start, self.group_size
-        out = torch.empty(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
+        if out is None:
+            out = torch.empty(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
         codes = self.codes[:, :, start:stop]
         if self.layout == "token":  # per token: (B, H, n, d / G) rows, G channels each
             minmax.decode_into(out, codes, self.bits, self.scale[:, :, start:stop].unsqueeze(-1),
@@ -135,12 +137,14 @@ class PackedStream:
         """
         Tq, (B, H, Tr, d) = self.num_quantized, self.residual.shape
         if not self.ragged:  # every head: Tq code rows, then Tr residual rows
-            parts = []
-            if start < Tq:
-                parts.append(self.dequantize_rows(start, min(stop, Tq)))
-            if stop > Tq:
-                parts.append(self.residual[:, :, max(start - Tq, 0):stop - Tq])
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            if stop <= Tq:
+                return self.dequantize_rows(start, stop)
+            if start >= Tq:
+                return self.residual[:, :, start - Tq:stop - Tq]
+            out = torch.empty(B, H, stop - start, d, dtype=self.residual.dtype, device=self.residual.device)
+            self.dequantize_rows(start, Tq, out=out[:, :, :Tq - start])
+            out[:, :, Tq - start:] = self.residual[:, :, :stop - Tq]
+            return out
         nq, _ = self.head_counts()
         n = stop - start
         out = torch.zeros(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
@@ -159,6 +163,14 @@ class PackedStream:
         return self.read(0, self.padded_len)
 
     # -- fused kernel -----------------------------------------------------------------------------
+    def fused_ready(self, query: torch.Tensor) -> bool:
+        """Whether :meth:`fused_decode` runs for ``query``: a CUDA query and Triton installed."""
+        if query.device.type != "cuda":
+            return False
+        from polykv.adapters.quantizers import kivi_triton
+
+        return kivi_triton.available()
+
     def fused_decode(self, query: torch.Tensor, values: "PackedStream", scaling: float) -> torch.Tensor:
         """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the Triton kernel."""
         from polykv.adapters.quantizers.kivi_triton import decode_attention

@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
 from polykv.attention_signals import AttentionSignals, signal_request
+from polykv.online_softmax import decode_attention_from_stores
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
@@ -187,8 +188,15 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     signals = None
-    if not layer.prefilled and visible is None and softcap is None and sinks is None:
-        out, signals = prefill_attention_with_signals(layer, query, key, value, scaling, valid)
+    layer.plain_attention = softcap is None and sinks is None
+    if layer.from_codes:
+        if not layer.plain_attention:  # known from the prefill forward, so never reached in practice
+            raise RuntimeConfigError(f"layer {layer_idx}: attention read from the codes has no softcap or sinks, "
+                                     f"but this forward asks for them; set the layer's read_codes = False")
+        out = decode_attention_from_stores(query, layer.storage.key_store, layer.storage.value_store,
+                                           scaling=scaling)
+    elif visible is None and layer.plain_attention:
+        out, signals = attention_and_signals(layer, query, key, value, scaling, valid)
     elif softcap is None and sinks is None:
         out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
@@ -197,20 +205,21 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
-def prefill_attention_with_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                   scaling: float, valid: torch.Tensor | None
-                                   ) -> tuple[torch.Tensor, AttentionSignals | None]:
-    """A prefill forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
+def attention_and_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                          valid: torch.Tensor | None) -> tuple[torch.Tensor, AttentionSignals | None]:
+    """A forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
 
-    The layer's observing states declare what they read (``RuleState.needs``). When some state reads
-    column sums (every query row contributes), :func:`~polykv.runtime.signals.attention_with_signals`
-    computes the output and every declared signal in one pass. Otherwise plain SDPA and no signals:
-    the newest rows alone cost ``r x K`` whenever they are computed, so states compute them when
-    they select (a layer waiting for its allocation group holds no rows meanwhile), and the
-    keep-everything plan stays vanilla.
+    The layer's observing states declare what they read (``RuleState.needs``).
+    :func:`~polykv.runtime.signals.attention_with_signals` computes the output and every declared
+    signal in one pass when that saves work: in prefill when some state reads column sums (every
+    query row contributes), and in every decode step whose states read anything (one query row: its
+    probabilities are the attention's own). Otherwise plain SDPA and no signals: in prefill the newest
+    rows alone cost ``r x K`` whenever they are computed, so states compute them when they select (a
+    layer waiting for its allocation group holds no rows meanwhile), and the keep-everything plan
+    stays vanilla.
     """
     request = signal_request(layer.observing_states())
-    if request.needs_every_row:
+    if request.needs_every_row or (request and layer.prefilled):
         return attention_with_signals(query, key, value, scaling, request, valid)
     return sdpa(query, key, value, scaling, valid), None
 

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext
-from polykv.plan import LayerPlan
+from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.reserve import layer_hold, reserve_tokens
 from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.runtime.selection_check import checked_selection
@@ -90,6 +90,14 @@ class LayerCache(CacheLayerMixin):
         self.scaling: float | None = None
         self._raw: StorageView | None = None      # the prompt (or its selection) before storage
         self._view: StorageView | None = None     # what ``update`` returned for this forward
+        self.read_codes = True
+        """Decode forwards of a quantized layer attend straight from the stores' codes when they can
+        (:meth:`reads_codes`); False: dequantize the whole layer and run SDPA (the comparison path)."""
+        self.plain_attention = True
+        """Whether the model's attention here is a plain softmax (no logit softcap, no sinks); the
+        attention function records it on every forward, so it is known before the first decode step."""
+        self.from_codes = False
+        """Whether this forward attends from the codes (set by :meth:`update`)."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
@@ -194,8 +202,28 @@ class LayerCache(CacheLayerMixin):
             self._view = self._raw
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            self._view = self.storage.view()
+            self.from_codes = self.reads_codes()
+            if self.from_codes:  # attention reads the stores (polykv.online_softmax); nothing is dequantized
+                self._view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
+            else:
+                self._view = self.storage.view()
         return self._view.keys, self._view.values
+
+    def reads_codes(self) -> bool:
+        """Whether this decode forward attends straight from the stores' codes
+        (:func:`polykv.online_softmax.decode_attention_from_stores`) instead of a dequantized copy of the
+        layer: a uniform full-attention layer with a quantized stream, plain softmax attention, stores
+        read in token blocks, and no rule state observing every forward (states read dequantized keys).
+        An eviction still dequantizes the layer, when it fires."""
+        plan, st = self.spec.plan, self.storage
+        if not (self.read_codes and self.plain_attention and self.spec.window is None and not st.ragged):
+            return False
+        if plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
+            return False
+        if not (callable(getattr(st.key_store, "token_blocks", None))
+                and callable(getattr(st.value_store, "token_blocks", None))):
+            return False
+        return not self.observing_states()
 
     # -- after attention -------------------------------------------------------------------------
     def observing_states(self) -> list:
@@ -226,8 +254,11 @@ class LayerCache(CacheLayerMixin):
                     self.end_prefill()
             else:
                 self._maybe_evict()
+                for st in states:
+                    st.after_decode_step()
         finally:
             self._view = None
+            self.from_codes = False
 
     def end_prefill(self) -> None:
         """The prompt is complete: select and store now, or hand the layer to its allocation group."""
@@ -313,7 +344,7 @@ class LayerCache(CacheLayerMixin):
             return
         if not self._over_budget(cap, head_cap, self.owner.decode_slack):
             return
-        view = self._view
+        view = self.storage.view() if self.from_codes else self._view  # codes read: dequantize to select
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 

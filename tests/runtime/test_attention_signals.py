@@ -205,8 +205,8 @@ def test_signals_from_the_pass_select_what_the_generic_path_selects(llama, promp
         plan = polykv.uniform_plan(geo, decode_slack=2, **PLANS[name])
     ids = prompt(2, 45)
     used = []
-    real = attention.prefill_attention_with_signals
-    monkeypatch.setattr(attention, "prefill_attention_with_signals", lambda *a: used.append(1) or real(*a))
+    real = attention.attention_and_signals
+    monkeypatch.setattr(attention, "attention_and_signals", lambda *a: used.append(1) or real(*a))
     got_pos, got = _run(model, plan, ids, chunk)
     assert used, "the prefill did not go through the signal pass"
     monkeypatch.setattr(attention, "signal_request", lambda states: SignalRequest())   # states compute their own
@@ -227,6 +227,30 @@ def test_h2o_prefill_reads_column_sums_from_the_pass_and_snapkv_its_rows(llama, 
     with torch.no_grad(), polykv.apply(model, plan) as session:
         session.prefill(prompt(1, 40))
         assert session.cache.stored_tokens() == [14, 14]
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv+h2o", "tova"])
+def test_decode_states_read_their_signals_from_the_attention_pass(llama, prompt, monkeypatch, name):
+    """Every decode step of H2O (column sums) and TOVA (the newest row) attends once: the states read
+    the step's probabilities from the pass and nothing recomputes them."""
+    model, geo = llama
+    plan = polykv.uniform_plan(geo, decode_slack=2, **PLANS[name])
+    passes = []
+    real = attention.attention_with_signals
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        out = session.prefill(prompt(1, 40))
+
+        def recompute(*a, **k):
+            raise AssertionError("a decode state recomputed attention the pass had produced")
+
+        monkeypatch.setattr(attention_signals, "attention_probabilities", recompute)
+        monkeypatch.setattr(operators, "window_rows", recompute)
+        monkeypatch.setattr(attention, "attention_with_signals", lambda *a, **k: passes.append(1) or real(*a, **k))
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(6):
+            tok = model(tok, past_key_values=session.cache, use_cache=True).logits[:, -1:].argmax(-1)
+        assert max(session.cache.stored_tokens()) <= 14 + 2
+    assert len(passes) == 6 * geo.num_layers
 
 
 def test_keep_everything_and_stateless_rules_attend_in_plain_sdpa(llama, prompt, monkeypatch):

@@ -1,0 +1,108 @@
+"""Decode steps of quantized layers attend straight from the stores' codes, never dequantizing a whole store.
+
+The runtime reads the codes (``polykv.online_softmax.decode_attention_from_stores``) in a decode
+forward of a uniform, full-attention layer whose stores are quantized and read in token blocks, and
+that no rule state observes every step. Its logits equal the dequantize-then-SDPA path's to float32
+rounding, the greedy tokens are the same, and a store is dequantized whole only when an eviction
+needs it.
+"""
+
+import pytest
+import torch
+
+import polykv
+from polykv.adapters.quantizers.kivi_keys import KiviKeyStore
+from polykv.adapters.quantizers.kivi_values import KiviValueStore
+from polykv.geometry import geometry_of_model
+from polykv.plan import OpSpec
+from polykv.testing import tiny_model
+
+QP = {"group_size": 8, "residual": 16}
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=2, heads=6, kv_heads=2, head_dim=32, vocab=96)
+
+
+def _decode(model, plan, ids, *, codes: bool, monkeypatch):
+    """Prefill then STEPS greedy steps: (logits of every step, whole-store dequantizations during decode)."""
+    calls = {"dequantize": 0}
+    for cls in (KiviKeyStore, KiviValueStore):
+        def counting(self, _orig=cls.dequantize):
+            calls["dequantize"] += 1
+            return _orig(self)
+        monkeypatch.setattr(cls, "dequantize", counting)
+    with polykv.apply(model, plan) as session:
+        out = session.prefill(ids)
+        calls["dequantize"] = 0
+        for layer in session.cache.layers:
+            layer.read_codes = codes
+        tok, logits = out.logits[:, -1:].argmax(-1), [out.logits[:, -1]]
+        for _ in range(STEPS):
+            out = model(tok, past_key_values=session.cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            tok = out.logits[:, -1:].argmax(-1)
+    monkeypatch.undo()
+    return torch.stack(logits), calls
+
+
+def _count_from_codes(monkeypatch):
+    """Count decode forwards that took the codes path (``from_codes`` is reset after every forward)."""
+    from polykv.runtime import attention
+
+    seen = {"n": 0}
+    orig = attention.decode_attention_from_stores
+
+    def counting(*args, **kwargs):
+        seen["n"] += 1
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(attention, "decode_attention_from_stores", counting)
+    return seen
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 4), (2, 8), (16, 4), (8, 16)])
+def test_keep_everything_quantized_decode_reads_codes_only(model, k_bits, v_bits, monkeypatch):
+    geo = geometry_of_model(model)
+    plan = polykv.uniform_plan(geo, k_bits=k_bits, v_bits=v_bits, quantizer_params=QP)
+    ids = torch.randint(1, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+    seen = _count_from_codes(monkeypatch)
+    got, calls = _decode(model, plan, ids, codes=True, monkeypatch=monkeypatch)
+    read = seen["n"]
+    seen = _count_from_codes(monkeypatch)
+    want, ref_calls = _decode(model, plan, ids, codes=False, monkeypatch=monkeypatch)
+    assert read == STEPS * geo.num_layers and seen["n"] == 0
+    assert calls["dequantize"] == 0 and ref_calls["dequantize"] > 0
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_an_evicting_rule_dequantizes_only_when_it_evicts(model, monkeypatch):
+    geo = geometry_of_model(model)
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule="streamingllm", capacity=24), k_bits=4, v_bits=4,
+                               quantizer_params=QP, decode_slack=8)
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    got, calls = _decode(model, plan, ids, codes=True, monkeypatch=monkeypatch)
+    want, ref_calls = _decode(model, plan, ids, codes=False, monkeypatch=monkeypatch)
+    assert 0 < calls["dequantize"] < ref_calls["dequantize"]    # once per eviction, not every step
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_layer_whose_rule_observes_every_step_reads_its_dequantized_keys(model, monkeypatch):
+    """H2O accumulates every decode query's attention over the dequantized keys: no codes path there."""
+    geo = geometry_of_model(model)
+    plan = polykv.uniform_plan(geo, decode=OpSpec(rule="h2o", capacity=24), k_bits=4, v_bits=4,
+                               quantizer_params=QP, decode_slack=8)
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    seen = _count_from_codes(monkeypatch)
+    _, calls = _decode(model, plan, ids, codes=True, monkeypatch=monkeypatch)
+    assert seen["n"] == 0 and calls["dequantize"] >= STEPS * geo.num_layers
+
+
+def test_a_sixteen_bit_plan_never_takes_the_codes_path(model, monkeypatch):
+    geo = geometry_of_model(model)
+    ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    seen = _count_from_codes(monkeypatch)
+    _decode(model, polykv.full_plan(geo), ids, codes=True, monkeypatch=monkeypatch)
+    assert seen["n"] == 0
