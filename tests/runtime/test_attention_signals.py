@@ -64,6 +64,14 @@ def test_pass_equals_sdpa_and_the_dense_softmax(B, H, Hkv, q, K, chunk):
     assert (sig.column_sums - attention_column_sums(query, key, 0.35)).abs().max() < 1e-5
 
 
+
+@pytest.mark.parametrize("chunk", [120, 400, 1 << 20])
+def test_newest_rows_spanning_several_multi_row_chunks(chunk):
+    """The last r rows may arrive over several chunks of several rows each: every chunk writes its own."""
+    query, key, value = _qkv(1, 4, 2, 40, 40)
+    _, sig = attention_with_signals(query, key, value, 0.35, SignalRequest(last_rows=32), chunk_elements=chunk)
+    assert (sig.last_rows.double() - _dense(query, key, 0.35)[:, :, 8:]).abs().max() < 1e-6
+
 def test_pass_masks_ragged_padding_and_computes_only_what_is_asked():
     query, key, value = _qkv(2, 4, 2, 1, 12)
     valid = torch.ones(2, 2, 12, dtype=torch.bool)
