@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 DEFAULT_BLOCK = 1024
 """Tokens per block of :func:`blockwise_attention`."""
@@ -170,9 +171,9 @@ def blockwise_attention(query: torch.Tensor, keys: TokenBlocks, values: TokenBlo
     G = H // Hkv
     rows = query.float().reshape(B, Hkv, G * q, d)  # (B, Hkv, G*q, d): no copy of the keys per query head
     if T <= block_size and visible(q, G, 0, T, lengths, T, query.device) is None:
-        # One block that every row sees whole (a decode step over uniform heads): a plain softmax.
-        logits = torch.matmul(rows, first.float().transpose(-1, -2)) * scaling    # (B, Hkv, G*q, T)
-        out = torch.matmul(torch.softmax(logits, dim=-1), values.read(0, T).float())
+        # One block that every row sees whole (a decode step over uniform heads): one float32 softmax,
+        # in SDPA's fused kernel (the G query heads of a KV head folded into its rows).
+        out = F.scaled_dot_product_attention(rows, first.float(), values.read(0, T).float(), scale=scaling)
         return out.view(B, H, q, -1).to(query.dtype)
     state: OnlineSoftmax | None = None
     for start in range(0, T, block_size):
