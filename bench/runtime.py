@@ -10,6 +10,10 @@ Every configuration runs in the same process on the same prompt (random token id
   supports decode, else prefill only with a ``full`` decode op);
 * ``mixed``: a per-layer plan cycling rules, half the layers at K8/V4 (KIVI).
 
+After each context it prints the attention-free ceiling: vanilla's decode speed over a 16-token
+context (every other cost of a step, almost no attention) as a ratio to vanilla at that context,
+which bounds what any compression plan can gain in decode speed on this model and machine.
+
 Measured per configuration and context: prefill seconds (one forward over the prompt), decode
 tokens/s (greedy steps after it; both compute only the last row's logits, as ``generate`` does),
 peak memory above the pre-run baseline (CUDA: allocator peak;
@@ -222,6 +226,13 @@ def main(argv=None) -> int:
                   f"{ratio('prefill_cpu_s'):>6.2f}{r['decode_tok_s']:>10.2f}{ratio('decode_tok_s'):>7.2f}"
                   f"{ratio('decode_tok_cpu_s'):>6.2f}{r['peak_bytes'] * mib:>10.1f}{ratio('peak_bytes'):>7.2f}"
                   f"{r['kv_bytes'] * mib:>9.2f}{ratio('kv_bytes'):>7.3f}{r['meta_bytes'] * mib:>9.2f}", flush=True)
+        if base is not None and args.steps:
+            # What decode could gain if attention cost nothing: vanilla over a 16-token context does all the
+            # rest of the step's work (weights, norms, RoPE, sampling) and almost no attention.
+            floor = run_one(model, ids[:, :16], args.steps)
+            print(f"# {context}: attention-free ceiling: vanilla decodes {floor['decode_tok_s']:.2f} tok/s over 16 "
+                  f"tokens = {floor['decode_tok_s'] / base['decode_tok_s']:.2f}x vanilla at {context} (cpu "
+                  f"{floor['decode_tok_cpu_s'] / base['decode_tok_cpu_s']:.2f}x); no plan can decode faster", flush=True)
     return 0
 
 
