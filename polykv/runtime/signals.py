@@ -73,6 +73,8 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
     G, dv, offset = H // Hkv, value.shape[-1], K - q
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     keys = key.to(work)                                                    # no copy for float32 models
+    if q == 1:
+        return _one_query(query, keys, value, scaling, request, valid, work)
     # Rows ordered (query, head in group): a chunk of queries is one contiguous [n * G, d] block per KV head.
     same = work == query.dtype  # float32: scale once here; 16-bit: read each chunk in float32, then scale
     rows_q = (query * scaling if same else query).view(B, Hkv, G, q, d).transpose(2, 3).reshape(B, Hkv, q * G, d)
@@ -113,3 +115,22 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
         column_sums_per_head=None if per_head is None else per_head.view(B, H, K),
         last_rows=None if rows is None else rows.transpose(2, 3).reshape(B, H, r, K))
     return out, signals
+
+
+def _one_query(query: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, scaling: float,
+               request: SignalRequest, valid: torch.Tensor | None, work: torch.dtype
+               ) -> tuple[torch.Tensor, AttentionSignals]:
+    """:func:`attention_with_signals` for a decode step (q = 1): the same products as the chunked loop's
+    single chunk, without its bookkeeping; every signal is a view or a sum of the one probability row."""
+    B, H, _, d = query.shape
+    Hkv, K = keys.shape[1], keys.shape[2]
+    rows = (query * scaling if work == query.dtype else query.to(work) * scaling).view(B, Hkv, H // Hkv, d)
+    logits = torch.matmul(rows, keys.transpose(-1, -2))                      # (B, Hkv, G, K)
+    if valid is not None:
+        logits.masked_fill_(~valid.view(B, Hkv, 1, K), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value).to(query.dtype).view(B, H, 1, -1)
+    return out, AttentionSignals(
+        column_sums=probs.sum(dim=2) if request.column_sums else None,
+        column_sums_per_head=probs.view(B, H, K) if request.column_sums_per_head else None,
+        last_rows=probs.view(B, H, 1, K) if request.last_rows > 0 else None)
