@@ -208,10 +208,12 @@ class QueryWindow(RuleState):
 
     def observe(self, obs: Observation) -> None:
         q, w = obs.num_new, self.window
-        pos = torch.arange(obs.first_position, obs.first_position + q, device=obs.query.device)
-        if self.queries is None:
-            self.queries, self.positions = obs.query[:, :, -w:].clone(), pos[-w:]
+        if self.queries is None or q >= w:  # this forward's queries fill the window (every decode step of TOVA)
+            first = obs.first_position + max(q - w, 0)
+            self.queries = obs.query[:, :, -w:].clone()
+            self.positions = torch.arange(first, obs.first_position + q, device=obs.query.device)
         else:
+            pos = torch.arange(obs.first_position, obs.first_position + q, device=obs.query.device)
             self.queries = torch.cat([self.queries, obs.query], dim=2)[:, :, -w:].contiguous()
             self.positions = torch.cat([self.positions, pos])[-w:]
         self._drop_rows()
