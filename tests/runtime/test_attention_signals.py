@@ -258,6 +258,9 @@ def test_decode_states_read_their_signals_from_the_attention_pass(llama, prompt,
         for _ in range(6):
             tok = model(tok, past_key_values=session.cache, use_cache=True).logits[:, -1:].argmax(-1)
         assert max(session.cache.stored_tokens()) <= 14 + 2
+        for layer in session.cache.layers:                  # nothing of a step's signals is held between steps
+            window = layer.states["decode"].component(QueryWindow)
+            assert window is None or window.rows is None
     assert len(passes) == 6 * geo.num_layers
 
 
