@@ -39,7 +39,10 @@ def _decode(model, plan, ids, *, codes: bool, monkeypatch):
         calls["dequantize"] = 0
         for layer in session.cache.layers:
             layer.read_codes = codes
-        tok, logits = out.logits[:, -1:].argmax(-1), [out.logits[:, -1]]
+        # a multi-token forward first (a question after the context): its new tokens attend causally
+        more = torch.randint(1, 96, (ids.shape[0], 5), generator=torch.Generator().manual_seed(9))
+        out = model(more, past_key_values=session.cache, use_cache=True)
+        tok, logits = out.logits[:, -1:].argmax(-1), [out.logits[:, -1], out.logits[:, 0]]
         for _ in range(STEPS):
             out = model(tok, past_key_values=session.cache, use_cache=True)
             logits.append(out.logits[:, -1])
@@ -72,7 +75,7 @@ def test_keep_everything_quantized_decode_reads_codes_only(model, k_bits, v_bits
     read = seen["n"]
     seen = _count_from_codes(monkeypatch)
     want, ref_calls = _decode(model, plan, ids, codes=False, monkeypatch=monkeypatch)
-    assert read == STEPS * geo.num_layers and seen["n"] == 0
+    assert read == (STEPS + 1) * geo.num_layers and seen["n"] == 0
     assert calls["dequantize"] == 0 and ref_calls["dequantize"] > 0
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
