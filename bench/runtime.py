@@ -42,7 +42,7 @@ import polykv
 from polykv.geometry import geometry_of_model
 from polykv.plan import OpSpec
 
-RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm"]
+RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "adakv"]
 MIXED = ["snapkv", "h2o", "tova", "streamingllm", "triattention", "key-norm"]
 
 

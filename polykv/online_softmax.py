@@ -236,6 +236,26 @@ def decode_attention_from_stores(query: torch.Tensor, key_store, value_store, *,
     return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
 
 
+def decode_attention_per_head(query: torch.Tensor, heads: list, *, scaling: float) -> torch.Tensor:
+    """Attention when every (batch row, KV head) keeps its own key and value store: [B, H, q, dv].
+
+    ``heads`` lists B * Hkv (key_store, value_store) pairs, row-major over (batch row, KV head), each
+    [1, 1, n, d] holding exactly that head's n tokens (ragged storage). Head (b, h) attends with its G
+    query heads over its own stores through :func:`decode_attention_from_stores`: no head is padded
+    to the longest and nothing is masked.
+    """
+    B, H, q, _ = query.shape
+    if not heads or len(heads) % B:
+        raise ValueError(f"per-head attention needs batch x KV heads store pairs, got {len(heads)} for batch {B}")
+    Hkv = len(heads) // B
+    if H % Hkv:
+        raise ValueError(f"query has {H} heads, not a multiple of the {Hkv} KV heads the stores hold")
+    G = H // Hkv
+    outs = [decode_attention_from_stores(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v,
+                                         scaling=scaling) for i, (k, v) in enumerate(heads)]
+    return torch.cat(outs, dim=1).view(B, H, q, -1)
+
+
 def _views(key_store, value_store):
     keys, values = token_blocks(key_store), token_blocks(value_store)
     for store, view in ((key_store, keys), (value_store, values)):

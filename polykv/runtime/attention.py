@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from polykv.errors import RuntimeConfigError
 from polykv.geometry import CHUNKED, SLIDING
 from polykv.attention_signals import AttentionSignals, signal_request
-from polykv.online_softmax import decode_attention_from_stores
+from polykv.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
@@ -189,12 +189,11 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     signals = None
     layer.plain_attention = softcap is None and sinks is None
-    if layer.from_codes:
+    if layer.from_stores:
         if not layer.plain_attention:  # known from the prefill forward, so never reached in practice
-            raise RuntimeConfigError(f"layer {layer_idx}: attention read from the codes has no softcap or sinks, "
-                                     f"but this forward asks for them; set the layer's read_codes = False")
-        out = decode_attention_from_stores(query, layer.storage.key_store, layer.storage.value_store,
-                                           scaling=scaling)
+            raise RuntimeConfigError(f"layer {layer_idx}: attention read from the stores has no softcap or sinks, "
+                                     f"but this forward asks for them; set the layer's read_stores = False")
+        out = attend_stores_of(layer.storage, query, scaling)
     elif visible is None and layer.plain_attention:
         out, signals = attention_and_signals(layer, query, key, value, scaling, valid)
     elif softcap is None and sinks is None:
@@ -203,6 +202,14 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
     layer.after_attention(query, scaling, signals=signals)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attend_stores_of(storage, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [B, H, q, d] over a layer's stores, without its dense view: one call over a
+    uniform layer's two stores, or each (batch row, KV head) of a ragged layer over its own segment."""
+    if storage.ragged:
+        return decode_attention_per_head(query, [(seg.key, seg.value) for seg in storage.segments], scaling=scaling)
+    return decode_attention_from_stores(query, storage.key_store, storage.value_store, scaling=scaling)
 
 
 def attention_and_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

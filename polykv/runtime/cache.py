@@ -90,14 +90,14 @@ class LayerCache(CacheLayerMixin):
         self.scaling: float | None = None
         self._raw: StorageView | None = None      # the prompt (or its selection) before storage
         self._view: StorageView | None = None     # what ``update`` returned for this forward
-        self.read_codes = True
-        """Decode forwards of a quantized layer attend straight from the stores' codes when they can
-        (:meth:`reads_codes`); False: dequantize the whole layer and run SDPA (the comparison path)."""
+        self.read_stores = True
+        """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
+        build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
         self.plain_attention = True
         """Whether the model's attention here is a plain softmax (no logit softcap, no sinks); the
         attention function records it on every forward, so it is known before the first decode step."""
-        self.from_codes = False
-        """Whether this forward attends from the codes (set by :meth:`update`)."""
+        self.from_stores = False
+        """Whether this forward attends from the stores (set by :meth:`update`)."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
@@ -202,26 +202,29 @@ class LayerCache(CacheLayerMixin):
             self._view = self._raw
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            self.from_codes = self.reads_codes()
-            if self.from_codes:  # attention reads the stores (polykv.online_softmax); nothing is dequantized
+            self.from_stores = self.reads_stores()
+            if self.from_stores:  # attention reads the stores (polykv.online_softmax); no dense view is built
                 self._view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
                 self._view = self.storage.view()
         return self._view.keys, self._view.values
 
-    def reads_codes(self) -> bool:
-        """Whether this decode forward attends straight from the stores' codes
-        (:func:`polykv.online_softmax.decode_attention_from_stores`) instead of a dequantized copy of the
-        layer: a uniform full-attention layer with a quantized stream, plain softmax attention, stores
-        read in token blocks, and no rule state observing every forward (states read dequantized keys).
-        An eviction still dequantizes the layer, when it fires."""
+    def reads_stores(self) -> bool:
+        """Whether this decode forward attends straight from the stores
+        (:func:`polykv.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
+        of the dense view: a full-attention layer with plain softmax attention whose stores read in token
+        blocks, no rule state observing every forward (states read the dense keys), and something the view
+        would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
+        the longest). A uniform 16-bit layer's view is its buffers, so it keeps SDPA over them. An
+        eviction still builds the view, in the forwards where it fires."""
         plan, st = self.spec.plan, self.storage
-        if not (self.read_codes and self.plain_attention and self.spec.window is None and not st.ragged):
+        if not (self.read_stores and self.plain_attention and self.spec.window is None):
             return False
-        if plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
+        if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
             return False
-        if not (callable(getattr(st.key_store, "token_blocks", None))
-                and callable(getattr(st.value_store, "token_blocks", None))):
+        stores = [x for seg in st.segments for x in (seg.key, seg.value)] if st.ragged else [st.key_store,
+                                                                                              st.value_store]
+        if not all(callable(getattr(x, "token_blocks", None)) for x in stores[:2]):
             return False
         return not self.observing_states()
 
@@ -258,7 +261,7 @@ class LayerCache(CacheLayerMixin):
                     st.after_decode_step()
         finally:
             self._view = None
-            self.from_codes = False
+            self.from_stores = False
 
     def end_prefill(self) -> None:
         """The prompt is complete: select and store now, or hand the layer to its allocation group."""
@@ -344,7 +347,7 @@ class LayerCache(CacheLayerMixin):
             return
         if not self._over_budget(cap, head_cap, self.owner.decode_slack):
             return
-        view = self.storage.view() if self.from_codes else self._view  # codes read: dequantize to select
+        view = self.storage.view() if self.from_stores else self._view  # stores read: build the view to select
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 

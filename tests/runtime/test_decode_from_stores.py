@@ -1,16 +1,18 @@
-"""Decode steps of quantized layers attend straight from the stores' codes, never dequantizing a whole store.
+"""Decode steps attend straight from the stores when the dense view would cost something.
 
-The runtime reads the codes (``polykv.online_softmax.decode_attention_from_stores``) in a decode
-forward of a uniform, full-attention layer whose stores are quantized and read in token blocks, and
-that no rule state observes every step. Its logits equal the dequantize-then-SDPA path's to float32
-rounding, the greedy tokens are the same, and a store is dequantized whole only when an eviction
-needs it.
+The runtime reads the stores (``polykv.online_softmax.decode_attention_from_stores``, per head for a
+ragged layer) in a decode forward of a full-attention layer whose stores read in token blocks, that no
+rule state observes every step, and that is quantized (the view would dequantize the whole layer) or
+ragged (the view would pad every head to the longest). Its logits equal the dense-view path's to
+float32 rounding, the greedy tokens are the same, and a store is dequantized (a view built) only when
+an eviction needs it.
 """
 
 import pytest
 import torch
 
 import polykv
+from polykv.runtime.storage import LayerStorage
 from polykv.adapters.quantizers.kivi_keys import KiviKeyStore
 from polykv.adapters.quantizers.kivi_values import KiviValueStore
 from polykv.geometry import geometry_of_model
@@ -26,7 +28,7 @@ def model():
     return tiny_model("llama", layers=2, heads=6, kv_heads=2, head_dim=32, vocab=96)
 
 
-def _decode(model, plan, ids, *, codes: bool, monkeypatch):
+def _decode(model, plan, ids, *, codes: bool, monkeypatch, registry=None):
     """Prefill then STEPS greedy steps: (logits of every step, whole-store dequantizations during decode)."""
     calls = {"dequantize": 0}
     for cls in (KiviKeyStore, KiviValueStore):
@@ -34,11 +36,12 @@ def _decode(model, plan, ids, *, codes: bool, monkeypatch):
             calls["dequantize"] += 1
             return _orig(self)
         monkeypatch.setattr(cls, "dequantize", counting)
-    with polykv.apply(model, plan) as session:
+    with polykv.apply(model, plan, registry=registry) as session:
         out = session.prefill(ids)
         calls["dequantize"] = 0
         for layer in session.cache.layers:
-            layer.read_codes = codes
+            layer.read_stores = codes
+        calls["ragged"] = [layer.storage.ragged for layer in session.cache.layers]
         # a multi-token forward first (a question after the context): its new tokens attend causally
         more = torch.randint(1, 96, (ids.shape[0], 5), generator=torch.Generator().manual_seed(9))
         out = model(more, past_key_values=session.cache, use_cache=True)
@@ -108,4 +111,45 @@ def test_a_sixteen_bit_plan_never_takes_the_codes_path(model, monkeypatch):
     ids = torch.randint(1, 96, (1, 20), generator=torch.Generator().manual_seed(3))
     seen = _count_from_codes(monkeypatch)
     _decode(model, polykv.full_plan(geo), ids, codes=True, monkeypatch=monkeypatch)
+    assert seen["n"] == 0
+
+
+def _count_views(monkeypatch):
+    seen = {"n": 0}
+    orig = LayerStorage.view
+
+    def counting(self):
+        seen["n"] += 1
+        return orig(self)
+    monkeypatch.setattr(LayerStorage, "view", counting)
+    return seen
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_ragged_heads_attend_their_own_stores_without_padding(llama, prompt, bits, monkeypatch):
+    """KV heads holding different counts (8 and 16): each head's G query heads attend its own segment."""
+    from tests.runtime.v2_plugins import registry_with_plugins
+
+    model, geo = llama
+    registry = registry_with_plugins()
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="test-headwise", capacity=12), k_bits=bits, v_bits=bits,
+                               quantizer_params={"group_size": 4, "residual": 4})
+    ids = prompt(2, 40)
+    views = _count_views(monkeypatch)
+    got, calls = _decode(model, plan, ids, codes=True, monkeypatch=monkeypatch, registry=registry)
+    read_views = views["n"]
+    views = _count_views(monkeypatch)
+    want, _ = _decode(model, plan, ids, codes=False, monkeypatch=monkeypatch, registry=registry)
+    assert all(calls["ragged"])
+    assert read_views == 0 and views["n"] >= (STEPS + 1) * geo.num_layers
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_uniform_sixteen_bit_layer_keeps_sdpa_over_its_buffers(model, monkeypatch):
+    geo = geometry_of_model(model)
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=12))
+    ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    seen = _count_from_codes(monkeypatch)
+    _decode(model, plan, ids, codes=True, monkeypatch=monkeypatch)
     assert seen["n"] == 0
