@@ -13,6 +13,8 @@ Sections (each prints ``ok``/``FAIL`` with its seconds; the script exits non-zer
 3. kernel: the Triton decode kernel equals the blockwise reference (bf16 on CUDA; float32 in
    Triton's interpreter on CPU) for int2/int4/int8/16-bit key and value mixes, GQA, group ids after
    a gather and ragged heads; on CUDA also its time against bf16 SDPA over the same number of keys;
+   runtime stores path: the runtime's decode straight from the stores (the fused kernel on CUDA, per
+   head for ragged layers) equals the dense-view path fed the same tokens (float32 and bfloat16);
 4. resident bytes: capacity + slack hold and resident bytes equal
    :func:`polykv.memory.predict_resident` (float32 mixed plan, and after every timed prefill below);
 5. families: a mixed plan runs on llama, qwen2, qwen3 and mistral in bfloat16;
@@ -79,17 +81,23 @@ def check_full_plan(device, small=False) -> None:
             assert diff < TOL, f"{family} batch {batch}: logits differ by {diff}"
 
 
+def _test_module(name: str):
+    """A module of tests/runtime loaded from its file (the tests are not an installed package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "runtime" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"polykv_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def check_masked_reference(device, small=False, dtype=torch.float32) -> str:
     """Reuses the CPU test's recorder and reference on ``device`` tensors. Float32: logits within 1e-4.
     A 16-bit dtype: within 2% of the largest logit (both sides round to the dtype; the reference
     attends eagerly in it, the runtime in SDPA or its signal pass with a float32 softmax)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tests" / "runtime" / "test_masked_reference.py"
-    spec = importlib.util.spec_from_file_location("polykv_masked_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _test_module("test_masked_reference")
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, dtype=dtype).to(device)
     geo = geometry_of_model(model)
     from polykv.profiling.query_stats import compute_query_stats
@@ -241,6 +249,46 @@ def check_signals(device, small) -> str:
         plain = _cuda_ms(lambda: attention.sdpa(q, k, v, 0.125), reps=3)
         notes.append(f"one layer at {T}: pass {fused:.1f} ms, SDPA {plain:.1f} ms ({fused / plain:.1f}x)")
     return "; ".join(notes)
+
+
+def check_stores_path(device, small) -> str:
+    """The runtime's decode straight from the stores (on CUDA: the fused kernel for uniform quantized
+    layers; per head for ragged ones) against the dense-view path (``read_stores = False``), fed the
+    same tokens: logits within the dtype's rounding, float32 and bfloat16, uniform K4V4 / K2V8 / K16V4
+    and a ragged plan at 4 bits."""
+    registry = _test_module("v2_plugins").registry_with_plugins()      # a head-wise test rule: ragged heads
+    steps = 6 if small else 24
+    worst = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model("llama", layers=2, heads=6, kv_heads=2, head_dim=32, dtype=dtype).to(device)
+        geo = geometry_of_model(model)
+        qp = {"group_size": 8, "residual": 16}
+        plans = {f"k{k}v{v}": polykv.uniform_plan(geo, k_bits=k, v_bits=v, quantizer_params=qp)
+                 for k, v in ((4, 4), (2, 8), (16, 4))}
+        plans["ragged-k4v4"] = polykv.uniform_plan(geo, prefill=OpSpec(rule="test-headwise", capacity=12), k_bits=4,
+                                                   v_bits=4, quantizer_params=qp)
+        ids = _ids(2, 40, 3, device)
+        for name, plan in plans.items():
+            runs, tokens = [], None
+            for stores in (False, True):  # the view path picks the tokens; the stores path is fed the same ones
+                with torch.no_grad(), polykv.apply(model, plan, registry=registry) as session:
+                    out = session.prefill(ids)
+                    for layer in session.cache.layers:
+                        layer.read_stores = stores
+                    fed = [out.logits[:, -1:].argmax(-1)] if tokens is None else tokens
+                    logits = []
+                    for i in range(steps):
+                        out = model(fed[i], past_key_values=session.cache, use_cache=True)
+                        logits.append(out.logits[:, -1].float())
+                        if tokens is None:
+                            fed.append(out.logits[:, -1:].argmax(-1))
+                    tokens = fed
+                runs.append(torch.stack(logits))
+            diff = (runs[0] - runs[1]).abs().max().item()
+            tol = 1e-4 if dtype == torch.float32 else 3e-2 * max(runs[1].abs().max().item(), 1.0)
+            assert diff < tol, f"{name} {dtype}: the stores path differs from the view path by {diff}"
+            worst[str(dtype).replace("torch.", "")] = max(worst.get(str(dtype).replace("torch.", ""), 0.0), diff)
+    return "largest logit difference " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
 
 
 def _cuda_ms(fn, reps=50) -> float:
@@ -543,6 +591,7 @@ def main(argv=None) -> int:
          lambda: check_masked_reference(device, args.small, torch.bfloat16)),
         ("2 signals from the attention pass", lambda: check_signals(device, args.small)),
         ("3 kernel vs blockwise reference", lambda: check_kernel(device, args.small)),
+        ("3 runtime decode from the stores vs the dense view", lambda: check_stores_path(device, args.small)),
         ("4 resident bytes and invariants", lambda: check_invariants(device)),
         ("5 model families in bfloat16", lambda: check_families_bf16(device)),
         ("6 timing: vanilla, full, 8x eviction, K4V4", lambda: run_timing(device, args.small, deadline)),

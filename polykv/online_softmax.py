@@ -170,10 +170,16 @@ def blockwise_attention(query: torch.Tensor, keys: TokenBlocks, values: TokenBlo
     check_lengths(lengths, (B, Hkv), T, q)
     G = H // Hkv
     rows = query.float().reshape(B, Hkv, G * q, d)  # (B, Hkv, G*q, d): no copy of the keys per query head
-    if T <= block_size and visible(q, G, 0, T, lengths, T, query.device) is None:
-        # One block that every row sees whole (a decode step over uniform heads): one float32 softmax,
-        # in SDPA's fused kernel (the G query heads of a KV head folded into its rows).
-        out = F.scaled_dot_product_attention(rows, first.float(), values.read(0, T).float(), scale=scaling)
+    if T <= block_size and lengths is None:
+        # One block of uniform heads (a decode forward): one SDPA call, the G query heads of a KV head folded
+        # into its rows, lower-right causal among several new tokens, in the blocks' dtype when it is the
+        # query's: what SDPA over the dequantized layer computes. Otherwise in float32.
+        v = values.read(0, T)
+        if not (first.dtype == v.dtype == query.dtype):
+            first, v = first.float(), v.float()
+        seen = visible(q, G, 0, T, None, T, query.device)
+        out = F.scaled_dot_product_attention(query.reshape(B, Hkv, G * q, d).to(first.dtype), first, v,
+                                             attn_mask=seen, scale=scaling)
         return out.view(B, H, q, -1).to(query.dtype)
     state: OnlineSoftmax | None = None
     for start in range(0, T, block_size):
@@ -201,6 +207,13 @@ def per_head_attention(query: torch.Tensor, heads: list[tuple[TokenBlocks, Token
     each [1, 1, n, d] holding exactly that head's n tokens (ragged storage that frees what it drops).
     Head (b, h) attends with its G query heads ``h * G .. h * G + G - 1`` over its own pair only.
     """
+    return _each_head(query, heads, lambda qh, k, v: blockwise_attention(qh, k, v, scaling=scaling,
+                                                                         block_size=block_size))
+
+
+def _each_head(query: torch.Tensor, heads: list, attend) -> torch.Tensor:
+    """``attend(query rows of head (b, h) [1, G, q, d], its keys, its values)`` for each of the B * Hkv
+    row-major ``heads`` pairs, joined into [B, H, q, dv]."""
     B, H, q, _ = query.shape
     if not heads or len(heads) % B:
         raise ValueError(f"per-head attention needs batch x KV heads store pairs, got {len(heads)} for batch {B}")
@@ -208,8 +221,8 @@ def per_head_attention(query: torch.Tensor, heads: list[tuple[TokenBlocks, Token
     if H % Hkv:
         raise ValueError(f"query has {H} heads, not a multiple of the {Hkv} KV heads the stores hold")
     G = H // Hkv
-    outs = [blockwise_attention(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v,
-                                scaling=scaling, block_size=block_size) for i, (k, v) in enumerate(heads)]
+    outs = [attend(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v)
+            for i, (k, v) in enumerate(heads)]
     return torch.cat(outs, dim=1).view(B, H, q, -1)
 
 
@@ -244,16 +257,7 @@ def decode_attention_per_head(query: torch.Tensor, heads: list, *, scaling: floa
     query heads over its own stores through :func:`decode_attention_from_stores`: no head is padded
     to the longest and nothing is masked.
     """
-    B, H, q, _ = query.shape
-    if not heads or len(heads) % B:
-        raise ValueError(f"per-head attention needs batch x KV heads store pairs, got {len(heads)} for batch {B}")
-    Hkv = len(heads) // B
-    if H % Hkv:
-        raise ValueError(f"query has {H} heads, not a multiple of the {Hkv} KV heads the stores hold")
-    G = H // Hkv
-    outs = [decode_attention_from_stores(query[i // Hkv:i // Hkv + 1, (i % Hkv) * G:(i % Hkv + 1) * G], k, v,
-                                         scaling=scaling) for i, (k, v) in enumerate(heads)]
-    return torch.cat(outs, dim=1).view(B, H, q, -1)
+    return _each_head(query, heads, lambda qh, k, v: decode_attention_from_stores(qh, k, v, scaling=scaling))
 
 
 def _views(key_store, value_store):

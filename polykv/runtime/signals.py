@@ -106,7 +106,8 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
             per_head[..., :prefix] += probs.view(B, Hkv, n, G, prefix).sum(dim=2)
         if rows is not None and stop > q - r:
             first = max(start, q - r)
-            rows[:, :, first - (q - r):stop - (q - r), :, :prefix] = probs.view(B, Hkv, n, G, prefix)[:, :, first - start:]
+            slots = slice(first - (q - r), stop - (q - r))                  # this chunk's own newest rows
+            rows[:, :, slots, :, :prefix] = probs.view(B, Hkv, n, G, prefix)[:, :, first - start:]
         del probs
         start = stop
     out = out.view(B, Hkv, q, G, dv).transpose(2, 3).reshape(B, H, q, dv)

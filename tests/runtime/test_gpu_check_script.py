@@ -24,7 +24,7 @@ def test_gpu_check_runs_every_section_on_cpu():
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     titles = re.findall(r"^== (.+)$", out, flags=re.M)
-    assert len(titles) == 9 and len(re.findall(r"^   ok ", out, flags=re.M)) == 9, out
+    assert len(titles) == 10 and len(re.findall(r"^   ok ", out, flags=re.M)) == 10, out
     summary = out[out.index("\nsummary:\n"):]
     assert re.findall(r"^  (\S+)\s+[\d.]+ s  (.+)$", summary, flags=re.M) == [("ok", t) for t in titles], summary
     assert "FAIL" not in out and "skipped" not in out
