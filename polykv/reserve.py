@@ -9,10 +9,11 @@ rows to the front of the same buffers. ``C`` is set in three places, always by t
   evicting decode op, an allocator's budget + slack, a window's bound, the smallest that applies)
   reserves ``max(kept, hold) + 1`` rows, so one-token decode forwards never reallocate; a layer that
   keeps everything reserves exactly ``kept`` rows (right after prefill it holds what vanilla holds);
-* when an append does not fit, :func:`grown_capacity`: the new length rounded up to a whole number of
-  :data:`GROWTH_BLOCK` rows (a keep-everything layer grows at its first decode token, then is copied
-  once every ``GROWTH_BLOCK`` tokens); an evicting layer (whose ratio capacity can outgrow its
-  reserve) grows to exactly the new length instead;
+* when an append does not fit, :func:`grown_capacity`: the buffer grows by whole blocks of
+  :data:`GROWTH_BLOCK` rows counted from its own size (a keep-everything layer grows at its first
+  decode token, then is copied once every ``GROWTH_BLOCK`` tokens, always holding fewer than
+  ``GROWTH_BLOCK`` spare rows; the heads of a ragged layer grow together); an evicting layer (whose
+  ratio capacity can outgrow its reserve) grows to exactly the new length instead;
 * after an eviction, the layer asks again for :func:`reserve_tokens` of what it now holds; a store
   whose buffer is larger releases the extra rows (one reallocation; e.g. a decode-only rule after its
   first eviction of the whole prompt), a smaller one grows.
@@ -27,9 +28,14 @@ GROWTH_BLOCK = 16
 """Token rows a keep-everything buffer grows by (and rounds to)."""
 
 
-def grown_capacity(tokens: int) -> int:
-    """Rows of a buffer that grew to hold ``tokens``: ``tokens`` rounded up to :data:`GROWTH_BLOCK`."""
-    return -(-int(tokens) // GROWTH_BLOCK) * GROWTH_BLOCK
+def grown_capacity(tokens: int, base: int = 0) -> int:
+    """Rows of a buffer of ``base`` rows that grew, a whole :data:`GROWTH_BLOCK` at a time, to hold
+    ``tokens``: ``base + GROWTH_BLOCK * ceil((tokens - base) / GROWTH_BLOCK)`` (``base`` when it
+    already holds them). Blocks count from the buffer's own size, not from row 0, so buffers that
+    reserved different sizes and then receive the same tokens (the heads of a ragged layer) grow
+    together and hold the same spare rows."""
+    base, extra = int(base), int(tokens) - int(base)
+    return base if extra <= 0 else base + -(-extra // GROWTH_BLOCK) * GROWTH_BLOCK
 
 
 def reserve_tokens(kept: int, hold: int | None) -> int:
@@ -43,7 +49,7 @@ def reserve_tokens(kept: int, hold: int | None) -> int:
 
 def capacity_after(tokens: int, reserved: int) -> int:
     """Rows of a buffer that reserved ``reserved`` rows and then received appends up to ``tokens``."""
-    return int(reserved) if tokens <= reserved else grown_capacity(tokens)
+    return grown_capacity(tokens, reserved)
 
 
 def layer_hold(*, capacity: int | None, decode_slack: int, bound: int | None) -> int | None:

@@ -53,9 +53,9 @@ class TokenBuffer:
         """Copy ``x`` [B, H, t, *trail] into the next ``t`` rows (growing when they do not fit)."""
         t, n = x.shape[2], self.length
         if self.data is None:
-            self._resize((*x.shape[:2], *x.shape[3:]), self.pending if t <= self.pending else grown_capacity(t))
+            self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(t, self.pending))
         elif n + t > self.capacity:
-            self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(n + t))
+            self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(n + t, self.capacity))
         self.data[:, :, n:n + t].copy_(x)
         self.length = n + t
 
@@ -63,7 +63,7 @@ class TokenBuffer:
         """Append positions ``start .. start + t - 1`` to every (row, head) of an integer buffer."""
         n = self.length
         if n + t > self.capacity:
-            self._resize(tuple(self.data.shape[:2]), grown_capacity(n + t))
+            self._resize(tuple(self.data.shape[:2]), grown_capacity(n + t, self.capacity))
         if t == 1:
             self.data[:, :, n].fill_(start)
         else:

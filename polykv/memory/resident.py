@@ -183,7 +183,7 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
     hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
         start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
-        return grown_capacity(start + n) if n else start
+        return grown_capacity(start + n, start)
     return hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
 
 

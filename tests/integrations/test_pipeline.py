@@ -26,10 +26,11 @@ def test_pipeline_under_the_full_plan_generates_what_transformers_does(model_and
     with polykv.apply(model, polykv.full_plan(geometry_of_model(model))) as session:
         ours = pipe(PROMPT, max_new_tokens=16, do_sample=False)
         assert session.cache is not None  # the pipeline's generate ran on the plan's cache
-        T = len(tok(PROMPT).input_ids) + 16 - 1
+        P = len(tok(PROMPT).input_ids)
+        T = P + 16 - 1
     assert ours == vanilla and len(ours[0]["generated_text"]) > len(PROMPT)
     geo = geometry_of_model(model)
-    rows = grown_capacity(T)  # the buffers grew in blocks of 16 rows while decoding (polykv.reserve)
+    rows = grown_capacity(T, P)  # exactly the prompt, then blocks of 16 rows while decoding (polykv.reserve)
     assert session.resident_bytes().total == 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * rows * 4
     assert pipe(PROMPT, max_new_tokens=16, do_sample=False) == vanilla  # the model is plain again after the block
 

@@ -38,8 +38,8 @@ def test_appends_within_the_reserve_write_in_place_and_bytes_are_the_buffer():
         assert store.dequantize().data_ptr() == ptr
         assert store.resident_bytes() == 1 * 2 * 20 * 8 * 4
     assert torch.equal(store.dequantize(), big[:, :, :20])
-    store.append(big[:, :, 20:21])        # past the reserve: grows to a whole number of blocks, once
-    assert store.capacity == grown_capacity(21) and store.capacity % GROWTH_BLOCK == 0 and store.capacity >= 21
+    store.append(big[:, :, 20:21])        # past the reserve: grows by one block counted from its size, once
+    assert store.capacity == grown_capacity(21, 20) == 20 + GROWTH_BLOCK
     assert store.resident_bytes() == 2 * store.capacity * 8 * 4
     assert torch.equal(store.dequantize(), big[:, :, :21])
     assert capacity_after(21, 20) == store.capacity

@@ -27,21 +27,22 @@ def test_decode_appends_in_place_until_a_documented_growth(llama, prompt):
         layer = session.cache.layers[0]
         assert layer.key_store.capacity == T == reserve_tokens(T, None)     # exactly the prompt
         out = _step(model, session, out)                                    # the first token grows it once
-        assert layer.key_store.capacity == grown_capacity(T + 1)
+        assert layer.key_store.capacity == grown_capacity(T + 1, T) == T + GROWTH_BLOCK
+        reserved = T
         T += 1
         ptrs, grew_at = _buffers(layer), []
-        for step in range(1, 2 * GROWTH_BLOCK):
+        for step in range(1, 2 * GROWTH_BLOCK + 1):
             out = _step(model, session, out)
             now = _buffers(layer)
             if now != ptrs:
                 grew_at.append(T + step)
                 ptrs = now
-            assert layer.key_store.capacity == grown_capacity(T + step)
+            assert layer.key_store.capacity == grown_capacity(T + step, reserved)
         # one reallocation each time the buffer was full, never in between
-        assert grew_at == [t for t in range(T + 1, T + 2 * GROWTH_BLOCK) if t > grown_capacity(t - 1)]
-        assert len(grew_at) == 2
+        assert grew_at == [t for t in range(T + 1, T + 2 * GROWTH_BLOCK + 1) if t > grown_capacity(t - 1, reserved)]
+        assert grew_at == [reserved + GROWTH_BLOCK + 1, reserved + 2 * GROWTH_BLOCK + 1]
         got = session.resident_bytes()
-        want = predict_resident(session.plan, geo, T - 1, dtype_bytes=4, phase="decode", new_tokens=2 * GROWTH_BLOCK)
+        want = predict_resident(session.plan, geo, T - 1, dtype_bytes=4, phase="decode", new_tokens=2 * GROWTH_BLOCK + 1)
         assert list(got.per_layer) == [r.resident_bytes for r in want]
         assert [m["positions"] for m in got.metadata_per_layer] == [r.metadata["positions"] for r in want]
 
