@@ -39,7 +39,8 @@ from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.runtime.attention import sdpa
-from polykv.runtime.cache import LayerSpec, PlanCache
+from polykv.runtime.cache import PlanCache
+from polykv.runtime.layer_cache import LayerSpec
 from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.runtime.stores import new_store
 

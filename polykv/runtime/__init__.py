@@ -4,7 +4,8 @@
 see ``docs/runtime.md``.
 """
 
-from polykv.runtime.cache import LayerCache, PlanCache
+from polykv.runtime.cache import PlanCache
+from polykv.runtime.layer_cache import LayerCache
 from polykv.runtime.session import ResidentBytes, Session, apply
 
 __all__ = ["apply", "Session", "PlanCache", "LayerCache", "ResidentBytes"]

@@ -1,6 +1,6 @@
 """Prefill once, compress many ways: a snapshot of the raw prefill that any plan can be restored from.
 
-Prefill attention runs on the raw prompt K/V before any eviction (see :mod:`polykv.runtime.cache`),
+Prefill attention runs on the raw prompt K/V before any eviction (see :mod:`polykv.runtime.layer_cache`),
 so everything a prefill computes — hidden states, the raw post-RoPE keys and values of every layer,
 the recent queries and the accumulated attention — is the same whatever the plan. Only what happens
 after the last prefill forward depends on the plan: the prefill rule's selection, quantization, and
@@ -33,7 +33,8 @@ import torch
 from polykv.attention_signals import signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
-from polykv.runtime.cache import PlanCache, new_rule_states
+from polykv.runtime.cache import PlanCache
+from polykv.runtime.layer_cache import new_rule_states
 from polykv.runtime.storage import StorageView
 
 

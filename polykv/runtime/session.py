@@ -23,7 +23,8 @@ from polykv.errors import PlanError, RuntimeConfigError
 from polykv.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
-from polykv.runtime.cache import LayerSpec, PlanCache
+from polykv.runtime.cache import PlanCache
+from polykv.runtime.layer_cache import LayerSpec
 from polykv.runtime.stores import new_store
 from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
 

@@ -1,0 +1,412 @@
+"""The cache of one decoder layer under a plan (:class:`LayerCache`); :class:`~polykv.runtime.cache.PlanCache`
+holds one per layer inside a transformers ``Cache``.
+
+Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
+original position of every stored token, uniform or ragged across KV heads), its rule objects and
+their states (:mod:`polykv.rule_state`). A forward runs in two halves: ``update`` (called by the
+model right after RoPE) hands the attention function the keys and values to attend (and, for a
+ragged layer, which columns are padding); :meth:`LayerCache.after_attention` (called by the
+attention function) lets every state observe the forward, then selects and stores (prefill) or
+evicts (decode).
+
+Prefill (the first forward on an empty cache, or every chunk of :meth:`Session.prefill`): attention
+runs on the raw prompt K/V; after the last chunk the prefill rule selects (merging, when its
+selection says so, in full precision) and only the survivors are appended to the stores
+(quantization happens after eviction and merging). A layer in an allocation group waits for its
+allocator (:mod:`polykv.runtime.allocation`). Decode (every later forward, one token or many):
+append to the stores, attend, then evict with the decode rule once some head stores more than its
+capacity + ``decode_slack``; a merge is written into the stores (:meth:`KVStore.write`) before the
+gather.
+
+Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, q new tokens, d head dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from polykv.errors import RuntimeConfigError
+from polykv.operators import SelectionContext
+from polykv.plan import PASSTHROUGH_BITS, LayerPlan
+from polykv.reserve import layer_hold, reserve_tokens
+from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
+from polykv.runtime.selection_check import checked_selection
+from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.selection import Selection, ragged_top_k
+from polykv.runtime.stores import new_store
+
+if TYPE_CHECKING:
+    from polykv.runtime.cache import PlanCache
+
+
+@attrs.define(frozen=True, kw_only=True)
+class LayerSpec:
+    """Everything a layer cache needs from the session, resolved once per plan layer."""
+
+    plan: LayerPlan
+    prefill_rule: Any = None
+    """Rule object of the prefill op, or None for ``full``."""
+    decode_rule: Any = None
+    """Rule object of the decode op, or None for ``full``."""
+    attention_type: str = "full_attention"
+    """The model's attention type of this layer (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
+    window: int | None = None
+    """Sliding window or chunk size of a windowed layer (None for full attention)."""
+    token_bound: int | None = None
+    """Most tokens per head the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
+
+
+def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
+    """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
+    pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
+    dec = spec.decode_rule.new_state() if spec.decode_rule is not None else None
+    if pre is not None and dec is not None and pre.share_key is not None and pre.share_key == dec.share_key:
+        dec = pre
+    return {"prefill": pre, "decode": dec}
+
+
+class LayerCache(CacheLayerMixin):
+    """Cache of one decoder layer under a plan (see the module docstring for the flow)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, *, layer_idx: int, spec: LayerSpec, owner: "PlanCache"):
+        super().__init__()
+        self.layer_idx, self.spec, self.owner = layer_idx, spec, owner
+        self.tokens_seen = 0
+        """Tokens processed (= position of the next token), whatever was evicted."""
+        self.prefilled = False
+        self.storage = LayerStorage(self._new_store, self.reserve_for,
+                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
+        self.states = new_rule_states(spec)
+        """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
+        self.extra_states: list = []
+        """More states observing this layer (an allocator's, a prefill capture's)."""
+        self.budget: int | torch.Tensor | None = None
+        """Capacity an allocator gave this layer: tokens per head, or [Hkv] per head; None = the plan's."""
+        self.scaling: float | None = None
+        self._raw: StorageView | None = None      # the prompt (or its selection) before storage
+        self._view: StorageView | None = None     # what ``update`` returned for this forward
+        self.read_stores = True
+        """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
+        build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
+        self.plain_attention = True
+        """Whether the model's attention here is a plain softmax (no logit softcap, no sinks); the
+        attention function records it on every forward, so it is known before the first decode step."""
+        self.from_stores = False
+        """Whether this forward attends from the stores (set by :meth:`update`)."""
+
+    def hold_tokens(self, kept: int, ragged: bool) -> int | None:
+        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
+        ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
+        capped by a window's bound; None when nothing cuts the layer back."""
+        cap = None
+        if self.spec.decode_rule is not None:
+            if ragged:
+                cap = kept
+            elif self.budget is not None:
+                cap = int(self.budget.max()) if isinstance(self.budget, torch.Tensor) else int(self.budget)
+            else:
+                cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
+        return layer_hold(capacity=cap, decode_slack=self.owner.decode_slack, bound=self.spec.token_bound)
+
+    def reserve_for(self, kept: int, ragged: bool) -> int:
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.reserve.reserve_tokens`)."""
+        return reserve_tokens(kept, self.hold_tokens(kept, ragged))
+
+    def _new_store(self, stream: str):
+        return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
+                         storage_dtype=self.owner.storage_dtype)
+
+    # -- transformers layer interface ----------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def num_stored(self) -> int:
+        """Stored tokens of the longest head (the raw prompt during prefill)."""
+        if self._raw is not None:
+            return int(self._raw.positions.shape[-1])
+        return 0 if self.storage.shape is None else self.storage.width()
+
+    def head_counts(self) -> torch.Tensor:
+        """[B, Hkv] int64 tokens stored per head."""
+        if self._raw is not None:
+            B, H, T = self._raw.positions.shape
+            return torch.full((B, H), T) if self._raw.valid is None else self._raw.valid.sum(-1).cpu()
+        return self.storage.counts()
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[B, Hkv, T] int64 original positions of the stored tokens (-1 on ragged padding)."""
+        if self._raw is not None:
+            return self._raw.positions
+        if self.storage.shape is None:
+            return None
+        return self.storage.positions if not self.storage.ragged else self.storage.view().positions
+
+    @property
+    def key_store(self):
+        return self.storage.key_store
+
+    @property
+    def value_store(self):
+        return self.storage.value_store
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_stored() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(layer_idx=self.layer_idx, spec=self.spec, owner=self.owner)
+
+    @property
+    def _attend_k(self):
+        return None if self._view is None else self._view.keys
+
+    def attend_positions(self) -> torch.Tensor:
+        """[B, Hkv, K] original positions of this forward's keys (-1 on ragged padding)."""
+        return self._view.positions
+
+    def attend_valid(self) -> torch.Tensor | None:
+        """[B, Hkv, K] bool padding mask of this forward's keys (None when no head is padded)."""
+        return None if self._view is None else self._view.valid
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Take the q new post-RoPE keys/values [B, Hkv, q, d]; return the K/V to attend."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, Hkv, q, _ = key_states.shape
+        have = self._raw.positions.shape[0] if self._raw is not None else (self.storage.shape or (B,))[0]
+        if have != B:
+            raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {have} "
+                                     f"but this forward has {B}; start a new cache with session.new_cache()")
+        if not self.prefilled:
+            pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
+            pos = pos.view(1, 1, q).expand(B, Hkv, q)
+            raw = self._raw
+            if raw is None:
+                self._raw = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
+            else:
+                self._raw = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
+                                        values=torch.cat([raw.values, value_states], dim=2),
+                                        positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
+            self._view = self._raw
+        else:
+            self.storage.append(key_states, value_states, self.tokens_seen)
+            self.from_stores = self.reads_stores()
+            if self.from_stores:  # attention reads the stores (polykv.online_softmax); no dense view is built
+                self._view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
+            else:
+                self._view = self.storage.view()
+        return self._view.keys, self._view.values
+
+    def reads_stores(self) -> bool:
+        """Whether this decode forward attends straight from the stores
+        (:func:`polykv.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
+        of the dense view: a full-attention layer with plain softmax attention whose stores read in token
+        blocks, no rule state observing every forward (states read the dense keys), and something the view
+        would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
+        the longest). A uniform 16-bit layer's view is its buffers, so it keeps SDPA over them. An
+        eviction still builds the view, in the forwards where it fires."""
+        plan, st = self.spec.plan, self.storage
+        if not (self.read_stores and self.plain_attention and self.spec.window is None):
+            return False
+        if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
+            return False
+        stores = [x for seg in st.segments for x in (seg.key, seg.value)] if st.ragged else [st.key_store,
+                                                                                              st.value_store]
+        if not all(callable(getattr(x, "token_blocks", None)) for x in stores[:2]):
+            return False
+        return not self.observing_states()
+
+    # -- after attention -------------------------------------------------------------------------
+    def observing_states(self) -> list:
+        """Every distinct state that observes this layer's forwards."""
+        out = []
+        for st in [self.states["prefill"], self.states["decode"], *self.extra_states]:
+            if st is not None and all(st is not o for o in out):
+                out.append(st)
+        return out
+
+    def after_attention(self, query: torch.Tensor, scaling: float, signals=None) -> None:
+        """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode).
+
+        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any."""
+        view = self._view
+        states = self.observing_states()
+        if states:
+            obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill",
+                              query=query, keys=view.keys, positions=view.positions, valid=view.valid,
+                              first_position=self.tokens_seen, scaling=scaling, signals=signals)
+            for st in states:
+                st.observe(obs)
+        self.tokens_seen += query.shape[2]
+        self.scaling = scaling
+        try:
+            if not self.prefilled:
+                if not self.owner.prefill_continues:
+                    self.end_prefill()
+            else:
+                self._maybe_evict()
+                for st in states:
+                    st.after_decode_step()
+        finally:
+            self._view = None
+            self.from_stores = False
+
+    def end_prefill(self) -> None:
+        """The prompt is complete: select and store now, or hand the layer to its allocation group."""
+        bound = self.spec.token_bound
+        if bound is not None and self._raw.positions.shape[-1] > bound:
+            self._raw = self._keep_newest(self._raw, bound)
+        run = self.owner.group_run(self.layer_idx)
+        if run is not None:
+            run.layer_done(self)
+            return
+        self.select_prompt(self.spec.plan.prefill.resolve_capacity(self.tokens_seen))
+        self.store_prompt()
+
+    def select_prompt(self, capacity: int | None, head_capacity: torch.Tensor | None = None) -> None:
+        """Run the prefill rule on the (raw or already selected) prompt when some head exceeds its budget."""
+        rule, raw = self.spec.prefill_rule, self._raw
+        if rule is None or capacity is None:
+            return
+        if not self._over_budget(capacity, head_capacity, 0):
+            return
+        sel = self.select(rule, "prefill", capacity, raw, head_capacity)
+        keys, values = raw.keys, raw.values
+        if sel.merge is not None:
+            keys = sel.merge.apply(keys)[0] if "key" in sel.merge.streams else keys
+            values = sel.merge.apply(values)[0] if "value" in sel.merge.streams else values
+        idx = sel.index
+        at = idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1])
+        valid = sel.kept_mask() if sel.ragged else None
+        positions = raw.positions.gather(-1, idx)
+        if valid is not None:
+            positions = positions.masked_fill(~valid, -1)
+        self._raw = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
+
+    def store_prompt(self) -> None:
+        """Move the (selected) prompt into the stores; only the decode rule's state stays."""
+        raw = self._raw
+        counts = raw.valid.sum(-1) if raw.valid is not None else None
+        self.storage.fill(raw.keys, raw.values, raw.positions, counts)
+        self._raw = None
+        pre, dec = self.states["prefill"], self.states["decode"]
+        if dec is not None:
+            dec.after_prefill()
+        self.states = {"prefill": None, "decode": dec}
+        self.extra_states = []
+        self.prefilled = True
+        del pre
+
+    def _keep_newest(self, view: StorageView, bound: int) -> StorageView:
+        """A windowed layer's own bound: keep each head's ``bound`` newest tokens of ``view`` (every older one
+        is outside the window of every later query). Observing states follow; returns the prompt view it
+        leaves (prefill) or evicts from the storage (decode) and returns the storage's new view."""
+        counts = view.valid.sum(-1) if view.valid is not None else None
+        if counts is None:
+            T = view.positions.shape[-1]
+            index = torch.arange(T - bound, T, device=view.positions.device).expand(*view.positions.shape[:2], bound)
+            sel = Selection(index=index.contiguous())
+        else:
+            scores = view.positions.masked_fill(~view.valid, -1).to(torch.float64)
+            sel = ragged_top_k(scores, counts.clamp(max=bound))
+        for st in self.observing_states():
+            st.gather(sel)
+        if not self.prefilled:
+            at = sel.index.unsqueeze(-1).expand(*sel.index.shape, view.keys.shape[-1])
+            return StorageView(keys=view.keys.gather(2, at), values=view.values.gather(2, at),
+                               positions=view.positions.gather(-1, sel.index), valid=None)
+        self.storage.evict(sel, view)
+        return self.storage.view()
+
+    def _maybe_evict(self) -> None:
+        bound = self.spec.token_bound
+        if bound is not None and self.storage.width() > bound:
+            view = self._keep_newest(self._view, bound)
+            self._view = view if self.spec.decode_rule is not None else None
+        rule = self.spec.decode_rule
+        if rule is None:
+            return
+        head_cap = self.budget if isinstance(self.budget, torch.Tensor) else None
+        if self.budget is not None:
+            cap = int(self.budget.max()) if head_cap is not None else int(self.budget)
+        else:
+            cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
+        if cap is None:
+            return
+        if not self._over_budget(cap, head_cap, self.owner.decode_slack):
+            return
+        view = self.storage.view() if self.from_stores else self._view  # stores read: build the view to select
+        sel = self.select(rule, "decode", cap, view, head_cap)
+        self.storage.evict(sel, view)
+
+    def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
+        """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
+        contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
+        owner = self.owner
+        window = state.component(QueryWindow) if state is not None else None
+        acc = state.component(AccumulatedAttention) if state is not None else None
+        return SelectionContext(
+            layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
+            tokens_seen=self.tokens_seen, scaling=self.scaling,
+            queries=window.queries if window is not None else None,
+            query_positions=window.positions if window is not None else None,
+            values=view.values if values else None,
+            accumulated=acc.sums if acc is not None else None,
+            query_counts=acc.query_counts(view.positions) if acc is not None else None,
+            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
+            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity)
+
+    def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+        """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
+        tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
+        With every head holding the same count this is "some head holds more than capacity + slack"."""
+        if self._raw is None:
+            n, Hkv = self.storage.uniform_count(), self.storage.shape[1]
+            if n is not None and head_capacity is None:
+                return n > capacity + slack                      # the decode hot path: plain ints
+            totals = self.storage.row_totals()
+        else:
+            counts = self.head_counts()
+            Hkv, totals = counts.shape[1], counts.sum(-1).tolist()
+        budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+        return any(t > budget + slack * Hkv for t in totals)
+
+    def select(self, rule, phase: str, capacity: int, view: StorageView, head_capacity=None):
+        """Run ``rule`` on ``view``; check its selection; gather every observing state; return it."""
+        state = self.states[phase]
+        B, Hkv, _ = view.positions.shape
+        ctx = self.context(phase, view, state, values=rule.needs_values,
+                           head_capacity=None if head_capacity is None
+                           else head_capacity.to(view.positions.device).expand(B, Hkv))
+        op = getattr(self.spec.plan, phase)
+        sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
+                                where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
+        for st in self.observing_states():
+            st.gather(sel)
+        return sel
+
+    # -- accounting ------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Key + value store bytes (codes, scales/zeros, full-precision residuals)."""
+        return self.storage.kv_bytes()
+
+    def metadata_bytes(self) -> dict[str, int]:
+        """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
+        (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
+        return {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
