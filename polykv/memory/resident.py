@@ -3,6 +3,7 @@ bounded over decoding (see :mod:`polykv.memory` for the model)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attrs
@@ -194,13 +195,10 @@ def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], ba
     evicts = not lp.decode.keeps_everything
     per_stream = []
     for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
-        try:
+        with _quantizer_errors(lp):
             quantizer = None if bits == PASSTHROUGH_BITS else registry.quantizer(lp.quantizer)(**lp.quantizer_params)
             per_stream.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts, batch=batch,
                                                  kv_heads=Hkv, head_dim=d, dtype_bytes=dtype_bytes))
-        except (ValueError, KeyError) as exc:
-            raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
-                            hint="fix the layer's quantizer, bits or parameters") from None
     # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
     at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
     return [batch * Hkv * rows * d * dtype_bytes if bits == PASSTHROUGH_BITS else per_stream[i][at]
@@ -212,9 +210,16 @@ def _stream_bytes(lp: LayerPlan, registry: Any, stream: str, bits: int, batch: i
     shape = dict(batch=batch, kv_heads=Hkv, head_dim=d, tokens=kept, reserved=reserved, dtype_bytes=dtype_bytes)
     if bits == PASSTHROUGH_BITS:
         return reserved_stream_bytes(None, stream, bits, **shape)
-    try:
+    with _quantizer_errors(lp):
         quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
         return reserved_stream_bytes(quantizer, stream, bits, **shape)
+
+
+@contextlib.contextmanager
+def _quantizer_errors(lp: LayerPlan):
+    """A quantizer that refuses the layer's bits or parameters is a PlanError naming the layer and field."""
+    try:
+        yield
     except (ValueError, KeyError) as exc:
         raise PlanError(str(exc), layer=lp.layer, field="quantizer_params",
                         hint="fix the layer's quantizer, bits or parameters") from None
