@@ -49,13 +49,15 @@ class TokenBuffer:
             return
         self._resize(tuple(shape) if self.data is None else (*self.data.shape[:2], *self.data.shape[3:]), rows)
 
-    def append(self, x: torch.Tensor) -> None:
-        """Copy ``x`` [B, H, t, *trail] into the next ``t`` rows (growing when they do not fit)."""
+    def append(self, x: torch.Tensor, *, exact: bool = False) -> None:
+        """Copy ``x`` [B, H, t, *trail] into the next ``t`` rows, growing when they do not fit (``exact``:
+        to exactly the rows in use, else by :func:`polykv.reserve.grown_capacity`)."""
         t, n = x.shape[2], self.length
         if self.data is None:
-            self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(t, self.pending))
+            self._resize((*x.shape[:2], *x.shape[3:]), max(t, self.pending) if exact else grown_capacity(t, self.pending))
         elif n + t > self.capacity:
-            self._resize((*x.shape[:2], *x.shape[3:]), grown_capacity(n + t, self.capacity))
+            rows = n + t if exact else grown_capacity(n + t, self.capacity)
+            self._resize((*x.shape[:2], *x.shape[3:]), rows)
         self.data[:, :, n:n + t].copy_(x)
         self.length = n + t
 
@@ -83,6 +85,21 @@ class TokenBuffer:
             kept = gather_tokens(view.reshape(*view.shape[:3], -1), index)
         k = index.shape[2]
         self.data[:, :, :k].copy_(kept.view(*kept.shape[:3], *view.shape[3:]))
+        self.length = k
+
+    def replace(self, x: torch.Tensor, *, exact: bool = False) -> None:
+        """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer. When ``k`` rows
+        do not fit, the buffer grows by :func:`polykv.reserve.grown_capacity`; ``exact``: the buffer
+        becomes exactly ``k`` rows. ``x`` may be the buffer's own first ``k`` rows (no copy then)."""
+        k = x.shape[2]
+        if self.data is not None and (k == self.capacity if exact else k <= self.capacity):
+            if x.data_ptr() != self.data.data_ptr() or x.stride() != self.data.stride():
+                self.data[:, :, :k].copy_(x)
+        else:
+            B, H, _, *trail = x.shape
+            rows = k if exact else grown_capacity(k, self.capacity if self.data is not None else self.pending)
+            self.data = torch.empty(B, H, rows, *trail, dtype=self.dtype, device=self.device)
+            self.data[:, :, :k].copy_(x)
         self.length = k
 
     def nbytes(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from polykv.operators import KVStore, Quantizer
 from polykv.adapters.quantizers.kivi_keys import KiviKeyStore, key_bound_bytes, key_bytes
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
+from polykv.adapters.quantizers.packing import packed_width
 from polykv.adapters.quantizers.passthrough import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
@@ -72,6 +73,33 @@ class KiviQuantizer(Quantizer):
         """
         return self._bytes(key_bytes, value_bytes, stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                            tokens=tokens, dtype_bytes=dtype_bytes)
+
+    def predict_reserved_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
+                               tokens: int, reserved: int, dtype_bytes: int) -> int:
+        """Exact resident bytes of a fresh store asked to ``reserve(reserved)`` before ``tokens`` appends
+        (no eviction): the quantized part holds the rows ``reserved`` tokens need (keys:
+        ``floor(reserved / R) * R`` code rows and ``/ G`` group rows, grown to exactly what ``tokens`` need
+        past them; values: ``reserved - R`` rows, grown by whole :data:`polykv.reserve.GROWTH_BLOCK` blocks);
+        the residual holds exactly its tokens, as in :meth:`predict_bytes`."""
+        return self._bytes(key_bytes, value_bytes, stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
+                           tokens=tokens, dtype_bytes=dtype_bytes, reserved=int(reserved))
+
+    def bound_reserved_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
+                             tokens: int, reserved: int, dtype_bytes: int) -> int:
+        """Most resident bytes after any appends and gathers of a store that holds at most ``tokens`` tokens
+        after each forward and is asked to ``reserve(reserved)`` after each eviction (the runtime's reserve
+        policy). Its buffers then never exceed ``N = max(tokens, reserved)`` rows: values are bounded by
+        :meth:`bound_bytes` at N tokens; keys by N rows of codes, group ids and (worst case) their own
+        scale and minimum rows, plus up to ``residual - 1`` keys in the compute dtype beside them."""
+        N = max(int(tokens), int(reserved))
+        if stream == "value" or bits == 16:
+            return self.bound_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=N,
+                                    dtype_bytes=dtype_bytes)
+        self._check(stream, bits)
+        R = self.params["residual"]
+        per_head = (N * (packed_width(head_dim, bits) + 4 + 2 * head_dim * dtype_bytes)
+                    + min(R - 1, N) * head_dim * dtype_bytes)
+        return batch * kv_heads * per_head
 
     def bound_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
                     tokens: int, dtype_bytes: int) -> int:

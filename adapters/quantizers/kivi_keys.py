@@ -8,22 +8,24 @@ Layout (logical storage order = quantized tokens, then residual tokens):
 ``codes`` [B, Hkv, Tq, d * bits / 8] uint8; ``scale`` and ``zero`` [B, Hkv, Ng, d] in the compute
 dtype, one row per group; ``group_ids`` [B, Hkv, Tq] int32, the group row of every quantized token,
 or None while groups are implicit (token i belongs to group i // G, true until the first gather);
-``residual`` [B, Hkv, Tr, d] in the compute dtype, Tr < R without eviction.
+``residual`` [B, Hkv, Tr, d] in the compute dtype, Tr < R without eviction. Codes, scales, minima and
+group ids are the rows in use of preallocated buffers (:mod:`polykv.adapters.quantizers.code_buffers`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore, WriteCost
+from polykv.operators import WriteCost
 from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers.code_buffers import CodeBuffers
 from polykv.adapters.quantizers.packed_stream import PackedStream
 from polykv.adapters.quantizers.packing import pack, packed_width
 from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
                                                 own_copy)
 
 
-class KiviKeyStore(KVStore):
+class KiviKeyStore(CodeBuffers):
     """Keys of one layer at ``bits`` in {2, 4, 8}; see the module docstring for the layout."""
 
     def __init__(self, *, bits: int, group_size: int, residual: int, dtype: torch.dtype,
@@ -31,19 +33,53 @@ class KiviKeyStore(KVStore):
         self.bits, self.group_size, self.residual_len = bits, group_size, residual
         self.dtype, self.device = dtype, torch.device(device)
         self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
-        self.codes = self.scale = self.zero = self.residual = None
-        self.group_ids: torch.Tensor | None = None
+        self._new_buffers(grow_in_blocks=False, codes=torch.uint8, scale=dtype, zero=dtype, ids=torch.int32)
+        self._explicit_ids = False
+        self.residual: torch.Tensor | None = None
 
     def _init(self, B: int, H: int, d: int) -> None:
-        kw = dict(device=self.device)
-        self.codes = torch.empty(B, H, 0, packed_width(d, self.bits), dtype=torch.uint8, **kw)
-        self.scale = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
-        self.zero = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
-        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+        self._allocate(codes=(packed_width(d, self.bits),), scale=(d,), zero=(d,), ids=())
+        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, device=self.device)
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("codes")
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("scale")
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("zero")
+
+    @property
+    def group_ids(self) -> torch.Tensor | None:
+        """[B, Hkv, Tq] int32 group row of every quantized token, or None while groups are implicit."""
+        return self._rows("ids") if self._explicit_ids else None
+
+    def _set_groups(self, ids: torch.Tensor | None, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """New group rows and token group ids (None: implicit groups again; the ids buffer empties)."""
+        self._explicit_ids = ids is not None
+        B, H, _ = self._shape
+        self._set("ids", ids if ids is not None else torch.empty(B, H, 0, dtype=torch.int32, device=self.device))
+        self._set("scale", scale)
+        self._set("zero", zero)
+
+    def reserve(self, tokens: int) -> None:
+        """Size the buffers so that appends up to ``tokens`` tokens in all write in place: keys quantize a
+        block of ``residual`` at a time, so the quantized part can gain ``floor((tokens - Tq) / R)`` blocks
+        of R code rows (and R / G group rows each)."""
+        Tq, R = self.num_quantized, self.residual_len
+        blocks = max(int(tokens) - Tq, 0) // R
+        codes = Tq + blocks * R
+        groups = self._buffers["scale"].length + blocks * (R // self.group_size)
+        self._reserve_rows({"codes": codes, "scale": groups, "zero": groups,
+                            "ids": codes if self._explicit_ids else 0})
 
     @property
     def num_quantized(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[2]
+        return self._buffers["codes"].length
 
     def __len__(self) -> int:
         return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
@@ -64,13 +100,13 @@ class KiviKeyStore(KVStore):
         g = x.float().reshape(B, H, n // G, G, d)  # (B, H, groups, G, d): a group = G tokens of one channel
         scale, zero = minmax.group_params(g.amin(3), g.amax(3), self.bits, self.dtype)
         q = minmax.encode(g, scale.unsqueeze(3), zero.unsqueeze(3), self.bits).reshape(B, H, n, d)
-        if self.group_ids is not None:
+        if self._explicit_ids:
             first = self.scale.shape[2]
             new_ids = first + torch.arange(n, device=self.device, dtype=torch.int32) // G
-            self.group_ids = torch.cat([self.group_ids, new_ids.expand(B, H, n)], dim=2)
-        self.codes = torch.cat([self.codes, pack(q, self.bits)], dim=2)
-        self.scale = torch.cat([self.scale, scale], dim=2)
-        self.zero = torch.cat([self.zero, zero], dim=2)
+            self._put("ids", new_ids.expand(B, H, n))
+        self._put("codes", pack(q, self.bits))
+        self._put("scale", scale)
+        self._put("zero", zero)
 
     def append(self, x: torch.Tensor) -> None:
         """Append ``x`` [B, Hkv, t, d]; every completed block of ``residual`` keys is quantized."""
@@ -141,8 +177,8 @@ class KiviKeyStore(KVStore):
         n_promoted = int((n_res - keep_res).max()) if k else 0
         if nq and n_promoted:
             codes, ids, scale, zero = self._promote(iq, promoted, n_promoted, codes, ids)
-        self.codes = codes
-        self.group_ids, self.scale, self.zero = self._compact(ids, scale, zero)
+        self._set("codes", codes)
+        self._set_groups(*self._compact(ids, scale, zero))
         self.residual = gather_tokens(self.residual, ir)
 
     def _promote(self, iq, promoted, n_promoted, codes, ids):
@@ -206,10 +242,10 @@ class KiviKeyStore(KVStore):
             mx = (-inf).scatter_reduce(2, at, new, "amax")
             pscale, pzero = minmax.group_params(mn.masked_fill(~row_hit.unsqueeze(-1), 0.0),
                                                 mx.masked_fill(~row_hit.unsqueeze(-1), 0.0), self.bits, self.dtype)
-            self.scale = torch.where(row_hit.unsqueeze(-1), pscale, self.scale)
-            self.zero = torch.where(row_hit.unsqueeze(-1), pzero, self.zero)
+            self._set("scale", torch.where(row_hit.unsqueeze(-1), pscale, self.scale))
+            self._set("zero", torch.where(row_hit.unsqueeze(-1), pzero, self.zero))
             q = minmax.encode(new, gather_tokens(self.scale, ids), gather_tokens(self.zero, ids), self.bits)
-            self.codes = torch.where(member_hit.unsqueeze(-1), pack(q, self.bits), self.codes)
+            self._set("codes", torch.where(member_hit.unsqueeze(-1), pack(q, self.bits), self.codes))
             members, rows = int(member_hit.sum()), int(row_hit.sum())
         self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
         return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=members, groups_requantized=rows * d)
@@ -227,26 +263,34 @@ class KiviKeyStore(KVStore):
                 s = KiviKeyStore(bits=self.bits, group_size=self.group_size, residual=self.residual_len,
                                  dtype=self.dtype, device=self.device)
                 s._shape = (1, 1, d)
-                s.codes, s.residual = (t[b:b + 1, h:h + 1].clone() for t in (self.codes, self.residual))
+                s._init(1, 1, d)
+                s._set("codes", self.codes[b:b + 1, h:h + 1])
+                s.residual = self.residual[b:b + 1, h:h + 1].clone()
                 scale, zero = self.scale[b:b + 1, h:h + 1], self.zero[b:b + 1, h:h + 1]
                 if ids is None:
-                    s.group_ids, s.scale, s.zero = None, scale.clone(), zero.clone()
+                    s._set_groups(None, scale, zero)
                 else:
-                    s.group_ids, s.scale, s.zero = s._compact(ids[b:b + 1, h:h + 1], scale, zero)
+                    s._set_groups(*s._compact(ids[b:b + 1, h:h + 1], scale, zero))
                 out.append(s)
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(self.codes, self.scale, self.zero, self.group_ids, self.residual)
+        return held_bytes(*self._buffer_bytes(), self.residual)
 
 
 def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
-              tokens: int, dtype_bytes: int) -> int:
-    """Resident bytes of a :class:`KiviKeyStore` after ``tokens`` appends and no eviction."""
+              tokens: int, dtype_bytes: int, reserved: int | None = None) -> int:
+    """Resident bytes of a :class:`KiviKeyStore` after ``tokens`` appends and no eviction; ``reserved``:
+    the store was first asked to ``reserve(reserved)`` (None: never, buffers of exactly their rows)."""
     tq = tokens // residual * residual
     tr = tokens - tq
-    per_head = (tq * packed_width(head_dim, bits)                        # codes
-                + 2 * (tq // group_size) * head_dim * dtype_bytes        # scale + minimum per group row
+    code_rows, group_rows = tq, tq // group_size
+    if reserved is not None:
+        blocks = int(reserved) // residual
+        code_rows = max(tq, blocks * residual)                           # past the reserve: exactly what they need
+        group_rows = max(tq // group_size, blocks * (residual // group_size))
+    per_head = (code_rows * packed_width(head_dim, bits)                 # codes
+                + 2 * group_rows * head_dim * dtype_bytes                # scale + minimum per group row
                 + tr * head_dim * dtype_bytes)                           # full-precision residual
     return batch * kv_heads * per_head
 

@@ -6,22 +6,25 @@ the compute dtype and the oldest one is quantized as each new value arrives.
 
 Layout (logical storage order = quantized tokens, then residual tokens):
 ``codes`` [B, Hkv, Tq, d * bits / 8] uint8, ``scale`` and ``zero`` [B, Hkv, Tq, d / G] in the
-compute dtype, ``residual`` [B, Hkv, Tr, d] in the compute dtype.
+compute dtype, ``residual`` [B, Hkv, Tr, d] in the compute dtype. Codes, scales and minima are the
+rows in use of preallocated buffers (:mod:`polykv.adapters.quantizers.code_buffers`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore, WriteCost
+from polykv.operators import WriteCost
 from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers.code_buffers import CodeBuffers
 from polykv.adapters.quantizers.packed_stream import PackedStream
 from polykv.adapters.quantizers.packing import pack, packed_width
+from polykv.reserve import grown_capacity
 from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
                                                 own_copy)
 
 
-class KiviValueStore(KVStore):
+class KiviValueStore(CodeBuffers):
     """Values of one layer at ``bits`` in {2, 4, 8}; see the module docstring for the layout."""
 
     def __init__(self, *, bits: int, group_size: int, residual: int, dtype: torch.dtype,
@@ -29,7 +32,26 @@ class KiviValueStore(KVStore):
         self.bits, self.group_size, self.residual_len = bits, group_size, residual
         self.dtype, self.device = dtype, torch.device(device)
         self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
-        self.codes = self.scale = self.zero = self.residual = None
+        self._new_buffers(grow_in_blocks=True, codes=torch.uint8, scale=dtype, zero=dtype)
+        self.residual: torch.Tensor | None = None
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("codes")
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("scale")
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        return None if self._shape is None else self._rows("zero")
+
+    def reserve(self, tokens: int) -> None:
+        """Size the buffers so that appends up to ``tokens`` tokens in all write in place: values quantize
+        only past the last ``residual``, so the quantized part needs ``max(Tq, tokens - residual)`` rows."""
+        rows = max(self.num_quantized, int(tokens) - self.residual_len, 0)
+        self._reserve_rows({"codes": rows, "scale": rows, "zero": rows})
 
     # -- shape ------------------------------------------------------------------------------------
     def _init(self, B: int, H: int, d: int) -> None:
@@ -37,16 +59,12 @@ class KiviValueStore(KVStore):
         if d % G:
             raise ValueError(f"kivi values: head_dim {d} is not a multiple of group_size={G}; set the layer's "
                              f"quantizer_params.group_size to a divisor of {d}")
-        width = packed_width(d, self.bits)
-        kw = dict(device=self.device)
-        self.codes = torch.empty(B, H, 0, width, dtype=torch.uint8, **kw)
-        self.scale = torch.empty(B, H, 0, d // G, dtype=self.dtype, **kw)
-        self.zero = torch.empty(B, H, 0, d // G, dtype=self.dtype, **kw)
-        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, **kw)
+        self._allocate(codes=(packed_width(d, self.bits),), scale=(d // G,), zero=(d // G,))
+        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, device=self.device)
 
     @property
     def num_quantized(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[2]
+        return self._buffers["codes"].length
 
     def __len__(self) -> int:
         return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
@@ -73,10 +91,8 @@ class KiviValueStore(KVStore):
         res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
         excess = res.shape[2] - self.residual_len
         if excess > 0:
-            codes, scale, zero = self._quantize(res[:, :, :excess])
-            self.codes = torch.cat([self.codes, codes], dim=2)
-            self.scale = torch.cat([self.scale, scale], dim=2)
-            self.zero = torch.cat([self.zero, zero], dim=2)
+            for name, rows in zip(("codes", "scale", "zero"), self._quantize(res[:, :, :excess])):
+                self._put(name, rows)
             res = res[:, :, excess:].clone()  # own storage: a slice would keep the whole buffer alive
         self.residual = res
 
@@ -127,7 +143,8 @@ class KiviValueStore(KVStore):
                 codes, scale, zero = pcodes, pscale, pzero
         elif not Tq:  # nothing quantized survives and nothing is promoted: nq == 0
             codes, scale, zero = self.codes, self.scale, self.zero
-        self.codes, self.scale, self.zero = codes, scale, zero
+        for name, rows in (("codes", codes), ("scale", scale), ("zero", zero)):
+            self._set(name, rows)
         self.residual = gather_tokens(self.residual, ir)
 
     def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
@@ -158,22 +175,26 @@ class KiviValueStore(KVStore):
                 s = KiviValueStore(bits=self.bits, group_size=self.group_size, residual=self.residual_len,
                                    dtype=self.dtype, device=self.device)
                 s._shape = (1, 1, d)
-                s.codes, s.scale, s.zero, s.residual = (t[b:b + 1, h:h + 1].clone() for t in
-                                                        (self.codes, self.scale, self.zero, self.residual))
+                s._init(1, 1, d)
+                for name in ("codes", "scale", "zero"):
+                    s._set(name, self._rows(name)[b:b + 1, h:h + 1])
+                s.residual = self.residual[b:b + 1, h:h + 1].clone()
                 out.append(s)
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(self.codes, self.scale, self.zero, self.residual)
+        return held_bytes(*self._buffer_bytes(), self.residual)
 
 
 def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
-                tokens: int, dtype_bytes: int) -> int:
-    """Resident bytes of a :class:`KiviValueStore` after ``tokens`` appends and no eviction."""
+                tokens: int, dtype_bytes: int, reserved: int | None = None) -> int:
+    """Resident bytes of a :class:`KiviValueStore` after ``tokens`` appends and no eviction; ``reserved``:
+    the store was first asked to ``reserve(reserved)`` (None: never, buffers of exactly their rows)."""
     tq = max(tokens - residual, 0)
     tr = tokens - tq
-    per_head = (tq * packed_width(head_dim, bits)                       # codes
-                + 2 * tq * (head_dim // group_size) * dtype_bytes       # scale + minimum
+    rows = tq if reserved is None else grown_capacity(tq, max(int(reserved) - residual, 0))
+    per_head = (rows * packed_width(head_dim, bits)                     # codes
+                + 2 * rows * (head_dim // group_size) * dtype_bytes     # scale + minimum
                 + tr * head_dim * dtype_bytes)                          # full-precision residual
     return batch * kv_heads * per_head
 

@@ -19,12 +19,14 @@ Which op bounds storage (``phase=``):
 * ``"decode"``: an upper bound on what the stores hold after any decode forward. A decode op
   that evicts fires when storage exceeds ``capacity + decode_slack`` and cuts back to ``capacity``,
   so a layer holds at most ``min(capacity + slack, prefill kept + new_tokens)`` tokens; eviction
-  gathers survivors out of quantized groups, so the bytes are the quantizer's ``bound_bytes`` (the
-  worst store layout of that many tokens after any appends and gathers: KIVI keys keep one scale
-  and minimum row per surviving group and int32 group ids, KIVI keys and values keep up to a full
-  residual block in the compute dtype). With a ``full`` decode op nothing is evicted: the layer
+  gathers survivors out of quantized groups, so the bytes are the quantizer's ``bound_reserved_bytes``
+  (or ``bound_bytes``: the worst store layout of that many tokens after any appends and gathers, with
+  the stores asked to reserve ``capacity + slack + 1`` tokens after each eviction: KIVI keys keep one
+  scale and minimum row per surviving group and int32 group ids, KIVI keys and values keep up to a
+  full residual block in the compute dtype). With a ``full`` decode op nothing is evicted: the layer
   holds ``prefill kept + k`` tokens after k generated tokens (``k <= new_tokens``), appended
-  without eviction, and the bytes are the largest ``predict_bytes`` over that range (exact states).
+  without eviction, and the bytes are the largest ``predict_reserved_bytes`` over that range (exact
+  states of stores that reserved what prefill kept).
   ``new_tokens=None`` bounds an unlimited generation for absolute decode capacities; a ratio
   capacity grows with the tokens seen and a ``full`` decode op with every token, so for those the
   bound holds for ``new_tokens`` generated tokens (None counts as 0: the start of decoding).

@@ -57,23 +57,35 @@ class MemoryRow:
 
 
 def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[int, int], evicts: bool,
-                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> list[int]:
+                       batch: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                       reserved: int | None = None) -> list[int]:
     """Bytes one stream's store holds at each token count of ``held`` = (fewest, most), or one bound.
 
-    With eviction: ``[bound]``, the quantizer's ``bound_bytes`` at the most tokens (the worst layout after
-    appends and gathers); a quantizer without one is assumed to hold ``predict_bytes`` of its token
-    count (a layout that depends on the count only), maximised over the range. Without eviction every
-    state is a fresh store after k appends: ``predict_bytes(k)`` for every k in the range.
+    ``reserved``: the tokens the runtime asks the store to reserve (:mod:`polykv.reserve`): after each
+    eviction (evicting layers), or once for the prompt (None: never). With eviction: ``[bound]``, the
+    quantizer's ``bound_reserved_bytes`` (or ``bound_bytes`` at the most tokens, a store that does not
+    preallocate): the worst layout after appends and gathers; a quantizer with neither is assumed to
+    hold ``predict_bytes`` of its token count, maximised over the range. Without eviction every state
+    is a fresh store after k appends: ``predict_reserved_bytes(k)`` (``predict_bytes`` when nothing
+    was reserved) for every k in the range.
     """
     shape = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
     lo, hi = held
     if quantizer is None:  # 16 bits: passthrough, linear in the token count
         counts = [hi] if evicts else range(lo, hi + 1)
         return [batch * kv_heads * k * head_dim * dtype_bytes for k in counts]
-    bound = getattr(quantizer, "bound_bytes", None)
-    if evicts and bound is not None:
-        return [int(bound(stream, bits, tokens=hi, **shape))]
-    per_count = [int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1)]
+    if evicts:
+        reserved_bound = getattr(quantizer, "bound_reserved_bytes", None)
+        if reserved_bound is not None and reserved is not None:
+            return [int(reserved_bound(stream, bits, tokens=hi, reserved=reserved, **shape))]
+        bound = getattr(quantizer, "bound_bytes", None)
+        if bound is not None:
+            return [int(bound(stream, bits, tokens=hi, **shape))]
+    if reserved is None:
+        per_count = [int(quantizer.predict_bytes(stream, bits, tokens=k, **shape)) for k in range(lo, hi + 1)]
+    else:
+        per_count = [int(quantizer.predict_reserved_bytes(stream, bits, tokens=k, reserved=reserved, **shape))
+                     for k in range(lo, hi + 1)]
     return [max(per_count)] if evicts else per_count
 
 
@@ -144,9 +156,9 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
                                       after_prefill=after_prefill)
             if wbound is not None:  # a windowed layer is trimmed to its bound after every decode forward
                 held = (min(held[0], wbound), min(held[1], wbound))
-            most_rows = _decode_rows(lp, context_tokens, after_prefill, decode_slack, wbound, new_tokens)
+            most_rows, asked = _decode_rows(lp, context_tokens, after_prefill, decode_slack, wbound, new_tokens)
             kept = held[1]
-            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, most_rows)
+            stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, most_rows, asked)
             reserved = [most_rows]
         elif per_head is None:
             reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound))]
@@ -171,11 +183,13 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
 
 
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
-                 wbound: int | None, new_tokens: int | None) -> int:
-    """Most token rows a layer's 16-bit buffers and positions reserve after any one-token decode forward
-    (:mod:`polykv.reserve`): ``hold + 1`` for a layer cut back to ``hold`` tokens (at the most tokens seen,
-    for a ratio capacity), else the grown buffer of everything kept
-    (``new_tokens`` None or 0: the start of decoding, exactly what prefill kept)."""
+                 wbound: int | None, new_tokens: int | None) -> tuple[int, int]:
+    """(rows, reserved): the most token rows a layer's 16-bit buffers and positions hold after any one-token
+    decode forward (:mod:`polykv.reserve`), and the most tokens its stores were asked to reserve.
+
+    A layer cut back to ``hold`` tokens reserves ``hold + 1`` rows (at the most tokens seen, for a ratio
+    capacity) after each eviction; a layer that keeps everything reserved exactly what prefill kept and
+    then grows (``new_tokens`` None or 0: the start of decoding, exactly that)."""
     n = int(new_tokens or 0)
     evicts = not lp.decode.keeps_everything
     cap = None
@@ -184,21 +198,22 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
     hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
         start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
-        return grown_capacity(start + n, start)
-    return hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
+        return grown_capacity(start + n, start), start
+    return hold + 1, hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
 
 
 def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], batch: int, Hkv: int, d: int,
-                         dtype_bytes: int, rows: int) -> list[int]:
+                         dtype_bytes: int, rows: int, reserved: int) -> list[int]:
     """[key, value] bytes bounding a layer's stores over decoding (see :func:`stream_bound_bytes`); a 16-bit
-    stream holds its buffer of ``rows`` token rows."""
+    stream holds its buffer of ``rows`` token rows, a quantized one was asked to reserve ``reserved``."""
     evicts = not lp.decode.keeps_everything
     per_stream = []
     for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
         with _quantizer_errors(lp):
             quantizer = None if bits == PASSTHROUGH_BITS else registry.quantizer(lp.quantizer)(**lp.quantizer_params)
             per_stream.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts, batch=batch,
-                                                 kv_heads=Hkv, head_dim=d, dtype_bytes=dtype_bytes))
+                                                 kv_heads=Hkv, head_dim=d, dtype_bytes=dtype_bytes,
+                                                 reserved=reserved))
     # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
     at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
     return [batch * Hkv * rows * d * dtype_bytes if bits == PASSTHROUGH_BITS else per_stream[i][at]

@@ -52,10 +52,12 @@ def test_the_bound_counts_slack_and_the_residual_of_a_store_after_eviction():
                         decode_slack=1)
     row = predict_resident(plan, geo, 96, dtype_bytes=4, phase="decode")[0]
     assert row.kept_tokens == 65                       # capacity + slack
-    # keys: 8-bit codes (16 B) + int32 group id + a float32 scale and minimum row (2 * 16 * 4) per token
-    assert row.key_bytes == 65 * (16 + 4 + 128)
+    # the stores reserve hold + 1 = 66 tokens after each eviction (polykv.reserve), so the bound is taken there
+    # keys: per reserved row 8-bit codes (16 B) + int32 group id + a float32 scale and minimum row (2 * 16 * 4),
+    # and beside them up to residual - 1 = 15 keys in float32 (64 B)
+    assert row.key_bytes == 66 * (16 + 4 + 128) + 15 * 64
     # values: up to 16 residual values in float32, the rest codes + per-group scale and minimum
-    assert row.value_bytes == 16 * 64 + 49 * (16 + 2 * 2 * 4)
+    assert row.value_bytes == 16 * 64 + 50 * (16 + 2 * 2 * 4)
     prefill = predict_resident(plan, geo, 96, dtype_bytes=4)[0]
     assert prefill.kept_tokens == 96                   # the prefill phase is unchanged: exact, no eviction yet
 

@@ -1,0 +1,83 @@
+"""Preallocated buffers of a KIVI store's quantized part (codes, scales, minima, group ids).
+
+Each tensor of the quantized part lives in a :class:`polykv.token_buffer.TokenBuffer`: a ``[B, Hkv, C, c]``
+buffer whose first rows are in use. Two modes:
+
+* **exact** (the store was never asked to :meth:`~polykv.operators.KVStore.reserve`): every buffer holds
+  exactly its rows in use, so resident bytes depend on the token count only (``predict_bytes``);
+* **reserved** (after ``reserve(tokens)``): the store sizes every buffer for the rows it can need while
+  it holds up to ``tokens`` tokens, so appends write into free rows in place; a buffer that must hold
+  more grows by whole :data:`polykv.reserve.GROWTH_BLOCK` blocks counted from its own size (the runtime's
+  growth policy, for a store that adds a row per token: values), or to exactly the rows needed (a store
+  that adds a block of rows every ``residual`` tokens: keys, whose group rows hold a scale and minimum
+  per channel, as costly as two full-precision tokens each); a later ``reserve`` sets the sizes again
+  (one reallocation where they change).
+
+The full-precision residual (fewer than ``residual`` keys, at most ``residual`` values) is not part of
+these buffers: it is a compact tensor the store rebuilds as tokens move through it, a cost that does
+not grow with the context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polykv.operators import KVStore
+from polykv.token_buffer import TokenBuffer
+
+
+class CodeBuffers(KVStore):
+    """Base of the KIVI stores: named token buffers for the quantized part (see the module docstring)."""
+
+    _buffers: dict[str, TokenBuffer]
+    _reserved: bool = False
+    _grow_in_blocks: bool = True
+
+    def _new_buffers(self, *, grow_in_blocks: bool, **dtypes: torch.dtype) -> None:
+        """One empty buffer per name, of the given element dtype, on the store's device. ``grow_in_blocks``:
+        past the reserve, grow by whole GROWTH_BLOCK rows (a store that adds a row per token); False: to
+        exactly the rows needed (a store that adds whole blocks of rows at a time)."""
+        self._buffers = {name: TokenBuffer(dtype=dt, device=self.device) for name, dt in dtypes.items()}
+        self._reserved, self._grow_in_blocks = False, grow_in_blocks
+
+    @property
+    def buffers(self) -> dict[str, TokenBuffer]:
+        """The quantized part's buffers by name (``codes``, ``scale``, ``zero``; keys also ``ids``), for
+        inspection: their ``capacity`` is the rows reserved, ``length`` the rows in use."""
+        return dict(self._buffers)
+
+    def _allocate(self, **trails: tuple[int, ...]) -> None:
+        """Allocate every buffer for the store's (B, Hkv) and each name's trailing shape, with the rows
+        reserved so far (none in exact mode)."""
+        B, H, _ = self._shape
+        for name, trail in trails.items():
+            buf = self._buffers[name]
+            buf.reserve(buf.pending, (B, H, *trail))
+
+    def _rows(self, name: str) -> torch.Tensor:
+        """Rows in use of buffer ``name`` (a view of the buffer)."""
+        return self._buffers[name].view()
+
+    def _put(self, name: str, x: torch.Tensor) -> None:
+        """Append rows ``x`` [B, Hkv, t, ...] to buffer ``name``."""
+        self._buffers[name].append(x, exact=not (self._reserved and self._grow_in_blocks))
+
+    def _set(self, name: str, x: torch.Tensor) -> None:
+        """The rows in use of buffer ``name`` become ``x`` (a gather's or a write's result)."""
+        buf = self._buffers[name]
+        if self._reserved and not self._grow_in_blocks:  # keep the reserved rows, grow exactly past them
+            buf.reserve(max(x.shape[2], buf.capacity), (*x.shape[:2], *x.shape[3:]))
+        buf.replace(x, exact=not self._reserved)
+
+    def _reserve_rows(self, rows: dict[str, int]) -> None:
+        """Reserved mode, with buffer ``name`` sized to exactly ``max(rows[name], rows in use)`` rows."""
+        self._reserved = True
+        shape = getattr(self, "_shape", None)
+        for name, n in rows.items():
+            buf = self._buffers[name]
+            trail = None if shape is None or buf.data is None else (*buf.data.shape[:2], *buf.data.shape[3:])
+            buf.reserve(n, trail)
+
+    def _buffer_bytes(self) -> list[torch.Tensor]:
+        """The allocated buffers (for :func:`polykv.store_checks.held_bytes`)."""
+        return [b.data for b in self._buffers.values() if b.data is not None]
