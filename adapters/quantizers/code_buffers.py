@@ -30,6 +30,7 @@ class CodeBuffers(KVStore):
     """Base of the KIVI stores: named token buffers for the quantized part (see the module docstring)."""
 
     _buffers: dict[str, TokenBuffer]
+    _shape: tuple[int, int, int] | None = None
     _reserved: bool = False
     _grow_in_blocks: bool = True
 
@@ -39,6 +40,21 @@ class CodeBuffers(KVStore):
         exactly the rows needed (a store that adds whole blocks of rows at a time)."""
         self._buffers = {name: TokenBuffer(dtype=dt, device=self.device) for name, dt in dtypes.items()}
         self._reserved, self._grow_in_blocks = False, grow_in_blocks
+
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """[B, Hkv, Tq, d * bits / 8] uint8 packed codes (a view of the buffer), None before the first append."""
+        return None if self._shape is None else self._rows("codes")
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """Scales of the group rows in use (a view), None before the first append."""
+        return None if self._shape is None else self._rows("scale")
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        """Minima of the group rows in use (a view), None before the first append."""
+        return None if self._shape is None else self._rows("zero")
 
     @property
     def buffers(self) -> dict[str, TokenBuffer]:

@@ -42,18 +42,6 @@ class KiviKeyStore(CodeBuffers):
         self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, device=self.device)
 
     @property
-    def codes(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("codes")
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("scale")
-
-    @property
-    def zero(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("zero")
-
-    @property
     def group_ids(self) -> torch.Tensor | None:
         """[B, Hkv, Tq] int32 group row of every quantized token, or None while groups are implicit."""
         return self._rows("ids") if self._explicit_ids else None

@@ -35,18 +35,6 @@ class KiviValueStore(CodeBuffers):
         self._new_buffers(grow_in_blocks=True, codes=torch.uint8, scale=dtype, zero=dtype)
         self.residual: torch.Tensor | None = None
 
-    @property
-    def codes(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("codes")
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("scale")
-
-    @property
-    def zero(self) -> torch.Tensor | None:
-        return None if self._shape is None else self._rows("zero")
-
     def reserve(self, tokens: int) -> None:
         """Size the buffers so that appends up to ``tokens`` tokens in all write in place: values quantize
         only past the last ``residual``, so the quantized part needs ``max(Tq, tokens - residual)`` rows."""
