@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import attrs
 
 from polykv.memory.resident import MemoryRow, predict_resident
-from polykv.memory.tokens import _kept
+from polykv.memory.tokens import op_kept_tokens
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -115,7 +115,7 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
     registry = registry if registry is not None else get_registry()
     groups = []
     for g in getattr(plan, "allocation", ()):
-        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
         groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
                         group_bounds=groups)

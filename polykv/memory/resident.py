@@ -9,7 +9,8 @@ from typing import Any
 import attrs
 
 from polykv.errors import PlanError
-from polykv.memory.tokens import _check, _geometry, _kept, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes
+from polykv.memory.tokens import (check_context, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
+                                  op_kept_tokens, plan_geometry)
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
 
@@ -129,8 +130,8 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
     """
     from polykv.registry import get_registry
 
-    _check(context_tokens, phase)
-    geo = _geometry(plan, geometry)
+    check_context(context_tokens, phase)
+    geo = plan_geometry(plan, geometry)
     registry = registry if registry is not None else get_registry()
     heads = num_heads if num_heads is not None else getattr(geo, "num_heads", None)
     Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
@@ -197,7 +198,7 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
         cap = after_prefill if after_prefill is not None else lp.decode.resolve_capacity(context_tokens + n)
     hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
-        start = after_prefill if after_prefill is not None else _kept(lp.prefill, context_tokens)
+        start = after_prefill if after_prefill is not None else op_kept_tokens(lp.prefill, context_tokens)
         return grown_capacity(start + n, start), start
     return hold + 1, hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
 
@@ -259,7 +260,7 @@ def _allocation_bounds(plan: Any, registry: Any, context_tokens: int, allocation
     """Allocator bound per allocated layer that ``allocations`` does not cover."""
     out: dict[int, int] = {}
     for group in getattr(plan, "allocation", ()):
-        caps = [_kept(plan.layers[i].prefill, context_tokens) for i in group.layers]
+        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in group.layers]
         bounds = registry.allocator(group.allocator)(**group.params).bound(caps, context_tokens)
         for layer, b in zip(group.layers, bounds):
             if layer not in allocations:

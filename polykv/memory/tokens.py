@@ -13,7 +13,9 @@ from polykv.plan import LayerPlan, OpSpec
 MEMORY_PHASES = ("prefill", "decode")
 
 
-def _geometry(plan: Any, geometry: Any) -> Any:
+def plan_geometry(plan: Any, geometry: Any) -> Any:
+    """``geometry``, or the plan's ``model`` record when None; a PlanError when neither exists or the layer
+    counts disagree."""
     geo = geometry if geometry is not None else getattr(plan, "model", None)
     if geo is None:
         raise PlanError("no model geometry: the plan has no 'model' record and none was given", field="model",
@@ -25,14 +27,16 @@ def _geometry(plan: Any, geometry: Any) -> Any:
     return geo
 
 
-def _check(context_tokens: int, phase: str) -> None:
+def check_context(context_tokens: int, phase: str) -> None:
+    """A ValueError unless ``context_tokens`` is a positive integer and ``phase`` a memory phase."""
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens must be a positive integer, got {context_tokens!r}")
     if phase not in MEMORY_PHASES:
         raise ValueError(f"phase must be one of {MEMORY_PHASES}, got {phase!r}")
 
 
-def _kept(op: OpSpec, context_tokens: int) -> int:
+def op_kept_tokens(op: OpSpec, context_tokens: int) -> int:
+    """Tokens ``op`` keeps of a ``context_tokens`` context: its capacity there, at most the context."""
     cap = op.resolve_capacity(context_tokens)
     return context_tokens if cap is None else min(cap, context_tokens)
 
@@ -42,10 +46,10 @@ def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill", *
 
     ``bound``: the layer's own token bound (a window-bounded layer), or None.
     """
-    _check(context_tokens, phase)
-    kept = _kept(layer.prefill, context_tokens)
+    check_context(context_tokens, phase)
+    kept = op_kept_tokens(layer.prefill, context_tokens)
     if phase == "decode" and not layer.decode.keeps_everything:
-        kept = _kept(layer.decode, context_tokens)
+        kept = op_kept_tokens(layer.decode, context_tokens)
     return kept if bound is None else min(kept, bound)
 
 
@@ -62,7 +66,7 @@ def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str =
 
     ``geometry`` needs ``num_layers``, ``num_kv_heads``, ``head_dim``; None uses ``plan.model``.
     """
-    geo = _geometry(plan, geometry)
+    geo = plan_geometry(plan, geometry)
     slot = int(geo.num_kv_heads) * int(geo.head_dim)
     bounds = layer_bounds(geo, len(plan.layers))
     return [-(-kept_tokens(lp, context_tokens, phase, bound=b) * slot * (lp.k_bits + lp.v_bits) // 8)
@@ -74,10 +78,10 @@ def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: i
                        new_tokens: int | None = None, after_prefill: int | None = None) -> tuple[int, int]:
     """(fewest, most) tokens per KV head a layer's stores hold after a decode forward (see
     :mod:`polykv.memory`); ``after_prefill`` overrides the prefill op's count (an allocator's budget)."""
-    _check(context_tokens, "decode")
+    check_context(context_tokens, "decode")
     n = int(new_tokens or 0)
     if after_prefill is None:
-        after_prefill = _kept(layer.prefill, context_tokens)
+        after_prefill = op_kept_tokens(layer.prefill, context_tokens)
     if layer.decode.keeps_everything:  # after k >= 1 decode forwards of one token each
         return after_prefill + min(n, 1), after_prefill + n
     cap = layer.decode.resolve_capacity(context_tokens + n)

@@ -29,7 +29,8 @@ BITS = (2, 4, 8, 16)
 FULL_RULE = "full"
 
 
-def _fail(source: str, field: str | None, message: str, hint: str | None = None):
+def raise_profile_error(source: str, field: str | None, message: str, hint: str | None = None):
+    """Raise a :class:`ProfileError` naming the file (``source``) and ``field``, with what to do (``hint``)."""
     where = ", ".join(x for x in (source, f"field '{field}'" if field else "") if x)
     raise ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
 
@@ -142,13 +143,13 @@ class Profile:
         """The [L, C] table of ``metric`` (default: ``"l2"`` when present, else the first by name)."""
         name = metric or self.default_metric
         if name not in self.metrics:
-            _fail(self.source, f"metrics.{name}", "no such metric table",
+            raise_profile_error(self.source, f"metrics.{name}", "no such metric table",
                   f"this profile has: {', '.join(sorted(self.metrics))}")
         return self.metrics[name]
 
     def stat(self, name: str) -> StatTable:
         if name not in self.stats:
-            _fail(self.source, f"stats.{name}", "no such statistic table",
+            raise_profile_error(self.source, f"stats.{name}", "no such statistic table",
                   f"this profile has: {', '.join(sorted(self.stats)) or '(none)'}")
         return self.stats[name]
 
@@ -175,10 +176,10 @@ class Profile:
         m = self.model
         for field in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(m, field) != getattr(geometry, field):
-                _fail(self.source, f"model.{field}", f"the profile was measured on {field}={getattr(m, field)} "
+                raise_profile_error(self.source, f"model.{field}", f"the profile was measured on {field}={getattr(m, field)} "
                       f"but the model has {getattr(geometry, field)}", "calibrate a profile for this model")
         if not fingerprints_match(m.fingerprint, getattr(geometry, "fingerprint", None)):
-            _fail(self.source, "model.fingerprint", f"the profile was measured on model {m.fingerprint} but "
+            raise_profile_error(self.source, "model.fingerprint", f"the profile was measured on model {m.fingerprint} but "
                   f"this model is {geometry.fingerprint}", "calibrate a profile for this model (polykv calibrate)")
         return self
 
@@ -257,57 +258,57 @@ def moend_configs(rule: str, phase: str = "both", *, keeps: Sequence[float] = (0
 def check(p: Profile, source: str) -> None:
     """Every rule a profile obeys, whether built in Python or read from a file."""
     if p.schema_version != SCHEMA_VERSION:
-        _fail(source, "schema_version", f"unknown schema version {p.schema_version!r}; this polykv reads "
+        raise_profile_error(source, "schema_version", f"unknown schema version {p.schema_version!r}; this polykv reads "
               f"version {SCHEMA_VERSION}", "upgrade polykv or re-save the profile with this version")
     m = p.model
     for field in ("num_layers", "num_kv_heads", "head_dim"):
         v = getattr(m, field)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            _fail(source, f"model.{field}", f"must be a positive integer, got {v!r}")
+            raise_profile_error(source, f"model.{field}", f"must be a positive integer, got {v!r}")
     if not p.configs:
-        _fail(source, "configs", "the profile lists no candidate configs", "give one config per table column")
+        raise_profile_error(source, "configs", "the profile lists no candidate configs", "give one config per table column")
     seen: dict[str, int] = {}
     for i, c in enumerate(p.configs):
         f = f"configs[{i}]"
         if not isinstance(c.rule, str) or not c.rule:
-            _fail(source, f + ".rule", f"expected a rule name, got {c.rule!r}")
+            raise_profile_error(source, f + ".rule", f"expected a rule name, got {c.rule!r}")
         if c.phase not in PHASES:
-            _fail(source, f + ".phase", f"unknown phase {c.phase!r}", f"use one of {', '.join(PHASES)}")
+            raise_profile_error(source, f + ".phase", f"unknown phase {c.phase!r}", f"use one of {', '.join(PHASES)}")
         if isinstance(c.keep, bool) or not isinstance(c.keep, (int, float)) or not 0.0 < c.keep <= 1.0:
-            _fail(source, f + ".keep", f"keep ratio must be in (0, 1], got {c.keep!r}")
+            raise_profile_error(source, f + ".keep", f"keep ratio must be in (0, 1], got {c.keep!r}")
         if c.rule == FULL_RULE and c.keep < 1.0:
-            _fail(source, f + ".keep", f"rule 'full' keeps everything; keep must be 1.0, got {c.keep}")
+            raise_profile_error(source, f + ".keep", f"rule 'full' keeps everything; keep must be 1.0, got {c.keep}")
         for name in ("k_bits", "v_bits"):
             if getattr(c, name) not in BITS:
-                _fail(source, f"{f}.{name}", f"unsupported bit width {getattr(c, name)!r}",
+                raise_profile_error(source, f"{f}.{name}", f"unsupported bit width {getattr(c, name)!r}",
                       "use 16 (unquantized), 8, 4 or 2")
         if c.label in seen:
-            _fail(source, f, f"duplicate config {c.label} (also configs[{seen[c.label]}])", "list each config once")
+            raise_profile_error(source, f, f"duplicate config {c.label} (also configs[{seen[c.label]}])", "list each config once")
         seen[c.label] = i
     if not p.metrics:
-        _fail(source, "metrics", "the profile has no metric table", "give at least one table, e.g. 'l2'")
+        raise_profile_error(source, "metrics", "the profile has no metric table", "give at least one table, e.g. 'l2'")
     shape = (m.num_layers, len(p.configs))
     for name, t in p.metrics.items():
         _check_array(source, f"metrics.{name}", t, shape, "rows are layers, columns are the configs in order")
     for name, st in p.stats.items():
         f = f"stats.{name}"
         if not st.columns or len(set(st.columns)) != len(st.columns):
-            _fail(source, f + ".columns", f"column labels must be non-empty and unique, got {list(st.columns)}")
+            raise_profile_error(source, f + ".columns", f"column labels must be non-empty and unique, got {list(st.columns)}")
         if st.phase not in PHASES:
-            _fail(source, f + ".phase", f"unknown phase {st.phase!r}", f"use one of {', '.join(PHASES)}")
+            raise_profile_error(source, f + ".phase", f"unknown phase {st.phase!r}", f"use one of {', '.join(PHASES)}")
         _check_array(source, f + ".values", st.values, (m.num_layers, len(st.columns)),
                      "rows are layers, columns are the table's column labels")
 
 
 def _check_array(source: str, field: str, a: np.ndarray, shape: tuple[int, int], what: str) -> None:
     if a.size == 0:
-        _fail(source, field, "the table is empty", what)
+        raise_profile_error(source, field, "the table is empty", what)
     if a.shape != shape:
-        _fail(source, field, f"expected shape {list(shape)}, got {list(a.shape)}", what)
+        raise_profile_error(source, field, f"expected shape {list(shape)}, got {list(a.shape)}", what)
     bad = np.argwhere(~np.isfinite(a))
     if len(bad):
         l, c = (int(x) for x in bad[0])
-        _fail(source, field, f"non-finite value {a[l, c]} at layer {l}, column {c} ({len(bad)} in all)",
+        raise_profile_error(source, field, f"non-finite value {a[l, c]} at layer {l}, column {c} ({len(bad)} in all)",
               "re-measure or drop the config; NaN and infinity are not losses")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from polykv.errors import ProfileError
 from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, Profile, ProfileModel,
-                                      ProfileProvenance, StatTable, _fail)
+                                      ProfileProvenance, StatTable, raise_profile_error)
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -101,35 +101,35 @@ def loads(text: str, source: str = "<profile>") -> Profile:
     try:
         raw = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        _fail(source, None, f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}")
+        raise_profile_error(source, None, f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}")
     except ValueError as exc:
-        _fail(source, None, f"malformed JSON: {exc}", "NaN and infinity are not allowed")
+        raise_profile_error(source, None, f"malformed JSON: {exc}", "NaN and infinity are not allowed")
     return from_dict(raw, source)
 
 
 def _obj(source: str, raw: Any, field: str, required: Iterable[str], optional: Iterable[str]) -> dict:
     if not isinstance(raw, dict):
-        _fail(source, field or None, f"expected a JSON object, got {type(raw).__name__}")
+        raise_profile_error(source, field or None, f"expected a JSON object, got {type(raw).__name__}")
     required, allowed = list(required), set(required) | set(optional)
     unknown = sorted(set(raw) - allowed)
     if unknown:
-        _fail(source, field or None, f"unknown key(s) {unknown}", f"allowed keys: {sorted(allowed)}")
+        raise_profile_error(source, field or None, f"unknown key(s) {unknown}", f"allowed keys: {sorted(allowed)}")
     for key in required:
         if key not in raw:
-            _fail(source, f"{field}.{key}" if field else key, "missing required key")
+            raise_profile_error(source, f"{field}.{key}" if field else key, "missing required key")
     return raw
 
 
 def _num_table(source: str, field: str, raw: Any) -> np.ndarray:
     if not isinstance(raw, list) or not all(isinstance(r, list) for r in raw):
-        _fail(source, field, "expected a list of rows, each a list of numbers")
+        raise_profile_error(source, field, "expected a list of rows, each a list of numbers")
     width = {len(r) for r in raw}
     if len(width) > 1:
-        _fail(source, field, f"rows have different lengths {sorted(width)}", "every row needs one value per column")
+        raise_profile_error(source, field, f"rows have different lengths {sorted(width)}", "every row needs one value per column")
     for i, r in enumerate(raw):
         for j, v in enumerate(r):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                _fail(source, f"{field}[{i}][{j}]", f"expected a number, got {v!r}")
+                raise_profile_error(source, f"{field}[{i}][{j}]", f"expected a number, got {v!r}")
     return np.asarray(raw, dtype=np.float64).reshape(len(raw), width.pop() if width else 0)
 
 
@@ -137,27 +137,27 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
     _obj(source, raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance"])
     if raw["schema_version"] != SCHEMA_VERSION:
-        _fail(source, "schema_version", f"unknown schema version {raw['schema_version']!r}; this polykv reads "
+        raise_profile_error(source, "schema_version", f"unknown schema version {raw['schema_version']!r}; this polykv reads "
               f"version {SCHEMA_VERSION}", "upgrade polykv or re-save the profile with this version")
     if raw.get("format", FORMAT) != FORMAT:
-        _fail(source, "format", f"expected {FORMAT!r}, got {raw['format']!r}", "is this a plan file?")
+        raise_profile_error(source, "format", f"expected {FORMAT!r}, got {raw['format']!r}", "is this a plan file?")
     model_fields = [f.name for f in attrs.fields(ProfileModel)]
     mraw = _obj(source, raw["model"], "model", model_fields[:3], model_fields[3:])
     try:
         model = ProfileModel(**mraw)
     except (TypeError, ValueError) as exc:
-        _fail(source, "model", str(exc))
+        raise_profile_error(source, "model", str(exc))
     if not isinstance(raw["configs"], list):
-        _fail(source, "configs", "expected a list of config objects")
+        raise_profile_error(source, "configs", "expected a list of config objects")
     configs = []
     for i, c in enumerate(raw["configs"]):
         f = f"configs[{i}]"
         _obj(source, c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params"])
         for key, kinds in (("rule", str), ("phase", str), ("params", dict), ("k_bits", int), ("v_bits", int)):
             if key in c and (not isinstance(c[key], kinds) or isinstance(c[key], bool)):
-                _fail(source, f"{f}.{key}", f"expected {kinds.__name__}, got {c[key]!r}")
+                raise_profile_error(source, f"{f}.{key}", f"expected {kinds.__name__}, got {c[key]!r}")
         if isinstance(c["keep"], bool) or not isinstance(c["keep"], (int, float)):
-            _fail(source, f"{f}.keep", f"expected a number in (0, 1], got {c['keep']!r}")
+            raise_profile_error(source, f"{f}.keep", f"expected a number in (0, 1], got {c['keep']!r}")
         configs.append(CandidateConfig(**{**c, "keep": float(c["keep"])}))
     _obj(source, raw["metrics"], "metrics", [], raw["metrics"] if isinstance(raw["metrics"], dict) else [])
     metrics = {k: _num_table(source, f"metrics.{k}", v) for k, v in raw["metrics"].items()}
@@ -168,12 +168,12 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
         f = f"stats.{k}"
         _obj(source, s, f, ["columns", "values", "higher_is_better"], ["phase", "capacity", "description"])
         if not isinstance(s["columns"], list) or not all(isinstance(x, str) for x in s["columns"]):
-            _fail(source, f + ".columns", "expected a list of column labels (strings)")
+            raise_profile_error(source, f + ".columns", "expected a list of column labels (strings)")
         if not isinstance(s["higher_is_better"], bool):
-            _fail(source, f + ".higher_is_better", f"expected true or false, got {s['higher_is_better']!r}")
+            raise_profile_error(source, f + ".higher_is_better", f"expected true or false, got {s['higher_is_better']!r}")
         cap = s.get("capacity")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            _fail(source, f + ".capacity", f"expected a positive integer or null, got {cap!r}")
+            raise_profile_error(source, f + ".capacity", f"expected a positive integer or null, got {cap!r}")
         stats[k] = StatTable(columns=s["columns"], values=_num_table(source, f + ".values", s["values"]),
                              higher_is_better=s["higher_is_better"], phase=s.get("phase", "both"),
                              capacity=cap, description=str(s.get("description", "")))
@@ -182,6 +182,6 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     try:
         prov = ProfileProvenance(**praw)
     except (TypeError, ValueError) as exc:
-        _fail(source, "provenance", str(exc))
+        raise_profile_error(source, "provenance", str(exc))
     return Profile(model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    schema_version=raw["schema_version"], source=source)

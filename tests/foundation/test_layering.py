@@ -224,3 +224,27 @@ def test_the_check_catches_an_upward_import(module, source, expected):
     """The checker itself reports what it must (and a downward import, below, is fine)."""
     assert [msg for _, msg in upward_imports(module, ast.parse(source))] == [expected]
     assert upward_imports("polykv.studies.x", ast.parse(source)) == [] or "adapters" in source
+
+
+def private_imports(module: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, "module.name") for every private name (``_x``) ``module`` imports from another polykv module."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("polykv"):
+            if node.module == module:
+                continue
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Modules do not reach into each other's private state: what one module offers another is public."""
+    found = [f"{m}:{line} imports {name}" for m, path in _modules().items()
+             for line, name in private_imports(m, ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_import_check_catches_one():
+    tree = ast.parse("from polykv.memory.tokens import _kept, kept_tokens\nfrom polykv.x import y as _y\n")
+    assert private_imports("polykv.memory.resident", tree) == [(1, "polykv.memory.tokens._kept")]
