@@ -24,13 +24,14 @@ fixed, the guided route itself excluded): the count-matched controls of the rank
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Any
 
 import numpy as np
 
+from polykv import placements
 from polykv.errors import RegistryError, SolverError
+from polykv.placements import distinct_placements
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
@@ -183,46 +184,15 @@ class ProfileRoute(Solver):
                           f"guided route by {p['statistic']}, allocation {p['allocation']}")
 
 
-def distinct_placements(route: list[str]) -> int:
-    """Number of distinct arrangements of ``route``'s rules over its layers (a multinomial)."""
-    n = math.factorial(len(route))
-    for c in Counter(route).values():
-        n //= math.factorial(c)
-    return n
-
-
 def random_placements(route: list[str], count: int, seed: int) -> list[list[str]]:
-    """``count`` unique seeded permutations of ``route`` (method counts fixed), never ``route`` itself."""
-    available = distinct_placements(route) - 1
-    if count > available:
+    """``count`` unique seeded permutations of ``route`` (method counts fixed), never ``route`` itself
+    (:func:`polykv.placements.random_placements`)."""
+    try:
+        return [list(pl) for pl in placements.random_placements(route, count, seed, exclude=[route])]
+    except ValueError:
+        available = distinct_placements(route) - 1
         raise SolverError(f"random-placement: only {available} placements differ from the route {route}; "
-                          f"ask for at most that many (--param count=N)")
-    rng = np.random.default_rng(seed)
-    seen = {tuple(route)}
-    out: list[list[str]] = []
-    if available <= 20000:
-        pool = [pl for pl in _multiset_permutations(sorted(route)) if pl not in seen]
-        for i in rng.permutation(len(pool))[:count]:
-            out.append(list(pool[int(i)]))
-        return out
-    while len(out) < count:
-        perm = tuple(route[i] for i in rng.permutation(len(route)))
-        if perm not in seen:
-            seen.add(perm)
-            out.append(list(perm))
-    return out
-
-
-def _multiset_permutations(items: list[str]):
-    """Distinct permutations of ``items`` in lexicographic order (``items`` sorted)."""
-    if not items:
-        yield ()
-        return
-    for i, x in enumerate(items):
-        if i and items[i - 1] == x:
-            continue
-        for rest in _multiset_permutations(items[:i] + items[i + 1:]):
-            yield (x,) + rest
+                          f"ask for at most that many (--param count=N)") from None
 
 
 class RandomPlacement(ProfileRoute):

@@ -11,12 +11,12 @@ designs built on them:
 
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import attrs
 import numpy as np
 
+from polykv import placements
 from polykv.errors import StudyError
 from polykv.stats import (  # noqa: F401 (re-exported)
     DEFAULT_PERMUTATIONS,
@@ -73,7 +73,8 @@ def placement_control(guided: float, random_scores: Sequence[float], *,
 
 def random_placements(counts: Mapping[str, int], n: int, *, seed: int = 0,
                       exclude: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
-    """``n`` unique random layer -> method placements with fixed method counts (seeded).
+    """``n`` unique random layer -> method placements with fixed method counts (seeded), drawn by
+    :func:`polykv.placements.random_placements`.
 
     Parameters
     ----------
@@ -84,25 +85,13 @@ def random_placements(counts: Mapping[str, int], n: int, *, seed: int = 0,
     exclude : sequence of placements
         Placements never returned (pass the guided route).
     """
-    pool = [m for m in sorted(counts) for _ in range(int(counts[m]))]
-    if not pool:
+    route = [m for m in sorted(counts) for _ in range(int(counts[m]))]
+    if not route:
         raise StudyError("random placements need at least one layer in counts")
-    total = math.factorial(len(pool))
-    for m in counts:
-        total //= math.factorial(int(counts[m]))
-    seen = {tuple(e) for e in exclude}
-    excluded = sum(1 for e in seen if sorted(e) == pool)
-    if n > total - excluded:
-        raise StudyError(f"only {total} distinct placements exist for counts {dict(counts)} "
-                         f"({excluded} of them excluded); asked for {n}")
-    rng = np.random.default_rng(seed)
-    out: list[tuple[str, ...]] = []
-    while len(out) < n:
-        cand = tuple(pool[i] for i in rng.permutation(len(pool)))
-        if cand not in seen:
-            seen.add(cand)
-            out.append(cand)
-    return out
+    try:
+        return placements.random_placements(route, n, seed, exclude=exclude)
+    except ValueError as exc:
+        raise StudyError(f"random placements for counts {dict(counts)}: {exc}") from None
 
 
 # -- study summaries ------------------------------------------------------------------------------
