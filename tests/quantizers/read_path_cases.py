@@ -10,14 +10,18 @@ from polykv.adapters.quantizers.packed_stream import with_head_counts
 
 
 def filled_pair(k_bits, v_bits, *, B=2, Hkv=2, T=45, d=16, group_size=4, residual=8, dtype=torch.float32,
-                seed=0, device="cpu"):
-    """A key store and a value store holding the same T random tokens."""
+                seed=0, device="cpu", reserve=None):
+    """A key store and a value store holding the same T random tokens (``reserve``: both first asked to
+    reserve that many tokens, so their codes are views of larger buffers, as in the runtime)."""
     quant = KiviQuantizer(group_size=group_size, residual=residual)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(B, Hkv, T, d, generator=g).to(device)
     v = torch.randn(B, Hkv, T, d, generator=g).to(device)
     ks = quant.new_store("key", k_bits, dtype=dtype, device=device)
     vs = quant.new_store("value", v_bits, dtype=dtype, device=device)
+    if reserve is not None:
+        ks.reserve(reserve)
+        vs.reserve(reserve)
     for a in range(0, T, 13):  # appends of uneven chunks
         ks.append(k[:, :, a:a + 13])
         vs.append(v[:, :, a:a + 13])

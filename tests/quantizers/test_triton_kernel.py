@@ -48,6 +48,18 @@ def test_kernel_matches_reference(k_bits, v_bits, G, q, device, cases):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 4), (2, 8), (16, 4)])
+def test_kernel_reads_reserved_buffers(k_bits, v_bits, device, cases):
+    """The runtime's stores reserve rows past the tokens they hold: codes and scales are strided views."""
+    ks, vs = cases.filled_pair(k_bits, v_bits, B=2, Hkv=2, T=45, device=device, reserve=90)
+    for stream in (ks, vs):
+        if k_bits != 16 or stream is vs:
+            assert stream.buffers["codes"].capacity > stream.num_quantized  # spare rows: a strided view
+    query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(5)).to(device)
+    _check(query, token_blocks(ks), token_blocks(vs), splits=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kernel_after_gathers_uses_group_ids(device, cases):
     ks, vs = cases.filled_pair(2, 4, T=45, device=device)
     idx = cases.random_index(2, 2, 45, 26, seed=3, device=device)
