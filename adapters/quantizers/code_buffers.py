@@ -88,12 +88,12 @@ class CodeBuffers(KVStore):
     def _reserve_rows(self, rows: dict[str, int]) -> None:
         """Reserved mode, with buffer ``name`` sized to exactly ``max(rows[name], rows in use)`` rows."""
         self._reserved = True
-        shape = getattr(self, "_shape", None)
+        shape = self._shape
         for name, n in rows.items():
             buf = self._buffers[name]
             trail = None if shape is None or buf.data is None else (*buf.data.shape[:2], *buf.data.shape[3:])
             buf.reserve(n, trail)
 
-    def _buffer_bytes(self) -> list[torch.Tensor]:
+    def _buffer_tensors(self) -> list[torch.Tensor]:
         """The allocated buffers (for :func:`polykv.store_checks.held_bytes`)."""
         return [b.data for b in self._buffers.values() if b.data is not None]

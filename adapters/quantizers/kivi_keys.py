@@ -263,7 +263,7 @@ class KiviKeyStore(CodeBuffers):
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(*self._buffer_bytes(), self.residual)
+        return held_bytes(*self._buffer_tensors(), self.residual)
 
 
 def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,

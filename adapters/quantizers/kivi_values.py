@@ -171,7 +171,7 @@ class KiviValueStore(CodeBuffers):
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(*self._buffer_bytes(), self.residual)
+        return held_bytes(*self._buffer_tensors(), self.residual)
 
 
 def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
