@@ -88,16 +88,17 @@ class TokenBuffer:
         self.length = k
 
     def replace(self, x: torch.Tensor, *, exact: bool = False) -> None:
-        """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer. When ``k`` rows
-        do not fit, the buffer grows by :func:`polykv.reserve.grown_capacity`; ``exact``: the buffer
-        becomes exactly ``k`` rows. ``x`` may be the buffer's own first ``k`` rows (no copy then)."""
+        """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer, growing when
+        ``k`` rows do not fit (``exact``: to exactly ``k`` rows, else by :func:`polykv.reserve.grown_capacity`).
+        ``x`` may be the buffer's own first ``k`` rows (no copy then)."""
         k = x.shape[2]
-        if self.data is not None and (k == self.capacity if exact else k <= self.capacity):
+        if self.data is not None and k <= self.capacity:
             if x.data_ptr() != self.data.data_ptr() or x.stride() != self.data.stride():
                 self.data[:, :, :k].copy_(x)
         else:
             B, H, _, *trail = x.shape
-            rows = k if exact else grown_capacity(k, self.capacity if self.data is not None else self.pending)
+            rows = max(k, self.pending) if exact else grown_capacity(k, self.capacity if self.data is not None
+                                                                     else self.pending)
             self.data = torch.empty(B, H, rows, *trail, dtype=self.dtype, device=self.device)
             self.data[:, :, :k].copy_(x)
         self.length = k

@@ -31,6 +31,7 @@ class CodeBuffers(KVStore):
 
     _buffers: dict[str, TokenBuffer]
     _shape: tuple[int, int, int] | None = None
+    residual: torch.Tensor | None = None
     _reserved: bool = False
     _grow_in_blocks: bool = True
 
@@ -62,6 +63,14 @@ class CodeBuffers(KVStore):
         inspection: their ``capacity`` is the rows reserved, ``length`` the rows in use."""
         return dict(self._buffers)
 
+    @property
+    def num_quantized(self) -> int:
+        """Tokens held as codes (per head; the rest are the full-precision residual)."""
+        return self._buffers["codes"].length
+
+    def __len__(self) -> int:
+        return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
+
     def _allocate(self, **trails: tuple[int, ...]) -> None:
         """Allocate every buffer for the store's (B, Hkv) and each name's trailing shape, with the rows
         reserved so far (none in exact mode)."""
@@ -74,25 +83,29 @@ class CodeBuffers(KVStore):
         """Rows in use of buffer ``name`` (a view of the buffer)."""
         return self._buffers[name].view()
 
+    @property
+    def _grows_exactly(self) -> bool:
+        """Whether a buffer that must hold more rows grows to exactly those (exact mode, or a store that adds
+        whole blocks of rows), rather than by GROWTH_BLOCK rows."""
+        return not (self._reserved and self._grow_in_blocks)
+
     def _put(self, name: str, x: torch.Tensor) -> None:
         """Append rows ``x`` [B, Hkv, t, ...] to buffer ``name``."""
-        self._buffers[name].append(x, exact=not (self._reserved and self._grow_in_blocks))
+        self._buffers[name].append(x, exact=self._grows_exactly)
 
     def _set(self, name: str, x: torch.Tensor) -> None:
         """The rows in use of buffer ``name`` become ``x`` (a gather's or a write's result)."""
         buf = self._buffers[name]
-        if self._reserved and not self._grow_in_blocks:  # keep the reserved rows, grow exactly past them
-            buf.reserve(max(x.shape[2], buf.capacity), (*x.shape[:2], *x.shape[3:]))
-        buf.replace(x, exact=not self._reserved)
+        buf.replace(x, exact=self._grows_exactly)
+        if not self._reserved:  # exact mode: the buffer holds exactly its rows in use
+            buf.reserve(x.shape[2])
 
     def _reserve_rows(self, rows: dict[str, int]) -> None:
-        """Reserved mode, with buffer ``name`` sized to exactly ``max(rows[name], rows in use)`` rows."""
+        """Reserved mode, with buffer ``name`` sized to exactly ``max(rows[name], rows in use)`` rows (rows
+        asked before the first append are allocated by it)."""
         self._reserved = True
-        shape = self._shape
         for name, n in rows.items():
-            buf = self._buffers[name]
-            trail = None if shape is None or buf.data is None else (*buf.data.shape[:2], *buf.data.shape[3:])
-            buf.reserve(n, trail)
+            self._buffers[name].reserve(n)
 
     def _buffer_tensors(self) -> list[torch.Tensor]:
         """The allocated buffers (for :func:`polykv.store_checks.held_bytes`)."""

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from polykv.operators import KVStore, Quantizer
-from polykv.adapters.quantizers.kivi_keys import KiviKeyStore, key_bound_bytes, key_bytes
+from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
+                                                  key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
-from polykv.adapters.quantizers.packing import packed_width
 from polykv.adapters.quantizers.passthrough import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
@@ -91,15 +91,8 @@ class KiviQuantizer(Quantizer):
         policy). Its buffers then never exceed ``N = max(tokens, reserved)`` rows: values are bounded by
         :meth:`bound_bytes` at N tokens; keys by N rows of codes, group ids and (worst case) their own
         scale and minimum rows, plus up to ``residual - 1`` keys in the compute dtype beside them."""
-        N = max(int(tokens), int(reserved))
-        if stream == "value" or bits == 16:
-            return self.bound_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=N,
-                                    dtype_bytes=dtype_bytes)
-        self._check(stream, bits)
-        R = self.params["residual"]
-        per_head = (N * (packed_width(head_dim, bits) + 4 + 2 * head_dim * dtype_bytes)
-                    + min(R - 1, N) * head_dim * dtype_bytes)
-        return batch * kv_heads * per_head
+        return self._bytes(key_reserved_bound_bytes, value_bound_bytes, stream, bits, batch=batch, kv_heads=kv_heads,
+                           head_dim=head_dim, tokens=max(int(tokens), int(reserved)), dtype_bytes=dtype_bytes)
 
     def bound_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
                     tokens: int, dtype_bytes: int) -> int:

@@ -34,7 +34,6 @@ class KiviKeyStore(CodeBuffers):
         self.dtype, self.device = dtype, torch.device(device)
         self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
         self._new_buffers(grow_in_blocks=False, codes=torch.uint8, scale=dtype, zero=dtype, ids=torch.int32)
-        self._explicit_ids = False
         self.residual: torch.Tensor | None = None
 
     def _init(self, B: int, H: int, d: int) -> None:
@@ -46,9 +45,13 @@ class KiviKeyStore(CodeBuffers):
         """[B, Hkv, Tq] int32 group row of every quantized token, or None while groups are implicit."""
         return self._rows("ids") if self._explicit_ids else None
 
+    @property
+    def _explicit_ids(self) -> bool:
+        """Group ids are stored once a gather has kept quantized tokens (the ids buffer is empty otherwise)."""
+        return self._buffers["ids"].length > 0
+
     def _set_groups(self, ids: torch.Tensor | None, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """New group rows and token group ids (None: implicit groups again; the ids buffer empties)."""
-        self._explicit_ids = ids is not None
         B, H, _ = self._shape
         self._set("ids", ids if ids is not None else torch.empty(B, H, 0, dtype=torch.int32, device=self.device))
         self._set("scale", scale)
@@ -65,12 +68,6 @@ class KiviKeyStore(CodeBuffers):
         self._reserve_rows({"codes": codes, "scale": groups, "zero": groups,
                             "ids": codes if self._explicit_ids else 0})
 
-    @property
-    def num_quantized(self) -> int:
-        return self._buffers["codes"].length
-
-    def __len__(self) -> int:
-        return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
 
     def token_group_ids(self) -> torch.Tensor:
         """[B, Hkv, Tq] int64: the group row of every quantized token (materialised if implicit)."""
@@ -291,4 +288,14 @@ def key_bound_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv
     quantized = packed_width(head_dim, bits) + 4 + 2 * head_dim * dtype_bytes
     full = head_dim * dtype_bytes
     per_head = max((tokens - tr) * quantized + tr * full for tr in {0, min(residual - 1, tokens)})
+    return batch * kv_heads * per_head
+
+
+def key_reserved_bound_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int,
+                             head_dim: int, tokens: int, dtype_bytes: int) -> int:
+    """Most resident bytes of a :class:`KiviKeyStore` whose buffers never exceed ``tokens`` rows (it holds at
+    most that many keys and is asked to reserve at most that many): per row its codes, an int32 group id
+    and (worst case) its own scale and minimum row, plus up to ``residual - 1`` keys in the compute dtype."""
+    per_head = (tokens * (packed_width(head_dim, bits) + 4 + 2 * head_dim * dtype_bytes)
+                + min(residual - 1, tokens) * head_dim * dtype_bytes)
     return batch * kv_heads * per_head

@@ -50,12 +50,6 @@ class KiviValueStore(CodeBuffers):
         self._allocate(codes=(packed_width(d, self.bits),), scale=(d // G,), zero=(d // G,))
         self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, device=self.device)
 
-    @property
-    def num_quantized(self) -> int:
-        return self._buffers["codes"].length
-
-    def __len__(self) -> int:
-        return 0 if self.residual is None else self.num_quantized + self.residual.shape[2]
 
     # -- quantization -----------------------------------------------------------------------------
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
