@@ -287,7 +287,8 @@ def check_stores_path(device, small) -> str:
             diff = (runs[0] - runs[1]).abs().max().item()
             tol = 1e-4 if dtype == torch.float32 else 3e-2 * max(runs[1].abs().max().item(), 1.0)
             assert diff < tol, f"{name} {dtype}: the stores path differs from the view path by {diff}"
-            worst[str(dtype).replace("torch.", "")] = max(worst.get(str(dtype).replace("torch.", ""), 0.0), diff)
+            key = str(dtype).replace("torch.", "")
+            worst[key] = max(worst.get(key, 0.0), diff)
     return "largest logit difference " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
 
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from polykv import placements
 from polykv.errors import RegistryError, SolverError
-from polykv.placements import distinct_placements
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
@@ -190,7 +189,7 @@ def random_placements(route: list[str], count: int, seed: int) -> list[list[str]
     try:
         return [list(pl) for pl in placements.random_placements(route, count, seed, exclude=[route])]
     except ValueError:
-        available = distinct_placements(route) - 1
+        available = placements.distinct_placements(route) - 1
         raise SolverError(f"random-placement: only {available} placements differ from the route {route}; "
                           f"ask for at most that many (--param count=N)") from None
 
