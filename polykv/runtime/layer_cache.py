@@ -226,9 +226,8 @@ class LayerCache(CacheLayerMixin):
             return False
         if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
             return False
-        stores = [x for seg in st.segments for x in (seg.key, seg.value)] if st.ragged else [st.key_store,
-                                                                                              st.value_store]
-        if not all(callable(getattr(x, "token_blocks", None)) for x in stores[:2]):
+        pair = (st.segments[0].key, st.segments[0].value) if st.ragged else (st.key_store, st.value_store)
+        if not all(callable(getattr(x, "token_blocks", None)) for x in pair):  # every store is built alike
             return False
         return not self.observing_states()
 
