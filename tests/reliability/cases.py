@@ -674,3 +674,16 @@ add("calibrate-stats-is-profile", "cli", lambda d: ["calibrate", model_folder(d)
     ("x.profile.json",))
 add("calibrate-partial-file", "cli", lambda d: ["calibrate", model_folder(d), "-o", "x.profile.json"] + [
     "--no-progress"][:0] + (write(d, "x.profile.json.partial", "x") and []), "partial", ("x.profile.json",))
+
+
+# -- further tables ----------------------------------------------------------------------------------
+# Each ``cases_<area>.py`` beside this file adds its own cases with ``add``/``case`` from here; they are
+# imported last, in name order, so every area keeps its cases in its own file.
+def _load_area_tables() -> None:
+    import importlib
+
+    for path in sorted(Path(__file__).parent.glob("cases_*.py")):
+        importlib.import_module(path.stem)
+
+
+_load_area_tables()

@@ -24,7 +24,7 @@ FAILURES: dict[str, str] = {}
 def test_the_table_is_large_and_covers_every_kind_of_input():
     groups = collections.Counter(c.group for c in CASES)
     assert len(CASES) >= 250, groups
-    assert set(groups) == {"plan", "profile", "spec", "taskfile", "cli"}
+    assert {"plan", "profile", "spec", "taskfile", "cli"} <= set(groups)
     assert len({c.id for c in CASES}) == len(CASES)
 
 
