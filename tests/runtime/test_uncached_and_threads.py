@@ -183,6 +183,7 @@ def test_threads_that_take_turns_share_a_session(model, prompt):
             t.join(120)
     assert not errors
     assert all(torch.equal(outs[i], refs[i]) for i in range(5))
+    assert "forward" not in model.__dict__ and "generate" not in model.__dict__  # restored on exit
 
 
 def test_a_failed_call_releases_the_session(model, prompt):
