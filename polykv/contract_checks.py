@@ -190,32 +190,55 @@ def checked_budgets(allocator, budgets: Any, request) -> torch.Tensor:
 
 # -- stores ----------------------------------------------------------------------------------------
 
-def store_name(plan_layer, stream: str) -> tuple[str, str]:
-    """(kind, name) of the plugin behind ``stream``'s store: ("quantizer", "kivi") or ("store", "16-bit")."""
-    bits = plan_layer.k_bits if stream == "key" else plan_layer.v_bits
-    if bits == PASSTHROUGH_BITS:
-        return "store", "16-bit"
-    return "quantizer", plan_layer.quantizer
+def store_head(layer: int, phase: str, quantizer: str | None, bits: int, stream: str) -> str:
+    """``layer 0 (prefill): quantizer 'kivi' (4-bit key store)``; a 16-bit stream is ``store '16-bit'``."""
+    kind, name = ("store", "16-bit") if quantizer is None else ("quantizer", quantizer)
+    return f"{where(layer, phase, kind, name)} ({bits}-bit {stream} store)"
+
+
+@attrs.define(frozen=True)
+class StreamSpec:
+    """What one stream's store is: its quantizer (None for 16 bits), by name and as an object, and its bits."""
+
+    name: str | None
+    bits: int
+    quantizer: Any = None
 
 
 class StoreContract:
     """The store checks of one layer's :class:`~polykv.runtime.storage.LayerStorage`.
 
-    Built by the layer cache; the storage calls :meth:`after` once per fill, append, gather and
-    write, :meth:`written` with each write's cost and :meth:`read` with every dequantized read.
+    The storage calls :meth:`after` once per fill, append, gather and write, :meth:`written` with each
+    write's cost and :meth:`read` with every dequantized read. ``streams`` maps ``"key"``/``"value"`` to
+    their :class:`StreamSpec`; ``storage_dtype`` is the dtype the stores keep (None: the compute dtype).
     """
 
-    def __init__(self, *, layer_idx: int, plan_layer, registry, storage_dtype: torch.dtype | None, full: bool):
-        self.layer_idx, self.plan_layer, self.registry = layer_idx, plan_layer, registry
+    def __init__(self, *, layer_idx: int, streams: dict[str, StreamSpec], storage_dtype: torch.dtype | None,
+                 full: bool):
+        self.layer_idx, self.streams = layer_idx, streams
         self.storage_dtype, self.full = storage_dtype, full
         self.head_dim: int | None = None
         self.dtype: torch.dtype | None = None
         """The compute dtype reads must come back in (recorded when the prompt is stored)."""
 
+    @classmethod
+    def for_plan_layer(cls, layer_idx: int, plan_layer, registry, *, storage_dtype=None, full: bool = False):
+        """The checks of a plan layer's stores (its quantizer built from the registry, as the stores are)."""
+        streams = {}
+        quantizer = None
+        for stream in ("key", "value"):
+            bits = plan_layer.k_bits if stream == "key" else plan_layer.v_bits
+            if bits == PASSTHROUGH_BITS:
+                streams[stream] = StreamSpec(None, bits)
+                continue
+            if quantizer is None:
+                quantizer = registry.quantizer(plan_layer.quantizer)(**plan_layer.quantizer_params)
+            streams[stream] = StreamSpec(plan_layer.quantizer, bits, quantizer)
+        return cls(layer_idx=layer_idx, streams=streams, storage_dtype=storage_dtype, full=full)
+
     def _head(self, stream: str, phase: str) -> str:
-        kind, name = store_name(self.plan_layer, stream)
-        bits = self.plan_layer.k_bits if stream == "key" else self.plan_layer.v_bits
-        return f"{where(self.layer_idx, phase, kind, name)} ({bits}-bit {stream} store)"
+        spec = self.streams[stream]
+        return store_head(self.layer_idx, phase, spec.name, spec.bits, stream)
 
     def _stores(self, storage):
         """(stream, store, tokens the runtime stored, batch, heads) for every store of the layer."""
@@ -260,7 +283,7 @@ class StoreContract:
 
     def written(self, stream: str, store, mask: torch.Tensor, cost: Any) -> Any:
         """A write's return value is a :class:`~polykv.operators.WriteCost`; with the expensive checks on, it
-        wrote exactly the masked tokens and re-encoded at least those of a quantized store."""
+        wrote exactly the masked tokens and its re-encode counts are not negative."""
         from polykv.operators import WriteCost
 
         head = self._head(stream, "decode")
@@ -275,24 +298,15 @@ class StoreContract:
                                           f"write())")
         return cost
 
-    def _quantizer(self):
-        lp = self.plan_layer
-        return self.registry.quantizer(lp.quantizer)(**lp.quantizer_params)
-
     def _check_bytes(self, storage) -> None:
         """Right after the prompt is stored each store is fresh: reserved, then appended once; its resident
         bytes must equal :func:`polykv.reserve.reserved_stream_bytes` (the memory model's prediction)."""
-        lp = self.plan_layer
         held = self.storage_dtype or self.dtype
-        quantizer = None
         for stream, store, n, B, H in self._stores(storage):
-            bits = lp.k_bits if stream == "key" else lp.v_bits
-            if bits != PASSTHROUGH_BITS and quantizer is None:
-                quantizer = self._quantizer()
+            spec = self.streams[stream]
             rows = storage.reserve_rows(n)
-            predicted = reserved_stream_bytes(None if bits == PASSTHROUGH_BITS else quantizer, stream, bits,
-                                              tokens=n, reserved=rows, batch=B, kv_heads=H, head_dim=self.head_dim,
-                                              dtype_bytes=held.itemsize)
+            predicted = reserved_stream_bytes(spec.quantizer, stream, spec.bits, tokens=n, reserved=rows, batch=B,
+                                              kv_heads=H, head_dim=self.head_dim, dtype_bytes=held.itemsize)
             measured = int(store.resident_bytes())
             if measured != predicted:
                 raise PluginContractError(

@@ -85,9 +85,9 @@ class LayerCache(CacheLayerMixin):
         self.prefilled = False
         self.storage = LayerStorage(self._new_store, self.reserve_for,
                                     exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
-                                    contract=StoreContract(layer_idx=layer_idx, plan_layer=spec.plan,
-                                                           registry=owner.registry, storage_dtype=owner.storage_dtype,
-                                                           full=owner.check))
+                                    contract=StoreContract.for_plan_layer(layer_idx, spec.plan, owner.registry,
+                                                                          storage_dtype=owner.storage_dtype,
+                                                                          full=owner.check))
         self.states = new_rule_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
         self.extra_states: list = []
