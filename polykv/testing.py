@@ -219,9 +219,35 @@ def _counting(select, calls: dict, phase: str):
     return counted
 
 
-def _uneven_heads_allocator():
-    """A private allocator giving the two halves of a layer's KV heads unequal budgets (per-head budgets)."""
+def _helper_plugins():
+    """The checkers' own plugins (no built-in is named): a rule keeping the largest key norms, a rule keeping
+    the newest tokens that merges each evicted value into the newest kept one, and an allocator giving the
+    two halves of a layer's KV heads unequal budgets (per-head budgets, ragged storage)."""
     from polykv.allocators import Allocator
+    from polykv.operators import ScoredRule
+    from polykv.selection import Merge, Selection
+
+    class KeepLargeKeys(ScoredRule):
+        name = "polykv-testing-keep"
+
+        def score(self, ctx):
+            return ctx.keys.float().norm(dim=-1)
+
+    class MergeIntoNewest(ScoredRule):
+        name = "polykv-testing-merge"
+        phases = frozenset({"decode"})
+
+        def score(self, ctx):
+            return ctx.positions.float()
+
+        def select(self, ctx, capacity):
+            index = super().select(ctx, capacity)                                   # [B, Hkv, capacity]
+            B, Hkv, T = ctx.positions.shape
+            E = T - capacity
+            evicted = torch.arange(E, device=index.device).expand(B, Hkv, E)          # the oldest are evicted
+            targets = index[..., -1:].unsqueeze(-1).expand(B, Hkv, E, 1)
+            weights = torch.full(targets.shape, 1.0 / (E + 1), device=index.device)
+            return Selection(index=index, merge=Merge(evicted=evicted, targets=targets, weights=weights))
 
     class UnevenHeads(Allocator):
         name = "polykv-testing-uneven-heads"
@@ -237,10 +263,18 @@ def _uneven_heads_allocator():
         def bound(self, capacities, context_tokens):
             return [min(c + c // 4, context_tokens) for c in capacities]
 
-    return UnevenHeads
+    return {"keep": KeepLargeKeys, "merge": MergeIntoNewest, "uneven": UnevenHeads}
 
 
-_UNEVEN = None
+_HELPERS: dict = {}
+
+
+def _helpers(registry=None, kind=None, cls=None):
+    """The helper plugins, and ``registry`` (private unless given) holding them and ``cls`` of ``kind``."""
+    if not _HELPERS:
+        _HELPERS.update(_helper_plugins())
+    extra = (("operator", _HELPERS["keep"]), ("operator", _HELPERS["merge"]), ("allocator", _HELPERS["uneven"]))
+    return _HELPERS, _registry_with(kind, cls, registry, extra=extra)
 
 
 def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40, steps: int = 8, batch: int = 2,
@@ -250,7 +284,8 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     A 2-layer tiny model (4 query heads, 2 KV heads, head dim 16), batch ``batch``, a ``prompt``-token
     prefill and ``steps`` decode steps with decode slack 1. Layer 0 runs the rule in each phase it
     supports on uniform storage; layer 1 runs it on per-head budgets (prefill, from an allocator
-    giving the KV heads unequal budgets) and on ragged storage (decode; prefill by ``adakv`` when the rule
+    giving the KV heads unequal budgets) and on ragged storage (decode; after such a prefill by a helper rule
+    when the rule
     has no prefill); ``ragged=False`` leaves layer 1 out, for a rule that refuses both. A rule declaring ``model_data_need`` gets its data computed on the tiny model
     unless ``model_data`` is given. Returns ``{"prefill": n, "decode": m}``, how often ``select`` ran.
 
@@ -265,12 +300,9 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     from polykv.model_data import need_of
     from polykv.plan import AllocationGroup, OpSpec, per_layer_plan
 
-    global _UNEVEN
-    if _UNEVEN is None:
-        _UNEVEN = _uneven_heads_allocator()
     params = dict(params or {})
     rule_class(**params)  # parameters are checked as plan validation would
-    registry = _registry_with("operator", rule_class, registry, extra=(("allocator", _UNEVEN),))
+    helpers, registry = _helpers(registry, "operator", rule_class)
     model = _contract_model(2, 16)
     geo = geometry_of_model(model)
     op = OpSpec(rule=rule_class.name, capacity=capacity, params=params)
@@ -278,10 +310,10 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     first = {ph: op for ph in ("prefill", "decode") if ph in phases}
     second = dict(first)
     if "prefill" not in phases:
-        second["prefill"] = OpSpec(rule="adakv", capacity=capacity)
+        second["prefill"] = OpSpec(rule=helpers["keep"].name, capacity=capacity)
     plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
-    if "prefill" in phases and ragged:
-        plan = _attrs.evolve(plan, allocation=(AllocationGroup(allocator=_UNEVEN.name, layers=(1,)),))
+    if ragged:
+        plan = _attrs.evolve(plan, allocation=(AllocationGroup(allocator=helpers["uneven"].name, layers=(1,)),))
     need = need_of(rule_class)
     if need is not None and model_data is None:
         gen = torch.Generator().manual_seed(seed)
@@ -340,13 +372,13 @@ def check_quantizer(quantizer_class, params=None, *, bits=None, tokens: int = 70
 
             writable &= _check_store(quantizer, stream, width, tokens, head_dim, g, fail, WriteCost)
             done.append((stream, width))
-    registry = _registry_with("quantizer", quantizer_class, registry)
+    helpers, registry = _helpers(registry, "quantizer", quantizer_class)
     model = _contract_model(2, head_dim)
     geo = geometry_of_model(model)
     keep = max(2, tokens - 8)
-    decode = OpSpec(rule="cam" if writable else "key-norm", capacity=keep)
+    decode = OpSpec(rule=helpers["merge" if writable else "keep"].name, capacity=keep)
     for width in widths:
-        layers = [{"prefill": OpSpec(rule="key-norm", capacity=keep), "decode": decode, "k_bits": width,
+        layers = [{"prefill": OpSpec(rule=helpers["keep"].name, capacity=keep), "decode": decode, "k_bits": width,
                    "v_bits": width, "quantizer": name, "quantizer_params": params},
                   {"k_bits": width, "quantizer": name, "quantizer_params": params}]   # 16-bit values beside
         plan = per_layer_plan(geo, layers, decode_slack=2)
@@ -440,7 +472,8 @@ def _check_store(quantizer, stream, bits, T, d, g, fail, WriteCost) -> bool:
 def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt: int = 40, steps: int = 4,
                     layers: int = 3, registry=None, seed: int = 0) -> dict:
     """Run allocator ``allocator_class`` (with ``params``) over every layer of a ``layers``-layer tiny model
-    (a ``key-norm`` prefill and decode at ``capacity`` on each, batch 1) with every contract check on:
+    (a prefill and decode rule keeping the largest key norms at ``capacity`` on each, batch 1) with every
+    contract check on:
     budgets of the right shape and dtype, within the allocator's ``bound()``, per-head budgets served; a
     group of all layers and of the odd layers. Also checks that ``bound()`` gives one positive bound per
     layer and that the final budgets sum to at most the group's total. Returns ``session.allocations()``
@@ -455,11 +488,12 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     params = dict(params or {})
     allocator = allocator_class(**params)
     name = allocator_class.name
-    registry = _registry_with("allocator", allocator_class, registry)
+    helpers, registry = _helpers(registry, "allocator", allocator_class)
     model = _contract_model(layers, 16)
     geo = geometry_of_model(model)
-    base = uniform_plan(geo, prefill=OpSpec(rule="key-norm", capacity=capacity),
-                        decode=OpSpec(rule="key-norm", capacity=capacity), decode_slack=1)
+    keep = helpers["keep"].name
+    base = uniform_plan(geo, prefill=OpSpec(rule=keep, capacity=capacity), decode=OpSpec(rule=keep, capacity=capacity),
+                        decode_slack=1)
     bound = allocator.bound([capacity] * layers, prompt)
     if len(bound) != layers or any(int(b) < 1 for b in bound):
         raise PluginContractError(f"layers {list(range(layers))}: allocator '{name}' bound() returned {list(bound)}; "
