@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from polykv.allocators import AllocationRequest
-from polykv.errors import RuntimeConfigError
+from polykv.contract_checks import checked_budgets
 from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
 
 
@@ -56,13 +56,7 @@ class GroupRun:
                                     statistics=tuple(self.statistics[i] for i in done), total=sum(caps),
                                     capacities=caps, context_tokens=T, num_kv_heads=layer.head_counts().shape[1],
                                     final=final)
-        budgets = torch.as_tensor(self.allocator.allocate(request))
-        Hkv = request.num_kv_heads
-        if budgets.dtype.is_floating_point or tuple(budgets.shape) not in ((len(done),), (len(done), Hkv)):
-            raise RuntimeConfigError(f"allocator '{name}' returned budgets of shape {tuple(budgets.shape)} and dtype "
-                                     f"{budgets.dtype}; expected int [{len(done)}] or [{len(done)}, {Hkv}] "
-                                     f"(fix the allocator's allocate())")
-        budgets = budgets.long().clamp(1, T)
+        budgets = checked_budgets(self.allocator, self.allocator.allocate(request), request)
         for i, b in zip(done, budgets):
             target = layers[i]
             target.budget = b.clone() if b.dim() else int(b)

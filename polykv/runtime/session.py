@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from polykv.contract_checks import checks_enabled
 from polykv.errors import PlanError, RuntimeConfigError
 from polykv.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
@@ -61,12 +62,15 @@ class ResidentBytes:
 
 
 def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
-          seed: int = 0, storage_dtype: torch.dtype | None = None) -> "Session":
+          seed: int = 0, storage_dtype: torch.dtype | None = None, check: bool | None = None) -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
 
     ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
     cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
     compute dtype. None keeps them in the compute dtype.
+
+    ``check=True`` runs the expensive plugin contract checks as well as the cheap ones that always run
+    (:mod:`polykv.contract_checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
 
     Raises
     ------
@@ -106,6 +110,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     session = Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
                       geometry=geometry)
     session.storage_dtype = storage_dtype
+    session.check = checks_enabled(check)
     return session
 
 
@@ -261,6 +266,8 @@ class Session:
         self.model_data, self.geometry = model_data, geometry
         self.storage_dtype: torch.dtype | None = None
         """dtype the cache stores K/V in (None: the compute dtype); set by :func:`apply`."""
+        self.check = False
+        """Whether the expensive plugin contract checks run; set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
         self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
@@ -374,7 +381,7 @@ class Session:
         self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
                                 rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
                                 generator=gen, groups=self._groups,
-                                storage_dtype=self.storage_dtype)
+                                storage_dtype=self.storage_dtype, check=self.check)
         return self._cache
 
     @property
