@@ -15,6 +15,7 @@ import torch
 
 from polykv.allocators import AllocationRequest
 from polykv.contract_checks import checked_budgets
+from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
 
 
