@@ -90,12 +90,13 @@ class AdaKVRule(RetentionRule):
     name = "adakv"
     phases = frozenset({"prefill"})
     signal = SIGNAL_WINDOW
-    defaults = {"rule": "snapkv", "rule_params": {}, "floor_alpha": 0.2, "rounding": "exact"}
-    param_specs = {"rule": ParamSpec(str, description="the scoring rule whose scores Ada-KV allocates by"),
-                   "rule_params": ParamSpec(dict, description="parameters of that rule"),
-                   "floor_alpha": ParamSpec(float, low=0.0, high=1.0, description="share of the budget kept as a "
-                                            "per-head floor"),
-                   "rounding": ParamSpec(str, choices=("exact", "reference"), description="budget rounding")}
+    param_specs = {
+        "rule": ParamSpec(str, default="snapkv", description="the scoring rule whose scores Ada-KV allocates by"),
+        "rule_params": ParamSpec(dict, default={}, description="parameters of that rule"),
+        "floor_alpha": ParamSpec(float, default=0.2, low=0.0, high=1.0,
+                                 description="share of the budget kept as a per-head floor"),
+        "rounding": ParamSpec(str, default="exact", choices=("exact", "reference"), description="budget rounding"),
+    }
     shared_across_heads = False
     paper = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
              "Inference, arXiv:2407.11550")

@@ -141,11 +141,12 @@ class ScissorhandsRule(ScoredRule):
     name = "scissorhands"
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
-    defaults = {"history": 400, "recent": 10, "threshold": "average", "quantile": 0.9}
-    param_specs = {"history": ParamSpec(int, low=1, high=1 << 20, description="attention rows remembered"),
-                   "recent": ParamSpec(int, low=0, high=1 << 20, description="recent tokens always kept"),
-                   "threshold": ParamSpec(str, choices=("average", "quantile"), description="importance cut"),
-                   "quantile": ParamSpec(float, low=0.0, high=1.0, description="quantile of the quantile cut")}
+    param_specs = {
+        "history": ParamSpec(int, default=400, low=1, high=1 << 20, description="attention rows remembered"),
+        "recent": ParamSpec(int, default=10, low=0, high=1 << 20, description="recent tokens always kept"),
+        "threshold": ParamSpec(str, default="average", choices=("average", "quantile"), description="importance cut"),
+        "quantile": ParamSpec(float, default=0.9, low=0.0, high=1.0, description="quantile of the quantile cut"),
+    }
     shared_across_heads = False
     paper = ("Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
              "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)")
