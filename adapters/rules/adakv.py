@@ -112,10 +112,6 @@ class AdaKVRule(RetentionRule):
         if not isinstance(self.inner, ScoredRule):
             raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + "
                                      f"protected), e.g. snapkv, h2o, tova")
-        if not 0.0 <= float(p["floor_alpha"]) <= 1.0:
-            raise ValueError(f"rule 'adakv': floor_alpha must lie in [0, 1], got {p['floor_alpha']}")
-        if p["rounding"] not in ("exact", "reference"):
-            raise ValueError(f"rule 'adakv': rounding must be 'exact' or 'reference', got {p['rounding']!r}")
 
     def new_state(self):
         return self.inner.new_state()

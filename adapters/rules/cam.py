@@ -128,10 +128,6 @@ class CaMRule(RetentionRule):
         self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
         self.phases = self.inner.phases
         self.needs_values = True
-        if int(p["merge_window"]) < 1:
-            raise ValueError(f"rule 'cam': merge_window must be >= 1, got {p['merge_window']}")
-        if p["divide_by"] not in ("window", "m"):
-            raise ValueError(f"rule 'cam': divide_by must be 'window' or 'm', got {p['divide_by']!r}")
 
     def new_state(self) -> RuleState:
         inner = self.inner.new_state()

@@ -187,18 +187,6 @@ class D2ORule(ScoredRule):
     paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
              "Language Models, ICLR 2025 (arXiv:2406.13035)")
 
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        if not 0.0 <= float(p["recent_ratio"]) <= 1.0:
-            raise ValueError(f"rule 'd2o': recent_ratio must lie in [0, 1], got {p['recent_ratio']}")
-        if int(p["n_sink"]) < 0:
-            raise ValueError(f"rule 'd2o': n_sink must be >= 0, got {p['n_sink']}")
-        if p["variant"] not in ("code", "paper"):
-            raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {p['variant']!r}")
-        if float(p["paper_c"]) <= 0:
-            raise ValueError(f"rule 'd2o': paper_c must be > 0, got {p['paper_c']}")
-
     def new_state(self) -> CompositeState:
         """H2O's accumulated attention (shared with any other rule of the layer) and the threshold."""
         return CompositeState(AccumulatedAttention(), MergeThreshold())
