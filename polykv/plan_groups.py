@@ -73,6 +73,19 @@ def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = N
                 raise PlanError(str(exc), source=source, field=field + ".allocator") from None
             from polykv.plan_io import plugin_instance
 
-            plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
-                            unchecked={} if unchecked is None else unchecked,
-                            hint=f"fix the value; the group holds layers {list(g.layers)}")
+            allocator = plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
+                                        unchecked={} if unchecked is None else unchecked,
+                                        hint=f"fix the value; the group holds layers {list(g.layers)}")
+            _check_members(plan, g, allocator, source=source, field=field)
+
+
+def _check_members(plan, group, allocator, *, source: str, field: str) -> None:
+    """Every member op is one the group's allocator can budget (:meth:`Allocator.check_op`)."""
+    for layer in group.layers:
+        for phase in ("prefill", "decode"):
+            problem = allocator.check_op(getattr(plan.layers[layer], phase))
+            if problem is not None:
+                where, reason = problem
+                raise PlanError(f"{reason} (allocation group {field}, {group.describe()})", source=source,
+                                layer=layer, field=f"layers[{layer}].{phase}.{where}",
+                                hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")

@@ -38,6 +38,12 @@ class GroupRun:
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""
         name = self.group.allocator
+        rows = int(layer.head_counts().shape[0])
+        if rows > 1 and self.allocator.one_row:
+            raise RuntimeConfigError(
+                f"allocator '{name}' (allocation group {self.group.describe()}) decides one budget per layer from the "
+                f"statistics of the whole prompt batch, so in a batch of {rows} rows each row's budgets would depend "
+                f"on the other rows: run one prompt at a time (batch of 1), or use a plan without this group")
         self.statistics[layer.layer_idx] = self.allocator.layer_statistic(self._context(layer))
         done = tuple(sorted(self.statistics))
         final = len(done) == len(self.group.layers)
