@@ -322,20 +322,57 @@ def load(path: str, *, registry=None, geometry=None) -> Plan:
 # -- validation -----------------------------------------------------------------------------------
 
 def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> None:
-    """Check op capacities, names and params against ``registry`` and shape against ``geometry``."""
+    """Check op capacities, names and params against ``registry`` and shape against ``geometry``.
+
+    Parameters of rules, quantizers and allocators are checked against their ``param_specs``; a
+    given parameter its plugin declares no spec for is reported once per plugin as an
+    :class:`~polykv.params.UncheckedParamsWarning` (its value is checked only when the plugin runs).
+    """
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
     from polykv.plan_groups import check_groups
 
-    check_groups(plan, source=source, registry=registry)
+    unchecked: dict[str, set[str]] = {}
+    check_groups(plan, source=source, registry=registry, unchecked=unchecked)
     if registry is not None:
-        _validate_registry(plan, registry, source)
+        _validate_registry(plan, registry, source, unchecked)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
+    _warn_unchecked(unchecked, source)
 
 
-def _validate_registry(plan: Plan, registry, source: str) -> None:
+def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, unchecked: dict[str, set[str]],
+                    hint: str = "fix the value (see `polykv plugins`)"):
+    """``cls(**params)`` for a plan's rule, quantizer or allocator: a refused value is one PlanError naming
+    the parameter (``field.<name>``); given names without a spec are added to ``unchecked``."""
+    from polykv.params import unchecked_params
+
+    try:
+        obj = cls(**params)
+    except (TypeError, ValueError) as exc:
+        param = getattr(exc, "param", None)
+        raise PlanError(str(exc), source=source, layer=layer, field=field + (f".{param}" if param else ""),
+                        hint=hint if param else None) from None
+    names = unchecked_params(cls, params)
+    if names:
+        owner = f"{getattr(cls, 'plugin_kind', 'plugin')} '{getattr(cls, 'name', cls.__name__)}'"
+        unchecked.setdefault(owner, set()).update(names)
+    return obj
+
+
+def _warn_unchecked(unchecked: dict[str, set[str]], source: str) -> None:
+    import warnings
+
+    from polykv.params import UncheckedParamsWarning
+
+    for owner, names in sorted(unchecked.items()):
+        warnings.warn(f"{source}: {owner} declares no param_specs for {sorted(names)}: their values are not checked "
+                      "until it runs (its author can declare a ParamSpec per parameter)", UncheckedParamsWarning,
+                      stacklevel=4)
+
+
+def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
     for lp in plan.layers:
         for phase in PHASES:
             op = getattr(lp, phase)
@@ -348,14 +385,8 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
                 raise PlanError(f"rule '{op.rule}' does not run in the {phase} phase (it supports "
                                 f"{sorted(cls.phases)})", source=source, layer=lp.layer, field=field + ".rule",
                                 hint=f"choose a rule that supports {phase}, or 'full'")
-            try:
-                rule = cls(**op.params)
-            except (TypeError, ValueError) as exc:
-                param = getattr(exc, "param", None)
-                raise PlanError(str(exc), source=source, layer=lp.layer,
-                                field=field + ".params" + (f".{param}" if param else ""),
-                                hint="fix the value (see `polykv plugins` and docs/rules.md)" if param else None
-                                ) from None
+            rule = plugin_instance(cls, op.params, source=source, layer=lp.layer, field=field + ".params",
+                                   unchecked=unchecked, hint="fix the value (see `polykv plugins` and docs/rules.md)")
             # A rule built with its parameters may run in fewer phases than its class (a wrapper runs
             # where the rule it wraps runs): check the instance too.
             built_phases = getattr(rule, "phases", cls.phases)
@@ -376,11 +407,9 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
                     raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
                                     f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
                                     field=f"{field}.{name}", hint="pick a supported width or 16")
-            try:
-                qcls(**lp.quantizer_params)
-            except (TypeError, ValueError) as exc:
-                raise PlanError(str(exc), source=source, layer=lp.layer,
-                                field=field + ".quantizer_params") from None
+            plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                            field=field + ".quantizer_params", unchecked=unchecked,
+                            hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:

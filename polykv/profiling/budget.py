@@ -237,14 +237,17 @@ class Budget:
     def capacity_bits(self, model: Any, layer: Any, tokens: int, k_bits: int, v_bits: int, registry: Any = None) -> int:
         """Bits of ``layer`` with its rule ops set to keep ``tokens`` tokens, at (k_bits, v_bits).
 
-        ``layer`` None (or a layer without rules): a layer that holds ``tokens`` tokens and no rule state.
+        ``layer`` None (or a layer without rules): a layer that holds ``tokens`` tokens and no rule state
+        (with ``layer``'s quantizer when given).
         """
         from polykv.plan import FULL_OP, LayerPlan
 
         T = self.context_tokens
         if layer is None or (layer.prefill.keeps_everything and layer.decode.keeps_everything):
             shorter = attrs.evolve(self, context_tokens=max(1, min(int(tokens), T)))
-            return shorter.layer_bits(model, LayerPlan(layer=0, k_bits=k_bits, v_bits=v_bits), registry)
+            held = LayerPlan(layer=0) if layer is None else LayerPlan(layer=0, quantizer=layer.quantizer,
+                                                                      quantizer_params=layer.quantizer_params)
+            return shorter.layer_bits(model, attrs.evolve(held, k_bits=k_bits, v_bits=v_bits), registry)
         ops = {}
         for phase in ("prefill", "decode"):
             op = getattr(layer, phase)

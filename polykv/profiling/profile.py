@@ -4,9 +4,10 @@ A :class:`Profile` holds the model's shape and fingerprint, the candidate config
 keep ratio, K bits, V bits), one or more metric tables ``metric[layer, config]`` (lower is better,
 e.g. ``"l2"``: MoE-nD's relative attention-output error, or ``"kl"``), optional named statistic
 tables with their own column labels (PolyKV's per-(layer, rule) cosine or delta-PPL at a common
-calibration capacity, per-layer attention entropy), and provenance. The file is plain JSON
-(``schema_version`` 1), one config or table row per line; see ``docs/profiles.md``. Loading is
-strict: every error is a :class:`~polykv.errors.ProfileError` naming the file and the field.
+calibration capacity, per-layer attention entropy), the quantizer its quantized configs were
+measured with (name and parameters; a file without one means KIVI with its defaults), and
+provenance. The file is plain JSON (``schema_version`` 1), one config or table row per line; see
+``docs/profiles.md``. Loading is strict: every error is a :class:`~polykv.errors.ProfileError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import ProfileError
+from polykv.plan import DEFAULT_QUANTIZER
 
 SCHEMA_VERSION = 1
 FORMAT = "polykv-profile"
@@ -122,6 +124,10 @@ class Profile:
     """Metric name -> [L, C] table, lower is better."""
     stats: dict[str, StatTable] = attrs.field(factory=dict, converter=dict)
     provenance: ProfileProvenance = ProfileProvenance()
+    quantizer: str = DEFAULT_QUANTIZER
+    """Registered quantizer the configs below 16 bits were measured with; plans solved from the profile use it."""
+    quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """Its parameters (empty: its defaults)."""
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""
@@ -134,6 +140,10 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return self.model.num_layers
+
+    def quantizer_fields(self) -> dict[str, Any]:
+        """``quantizer`` and ``quantizer_params`` for the plan layers solved from this profile."""
+        return {"quantizer": self.quantizer, "quantizer_params": dict(self.quantizer_params)}
 
     @property
     def default_metric(self) -> str:
@@ -265,6 +275,8 @@ def check(p: Profile, source: str) -> None:
         v = getattr(m, field)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise_profile_error(source, f"model.{field}", f"must be a positive integer, got {v!r}")
+    if not isinstance(p.quantizer, str) or not p.quantizer:
+        raise_profile_error(source, "quantizer.name", f"expected a quantizer name, got {p.quantizer!r}")
     if not p.configs:
         raise_profile_error(source, "configs", "the profile lists no candidate configs", "give one config per table column")
     seen: dict[str, int] = {}

@@ -76,9 +76,11 @@ class Solver:
                               f"{sorted(missing)} (it supports {sorted(cls.phases)}); fix the config's phase "
                               "in the profile or leave the config out")
 
-    def layer_entry(self, config: CandidateConfig, where: str = "") -> dict[str, Any]:
-        """Plan fields for one layer running ``config``: the phase decides which op gets the rule."""
-        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits}
+    def layer_entry(self, config: CandidateConfig, where: str = "", *, profile: Profile | None = None
+                    ) -> dict[str, Any]:
+        """Plan fields for one layer running ``config``: the phase decides which op gets the rule; the
+        widths are stored with ``profile``'s quantizer (the one ``config`` was measured with)."""
+        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits, **(profile.quantizer_fields() if profile else {})}
         if config.keeps_everything:
             return {"prefill": FULL_OP, "decode": FULL_OP, **bits}
         self.check_phase(config.rule, config.phase, where or f"config {config.label}")
@@ -95,7 +97,7 @@ class Solver:
         """
         limit = budget.to_bits(profile.model)
         entries = [LayerPlan(layer=i, **dict(e)) if not isinstance(e, LayerPlan) else e for i, e in enumerate(layers)]
-        entries = [self._capacity_form(lp, budget.context_tokens) for lp in entries]
+        entries = [self._capacity_form(self._profile_quantizer(lp, profile), budget.context_tokens) for lp in entries]
         used = sum(budget.layer_bits(profile.model, lp, self.registry) for lp in entries)
         if max(used, predicted_bits) > limit:
             raise SolverError(f"solver '{self.name}' produced {bits_to_bytes(max(used, predicted_bits))} bytes, over "
@@ -111,6 +113,19 @@ class Solver:
                           cache_dtype=budget.cache_dtype if budget.resident else None)
         return per_layer_plan(profile.model, entries, provenance=prov)
 
+    def _profile_quantizer(self, lp: LayerPlan, profile: Profile) -> LayerPlan:
+        """``lp`` storing its widths with the profile's quantizer; a quantized layer naming another is refused
+        (the profile's losses and byte costs describe its own quantizer only)."""
+        fields = profile.quantizer_fields()
+        if not lp.quantized:
+            return attrs.evolve(lp, **fields)
+        if (lp.quantizer, dict(lp.quantizer_params)) != (fields["quantizer"], fields["quantizer_params"]):
+            raise SolverError(f"solver '{self.name}': layer {lp.layer} stores K{lp.k_bits}/V{lp.v_bits} with quantizer "
+                              f"{_describe_quantizer(lp.quantizer, lp.quantizer_params)} but {profile.source} was "
+                              f"calibrated with {_describe_quantizer(profile.quantizer, profile.quantizer_params)}; "
+                              "solve with the profile's quantizer or calibrate a profile with this one")
+        return lp
+
     def _capacity_form(self, lp: LayerPlan, context_tokens: int) -> LayerPlan:
         """``lp`` with every rule op's capacity written as a ratio of ``context_tokens`` (or as tokens)."""
         ops = {}
@@ -125,9 +140,13 @@ class Solver:
             ops[phase] = op
         return attrs.evolve(lp, **ops)
 
-    def config_layer(self, config: CandidateConfig, where: str = "") -> LayerPlan:
+    def config_layer(self, config: CandidateConfig, where: str = "", *, profile: Profile | None = None) -> LayerPlan:
         """:meth:`layer_entry` as a :class:`polykv.LayerPlan` (layer 0), for counting its bytes."""
-        return LayerPlan(layer=0, **self.layer_entry(config, where))
+        return LayerPlan(layer=0, **self.layer_entry(config, where, profile=profile))
+
+
+def _describe_quantizer(name: str, params) -> str:
+    return f"'{name}'" + (f" {dict(sorted(dict(params).items()))}" if params else "")
 
 
 def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" = None) -> np.ndarray:
@@ -143,7 +162,8 @@ def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" 
         return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, T) for c in profile.configs],
                         dtype=np.int64)
     solver = solver if solver is not None else Solver()
-    return np.array([budget.layer_bits_bound(profile.model, solver.config_layer(c, f"config {c.label}"),
+    return np.array([budget.layer_bits_bound(profile.model, solver.config_layer(c, f"config {c.label}",
+                                                                                 profile=profile),
                                              solver.registry) for c in profile.configs], dtype=np.int64)
 
 

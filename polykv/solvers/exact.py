@@ -67,6 +67,6 @@ class Exact(Solver):
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
         chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
-        layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(chosen)]
+        layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)]
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
                          note="optimal under the additive loss model")

@@ -135,7 +135,7 @@ class MoendGreedy(Solver):
             raise SolverError(min_bytes_message(self.name, exc.need, budget, f"keep {c.keep:g}, K{c.k_bits}, "
                                                 f"V{c.v_bits} on every layer")) from None
         cols = [int(grid[tuple(x)]) for x in pos]
-        layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(cols)]
+        layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(cols)]
         loss = float(sum(table[i, c] for i, c in enumerate(cols)))
         return self.plan(profile, budget, layers, {**p, "rule": rule}, predicted_loss=loss,
                          predicted_bits=int(bits[cols].sum()), note=f"{len(steps)} greedy upgrades")

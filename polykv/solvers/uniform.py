@@ -91,14 +91,22 @@ def interpolated_loss(profile: Profile, table: np.ndarray, tpl: Template, kb: in
     return table[:, points[keeps[0]]].copy()
 
 
-def rule_layer(solver: Solver, tpl: Template, tokens: int, kb: int, vb: int, T: int, params: dict) -> LayerPlan:
-    """A layer running ``tpl`` in its phase(s) at ``tokens`` capacity (``full`` ops once it holds T)."""
+def rule_layer(solver: Solver, tpl: Template, tokens: int, kb: int, vb: int, T: int, params: dict,
+               profile: Profile) -> LayerPlan:
+    """A layer running ``tpl`` in its phase(s) at ``tokens`` capacity (``full`` ops once it holds T), its
+    widths stored with the profile's quantizer."""
+    stored = {"k_bits": kb, "v_bits": vb, **profile.quantizer_fields()}
     if tokens >= T:
-        return LayerPlan(layer=0, k_bits=kb, v_bits=vb)
+        return LayerPlan(layer=0, **stored)
     solver.check_phase(tpl.rule, tpl.phase, f"rule '{tpl.rule}'")
     op = OpSpec(rule=tpl.rule, capacity=int(tokens), params=params)
     return LayerPlan(layer=0, prefill=op if tpl.phase in ("prefill", "both") else FULL_OP,
-                     decode=op if tpl.phase in ("decode", "both") else FULL_OP, k_bits=kb, v_bits=vb)
+                     decode=op if tpl.phase in ("decode", "both") else FULL_OP, **stored)
+
+
+def _stored(profile: Profile) -> LayerPlan:
+    """A layer that holds its tokens with the profile's quantizer and no rule state (for a minimum cost)."""
+    return LayerPlan(layer=0, **profile.quantizer_fields())
 
 
 def _params(profile: Profile, tpl: Template) -> dict:
@@ -108,7 +116,7 @@ def _params(profile: Profile, tpl: Template) -> dict:
 def fill_tokens(solver: Solver, profile: Profile, budget: Budget, tpl: Template, kb: int, vb: int) -> int:
     """Largest tokens per layer a uniform plan of ``tpl`` at (kb, vb) holds within ``budget`` (at most T)."""
     T = budget.context_tokens
-    layer = rule_layer(solver, tpl, 1, kb, vb, T + 1, _params(profile, tpl))
+    layer = rule_layer(solver, tpl, 1, kb, vb, T + 1, _params(profile, tpl), profile)
     if not budget.resident:
         return min(budget.uniform_tokens(profile.model, kb, vb), T)
     return budget.uniform_tokens(profile.model, kb, vb, layer=layer, registry=solver.registry)
@@ -158,11 +166,13 @@ class Uniform(Solver):
             pairs = None
         found = candidates(self, profile, budget, table, tpls, pairs)
         if not found:
-            need = min(budget.capacity_bits(profile.model, None, 1, kb, vb) for kb, vb in (pairs or [(4, 4)]))
+            need = min(budget.capacity_bits(profile.model, _stored(profile), 1, kb, vb)
+                       for kb, vb in (pairs or [(4, 4)]))
             raise SolverError(min_bytes_message(self.name, L * need, budget, "one token per layer"))
         best = min(found, key=lambda c: (c.loss is None, float(c.loss.sum()) if c.loss is not None else -c.tokens,
                                          -c.tokens, c.tpl, c.k_bits, c.v_bits))
-        layer = rule_layer(self, best.tpl, best.tokens, best.k_bits, best.v_bits, T, _params(profile, best.tpl))
+        layer = rule_layer(self, best.tpl, best.tokens, best.k_bits, best.v_bits, T, _params(profile, best.tpl),
+                           profile)
         loss = None if best.loss is None else float(best.loss.sum())
         keep = min(best.tokens, T) / T
         note = (f"{p['mode']}: {best.tpl.rule} keep {keep:.4g} ({best.tokens} of {T} tokens) K{best.k_bits} "
@@ -197,7 +207,7 @@ class QuantOnly(Solver):
         if p["keep"] is None:
             ref_fit = candidates(self, profile, budget, table, tpls, [ref])
             if not ref_fit:
-                need = budget.capacity_bits(model, None, 1, *ref)
+                need = budget.capacity_bits(model, _stored(profile), 1, *ref)
                 raise SolverError(min_bytes_message(self.name, L * need, budget,
                                                     f"one token per layer at K{ref[0]} V{ref[1]}"))
             pick = min(ref_fit, key=lambda c: (c.loss is None, float(c.loss.sum()) if c.loss is not None else 0,
@@ -219,7 +229,7 @@ class QuantOnly(Solver):
         if not pairs:
             raise SolverError(f"solver '{self.name}': keep {keep:.4g} is below every profiled keep of rule "
                               f"'{rule}'; raise the budget or give --param keep=K within the profiled range")
-        layers = [rule_layer(self, tpl, tokens, kb, vb, T, rule_params) for kb, vb in pairs]
+        layers = [rule_layer(self, tpl, tokens, kb, vb, T, rule_params, profile) for kb, vb in pairs]
         bits = np.array([budget.layer_bits(model, lp, self.registry) for lp in layers], np.int64)
         try:
             choice, loss, used = solve_mckp(np.stack(losses, axis=1), bits, budget.to_bits(model))
