@@ -215,9 +215,11 @@ class D2ORule(ScoredRule):
         return int(self.params["n_sink"]), recent
 
     def select(self, ctx: SelectionContext, capacity: int) -> Selection:
-        if ctx.valid is not None:
-            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' needs every head to store the same number of "
-                             f"tokens (this layer is ragged)")
+        if ctx.valid is not None or ctx.head_capacity is not None:
+            why = "this layer is ragged" if ctx.valid is not None else "a per-head allocator gave it per-head budgets"
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' merges evicted tokens into one kept set per row "
+                             f"and needs every head to keep the same number of tokens ({why}); use a per-layer "
+                             f"allocator or another rule on this layer")
         state = ctx.state.component(MergeThreshold) if ctx.state is not None else None
         if state is None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "
