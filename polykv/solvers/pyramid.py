@@ -28,14 +28,19 @@ from polykv.solvers.base import Solver, min_bytes_message
 
 
 def pyramid_capacities(num_layers: int, context_tokens: int, average: int, *, window: int = 8,
-                       beta: int = 20) -> list[int] | None:
-    """Tokens each layer keeps, or None for no compression (``context_tokens < average``)."""
+                       beta: int = 20, fix: str = "raise the group layers' capacities or lower the window") -> list[int] | None:
+    """Tokens each layer keeps, or None for no compression (``context_tokens < average``).
+
+    A window at or above the average is a :class:`SolverError` whose ``param`` is ``"window"``, ending in
+    ``fix`` (what the caller's user changes: a solver's ``--param window``, a plan group's field).
+    """
     L, T, M, w = num_layers, context_tokens, average, window
     if T < M:
         return None
     if M <= w:
-        raise SolverError(f"pyramid: the average budget {M} tokens must exceed the window {w}; raise the budget "
-                          "or lower --param window")
+        exc = SolverError(f"pyramid: the average budget {M} tokens per layer must exceed the window {w}; {fix}")
+        exc.param = "window"
+        raise exc
     if T < 2 * (M - w) or L == 1:
         return [M] * L
     lo = (M - w) // beta
@@ -91,7 +96,8 @@ class Pyramid(Solver):
         if M < 1:
             raise SolverError(min_bytes_message(self.name, L * budget.token_bits(model), budget,
                                                 "one token per layer at 16 bits"))
-        caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]))
+        caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]),
+                                  fix="raise the budget or lower --param window")
         per_token = budget.token_bits(model)
         if caps is None:
             layers = [{"prefill": FULL_OP, "decode": FULL_OP}] * L

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import attrs
 
 from polykv.errors import PolykvError, StudyError
+from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
 from polykv.studies.corpus import corpus_id
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
@@ -54,8 +55,6 @@ _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "basel
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
-MAX_CONTEXT_TOKENS = 1 << 24
-"""Largest context a spec (or ``--context``) may name: 16M tokens."""
 
 
 @attrs.define(frozen=True, kw_only=True)
