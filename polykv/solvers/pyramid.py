@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from polykv.errors import SolverError
-from polykv.plan import FULL_OP, OpSpec
+from polykv.params import ParamSpec
+from polykv.plan import FULL_OP, MAX_CONTEXT_TOKENS, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
@@ -86,6 +87,14 @@ class Pyramid(Solver):
 
     name = "pyramid"
     defaults = {"window": 8, "beta": 20, "rule": "snapkv", "rule_params": None}
+    param_specs = {
+        "window": ParamSpec(int, low=1, high=MAX_CONTEXT_TOKENS, description="observation window in every layer's "
+                            "budget, tokens"),
+        "beta": ParamSpec(int, low=1, high=MAX_CONTEXT_TOKENS, description="ratio of the largest to the smallest "
+                          "non-window budget's spread"),
+        "rule": ParamSpec(str, description="the prefill rule every layer runs"),
+        "rule_params": ParamSpec(dict, nullable=True, description="the rule's parameters"),
+    }
     paper = "PyramidKV, arXiv 2406.02069"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):

@@ -59,3 +59,87 @@ add("plan-pyramid-window-above-budget", "plan", lambda d: ["plan", "show", write
     d, "p.json", _pyramid_group({"window": 32}))], "allocation[0].params.window")
 add("plan-pyramid-window-validate", "plan", lambda d: ["plan", "validate", write(
     d, "p.json", _pyramid_group({"window": 32}))], "allocation[0].params.window")
+
+
+# -- profiles (through `polykv solve`) ------------------------------------------------------------------
+_PROFILE_TEXT = json.dumps(profile_dict())
+RAW_PROFILES = {
+    "duplicate-key": (_PROFILE_TEXT.replace('"schema_version": 1', '"schema_version": 1, "schema_version": 1'),
+                      "'schema_version' appears twice"),
+    "surrogate": (_PROFILE_TEXT.replace('"model_type": "unknown"', '"model_type": "\\udfff"'), "model.model_type"),
+    "deep-nesting": ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper"),
+}
+for _name, (_text, _expect) in RAW_PROFILES.items():
+    add(f"profile-raw-{_name}", "profile", lambda d, t=_text: _solve(d, t), _expect, ("out.plan.json",))
+
+_STAT = {"columns": ["snapkv", "h2o"], "values": [[0.9, 0.8], [0.7, 0.6]], "higher_is_better": True}
+PROFILE_VALUES = [
+    ("metric-neg", "metrics.l2.0.0", -5, "metrics.l2"), ("metric-huge", "metrics.l2.1.3", 1e308, "metrics.l2"),
+    ("metric-above-bound", "metrics.l2.0.1", 1e13, "metrics.l2"),
+    ("stat-huge", "stats.cos", dict(_STAT, values=[[1e308, 0.8], [0.7, 0.6]]), "stats.cos.values"),
+    ("keep-denormal", "configs.1.keep", 5e-324, "configs[1].keep"),
+    ("prov-context-neg", "provenance.context_tokens", -5, "provenance.context_tokens"),
+    ("prov-context-huge", "provenance.context_tokens", 10 ** 30, "provenance.context_tokens"),
+    ("prov-context-float", "provenance.context_tokens", 512.5, "provenance.context_tokens"),
+    ("prov-seed-str", "provenance.seed", "0", "provenance.seed"),
+    ("prov-seed-neg", "provenance.seed", -1, "provenance.seed"),
+    ("prov-dtype", "provenance.dtype", "int8", "provenance.dtype"),
+    ("prov-versions-int", "provenance.versions", {"polykv": 1}, "provenance.versions"),
+    ("prov-corpus-int", "provenance.corpus", 5, "provenance.corpus"),
+    ("model-heads-0", "model.num_heads", 0, "model.num_heads"),
+    ("model-type-int", "model.model_type", 5, "model.model_type"),
+]
+for _id, _path, _value, _expect in PROFILE_VALUES:
+    add(f"profile-{_id}", "profile", lambda d, p=_path, v=_value: _solve(d, mutate(profile_dict(), p, v)), _expect,
+        ("out.plan.json",))
+
+
+def _unknown_rule_profile() -> dict:
+    prof = profile_dict()
+    for c in prof["configs"]:
+        if c["rule"] == "snapkv":
+            c["rule"] = "magic"
+    return prof
+
+
+# a rule the registry does not know is refused before solving, naming the profile's config
+for _solver, _basis in (("moend-greedy", "nominal"), ("moend-greedy", "resident"), ("exact", "nominal")):
+    def _setup(d, s=_solver, b=_basis):
+        argv = _solve(d, _unknown_rule_profile(), "--solver", s, "--basis", b)
+        argv[argv.index("--budget") + 1] = "1x"  # room for every layer at keep 1: the rule is never chosen
+        return argv
+    add(f"profile-unknown-rule-{_solver}-{_basis}", "profile", _setup, "prof.json: configs[", ("out.plan.json",))
+
+# -- solver parameters ------------------------------------------------------------------------------------
+SOLVER_PARAMS = [
+    ("pyramid", "window=0", "'window'"), ("pyramid", "window=-5", "'window'"), ("pyramid", "window=abc", "'window'"),
+    ("pyramid", "beta=nan", "'beta'"), ("pyramid", "beta=0", "'beta'"), ("pyramid", "beta=2.5", "'beta'"),
+    ("pyramid", "rule_params=3", "'rule_params'"), ("pyramid", "rule=5", "'rule'"),
+    ("exact", "rules=snapkv", "'rules'"), ("exact", "rules=[]", "'rules'"),
+    ("exact", 'rules=["snapkv","snapkv"]', "'rules'"), ("exact", "rules=[5]", "'rules'"),
+    ("exact", "metric=5", "'metric'"), ("moend-greedy", "rule=[1]", "'rule'"),
+    ("uniform", "mode=2d", "'mode'"), ("uniform", "k_bits=nan", "'k_bits'"), ("uniform", "v_bits=3", "'v_bits'"),
+    ("uniform", "rules=snapkv", "'rules'"),
+    ("quant-only", "keep=abc", "'keep'"), ("quant-only", "keep=nan", "'keep'"), ("quant-only", "keep=5e-324", "'keep'"),
+    ("quant-only", "keep=1.5", "'keep'"), ("quant-only", "ref_k_bits=nan", "'ref_k_bits'"),
+    ("profile-route", "clip_percentile=abc", "'clip_percentile'"),
+    ("profile-route", "clip_percentile=101", "'clip_percentile'"), ("profile-route", "scope=all", "'scope'"),
+    ("profile-route", "allocation=greedy", "'allocation'"), ("profile-route", "rules=[]", "'rules'"),
+    ("random-placement", "count=nan", "'count'"), ("random-placement", "count=0", "'count'"),
+    ("random-placement", "seed=-1", "'seed'"), ("random-placement", "index=x", "'index'"),
+]
+for _solver, _param, _expect in SOLVER_PARAMS:
+    add(f"solve-param-{_solver}-{_param}", "cli", lambda d, s=_solver, p=_param: _solve(
+        d, profile_dict(), "--solver", s, "--param", p), _expect, ("out.plan.json",))
+
+
+def _spec_with_solver(params: dict) -> dict:
+    spec = spec_dict()
+    spec.update(profile="prof.json", budgets=["4x"], solvers=[{"name": "mine2", "solver": "exact", "params": params}])
+    return spec
+
+
+for _tag, _params in (("rules-string", {"rules": "snapkv"}), ("rules-empty", {"rules": []}),
+                      ("rules-duplicate", {"rules": ["snapkv", "snapkv"]}), ("metric-int", {"metric": 3})):
+    add(f"spec-solver-{_tag}", "spec", lambda d, p=_params: _study(d, _spec_with_solver(p)), "solvers[0].params",
+        ("r.jsonl",))
