@@ -46,9 +46,15 @@ def model_geometry(spec: str):
         from polykv.models import model_geometry as named_geometry
 
         return named_geometry(spec)
-    if not os.path.isfile(os.path.join(spec, "config.json")):
+    if not os.path.isdir(spec) or not os.path.lexists(os.path.join(spec, "config.json")):
         raise PolykvError(f"--model {spec!r}: expected 'default', one of {sorted(NAMED_MODELS)} or a local model "
                           f"folder holding config.json (models are never downloaded)")
+    from polykv.models import read_local_config
+
+    try:
+        read_local_config(spec)
+    except PolykvError as exc:
+        raise PolykvError(f"--model {spec!r}: {exc}") from None
     import transformers
 
     return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))

@@ -143,3 +143,56 @@ for _tag, _params in (("rules-string", {"rules": "snapkv"}), ("rules-empty", {"r
                       ("rules-duplicate", {"rules": ["snapkv", "snapkv"]}), ("metric-int", {"metric": 3})):
     add(f"spec-solver-{_tag}", "spec", lambda d, p=_params: _study(d, _spec_with_solver(p)), "solvers[0].params",
         ("r.jsonl",))
+
+
+# -- study specs and task files ---------------------------------------------------------------------------
+_SPEC_TEXT = json.dumps(spec_dict())
+RAW_SPECS = {
+    "duplicate-key": (_SPEC_TEXT.replace('"baseline": true', '"baseline": true, "baseline": false'),
+                      "'baseline' appears twice"),
+    "surrogate-name": (_SPEC_TEXT.replace('"name": "bad"', '"name": "\\ud83d"'), "spec.json"),
+    "deep-nesting": ('{"name": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper"),
+}
+for _name, (_text, _expect) in RAW_SPECS.items():
+    add(f"spec-raw-{_name}", "spec", lambda d, t=_text: _study(d, t), _expect, ("r.jsonl",))
+
+_LINE = json.dumps(longbench_line(0))
+TASK_LINES = {
+    "duplicate-key": _LINE.replace('"answers":', '"context": "again", "answers":'),
+    "surrogate": _LINE.replace("Paris is", "\\udc00 is"),
+    "deep-nesting": '{"context": ' + "[" * 100_000 + "]" * 100_000 + "}",
+}
+for _name, _line in TASK_LINES.items():
+    add(f"taskfile-longbench-{_name}", "taskfile", lambda d, ln=_line: _file_study(
+        d, "longbench_file", [ln, longbench_line(1)]), "items.jsonl line 1", ("r.jsonl",))
+
+
+# -- model folders whose config.json cannot be read --------------------------------------------------------
+def _broken_config(d: Path, kind: str) -> str:
+    folder = model_folder(d)
+    path = os.path.join(folder, "config.json")
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        os.mkdir(path)
+    elif kind == "latin1":
+        Path(path).write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    elif kind == "list":
+        Path(path).write_text("[]", encoding="utf-8")
+    elif kind == "duplicate":
+        Path(path).write_text('{"model_type": "llama", "model_type": "qwen2"}', encoding="utf-8")
+    elif kind == "dangling":
+        os.symlink(os.path.join(folder, "gone.json"), path)
+    return folder
+
+
+CONFIG_KINDS = {"fifo": "not a regular file", "folder": "is a folder", "latin1": "not UTF-8",
+                "list": "config.json: expected a JSON object", "duplicate": "appears twice",
+                "dangling": "config.json"}
+for _kind, _expect in CONFIG_KINDS.items():
+    add(f"cli-plan-model-config-{_kind}", "cli", lambda d, k=_kind: ["plan", "validate", write(
+        d, "p.json", plan_dict()), "--model", _broken_config(d, k)], _expect)
+    add(f"cli-calibrate-config-{_kind}", "cli", lambda d, k=_kind: ["calibrate", _broken_config(d, k), "-o",
+                                                                    "x.profile.json"], _expect,
+        ("x.profile.json", "x.qstats.safetensors"))
