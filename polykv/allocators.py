@@ -63,6 +63,10 @@ class Allocator:
     paper: ClassVar[str] = ""
     cascades: ClassVar[bool] = False
     """True: re-allocate after every group layer (CAKE); False: once, after the last (D2O)."""
+    one_row: ClassVar[bool] = False
+    """True when the budgets come from statistics of the prompt: they are one per layer (or head) for every
+    batch row, so rows would change each other's budgets, and the runtime refuses a batch of more than
+    one row (D2O, CAKE). False when they depend only on the group's shape and total (a pyramid)."""
 
     def __init__(self, **params: Any):
         unknown = sorted(set(params) - set(self.defaults))
@@ -70,6 +74,11 @@ class Allocator:
             raise ValueError(
                 f"allocator '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}")
         self.params = {**self.defaults, **params}
+
+    def check_op(self, op) -> tuple[str, str] | None:
+        """Why this allocator cannot budget a member layer's op (a plan ``OpSpec`` of either phase), as
+        ``(field under the op, reason)``, or None when it can. Plan validation refuses the plan with it."""
+        return None
 
     def new_state(self):
         """A :class:`~polykv.rule_state.RuleState` observing one group layer's prefill, or None."""

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import attrs
 import torch
 
+from polykv.contract_checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.rule_state import AccumulatedAttention, QueryWindow, RuleState
 from polykv.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
 
@@ -83,6 +84,8 @@ class SelectionContext:
     """[B, Hkv, T] bool: False on padding columns of a ragged layer; None when every column is a token."""
     head_capacity: torch.Tensor | None = None
     """[B, Hkv] int64 per-head budgets from a per-head allocator (``capacity`` is then their max), or None."""
+    checks: bool = attrs.field(factory=checks_enabled)
+    """Run the expensive contract checks on what the rule returns (default: ``POLYKV_CHECK=1`` is set)."""
 
     @property
     def num_kv_heads(self) -> int:
@@ -233,8 +236,12 @@ class ScoredRule(RetentionRule):
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
         """Top ``capacity`` per head after protecting (n_first, n_last); per-head budgets and ragged
-        storage give a ragged Selection (each head keeps ``min(budget, stored)``)."""
-        scores = self.score(ctx).float()
+        storage give a ragged Selection (each head keeps ``min(budget, stored)``).
+
+        The scores must be exactly [B, Hkv, T] ([B, 1, T] when ``shared_across_heads``): anything else
+        is a :class:`~polykv.errors.PluginContractError` naming the rule, layer and phase.
+        """
+        scores = checked_scores(self, self.score(ctx), ctx).float()
         B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored
         scores = scores.expand(B, Hkv, T).clone()
         n_first, n_last = self.protected(ctx, capacity)
@@ -244,6 +251,8 @@ class ScoredRule(RetentionRule):
                 scores[..., :n_first] = math.inf
             if n_last:
                 scores[..., T - n_last:] = math.inf
+            if ctx.checks:
+                check_deciding_scores(self, scores, ctx)
             return top_k_sorted(scores, capacity)
         budget = ctx.head_capacity if ctx.head_capacity is not None else torch.full((B, Hkv), capacity)
         counts = torch.minimum(budget.to(scores.device).long().expand(B, Hkv), ctx.head_lengths())
@@ -258,6 +267,8 @@ class ScoredRule(RetentionRule):
         scores[(rank < first) | (rank >= lengths - last)] = math.inf
         if ctx.valid is not None:
             scores[~ctx.valid] = -math.inf
+        if ctx.checks:
+            check_deciding_scores(self, scores, ctx)
         return ragged_top_k(scores, counts)
 
 

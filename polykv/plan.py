@@ -10,6 +10,7 @@ in ``docs/plan-format.md``; :mod:`polykv.plan_io` parses and checks files strict
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
@@ -102,11 +103,20 @@ class LayerPlan:
         return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
 
 
+def _positive_slack(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        from polykv.errors import PlanError
+
+        raise PlanError(f"decode_slack must be a whole number of tokens >= 1, got {value!r}",
+                        field="trigger.decode_slack",
+                        hint="pass decode_slack=1 to evict on every step past capacity, or more to evict less often")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class TriggerSettings:
     """When decode-time eviction fires."""
 
-    decode_slack: int = 128
+    decode_slack: int = attrs.field(default=128, validator=_positive_slack)
     """Evict when storage exceeds capacity + slack (1 = evict on every step past capacity)."""
 
 

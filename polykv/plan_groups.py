@@ -71,9 +71,22 @@ def check_groups(plan, *, source: str, registry=None) -> None:
             except RegistryError as exc:
                 raise PlanError(str(exc), source=source, field=field + ".allocator") from None
             try:
-                cls(**g.params)
+                allocator = cls(**g.params)
             except (TypeError, ValueError) as exc:
                 raise PlanError(str(exc), source=source, field=field + ".params") from None
+            _check_members(plan, g, allocator, source=source, field=field)
+
+
+def _check_members(plan, group, allocator, *, source: str, field: str) -> None:
+    """Every member op is one the group's allocator can budget (:meth:`Allocator.check_op`)."""
+    for layer in group.layers:
+        for phase in ("prefill", "decode"):
+            problem = allocator.check_op(getattr(plan.layers[layer], phase))
+            if problem is not None:
+                where, reason = problem
+                raise PlanError(f"{reason} (allocation group {field}, {group.describe()})", source=source,
+                                layer=layer, field=f"layers[{layer}].{phase}.{where}",
+                                hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")
 
 
 def check_group_bounds(plan, registry, context_tokens: int, *, source: str) -> None:

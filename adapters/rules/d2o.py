@@ -13,7 +13,8 @@ Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, C kept tokens, d 
 * Token level: H2O accumulated attention; the first ``n_sink`` = 4 tokens and the ``recent`` newest are
   always kept, the rest of the budget goes to the heaviest hitters.
 * Merge: each evicted token e finds the kept token j* whose key is most cosine-similar (per KV head),
-  s_e = that similarity. An EMA threshold tau (one per layer) gates the merge: e merges iff s_e >= tau.
+  s_e = that similarity. An EMA threshold tau (one per layer and batch row, from that row's evicted
+  tokens only: rows never change each other) gates the merge: e merges iff s_e >= tau.
   ``variant = "code"`` (default, the reference code): tau_0 = mean(s), tau = alpha tau + beta mean(s)
   with alpha = beta = 0.5, and x_j <- (x_j + sum_{e -> j} s_e x_e) / (1 + n_j) for keys and values.
   ``variant = "paper"`` (Eq. 8-11 as reported by a third-party port; not checked against the paper):
@@ -92,11 +93,23 @@ def update_threshold(tau: float | None, similarities: torch.Tensor, *, variant: 
     raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {variant!r}")
 
 
-def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evicted: torch.Tensor, tau: float, *,
-                 variant: str = "code", c: float = 0.1) -> torch.Tensor:
-    """The merge as a matrix ``M`` [B, Hkv, C, T]: new kept rows ``x_kept_new = M @ x`` (keys and values)."""
+def row_thresholds(tau: Sequence[float] | None, sim: torch.Tensor, evicted: torch.Tensor, *, variant: str = "code",
+                   alpha: float = 0.5, beta: float = 0.5) -> list[float]:
+    """Each batch row's threshold after one eviction (:func:`update_threshold` on that row's evicted
+    similarities ``sim[b][evicted[b]]``); ``tau`` holds the rows' thresholds so far, or None."""
+    return [update_threshold(None if tau is None else tau[b], sim[b][evicted[b]], variant=variant, alpha=alpha,
+                             beta=beta) for b in range(sim.shape[0])]
+
+
+def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evicted: torch.Tensor,
+                 tau: float | Sequence[float], *, variant: str = "code", c: float = 0.1) -> torch.Tensor:
+    """The merge as a matrix ``M`` [B, Hkv, C, T]: new kept rows ``x_kept_new = M @ x`` (keys and values).
+
+    ``tau``: one threshold for every row, or one per batch row ([B])."""
     B, Hkv, C = kept.shape
     T = slot.shape[-1]
+    if not isinstance(tau, (int, float)):
+        tau = torch.tensor([float(t) for t in tau], dtype=sim.dtype, device=sim.device).view(B, 1, 1)
     gate = evicted & (sim >= tau)                                            # (B, Hkv, T)
     if variant == "code":
         w_e, w_self = sim.double(), torch.ones(B, Hkv, C, dtype=torch.float64, device=sim.device)
@@ -134,7 +147,7 @@ def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: t
 
 
 class MergeThreshold(RuleState):
-    """D2O's per-layer EMA merge threshold ``tau`` (None until the first eviction)."""
+    """D2O's EMA merge threshold of one layer: ``tau``, one float per batch row (None until the first eviction)."""
 
     share_key = "d2o_merge_threshold"
 
@@ -142,13 +155,13 @@ class MergeThreshold(RuleState):
         self.reset()
 
     def reset(self) -> None:
-        self.tau: float | None = None
+        self.tau: list[float] | None = None
 
     def nbytes(self) -> int:
-        return 8 if self.tau is not None else 0
+        return 8 * len(self.tau) if self.tau is not None else 0
 
-    def predict_bytes(self, **shape) -> int:
-        return 8
+    def predict_bytes(self, *, batch: int = 1, **shape) -> int:
+        return 8 * batch
 
 
 class D2ORule(ScoredRule):
@@ -224,8 +237,8 @@ class D2ORule(ScoredRule):
         slot, sim, evicted = nearest_kept(ctx.keys, kept)
         p = self.params
         code = p["variant"] == "code"
-        state.tau = update_threshold(state.tau, sim[evicted], variant=p["variant"],
-                                     alpha=float(p["alpha"]), beta=float(p["beta"] if code else p["paper_beta"]))
+        state.tau = row_thresholds(state.tau, sim, evicted, variant=p["variant"], alpha=float(p["alpha"]),
+                                   beta=float(p["beta"] if code else p["paper_beta"]))
         M = merge_matrix(kept, slot, sim, evicted, state.tau, variant=p["variant"], c=float(p["paper_c"]))
         return Selection(index=kept, merge=as_merge(kept, slot, evicted, M))
 
@@ -267,6 +280,8 @@ class D2OAllocator(Allocator):
     name = "d2o"
     defaults = {}
     paper = D2ORule.paper
+    one_row = True
+    """Budgets from the prompt's statistics, one per layer for every row: batches of one row only."""
 
     def new_state(self) -> ColumnSumsPerHead:
         return ColumnSumsPerHead()

@@ -36,12 +36,12 @@ class StreamingLLMRule(ScoredRule):
              "(arXiv:2309.17453)")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        """Storage order as the score (newer = higher): [1, 1, T] float32.
+        """Storage order as the score (newer = higher): [B, 1, T] float32.
 
         Combined with :meth:`protected` this keeps the sinks plus the newest tokens.
         """
-        T = ctx.num_stored
-        return torch.arange(T, device=ctx.keys.device, dtype=torch.float32).view(1, 1, T)
+        B, T = ctx.keys.shape[0], ctx.num_stored
+        return torch.arange(T, device=ctx.keys.device, dtype=torch.float32).view(1, 1, T).expand(B, 1, T)
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(n_sink, capacity - n_sink): sinks first, the rest of the budget is the recent window."""
