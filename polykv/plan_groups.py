@@ -89,3 +89,19 @@ def _check_members(plan, group, allocator, *, source: str, field: str) -> None:
                 raise PlanError(f"{reason} (allocation group {field}, {group.describe()})", source=source,
                                 layer=layer, field=f"layers[{layer}].{phase}.{where}",
                                 hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")
+
+
+def check_group_bounds(plan, registry, context_tokens: int, *, source: str) -> None:
+    """Every group's allocator can budget its layers at ``context_tokens`` (e.g. a pyramid window below
+    the group's average); an allocator's refusal names the group's field and the parameter it gives."""
+    from polykv.errors import PolykvError
+    from polykv.memory.tokens import op_kept_tokens
+
+    for gi, g in enumerate(plan.allocation):
+        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        try:
+            registry.allocator(g.allocator)(**g.params).bound(caps, context_tokens)
+        except (PolykvError, TypeError, ValueError) as exc:
+            param = getattr(exc, "param", None)
+            raise PlanError(f"at {context_tokens} context tokens: {exc}", source=source,
+                            field=f"allocation[{gi}].params" + (f".{param}" if param else "")) from None

@@ -14,8 +14,9 @@ import attrs
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
-from polykv.plan import (DEFAULT_QUANTIZER, FULL_RULE, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan,
-                         ModelInfo, OpSpec, Plan, Provenance, TriggerSettings)
+from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
+                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
+                         Plan, Provenance, TriggerSettings)
 
 PHASES = ("prefill", "decode")
 
@@ -108,21 +109,29 @@ class _Reader:
         return value
 
     def int_(self, value: Any, field: str, *, layer: int | None = None, minimum: int | None = None,
-             optional: bool = False) -> int | None:
+             maximum: float | None = None, optional: bool = False) -> int | None:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(f"expected an integer, got {value!r}", layer=layer, field=field)
-        if minimum is not None and value < minimum:
-            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
+        self._range(value, field, layer, minimum, maximum)
         return value
 
-    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> float | None:
+    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False,
+               minimum: float | None = None, maximum: float | None = None) -> float | None:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(f"expected a finite number, got {value!r}", layer=layer, field=field)
+        self._range(value, field, layer, minimum, maximum)
         return float(value)
+
+    def _range(self, value, field: str, layer: int | None, minimum, maximum) -> None:
+        if minimum is not None and value < minimum:
+            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
+        if maximum is not None and value > maximum:
+            self.fail(f"must be <= {maximum:g}, got {value:g}", layer=layer, field=field,
+                      hint="no real plan holds a value this large; fix the number")
 
     def str_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> str | None:
         if value is None and optional:
@@ -145,13 +154,15 @@ def _join(a: str, b: str) -> str:
 
 def parse_plan_text(text: str, source: str = "<plan>") -> Plan:
     """Parse plan JSON text strictly (no registry or model checks)."""
+    from polykv.strict_json import JsonInputError, loads_strict
+
     try:
-        raw = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", source=source,
-                        hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
-    except ValueError as exc:
-        raise PlanError(f"malformed JSON: {exc}", source=source) from None
+        raw = loads_strict(text)
+    except JsonInputError as exc:
+        if exc.line:
+            raise PlanError(f"malformed JSON at line {exc.line}, column {exc.column}: {exc.message}", source=source,
+                            hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
+        raise PlanError(f"malformed JSON: {exc.message}", source=source) from None
     return parse_plan_dict(raw, source)
 
 
@@ -206,6 +217,8 @@ def _parse_trigger(r: _Reader, raw: Any) -> TriggerSettings:
 
 
 def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
+    from polykv.memory.budgets import BASES, STORAGE_DTYPE_BYTES
+
     if raw is None:
         return Provenance()
     fields = {f.name: False for f in attrs.fields(Provenance)}
@@ -214,25 +227,54 @@ def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
     return Provenance(
         solver=r.str_(raw.get("solver"), f + "solver", optional=True),
         params=r.dict_(raw.get("params", {}), f + "params"),
-        budget=r.dict_(raw.get("budget"), f + "budget", optional=True),
-        context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1, optional=True),
-        predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True),
-        predicted_bytes=r.int_(raw.get("predicted_bytes"), f + "predicted_bytes", minimum=0, optional=True),
+        budget=_budget(r, raw.get("budget"), f + "budget"),
+        context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1,
+                              maximum=MAX_CONTEXT_TOKENS, optional=True),
+        predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True, minimum=0.0,
+                                maximum=MAX_LOSS),
+        predicted_bytes=r.int_(raw.get("predicted_bytes"), f + "predicted_bytes", minimum=0,
+                               maximum=MAX_BUDGET_VALUE, optional=True),
         profile_fingerprint=r.str_(raw.get("profile_fingerprint"), f + "profile_fingerprint", optional=True),
         polykv_version=r.str_(raw.get("polykv_version"), f + "polykv_version", optional=True),
-        created=r.str_(raw.get("created"), f + "created", optional=True),
+        created=_created(r, raw.get("created"), f + "created"),
         note=r.str_(raw.get("note", ""), f + "note"),
-        basis=_basis(r, raw.get("basis"), f + "basis"),
-        batch=r.int_(raw.get("batch"), f + "batch", minimum=1, optional=True),
-        cache_dtype=r.str_(raw.get("cache_dtype"), f + "cache_dtype", optional=True),
+        basis=_choice(r, raw.get("basis"), f + "basis", BASES, "basis"),
+        batch=r.int_(raw.get("batch"), f + "batch", minimum=1, maximum=MAX_BATCH, optional=True),
+        cache_dtype=_choice(r, raw.get("cache_dtype"), f + "cache_dtype", tuple(STORAGE_DTYPE_BYTES), "cache dtype"),
     )
 
 
-def _basis(r: "_Reader", value: Any, field: str) -> str | None:
-    basis = r.str_(value, field, optional=True)
-    if basis is not None and basis not in ("resident", "nominal"):
-        r.fail(f"unknown basis {basis!r}; use \"resident\" or \"nominal\"", field=field)
-    return basis
+def _choice(r: "_Reader", value: Any, field: str, choices: tuple[str, ...], what: str) -> str | None:
+    got = r.str_(value, field, optional=True)
+    if got is not None and got not in choices:
+        r.fail(f"unknown {what} {got!r}; use " + " or ".join(f'"{c}"' for c in choices), field=field)
+    return got
+
+
+def _budget(r: "_Reader", value: Any, field: str) -> dict | None:
+    """``{"ratio": 8.0}``, ``{"bytes": N}`` or ``{"tokens_per_layer": N}``: one kind, a positive finite value."""
+    budget = r.dict_(value, field, optional=True)
+    if budget is None:
+        return None
+    if len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
+        r.fail(f"expected one budget kind, got {sorted(budget)}", field=field,
+               hint="e.g. {\"ratio\": 8.0}, {\"bytes\": 1048576} or {\"tokens_per_layer\": 256}")
+    kind, amount = next(iter(budget.items()))
+    r.float_(amount, f"{field}.{kind}", minimum=1, maximum=MAX_BUDGET_VALUE)
+    return budget
+
+
+def _created(r: "_Reader", value: Any, field: str) -> str | None:
+    import datetime
+
+    created = r.str_(value, field, optional=True)
+    if created is not None:
+        try:
+            datetime.datetime.fromisoformat(created)
+        except ValueError:
+            r.fail(f"expected an ISO-8601 time like \"2026-01-31T12:00:00+00:00\", got {created!r}", field=field,
+                   hint="write the time polykv writes, or leave the field out")
+    return created
 
 
 def _parse_op(r: _Reader, layer: int, phase: str, raw: Any) -> OpSpec:

@@ -36,8 +36,9 @@ import attrs
 
 from polykv.errors import SolverError
 from polykv.memory import BASES, STORAGE_DTYPE_BYTES, layer_held_bytes
+from polykv.plan import BUDGET_KINDS, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS  # noqa: F401 - re-exported
 
-KINDS = ("bytes", "ratio", "tokens_per_layer")
+KINDS = BUDGET_KINDS
 CONTEXT_SLACK = 32
 """Resident costs of profiled configs hold for any context from T - 32 to T tokens (see Budget.layer_bits_bound)."""
 _BOUND_CACHE: dict = {}
@@ -72,10 +73,6 @@ def bits_to_bytes(bits: int) -> int:
     return -(-int(bits) // 8)
 
 
-MAX_CONTEXT_TOKENS = 1 << 24
-"""Largest context length a budget may refer to (16M tokens)."""
-MAX_BUDGET_VALUE = 1e18
-"""Largest budget value in any unit (an exabyte, or as many tokens): anything above is a typo."""
 
 
 @attrs.define(frozen=True, kw_only=True)

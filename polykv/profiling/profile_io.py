@@ -103,17 +103,14 @@ def is_profile_file(path: str) -> bool:
     return f'"format": "{FORMAT}"'.encode() in head
 
 
-def _reject_constant(c: str):
-    raise ValueError(f"{c} is not a number a profile may hold")
-
-
 def loads(text: str, source: str = "<profile>") -> Profile:
+    from polykv.strict_json import JsonInputError, loads_strict
+
     try:
-        raw = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise_profile_error(source, None, f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}")
-    except ValueError as exc:
-        raise_profile_error(source, None, f"malformed JSON: {exc}", "NaN and infinity are not allowed")
+        raw = loads_strict(text)
+    except JsonInputError as exc:
+        where = f" at line {exc.line}, column {exc.column}" if exc.line else ""
+        raise_profile_error(source, None, f"malformed JSON{where}: {exc.message}")
     return from_dict(raw, source)
 
 

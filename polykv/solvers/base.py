@@ -16,9 +16,12 @@ import attrs
 import numpy as np
 
 from polykv.errors import RegistryError, SolverError
+from polykv.params import ParamError, ParamSpec, check_params
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
+METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: l2, else the first)")
+RULE_SPEC = ParamSpec(str, nullable=True, description="a profiled rule (null: the profile's only rule)")
 CAPACITY_FORMS = ("ratio", "tokens")
 """How plans write capacities: ``ratio`` of the context (keeps its compression at any length) or ``tokens``."""
 from polykv.profiling.profile import CandidateConfig, Profile, now_iso
@@ -33,6 +36,10 @@ class Solver:
 
     name: ClassVar[str]
     defaults: ClassVar[Mapping[str, Any]] = {}
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = {}
+    """Type and range of each parameter (checked by :meth:`params`; one without a spec is taken as given)."""
+    rule_lists: ClassVar[tuple[str, ...]] = ()
+    """Parameters that hold a list of rule names (or null): non-empty, distinct, every entry a name."""
     paper: ClassVar[str] = ""
 
     def __init__(self, registry=None, capacities: str = "ratio"):
@@ -59,6 +66,12 @@ class Solver:
         if unknown:
             raise SolverError(f"solver '{self.name}' has no parameter(s) {unknown}; "
                               f"known: {sorted(self.defaults) or '(none)'}")
+        try:
+            check_params(self.param_specs, given)
+        except ParamError as exc:
+            raise SolverError(f"solver '{self.name}': {exc}") from None
+        for name in self.rule_lists:
+            _check_rule_list(self.name, name, given.get(name))
         return {**self.defaults, **given}
 
     def check_phase(self, rule: str, phase: str, where: str) -> None:
@@ -75,6 +88,16 @@ class Solver:
             raise SolverError(f"{where}: rule '{rule}' is configured for phase '{phase}' but does not run in "
                               f"{sorted(missing)} (it supports {sorted(cls.phases)}); fix the config's phase "
                               "in the profile or leave the config out")
+
+    def check_configs(self, profile: Profile, columns) -> None:
+        """Raise unless every config in ``columns`` names a registered rule that runs in its phase (the
+        error names the profile file and the config), before any solving."""
+        checked = set()
+        for i in columns:
+            c = profile.configs[int(i)]
+            if not c.keeps_everything and (c.rule, c.phase) not in checked:
+                self.check_phase(c.rule, c.phase, f"{profile.source}: configs[{int(i)}] ({c.label})")
+                checked.add((c.rule, c.phase))
 
     def layer_entry(self, config: CandidateConfig, where: str = "", *, profile: Profile | None = None
                     ) -> dict[str, Any]:
@@ -147,6 +170,17 @@ class Solver:
 
 def _describe_quantizer(name: str, params) -> str:
     return f"'{name}'" + (f" {dict(sorted(dict(params).items()))}" if params else "")
+
+
+def _check_rule_list(solver: str, name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(r, str) and r for r in value):
+        raise SolverError(f"solver '{solver}': parameter '{name}' must be a non-empty list of rule names such as "
+                          f"[\"snapkv\", \"tova\"] (or null for every profiled rule), got {value!r}")
+    twice = sorted({r for r in value if list(value).count(r) > 1})
+    if twice:
+        raise SolverError(f"solver '{solver}': parameter '{name}' lists {twice} more than once; list each rule once")
 
 
 def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" = None) -> np.ndarray:

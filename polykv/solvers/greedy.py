@@ -19,7 +19,7 @@ from polykv.errors import SolverError
 from polykv.plan import FULL_RULE
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
-from polykv.solvers.base import Solver, config_bits, min_bytes_message
+from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver, config_bits, min_bytes_message
 from polykv.solvers.mckp import Infeasible
 
 
@@ -120,12 +120,14 @@ class MoendGreedy(Solver):
 
     name = "moend-greedy"
     defaults = {"rule": None, "metric": None}
+    param_specs = {"rule": RULE_SPEC, "metric": METRIC_SPEC}
     paper = "MoE-nD, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
         table = profile.table(p["metric"])
         rule, grid, axes = rule_grid(profile, p["rule"], self.name)
+        self.check_configs(profile, grid.ravel())
         bits = config_bits(profile, budget, self)
         capacity = budget.to_bits(profile.model)
         try:

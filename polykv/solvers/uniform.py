@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from polykv.errors import SolverError
+from polykv.params import ParamSpec
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import Profile
-from polykv.solvers.base import Solver, min_bytes_message
+from polykv.profiling.profile import BITS, MIN_KEEP, Profile
+from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver, min_bytes_message
 from polykv.solvers.mckp import Infeasible, solve_mckp
 
 MODES = ("best", "1d", "2d_uniform")
@@ -148,6 +149,11 @@ class Uniform(Solver):
 
     name = "uniform"
     defaults = {"mode": "best", "metric": None, "rule": None, "rules": None, "k_bits": None, "v_bits": None}
+    param_specs = {"mode": ParamSpec(str, choices=MODES, description="which uniform baseline"),
+                   "metric": METRIC_SPEC, "rule": RULE_SPEC,
+                   "k_bits": ParamSpec(int, choices=BITS, nullable=True, description="key width"),
+                   "v_bits": ParamSpec(int, choices=BITS, nullable=True, description="value width")}
+    rule_lists = ("rules",)
     paper = "MoE-nD baselines 1d / 2d_uniform, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
@@ -189,6 +195,11 @@ class QuantOnly(Solver):
 
     name = "quant-only"
     defaults = {"rule": None, "metric": None, "keep": None, "ref_k_bits": 8, "ref_v_bits": 4}
+    param_specs = {"rule": RULE_SPEC, "metric": METRIC_SPEC,
+                   "keep": ParamSpec(float, low=MIN_KEEP, high=1, nullable=True, description="the one keep ratio, "
+                                     "in (0, 1]; null: the largest a K8/V4 plan fits"),
+                   "ref_k_bits": ParamSpec(int, choices=BITS, description="key width the keep is fitted at"),
+                   "ref_v_bits": ParamSpec(int, choices=BITS, description="value width the keep is fitted at")}
     paper = "MoE-nD 2d baseline, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
