@@ -346,7 +346,8 @@ class LayerCache(CacheLayerMixin):
                 for st in states:
                     st.after_decode_step()
         finally:
-            self.pending = None
+            if self.pending is step:
+                self.pending = None
 
     def end_prefill(self) -> None:
         """The prompt is complete: select and store now, or hand the layer to its allocation group."""
