@@ -52,6 +52,17 @@ else:
     settings.load_profile("polykv")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_model_data_cache(monkeypatch, tmp_path_factory, request):
+    """Each test starts with an empty cache of computed per-model data (polykv.model_data.cache_dir), so
+    that data one test computed never satisfies another and no test writes under the user's cache."""
+    import polykv.model_data
+
+    root = tmp_path_factory.getbasetemp() / "model-data-cache"
+    folder = str(root / f"{abs(hash(request.node.nodeid)):x}")
+    monkeypatch.setattr(polykv.model_data, "cache_dir", lambda: folder)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32, loaded once per session.
