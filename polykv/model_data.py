@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from polykv.errors import RuntimeConfigError
+from polykv.errors import PolykvError, RuntimeConfigError
 
 class ModelDataError(RuntimeConfigError):
     """Per-model data a plan's rules need is missing or belongs to another model."""
@@ -144,15 +144,17 @@ def corpus_batches(tokenizer: Any, device: Any) -> list:
 
 
 def _load_checked(need: ModelDataNeed, path: str, model: Any, origin: str) -> Any:
-    from polykv.errors import PolykvError
-
+    what = f"{path} ({origin}): {need.description or 'data'} '{need.key}'"
     try:
         data = need.load(path)
-        if need.check is not None:
+    except Exception as exc:  # noqa: BLE001 - a plugin's loader may raise anything on a file that is not its data
+        raise ModelDataError(f"{what} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                             f"replace the file or remove it to compute the data") from None
+    if need.check is not None:
+        try:
             need.check(data, model)
-    except (PolykvError, OSError, ValueError) as exc:
-        raise ModelDataError(f"{path} ({origin}): {need.description or need.key} for rule data "
-                             f"'{need.key}' cannot be used with this model: {exc}") from None
+        except (PolykvError, ValueError) as exc:
+            raise ModelDataError(f"{what} was not measured on this model: {exc}") from None
     return data
 
 

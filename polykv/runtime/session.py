@@ -315,6 +315,12 @@ class Session:
         return self._cache
 
     @property
+    def cache_keyword(self) -> str:
+        """The keyword the model's forward takes the cache by: ``"cache"`` where the installed transformers
+        has it, else ``"past_key_values"`` (:func:`polykv.runtime.cache.cache_keyword`)."""
+        return self._cache_kw
+
+    @property
     def cache(self) -> PlanCache | None:
         """The live cache: the last one created by :meth:`new_cache`, ``generate`` or :meth:`prefill`."""
         return self._cache

@@ -150,27 +150,6 @@ def test_given_data_wins_over_the_plans_file(model, tmp_path, registry):
     assert session.model_data["counted-stats"] is stats
 
 
-def test_a_file_measured_on_another_model_is_refused_naming_it(model, tmp_path):
-    other = tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=16)
-    path = tmp_path / "other.qstats.safetensors"
-    _stats_for(other).save(str(path))
-    with pytest.raises(ModelDataError) as err:
-        polykv.apply(model, _plan(model, model_data={STATS_KEY: str(path)}))
-    text = str(err.value)
-    assert str(path) in text and "plan field model_data.triattention" in text and "\n" not in text
-
-
-def test_refuse_names_every_file_it_looked_for(model, tmp_path):
-    path = tmp_path / "missing.qstats.safetensors"
-    with pytest.raises(ModelDataError) as err:
-        polykv.apply(model, _plan(model, model_data={STATS_KEY: str(path)}), missing_model_data="refuse")
-    text = str(err.value)
-    fingerprint = geometry_of_model(model).fingerprint
-    assert str(path) in text and cached_file(get_registry().operator("triattention").model_data_need,
-                                             fingerprint) in text
-    assert "rule 'triattention' (layers 0-1)" in text and "\n" not in text
-
-
 def test_compute_notes_the_cost_caches_and_the_next_apply_reads_the_cache(model, registry):
     plan = _plan(model, rule="counted-triattention")
     tokenizer = CharTokenizer(model.config.vocab_size)
@@ -187,16 +166,6 @@ def test_compute_notes_the_cost_caches_and_the_next_apply_reads_the_cache(model,
     assert torch.equal(second.model_data["counted-stats"].mean_abs, first.model_data["counted-stats"].mean_abs)
 
 
-def test_compute_without_a_tokenizer_says_what_to_pass(model):
-    with pytest.raises(ModelDataError, match=r"pass tokenizer=\.\.\. to compute it from the offline corpus"):
-        polykv.apply(model, _plan(model))
-
-
-def test_an_unknown_choice_is_refused(model):
-    with pytest.raises(ModelDataError, match=r"missing_model_data must be one of \['compute', 'refuse'\]"):
-        polykv.apply(model, _plan(model), missing_model_data="maybe")
-
-
 def test_plans_whose_rules_need_nothing_ignore_the_choice_and_tokenizer(model):
     _generate(model, _plan(model, rule="h2o"), missing_model_data="refuse")
 
@@ -208,3 +177,15 @@ def test_a_model_saved_with_its_tokenizer_computes_without_one_given(saved_tiny_
     with pytest.warns(ModelDataNote):
         session = _generate(model, _plan(model))
     assert isinstance(session.model_data[STATS_KEY], QueryStats)
+
+
+def test_studies_read_the_file_a_plan_names_before_the_profile_or_the_corpus(model, tmp_path, registry):
+    from polykv.studies.runner import plan_model_data
+
+    stats = _stats_for(model)
+    path = tmp_path / "named.qstats.safetensors"
+    stats.save(str(path))
+    plan = _plan(model, rule="counted-triattention", model_data={"counted-stats": str(path)})
+    got = plan_model_data(model, CharTokenizer(model.config.vocab_size), [plan], str(tmp_path / "none.profile.json"),
+                          registry=registry)
+    assert torch.equal(got["counted-stats"].mu_imag, stats.mu_imag) and COMPUTED == []
