@@ -217,8 +217,20 @@ def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None
         saved = f", cached at {cached}"
     tokens = sum(int(b.shape[-1]) for b in batches)
     warnings.warn(f"polykv: computed {need.description or need.key} ('{need.key}') over the offline corpus "
-                  f"({len(batches)} texts, {tokens} tokens) in {seconds:.1f} s{saved}", ModelDataNote, stacklevel=3)
+                  f"({len(batches)} texts, {tokens} tokens) in {seconds:.1f} s{saved}", ModelDataNote,
+                  stacklevel=_caller_level())
     return data
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside polykv above the caller (where the note points)."""
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def tokenizer_of(model: Any) -> Any:

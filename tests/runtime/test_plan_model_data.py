@@ -154,9 +154,10 @@ def test_compute_notes_the_cost_caches_and_the_next_apply_reads_the_cache(model,
     plan = _plan(model, rule="counted-triattention")
     tokenizer = CharTokenizer(model.config.vocab_size)
     with pytest.warns(ModelDataNote, match=r"computed pre-RoPE query statistics \('counted-stats'\) over the "
-                                           r"offline corpus \(4 texts, \d+ tokens\) in [\d.]+ s, cached at"):
+                                           r"offline corpus \(4 texts, \d+ tokens\) in [\d.]+ s, cached at") as notes:
         first = _generate(model, plan, registry=registry, tokenizer=tokenizer)
     assert len(COMPUTED) == 1 and COMPUTED[0] > 0
+    assert notes[0].filename == __file__                             # the note points at the caller's line
     cached = cached_file(CountedTriAttention.model_data_need, geometry_of_model(model).fingerprint)
     assert os.path.isfile(cached)
     with warnings.catch_warnings():
