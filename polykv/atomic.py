@@ -203,3 +203,189 @@ def read_json_head(path: str, limit: int = 1 << 20):
             return json.load(fh)
     except (OSError, ValueError):
         return None
+
+
+# -- lock files -----------------------------------------------------------------------------------
+
+LOCK_MAGIC = b"polykv lock file (safe to remove when no polykv command is running)\n"
+"""First line of every lock file polykv creates: how an existing lock file is known to be ours."""
+
+_LEGACY_HOLDER = re.compile(rb"^pid \d+ on host \S+ since \S+\n?$")
+"""What older polykv versions left in a lock file held when its process was killed (no first line)."""
+
+
+class LockBusy(OutputError):
+    """Another process holds the lock; ``holder`` is what it recorded (pid, host, since when)."""
+
+    def __init__(self, message: str, holder: str):
+        super().__init__(message)
+        self.holder = holder
+
+
+class FileLock:
+    """An exclusive advisory lock (``fcntl.flock``) on a lock file polykv created itself.
+
+    A lock file is created exclusively, already locked and holding :data:`LOCK_MAGIC` (written to a
+    temp file that is hard-linked into place, so no other process ever sees it empty or unlocked). An
+    existing lock file is opened without following symbolic links and used only when it is a regular
+    file that starts with :data:`LOCK_MAGIC`; anything else (a user's file, a symlink, a FIFO, a
+    folder) is refused and left exactly as it was. The file stays after release (removing it would
+    race with a process about to lock it); a released lock records no holder. The lock itself goes with
+    the process, also when it is killed.
+    """
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def acquire(cls, path: str, *, record: bool = True, what: str = "lock file") -> "FileLock":
+        """Lock ``path`` (creating it when absent); raise :class:`LockBusy` when another process holds it,
+        :class:`OutputError` when ``path`` exists as anything but a polykv lock file."""
+        import fcntl
+
+        path = os.fspath(path)
+        for _ in range(8):  # each retry means another process created or replaced the file meanwhile
+            fd = _open_lock(path, what)
+            if fd is None:
+                fd = _create_lock(path, what)
+                if fd is None:
+                    continue
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    holder = _holder(fd)
+                    os.close(fd)
+                    raise LockBusy(f"{path}: held by another process ({holder})", holder) from None
+                try:
+                    now = os.stat(path, follow_symlinks=False)
+                except FileNotFoundError:
+                    now = None
+                if now is None or now.st_ino != os.fstat(fd).st_ino:
+                    os.close(fd)
+                    continue
+                head = os.pread(fd, 4096, 0)
+                if not head.startswith(LOCK_MAGIC) and not _LEGACY_HOLDER.match(head):
+                    os.close(fd)
+                    hint = ("an empty file; an older polykv left its released locks empty: remove the file if it "
+                            "is one" if not head else "polykv will not change it; move it away")
+                    raise OutputError(f"{path}: exists and is not a {what} polykv created ({hint}), or choose "
+                                      "another path")
+            lock = cls(path, fd)
+            if record:
+                lock._record()
+            return lock
+        raise OutputError(f"{path}: the {what} keeps being replaced by another process; try again")
+
+    def _record(self) -> None:
+        import socket
+        import time
+
+        holder = (f"pid {os.getpid()} on host {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, LOCK_MAGIC + holder.encode(), 0)
+
+    def release(self, clear: bool = True) -> None:
+        """Unlock; with ``clear`` the file keeps only its first line (no holder)."""
+        import fcntl
+
+        if self.fd is None:
+            return
+        if clear:
+            try:
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, LOCK_MAGIC, 0)
+            except OSError:
+                pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _lock_error(path: str, what: str, exc: OSError) -> OutputError:
+    import errno
+
+    if exc.errno == errno.ELOOP:
+        return OutputError(f"{path}: a symbolic link where polykv keeps its {what}; polykv will not follow it or "
+                           "change what it points to. Remove the link, or choose another path")
+    if exc.errno == errno.EISDIR:
+        return OutputError(f"{path}: a folder where polykv keeps its {what}; move it away, or choose another path")
+    return OutputError(f"{path}: cannot open the {what} ({exc.strerror}); choose a writable folder")
+
+
+def _open_lock(path: str, what: str) -> int | None:
+    """An fd of the existing regular file ``path`` (never through a symlink), or None when there is none."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{path}: not a regular file (a pipe, socket or device) where polykv keeps its {what}; "
+                          "move it away, or choose another path")
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _lock_error(path, what, exc) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OutputError(f"{path}: not a regular file (a pipe, socket or device) where polykv keeps its {what}; "
+                          "move it away, or choose another path")
+    return fd
+
+
+def _create_lock(path: str, what: str) -> int | None:
+    """Create ``path`` exclusively, already locked and holding :data:`LOCK_MAGIC`; None when it appeared."""
+    import errno
+    import fcntl
+
+    tmp = temp_path(path)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except OSError as exc:
+        raise _lock_error(path, what, exc) from None
+    try:
+        os.write(fd, LOCK_MAGIC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else can hold it
+        try:
+            os.link(tmp, path)  # fails when anything exists at path, a symlink included
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise _lock_error(path, what, exc) from None
+            os.close(fd)  # a file system without hard links: create the file itself exclusively
+            fd = -1
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileExistsError:
+                return None
+            except OSError as exc2:
+                raise _lock_error(path, what, exc2) from None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, LOCK_MAGIC)
+        return fd
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 4096, 0)
+    except OSError:
+        text = b""
+    if text.startswith(LOCK_MAGIC):
+        text = text[len(LOCK_MAGIC):]
+    return text.decode("utf-8", "replace").strip() or "holder unknown"

@@ -52,3 +52,10 @@ class StudyError(PolykvError):
 
 class OutputError(PolykvError):
     """An output path would destroy an input or a file polykv did not write, or cannot be written."""
+
+
+class PluginContractError(RuntimeConfigError):
+    """A plugin (rule, quantizer's store, allocator) returned something its contract forbids.
+
+    The message is one line naming the plugin, the layer, the phase and what was expected vs got.
+    """

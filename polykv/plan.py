@@ -10,6 +10,7 @@ in ``docs/plan-format.md``; :mod:`polykv.plan_io` parses and checks files strict
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
@@ -18,6 +19,17 @@ SCHEMA_VERSION = 1
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
+MAX_CONTEXT_TOKENS = 1 << 24
+"""Largest context length a plan, budget or spec may refer to (16M tokens)."""
+BUDGET_KINDS = ("bytes", "ratio", "tokens_per_layer")
+"""The kinds of memory budget: bytes, a compression ratio, or average tokens per layer."""
+MAX_BUDGET_VALUE = 1e18
+"""Largest budget value in any unit (an exabyte, or as many tokens): anything above is a typo."""
+MAX_LOSS = 1e12
+"""Largest loss a profile table or a plan's prediction may hold: a sum of a million layers' errors far
+above any measured (relative errors and KL stay below ~100); larger values overflow the solvers' sums."""
+MAX_BATCH = 1 << 20
+"""Most batch rows a resident budget may be counted for."""
 
 
 def _frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -91,11 +103,20 @@ class LayerPlan:
         return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
 
 
+def _positive_slack(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        from polykv.errors import PlanError
+
+        raise PlanError(f"decode_slack must be a whole number of tokens >= 1, got {value!r}",
+                        field="trigger.decode_slack",
+                        hint="pass decode_slack=1 to evict on every step past capacity, or more to evict less often")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class TriggerSettings:
     """When decode-time eviction fires."""
 
-    decode_slack: int = 128
+    decode_slack: int = attrs.field(default=128, validator=_positive_slack)
     """Evict when storage exceeds capacity + slack (1 = evict on every step past capacity)."""
 
 

@@ -35,6 +35,10 @@ if _threads is None or _threads.isdigit():
 
     torch.set_num_threads(int(_threads or 1))
 
+# Every plugin output is checked in full during tests (polykv.contract_checks: the expensive checks too),
+# so a built-in or test plugin that breaks its contract fails with one line naming it.
+os.environ.setdefault("POLYKV_CHECK", "1")
+
 # Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when it is
 # first imported, and a model forward imports it (through transformers), so it is set before any test.
 import torch  # noqa: E402

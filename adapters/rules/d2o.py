@@ -13,7 +13,8 @@ Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, C kept tokens, d 
 * Token level: H2O accumulated attention; the first ``n_sink`` = 4 tokens and the ``recent`` newest are
   always kept, the rest of the budget goes to the heaviest hitters.
 * Merge: each evicted token e finds the kept token j* whose key is most cosine-similar (per KV head),
-  s_e = that similarity. An EMA threshold tau (one per layer) gates the merge: e merges iff s_e >= tau.
+  s_e = that similarity. An EMA threshold tau (one per layer and batch row, from that row's evicted
+  tokens only: rows never change each other) gates the merge: e merges iff s_e >= tau.
   ``variant = "code"`` (default, the reference code): tau_0 = mean(s), tau = alpha tau + beta mean(s)
   with alpha = beta = 0.5, and x_j <- (x_j + sum_{e -> j} s_e x_e) / (1 + n_j) for keys and values.
   ``variant = "paper"`` (Eq. 8-11 as reported by a third-party port; not checked against the paper):
@@ -92,11 +93,23 @@ def update_threshold(tau: float | None, similarities: torch.Tensor, *, variant: 
     raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {variant!r}")
 
 
-def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evicted: torch.Tensor, tau: float, *,
-                 variant: str = "code", c: float = 0.1) -> torch.Tensor:
-    """The merge as a matrix ``M`` [B, Hkv, C, T]: new kept rows ``x_kept_new = M @ x`` (keys and values)."""
+def row_thresholds(tau: Sequence[float] | None, sim: torch.Tensor, evicted: torch.Tensor, *, variant: str = "code",
+                   alpha: float = 0.5, beta: float = 0.5) -> list[float]:
+    """Each batch row's threshold after one eviction (:func:`update_threshold` on that row's evicted
+    similarities ``sim[b][evicted[b]]``); ``tau`` holds the rows' thresholds so far, or None."""
+    return [update_threshold(None if tau is None else tau[b], sim[b][evicted[b]], variant=variant, alpha=alpha,
+                             beta=beta) for b in range(sim.shape[0])]
+
+
+def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evicted: torch.Tensor,
+                 tau: float | Sequence[float], *, variant: str = "code", c: float = 0.1) -> torch.Tensor:
+    """The merge as a matrix ``M`` [B, Hkv, C, T]: new kept rows ``x_kept_new = M @ x`` (keys and values).
+
+    ``tau``: one threshold for every row, or one per batch row ([B])."""
     B, Hkv, C = kept.shape
     T = slot.shape[-1]
+    if not isinstance(tau, (int, float)):
+        tau = torch.tensor([float(t) for t in tau], dtype=sim.dtype, device=sim.device).view(B, 1, 1)
     gate = evicted & (sim >= tau)                                            # (B, Hkv, T)
     if variant == "code":
         w_e, w_self = sim.double(), torch.ones(B, Hkv, C, dtype=torch.float64, device=sim.device)
@@ -134,7 +147,7 @@ def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: t
 
 
 class MergeThreshold(RuleState):
-    """D2O's per-layer EMA merge threshold ``tau`` (None until the first eviction)."""
+    """D2O's EMA merge threshold of one layer: ``tau``, one float per batch row (None until the first eviction)."""
 
     share_key = "d2o_merge_threshold"
 
@@ -142,13 +155,13 @@ class MergeThreshold(RuleState):
         self.reset()
 
     def reset(self) -> None:
-        self.tau: float | None = None
+        self.tau: list[float] | None = None
 
     def nbytes(self) -> int:
-        return 8 if self.tau is not None else 0
+        return 8 * len(self.tau) if self.tau is not None else 0
 
-    def predict_bytes(self, **shape) -> int:
-        return 8
+    def predict_bytes(self, *, batch: int = 1, **shape) -> int:
+        return 8 * batch
 
 
 class D2ORule(ScoredRule):
@@ -173,30 +186,19 @@ class D2ORule(ScoredRule):
     name = "d2o"
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
-    defaults = {"recent_ratio": 0.5, "n_sink": 4, "variant": "code", "alpha": 0.5, "beta": 0.5,
-                "paper_beta": 0.7, "paper_c": 0.1}
-    param_specs = {"recent_ratio": ParamSpec(float, low=0.0, high=1.0, description="share kept for recent tokens"),
-                   "n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept"),
-                   "variant": ParamSpec(str, choices=("code", "paper"), description="threshold update"),
-                   "alpha": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
-                   "beta": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the mean"),
-                   "paper_beta": ParamSpec(float, low=0.0, high=1.0, description="paper variant: weight of the max"),
-                   "paper_c": ParamSpec(float, low=1e-12, high=1e6, description="paper variant: kept token weight")}
+    param_specs = {
+        "recent_ratio": ParamSpec(float, default=0.5, low=0.0, high=1.0, description="share kept for recent tokens"),
+        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
+        "variant": ParamSpec(str, default="code", choices=("code", "paper"), description="threshold update"),
+        "alpha": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
+        "beta": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the mean"),
+        "paper_beta": ParamSpec(float, default=0.7, low=0.0, high=1.0,
+                                description="paper variant: weight of the max"),
+        "paper_c": ParamSpec(float, default=0.1, low=1e-12, high=1e6, description="paper variant: kept token weight"),
+    }
     shared_across_heads = False
     paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
              "Language Models, ICLR 2025 (arXiv:2406.13035)")
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        if not 0.0 <= float(p["recent_ratio"]) <= 1.0:
-            raise ValueError(f"rule 'd2o': recent_ratio must lie in [0, 1], got {p['recent_ratio']}")
-        if int(p["n_sink"]) < 0:
-            raise ValueError(f"rule 'd2o': n_sink must be >= 0, got {p['n_sink']}")
-        if p["variant"] not in ("code", "paper"):
-            raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {p['variant']!r}")
-        if float(p["paper_c"]) <= 0:
-            raise ValueError(f"rule 'd2o': paper_c must be > 0, got {p['paper_c']}")
 
     def new_state(self) -> CompositeState:
         """H2O's accumulated attention (shared with any other rule of the layer) and the threshold."""
@@ -213,9 +215,11 @@ class D2ORule(ScoredRule):
         return int(self.params["n_sink"]), recent
 
     def select(self, ctx: SelectionContext, capacity: int) -> Selection:
-        if ctx.valid is not None:
-            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' needs every head to store the same number of "
-                             f"tokens (this layer is ragged)")
+        if ctx.valid is not None or ctx.head_capacity is not None:
+            why = "this layer is ragged" if ctx.valid is not None else "a per-head allocator gave it per-head budgets"
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' merges evicted tokens into one kept set per row "
+                             f"and needs every head to keep the same number of tokens ({why}); use a per-layer "
+                             f"allocator or another rule on this layer")
         state = ctx.state.component(MergeThreshold) if ctx.state is not None else None
         if state is None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "
@@ -224,8 +228,8 @@ class D2ORule(ScoredRule):
         slot, sim, evicted = nearest_kept(ctx.keys, kept)
         p = self.params
         code = p["variant"] == "code"
-        state.tau = update_threshold(state.tau, sim[evicted], variant=p["variant"],
-                                     alpha=float(p["alpha"]), beta=float(p["beta"] if code else p["paper_beta"]))
+        state.tau = row_thresholds(state.tau, sim, evicted, variant=p["variant"], alpha=float(p["alpha"]),
+                                   beta=float(p["beta"] if code else p["paper_beta"]))
         M = merge_matrix(kept, slot, sim, evicted, state.tau, variant=p["variant"], c=float(p["paper_c"]))
         return Selection(index=kept, merge=as_merge(kept, slot, evicted, M))
 
@@ -267,6 +271,8 @@ class D2OAllocator(Allocator):
     name = "d2o"
     defaults = {}
     paper = D2ORule.paper
+    one_row = True
+    """Budgets from the prompt's statistics, one per layer for every row: batches of one row only."""
 
     def new_state(self) -> ColumnSumsPerHead:
         return ColumnSumsPerHead()

@@ -29,19 +29,20 @@ class StreamingLLMRule(ScoredRule):
     name = "streamingllm"
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
-    defaults = {"n_sink": 4}
-    param_specs = {"n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept")}
+    param_specs = {
+        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
+    }
     shared_across_heads = True
     paper = ("Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 "
              "(arXiv:2309.17453)")
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        """Storage order as the score (newer = higher): [1, 1, T] float32.
+        """Storage order as the score (newer = higher): [B, 1, T] float32.
 
         Combined with :meth:`protected` this keeps the sinks plus the newest tokens.
         """
-        T = ctx.num_stored
-        return torch.arange(T, device=ctx.keys.device, dtype=torch.float32).view(1, 1, T)
+        B, T = ctx.keys.shape[0], ctx.num_stored
+        return torch.arange(T, device=ctx.keys.device, dtype=torch.float32).view(1, 1, T).expand(B, 1, T)
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(n_sink, capacity - n_sink): sinks first, the rest of the budget is the recent window."""

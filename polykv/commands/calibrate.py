@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from polykv.errors import ProfileError
+from polykv.errors import PolykvError, ProfileError
 from polykv.plan import DEFAULT_QUANTIZER
 
 
@@ -121,9 +122,15 @@ def check_model_folder(name: str) -> None:
     if not os.path.isdir(name):
         raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
                            "Hugging Face model (config.json, weights, tokenizer)")
-    if not os.path.isfile(os.path.join(name, "config.json")):
+    if not os.path.lexists(os.path.join(name, "config.json")):
         raise ProfileError(f"model {name!r}: the folder holds no config.json; give a folder holding a Hugging Face "
                            "model (config.json, weights, tokenizer)")
+    from polykv.models import read_local_config
+
+    try:
+        read_local_config(name)
+    except PolykvError as exc:
+        raise ProfileError(f"model {name!r}: {exc}") from None
 
 
 def model_geometry(name: str):
@@ -144,9 +151,12 @@ def check_args(args) -> dict:
     for opt, value, low in (("--sequences", args.sequences, 1), ("--tokens", args.tokens, 2),
                             ("--prefix", args.prefix, 1), ("--stat-capacity", args.stat_capacity, 1),
                             ("--delta-ppl", args.delta_ppl, 0), ("--validate", args.validate, 0),
-                            ("--validate-configs", args.validate_configs, 1), ("--threads", args.threads, 1)):
+                            ("--validate-configs", args.validate_configs, 1)):
         if value < low:
             raise ProfileError(f"{opt} must be at least {low}, got {value}")
+    from polykv.commands.study import check_threads
+
+    check_threads(args.threads, ProfileError)
     if args.tokens <= args.prefix:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}): the tokens after the "
                            "prefix are the queries whose attention output is compared")
@@ -217,10 +227,9 @@ def check_outputs(args, stats_path: str) -> None:
         raise ProfileError(f"--query-stats {stats_path}: the same file as the profile (-o); choose another path")
     check_output(stats_path, what="query statistics file", option="--query-stats", inputs=inputs,
                  recognise=is_query_stats_file)
-    partial = args.output + ".partial"
-    if os.path.lexists(partial) and not os.path.isdir(partial):
-        raise ProfileError(f"{partial}: exists and is not a folder; calibration keeps its checkpoints there. "
-                           "Move that file away or choose another -o")
+    from polykv.profiling.checkpoint import folder_digest
+
+    folder_digest(args.output + ".partial")  # absent, or a checkpoint folder polykv created (else refused)
 
 
 def run(args) -> int:
@@ -254,7 +263,11 @@ def run(args) -> int:
     result.profile.save(args.output)
     from polykv.profiling.checkpoint import remove_folder
 
-    remove_folder(args.output + ".partial")
+    left = remove_folder(args.output + ".partial")
+    if left:
+        print(f"polykv calibrate: warning: {args.output}.partial: kept, it also holds files polykv did not write "
+              f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); move them, then delete the folder",
+              file=sys.stderr)
     prof = result.profile
     print(f"{args.output}: {prof.num_layers} layers x {len(prof.configs)} configs, metrics {sorted(prof.metrics)}, "
           f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: "

@@ -20,6 +20,6 @@ def run(args) -> int:
     from polykv.studies.report import check_report_folder, write_report
 
     check_report_folder(args.output, "-o", inputs=[args.results, args.profile])
-    for path in write_report(args.results, args.output, profile_path=args.profile):
+    for path in write_report(args.results, args.output, profile_path=args.profile, option="-o"):
         print(f"wrote {path}")
     return 0

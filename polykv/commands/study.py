@@ -37,6 +37,33 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+REMOTE_THREADS_MAX = 1024
+"""Most ``--threads`` a Ray worker (on a machine this process cannot see) may be asked for."""
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(n: int | None, error=None, *, remote: bool = False) -> None:
+    """``--threads`` lies in 1..(CPUs of this machine), checked before anything is written: torch accepts
+    any number, and a number past what the OS lets one process start aborts the process later (libgomp)."""
+    from polykv.errors import StudyError
+
+    if n is None:
+        return
+    error = error or StudyError
+    high = REMOTE_THREADS_MAX if remote else cpu_count()
+    if not 1 <= n <= high:
+        where = "per Ray worker" if remote else f"this machine gives this process {high} CPU(s)"
+        raise error(f"--threads {n}: give a whole number from 1 to {high} ({where}; more threads than CPUs only "
+                    "slow torch down)")
+
+
 def check_outputs(spec, results: str, report: str | None) -> None:
     """The results file and report folder are none of the spec's inputs and not foreign files."""
     from polykv.atomic import check_output
@@ -53,6 +80,7 @@ def run(args) -> int:
     from polykv.studies.runner import prepare, run_study
     from polykv.studies.spec import load_spec
 
+    check_threads(args.threads, remote=args.ray is not None)
     spec = load_spec(args.spec)
     results = args.results or os.path.join("results", spec.name, "results.jsonl")
     check_outputs(spec, results, args.report)
@@ -83,6 +111,6 @@ def run(args) -> int:
     if args.report:
         from polykv.studies.report import write_report
 
-        for path in write_report(results, args.report):
+        for path in write_report(results, args.report, option="--report"):
             print(f"wrote {path}")
     return 0

@@ -218,7 +218,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
     L = geometry.num_layers
-    done = {layer: ckpt.load(layer) for layer in range(L)}
+    saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
+        ("kl",) if held else ())
+    done = {layer: ckpt.load(layer, required=saved) for layer in range(L)}
     todo = [layer for layer in range(L) if done[layer] is None]
     captures = [capture_sequence(model, s) for s in seqs] if todo else []
     val_cols = val.sample_configs(configs, settings.validate_configs, settings.seed) if held else []
@@ -344,4 +346,5 @@ def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq,
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
                                              f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
-    return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov)
+    return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
+                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params)

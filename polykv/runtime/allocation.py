@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from polykv.allocators import AllocationRequest
+from polykv.contract_checks import checked_budgets
 from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
 
@@ -38,6 +39,12 @@ class GroupRun:
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""
         name = self.group.allocator
+        rows = int(layer.head_counts().shape[0])
+        if rows > 1 and self.allocator.one_row:
+            raise RuntimeConfigError(
+                f"allocator '{name}' (allocation group {self.group.describe()}) decides one budget per layer from the "
+                f"statistics of the whole prompt batch, so in a batch of {rows} rows each row's budgets would depend "
+                f"on the other rows: run one prompt at a time (batch of 1), or use a plan without this group")
         self.statistics[layer.layer_idx] = self.allocator.layer_statistic(self._context(layer))
         done = tuple(sorted(self.statistics))
         final = len(done) == len(self.group.layers)
@@ -50,13 +57,7 @@ class GroupRun:
                                     statistics=tuple(self.statistics[i] for i in done), total=sum(caps),
                                     capacities=caps, context_tokens=T, num_kv_heads=layer.head_counts().shape[1],
                                     final=final)
-        budgets = torch.as_tensor(self.allocator.allocate(request))
-        Hkv = request.num_kv_heads
-        if budgets.dtype.is_floating_point or tuple(budgets.shape) not in ((len(done),), (len(done), Hkv)):
-            raise RuntimeConfigError(f"allocator '{name}' returned budgets of shape {tuple(budgets.shape)} and dtype "
-                                     f"{budgets.dtype}; expected int [{len(done)}] or [{len(done)}, {Hkv}] "
-                                     f"(fix the allocator's allocate())")
-        budgets = budgets.long().clamp(1, T)
+        budgets = checked_budgets(self.allocator, self.allocator.allocate(request), request)
         for i, b in zip(done, budgets):
             target = layers[i]
             target.budget = b.clone() if b.dim() else int(b)

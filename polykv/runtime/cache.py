@@ -33,12 +33,14 @@ class PlanCache(Cache):
 
     def __init__(self, *, specs: list[LayerSpec], registry, decode_slack: int, rope_inv_freq: torch.Tensor | None,
                  rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None,
-                 groups: tuple = (), storage_dtype: torch.dtype | None = None):
+                 groups: tuple = (), storage_dtype: torch.dtype | None = None, check: bool = False):
         from polykv.runtime.allocation import GroupRun
 
         self.registry, self.decode_slack = registry, decode_slack
         self.storage_dtype = storage_dtype
         """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
+        self.check = check
+        """Run the expensive plugin contract checks (:mod:`polykv.contract_checks`)."""
         self.rope_inv_freq, self.rope_scaling = rope_inv_freq, rope_scaling
         self.model_data, self.generator = model_data, generator
         self.prefill_continues = False

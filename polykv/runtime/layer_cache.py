@@ -29,12 +29,12 @@ import attrs
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from polykv.contract_checks import StoreContract, checked_selection
 from polykv.errors import RuntimeConfigError
 from polykv.operators import SelectionContext
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.reserve import layer_hold, reserve_tokens
 from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
-from polykv.runtime.selection_check import checked_selection
 from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.selection import Selection, ragged_top_k
 from polykv.runtime.stores import new_store
@@ -84,7 +84,10 @@ class LayerCache(CacheLayerMixin):
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
         self.storage = LayerStorage(self._new_store, self.reserve_for,
-                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
+                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
+                                    contract=StoreContract.for_plan_layer(layer_idx, spec.plan, owner.registry,
+                                                                          storage_dtype=owner.storage_dtype,
+                                                                          full=owner.check))
         self.states = new_rule_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
         self.extra_states: list = []
@@ -375,7 +378,8 @@ class LayerCache(CacheLayerMixin):
             accumulated=acc.sums if acc is not None else None,
             query_counts=acc.query_counts(view.positions) if acc is not None else None,
             rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
-            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity)
+            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity,
+            checks=owner.check)
 
     def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
         """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``

@@ -13,12 +13,16 @@ unpatched.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
 import warnings
 from typing import Any, Mapping
 
 import attrs
 import torch
 
+from polykv.contract_checks import checks_enabled
 from polykv.errors import PlanError, RuntimeConfigError
 from polykv.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
@@ -58,8 +62,8 @@ class ResidentBytes:
 
 
 def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
-          seed: int = 0, storage_dtype: torch.dtype | None = None, tokenizer=None,
-          missing_model_data: str = "compute") -> "Session":
+          seed: int = 0, storage_dtype: torch.dtype | None = None, check: bool | None = None,
+          tokenizer=None, missing_model_data: str = "compute") -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
 
     Per-model data the plan's rules read (TriAttention's query statistics; :mod:`polykv.model_data`)
@@ -72,6 +76,9 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
     cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
     compute dtype. None keeps them in the compute dtype.
+
+    ``check=True`` runs the expensive plugin contract checks as well as the cheap ones that always run
+    (:mod:`polykv.contract_checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
 
     Raises
     ------
@@ -89,6 +96,10 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         from polykv.registry import get_registry
 
         registry = get_registry()
+    if not isinstance(plan, Plan):
+        raise RuntimeConfigError(f"apply(model, plan) needs a polykv Plan, got a {type(plan).__name__}; load a plan "
+                                 f"file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
+    _check_seed(seed)
     check_servable(model)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
@@ -103,6 +114,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
                                  f"torch.float32), got {storage_dtype!r}")
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
+    _check_model_data(model_data, plan, registry, model)
     modules = _attention_modules(model, geometry.num_layers)
     _check_layer_shapes(model, modules, geometry)
     data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
@@ -110,7 +122,43 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     session = Session(model, plan, registry=registry, modules=modules, model_data=data, seed=seed,
                       geometry=geometry)
     session.storage_dtype = storage_dtype
+    session.check = checks_enabled(check)
     return session
+
+
+SEED_RANGE = (0, 2 ** 64 - 1)
+"""Seeds a torch generator accepts (both ends included)."""
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise RuntimeConfigError(f"apply(seed=...) must be an integer in [{SEED_RANGE[0]}, 2**64 - 1] (it seeds the "
+                                 f"generator of sampling rules), got {seed!r}; pass e.g. seed=0")
+
+
+def _check_model_data(model_data, plan: Plan, registry, model) -> None:
+    """``model_data`` maps names to data; what the plan's rules declare they read must be that data."""
+    if model_data is None:
+        return
+    if not isinstance(model_data, Mapping) or not all(isinstance(k, str) for k in model_data):
+        raise RuntimeConfigError(f"apply(model_data=...) must be a dict from names to per-model data, e.g. "
+                                 f"{{'triattention': QueryStats.load(path)}}, got {type(model_data).__name__}")
+    from polykv.model_data import needs_of_rules
+
+    for need in needs_of_rules(registry, sorted(plan.rules_used())):
+        data = model_data.get(need.key)
+        if data is None or need.check is None:
+            continue
+        what = need.description or "per-model data"
+        try:
+            need.check(data, model)
+        except (AttributeError, TypeError):
+            raise RuntimeConfigError(
+                f"apply(model_data=...): model_data['{need.key}'] is a {type(data).__name__}, not the {what} the "
+                f"plan's rules read; pass the object calibration saved beside the profile (see docs/calibration.md)"
+            ) from None
+        except ValueError as exc:
+            raise RuntimeConfigError(f"apply(model_data=...): model_data['{need.key}']: {exc}") from None
 
 
 def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str, Any] | None = None,
@@ -119,9 +167,10 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
     from polykv.model_data import find_model_data, needs_of_rules, tokenizer_of
 
     rules = sorted(plan.rules_used())
-    needs = [n for n in needs_of_rules(registry, rules) if n.key not in (given or {})]
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    needs = [n for n in needs_of_rules(registry, rules) if n.key not in given]
     if not needs:
-        return dict(given or {})
+        return given
     files = {k: [(path, f"plan field model_data.{k}")] for k, path in plan.model_data.items()}
     used_by = {}
     for need in needs:
@@ -208,6 +257,48 @@ def _rope(model) -> tuple[torch.Tensor | None, float]:
     return None, 1.0
 
 
+def _uses_cache(model, kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``generate(**kwargs)`` runs with a cache: its ``use_cache`` argument, else that of the
+    ``generation_config`` it was given, else the model's ``generation_config``."""
+    if kwargs.get("use_cache") is not None:
+        return bool(kwargs["use_cache"])
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "use_cache", True) is not False
+
+
+class _OneCaller:
+    """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
+    or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
+    thread meanwhile is refused in one line, instead of replacing the cache under the running one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def check(self, what: str) -> None:
+        owner = self._owner
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeConfigError(
+                f"{what} was called from a second thread while another thread's call runs in this polykv session; "
+                f"a session serves one generate/prefill/forward at a time (it holds one cache): give each thread its "
+                f"own model copy and polykv.apply session, or serialise the calls with a lock")
+
+    @contextlib.contextmanager
+    def claim(self, what: str):
+        me = threading.get_ident()
+        with self._lock:
+            self.check(what)
+            self._owner, self._depth = me, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+
 _ACTIVE_MARK = "_polykv_active_session"
 """Attribute set on a model while a session is active on it (sessions on one model do not nest)."""
 
@@ -221,6 +312,8 @@ class Session:
         self.model_data, self.geometry = model_data, geometry
         self.storage_dtype: torch.dtype | None = None
         """dtype the cache stores K/V in (None: the compute dtype); set by :func:`apply`."""
+        self.check = False
+        """Whether the expensive plugin contract checks run; set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
         self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
@@ -229,7 +322,11 @@ class Session:
         self._active = False
         self._saved_impl: list[tuple[Any, Any]] = []
         self._saved_generate = _MISSING
+        self._saved_forward = _MISSING
         self._hook = None
+        self._calls = _OneCaller()
+        self._uncached_thread: int | None = None
+        """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
         self._cache_kw = cache_keyword(model)
 
     def _layer_spec(self, lp) -> LayerSpec:
@@ -261,6 +358,8 @@ class Session:
             c._attn_implementation_internal = attention.NAME
         self._saved_generate = self.model.__dict__.get("generate", _MISSING)
         self.model.generate = self._generate
+        self._saved_forward = self.model.__dict__.get("forward", _MISSING)
+        self.model.forward = self._guarded_forward(self.model.forward)
         self.model.__dict__[_ACTIVE_MARK] = self
         self._hook = self.model.register_forward_hook(self._check_every_layer_attended)
         self._active = True
@@ -274,10 +373,11 @@ class Session:
             c._attn_implementation_internal = impl
         for m in self._modules:
             attention.unbind(m)
-        if self._saved_generate is _MISSING:
-            self.model.__dict__.pop("generate", None)
-        else:
-            self.model.generate = self._saved_generate
+        for name, saved in (("generate", self._saved_generate), ("forward", self._saved_forward)):
+            if saved is _MISSING:
+                self.model.__dict__.pop(name, None)
+            else:
+                setattr(self.model, name, saved)
         if self.model.__dict__.get(_ACTIVE_MARK) is self:
             del self.model.__dict__[_ACTIVE_MARK]
         self._active = False
@@ -296,6 +396,20 @@ class Session:
                 f"model type '{model_type(self.model)}': layers {missed} stored keys but computed attention without "
                 f"the polykv attention function; this model cannot be served (supported are {SERVED})")
 
+    def _guarded_forward(self, forward):
+        """``model.forward`` inside the block: one caller at a time (:class:`_OneCaller`); inside an uncached
+        ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does)."""
+
+        @functools.wraps(forward)
+        def guarded(*args, **kwargs):
+            with self._calls.claim("a model forward"):
+                if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
+                    kwargs.pop("past_key_values", None)
+                    kwargs[self._cache_kw] = self.new_cache()
+                return forward(*args, **kwargs)
+
+        return guarded
+
     def _require_active(self) -> None:
         if not self._active:
             raise RuntimeConfigError("use the session inside its with-block: 'with polykv.apply(model, plan) as s:'")
@@ -304,6 +418,7 @@ class Session:
     def new_cache(self) -> PlanCache:
         """A fresh, empty plan cache; it becomes :attr:`cache`."""
         self._require_active()
+        self._calls.check("new_cache()")
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed)
@@ -311,7 +426,7 @@ class Session:
         self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
                                 rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
                                 generator=gen, groups=self._groups,
-                                storage_dtype=self.storage_dtype)
+                                storage_dtype=self.storage_dtype, check=self.check)
         return self._cache
 
     @property
@@ -353,6 +468,10 @@ class Session:
 
     def _generate(self, *args, **kwargs):
         self._require_active()
+        with self._calls.claim("generate()"):
+            return self._generate_one(*args, **kwargs)
+
+    def _generate_one(self, *args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.note_context(ids.shape[1])
@@ -360,6 +479,8 @@ class Session:
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)
         given = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+        if not _uses_cache(self.model, kwargs):
+            return self._generate_uncached(given, *args, **kwargs)
         if given is None:
             kwargs[self._cache_kw] = self.new_cache()
         elif given is not self._cache:
@@ -367,26 +488,54 @@ class Session:
                                      "session.cache or session.new_cache(), or no cache at all")
         return type(self.model).generate(self.model, *args, **kwargs)
 
+    def _generate_uncached(self, given, *args, **kwargs):
+        """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
+        for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
+        fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
+               "checkpoints' generation_config.json say false), or generate outside polykv.apply")
+        if not self.plan.keeps_everything:
+            raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
+                                     f"without a cache there is nothing to compress: {fix}")
+        if given is not None:
+            raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
+        self._uncached_thread = threading.get_ident()
+        try:
+            return type(self.model).generate(self.model, *args, **kwargs)
+        finally:
+            self._uncached_thread = None
+
     def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
         """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
 
         Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
         model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
         """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+                or input_ids.dtype == torch.bool or input_ids.is_complex():
+            tensor = isinstance(input_ids, torch.Tensor)
+            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if tensor
+                   else f"a {type(input_ids).__name__}")
+            fix = ("for one prompt pass ids[None] (shape [1, tokens])" if tensor and input_ids.dim() == 1
+                   else "pass the tokenizer's input_ids, e.g. tokenizer(text, return_tensors='pt').input_ids")
+            raise RuntimeConfigError(f"prefill(input_ids) needs token ids as an integer tensor [batch, tokens], got "
+                                     f"{got}: {fix}")
         T = input_ids.shape[1]
         if T < 1:
             raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
-        cache = self.new_cache()
-        self.note_context(T)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise RuntimeConfigError(f"prefill(chunk_size=...) must be a positive whole number of tokens, or None for "
+                                     f"one forward over the whole prompt; got {chunk_size!r}")
         step = chunk_size or T
-        if step < 1:
-            raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-        out = None
-        for start in range(0, T, step):
-            cache.prefill_continues = start + step < T
-            out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
-                             **model_kwargs)
-        cache.prefill_continues = False
+        with self._calls.claim("prefill()"):
+            cache = self.new_cache()
+            self.note_context(T)
+            out = None
+            for start in range(0, T, step):
+                cache.prefill_continues = start + step < T
+                out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
+                                 **model_kwargs)
+            cache.prefill_continues = False
         return out
 
     def resident_bytes(self) -> ResidentBytes:

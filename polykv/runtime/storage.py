@@ -20,6 +20,7 @@ from typing import Callable
 import attrs
 import torch
 
+from polykv.contract_checks import NoContract
 from polykv.operators import KVStore, WriteCost
 from polykv.reserve import reserve_tokens
 from polykv.token_buffer import TokenBuffer
@@ -79,11 +80,15 @@ class LayerStorage:
     exact_growth : bool
         True for a layer that evicts: an append that does not fit grows the buffers to exactly the new
         length (a ratio capacity's slow growth), not to the next :data:`polykv.reserve.GROWTH_BLOCK`.
+    contract : StoreContract, optional
+        The checks run after every store call (:class:`polykv.contract_checks.StoreContract`); none by default.
     """
 
     def __init__(self, new_store: Callable[[str], KVStore],
-                 reserve_for: Callable[[int, bool], int] | None = None, *, exact_growth: bool = False):
+                 reserve_for: Callable[[int, bool], int] | None = None, *, exact_growth: bool = False,
+                 contract=None):
         self._new_store = new_store
+        self.contract = contract if contract is not None else NoContract()
         self._exact_growth = exact_growth
         self._reserve_for = reserve_for or (lambda kept, ragged: reserve_tokens(kept, None))
         self.key_store: KVStore | None = None
@@ -124,6 +129,7 @@ class LayerStorage:
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append(positions)
+            self.contract.after("fill", self, keys=keys)
             return
         self.segments = []
         for b in range(B):
@@ -138,6 +144,7 @@ class LayerStorage:
                 seg.value.append(values[b:b + 1, h:h + 1, K - n:])
                 seg.pos.append(positions[b:b + 1, h:h + 1, K - n:])
                 self.segments.append(seg)
+        self.contract.after("fill", self, keys=keys)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
         """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""
@@ -150,6 +157,7 @@ class LayerStorage:
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append_arange(first_position, q)
+            self.contract.after("append", self)
             return
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
@@ -159,6 +167,7 @@ class LayerStorage:
             seg.key.append(keys[b:b + 1, h:h + 1])
             seg.value.append(values[b:b + 1, h:h + 1])
             seg.pos.append_arange(first_position, q)
+        self.contract.after("append", self)
 
     # -- reading ---------------------------------------------------------------------------------
     def uniform_count(self) -> int | None:
@@ -179,6 +188,10 @@ class LayerStorage:
             return torch.full((B, H), self._pos.length, dtype=torch.long)
         return torch.tensor([seg.length for seg in self.segments], dtype=torch.long).view(B, H)
 
+    def reserve_rows(self, kept: int) -> int:
+        """Token rows a head holding ``kept`` tokens reserves in this layout (uniform or ragged)."""
+        return self._reserve_for(kept, self.ragged)
+
     def width(self) -> int:
         """Stored tokens of the longest head (the padded width of :meth:`view`)."""
         if not self.ragged:
@@ -188,12 +201,16 @@ class LayerStorage:
     def view(self) -> StorageView:
         """Dense, dequantized tensors of everything stored (see :class:`StorageView`); uniform 16-bit
         storage returns views of its buffers (no copy)."""
+        c = self.contract
         if not self.ragged:
-            return StorageView(keys=self.key_store.dequantize(), values=self.value_store.dequantize(),
+            (B, H), n = self.shape, self._pos.length
+            return StorageView(keys=c.read("key", self.key_store.dequantize(), n, B, H),
+                               values=c.read("value", self.value_store.dequantize(), n, B, H),
                                positions=self._pos.view(), valid=None)
         B, H = self.shape
         W = self.width()
-        parts = [(seg.key.dequantize(), seg.value.dequantize()) for seg in self.segments]
+        parts = [(c.read("key", seg.key.dequantize(), seg.length, 1, 1),
+                  c.read("value", seg.value.dequantize(), seg.length, 1, 1)) for seg in self.segments]
         k0 = parts[0][0]
         keys = k0.new_zeros(B, H, W, k0.shape[-1])
         values = keys.new_zeros(B, H, W, parts[0][1].shape[-1])
@@ -220,6 +237,7 @@ class LayerStorage:
             for store in (self.key_store, self.value_store, self._pos):
                 store.gather(selection.index)
                 _reserve(store, rows)
+            self.contract.after("gather", self)
             return
         if not self.ragged:
             self._split()
@@ -237,11 +255,13 @@ class LayerStorage:
             for store in (seg.key, seg.value, seg.pos):
                 store.gather(idx)
                 _reserve(store, rows)
+        self.contract.after("gather", self)
 
     def _write(self, stream: str, mask: torch.Tensor, x: torch.Tensor) -> None:
         if not self.ragged:
             store = self.key_store if stream == "key" else self.value_store
-            self.write_cost += store.write(mask, x)
+            self.write_cost += self.contract.written(stream, store, mask, store.write(mask, x))
+            self.contract.after("write", self)
             return
         W = x.shape[2]
         for i, seg in enumerate(self.segments):
@@ -250,7 +270,8 @@ class LayerStorage:
             m = mask[b:b + 1, h:h + 1, W - n:]
             if bool(m.any()):
                 store = seg.key if stream == "key" else seg.value
-                self.write_cost += store.write(m, x[b:b + 1, h:h + 1, W - n:])
+                self.write_cost += self.contract.written(stream, store, m, store.write(m, x[b:b + 1, h:h + 1, W - n:]))
+        self.contract.after("write", self)
 
     def _split(self) -> None:
         """Turn uniform storage ragged: one segment per (batch row, head), codes kept as they are."""

@@ -147,11 +147,38 @@ def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, 
     return _save(fig, path)
 
 
+FIGURE_SOFTWARE = "polykv report"
+"""The PNG ``Software`` text every report figure carries: how a later report knows the file is its own."""
+
+
 def _save(fig, path: str) -> str:
     from polykv.atomic import replace_with
 
     try:
-        replace_with(path, lambda tmp: fig.savefig(tmp, dpi=130, format="png"))
+        replace_with(path, lambda tmp: fig.savefig(tmp, dpi=130, format="png",
+                                                   metadata={"Software": FIGURE_SOFTWARE}))
     finally:
         plt.close(fig)
     return path
+
+
+def is_report_figure(path: str) -> bool:
+    """True when ``path`` is a PNG a polykv report wrote (its ``Software`` text chunk, before the image data)."""
+    import struct
+
+    want = b"Software\0" + FIGURE_SOFTWARE.encode()
+    with open(path, "rb") as fh:
+        if fh.read(8) != b"\x89PNG\r\n\x1a\n":
+            return False
+        for _ in range(64):
+            head = fh.read(8)
+            if len(head) < 8:
+                return False
+            size, kind = struct.unpack(">I4s", head)
+            if kind in (b"IDAT", b"IEND") or size > 1 << 20:
+                return False
+            body = fh.read(size)
+            fh.read(4)  # CRC
+            if kind == b"tEXt" and body == want:
+                return True
+    return False

@@ -14,7 +14,8 @@ and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-fo
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from typing import Any, Callable
 
 import numpy as np
 
@@ -187,7 +188,7 @@ def _optimality(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
-def _task_section(res: Results, task: str, out_dir: str, figures: list[str], profile=None) -> list[str]:
+def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
     lines += _context_notes(res, task)
@@ -197,11 +198,10 @@ def _task_section(res: Results, task: str, out_dir: str, figures: list[str], pro
     full = next((r for r in rows if r["policy"] == "full"), None)
     points = [r for r in rows if r["budget"] is not None and r["role"] != "placement" and r["binary"]]
     if points:
-        fig = plots.score_vs_memory(points, os.path.join(out_dir, f"{task}-score-vs-memory.png"),
-                                    title=f"{task}: accuracy vs measured KV memory",
-                                    full=full if full and full["binary"] else None)
-        figures.append(fig)
-        lines += [f"![score vs memory]({os.path.basename(fig)})", ""]
+        fig = figures.add(f"{task}-score-vs-memory", lambda path: plots.score_vs_memory(
+            points, path, title=f"{task}: accuracy vs measured KV memory",
+            full=full if full and full["binary"] else None))
+        lines += [f"![score vs memory]({fig})", ""]
     matched = _matched(res, task)
     if matched:
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
@@ -274,6 +274,42 @@ def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     return rows, T
 
 
+class Figures:
+    """The figures of one report, drawn only once every path is known to be safe to write.
+
+    File names come from task names and budgets read from the results file: every character but letters,
+    digits, ``_``, ``-`` and ``.`` becomes ``_`` and leading ``.``, ``_`` and ``-`` go, so every figure stays inside the
+    report folder (a task named ``../../x`` draws ``x-score-vs-memory.png`` there); two names that end up
+    equal get ``-2``, ``-3``, ... .
+    """
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.pending: list[tuple[str, Callable[[str], str]]] = []
+
+    def add(self, stem: str, draw: Callable[[str], str]) -> str:
+        """Reserve a file name for ``draw(path)``; returns the name (relative to the report folder)."""
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip("._-") or "figure"
+        taken = {os.path.basename(p) for p, _ in self.pending}
+        name, n = f"{base}.png", 1
+        while name in taken or name == "report.md":
+            n += 1
+            name = f"{base}-{n}.png"
+        self.pending.append((os.path.join(self.out_dir, name), draw))
+        return name
+
+    def check(self, option: str, inputs) -> None:
+        """Refuse (before anything is drawn) a figure path holding a file polykv did not write."""
+        from polykv.atomic import check_output
+
+        for path, _ in self.pending:
+            check_output(path, what="report figure", option=option, recognise=plots.is_report_figure,
+                         inputs=inputs)
+
+    def draw(self) -> list[str]:
+        return [draw(path) for path, draw in self.pending]
+
+
 def is_report_file(path: str) -> bool:
     """True when ``path`` is a report.md written by :func:`write_report` (it starts with ``# Study ``)."""
     with open(path, "rb") as fh:
@@ -289,15 +325,19 @@ def check_report_folder(out_dir: str, option: str, inputs=()) -> None:
                  inputs=[p for p in inputs if p])
 
 
-def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None) -> list[str]:
-    """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written."""
+def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None,
+                 option: str = "report folder") -> list[str]:
+    """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written.
+
+    Nothing is written unless every output is safe to write: ``report.md`` and each figure is either
+    absent or a file an earlier report wrote (``option`` names the folder's option in the message).
+    """
     from polykv.atomic import write_text_atomic
 
-    check_report_folder(out_dir, "report folder", inputs=[results_path, profile_path])
+    check_report_folder(out_dir, option, inputs=[results_path, profile_path])
     res = Results.load(results_path)
     spec = res.header["spec"]
-    os.makedirs(out_dir, exist_ok=True)
-    figures: list[str] = []
+    figures = Figures(out_dir)
     lines = [f"# Study `{spec.get('name')}`", "",
              f"Results: `{results_path}` (spec hash `{res.header['spec_hash']}`); model: `{spec.get('model')}` "
              f"({spec.get('dtype')}); budgets refer to a {spec.get('context_tokens')}-token context.", "",
@@ -311,33 +351,43 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
              "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
              "reference continuation instead, one token per forward, and compare each next-token distribution with "
              "the full cache's.", "", prompt_line(res), ""]
-    profile_path = profile_path or spec.get("profile")
     prof = None
-    if profile_path and os.path.isfile(profile_path):
+    if profile_path is not None:  # asked for: it must be there
+        from polykv.atomic import check_readable_file
+        from polykv.errors import OutputError
+
+        try:
+            check_readable_file(profile_path, "profile (--profile)")
+        except OutputError as exc:
+            raise OutputError(f"--profile {exc}") from None
+    else:  # the study's own profile, when it is still where the study read it
+        profile_path = spec.get("profile")
+        profile_path = profile_path if profile_path and os.path.isfile(profile_path) else None
+    if profile_path is not None:
         from polykv.profiling.profile import load_profile
 
         prof = load_profile(profile_path)
     for task in res.tasks:
-        lines += _task_section(res, task, out_dir, figures, prof)
+        lines += _task_section(res, task, figures, prof)
     for b in designs.budgets(res):
         rows, T = _route_rows(res, b)
         if rows:
-            fig = plots.route_strip(rows, os.path.join(out_dir, f"routes-{b}.png"), context_tokens=T,
-                                    title=f"per-layer plans at budget {b} (T = {T})")
-            figures.append(fig)
-            lines += [f"![routes at {b}]({os.path.basename(fig)})", ""]
+            fig = figures.add(f"routes-{b}", lambda path, rows=rows, T=T, b=b: plots.route_strip(
+                rows, path, context_tokens=T, title=f"per-layer plans at budget {b} (T = {T})"))
+            lines += [f"![routes at {b}]({fig})", ""]
     if prof is not None:
         stat = None
         if prof.stats:
             name = "cosine" if "cosine" in prof.stats else sorted(prof.stats)[0]
             st = prof.stats[name]
             stat = (st.values, st.columns, f"stats.{name}")
-        fig = plots.sensitivity_heatmap(prof.table(), [c.label for c in prof.configs],
-                                        os.path.join(out_dir, "sensitivity.png"),
-                                        title=f"profile {prof.fingerprint}: metric '{prof.default_metric}'",
-                                        stat=stat)
-        figures.append(fig)
-        lines += ["## Profile", "", f"![sensitivity heatmap]({os.path.basename(fig)})", ""]
+        fig = figures.add("sensitivity", lambda path: plots.sensitivity_heatmap(
+            prof.table(), [c.label for c in prof.configs], path,
+            title=f"profile {prof.fingerprint}: metric '{prof.default_metric}'", stat=stat))
+        lines += ["## Profile", "", f"![sensitivity heatmap]({fig})", ""]
+    figures.check(option, inputs=[p for p in (results_path, profile_path) if p])
+    os.makedirs(out_dir, exist_ok=True)
+    drawn = figures.draw()
     md = os.path.join(out_dir, "report.md")
     write_text_atomic(md, "\n".join(lines) + "\n")
-    return [md] + figures
+    return [md] + drawn

@@ -18,11 +18,11 @@ from typing import Any, Iterable
 import attrs
 import numpy as np
 
-from polykv.atomic import append_line_durable
-from polykv.errors import StudyError
+from polykv.atomic import FileLock, LockBusy, append_line_durable
+from polykv.errors import OutputError, StudyError
 
-FORMAT = "polykv-study-results"
-VERSION = 1
+from polykv.strict_json import JsonInputError, loads_strict
+from polykv.studies.records import FORMAT, VERSION, BadField, RecordChecker
 
 
 HEADER_PREFIX = b'{"format": "polykv-study-results"'
@@ -64,27 +64,39 @@ def _not_ours(path: str) -> StudyError:
                       "polykv will not change or delete it. Pass another results path")
 
 
+def _damaged(path: str, line: int, problem: str, field: str | None = None) -> StudyError:
+    where = f"{path} line {line}" + (f", field '{field}'" if field else "")
+    return StudyError(f"{where}: {problem}; the results file is damaged (fix or remove that line, or start a new "
+                      "results file)")
+
+
 def _read_lines(path: str) -> tuple[list[dict], int | None]:
-    """Parsed records, and the byte offset of a torn last line (None when the file ends cleanly)."""
+    """Checked records, and the byte offset of a torn last line (None when the file ends cleanly).
+
+    Every complete line must be a valid record (:mod:`polykv.studies.records`); only the last line,
+    when it lacks its newline (the process stopped while writing it), is left out instead.
+    """
     records, offset = [], 0
     data = _read_bytes(path)
     if not _recognised(data):
         raise _not_ours(path)
+    checker = RecordChecker()
     lines = data.split(b"\n")
     for i, line in enumerate(lines):
-        last = i == len(lines) - 1
-        if not line.strip():
-            offset += len(line) + 1
-            continue
+        if i == len(lines) - 1:  # after the last newline: empty, or a line torn by a killed process
+            return records, (offset if line else None)
         try:
-            records.append(json.loads(line))
-        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
-            if last:  # written without its newline: the process stopped mid-line
-                return records, offset
-            raise StudyError(f"{path} line {i + 1}: not a JSON record; the results file is damaged "
-                             "(remove that line, or start a new results file)") from None
-        if last:  # a complete record without its newline is still torn: the newline never arrived
-            return records[:-1], offset
+            rec = loads_strict(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise _damaged(path, i + 1, f"not UTF-8 text (byte {exc.start})") from None
+        except JsonInputError as exc:
+            problem = "an empty line" if not line.strip() else f"not a JSON record ({exc.message}, column " \
+                                                              f"{exc.column})"
+            raise _damaged(path, i + 1, problem) from None
+        try:
+            records.append(checker.check(rec, i + 1))
+        except BadField as exc:
+            raise _damaged(path, i + 1, exc.problem, exc.field) from None
         offset += len(line) + 1
     return records, None
 
@@ -119,31 +131,42 @@ class ResultsWriter:
         self.done: set[tuple[str, str, str]] = {(r["policy"], r["task"], r["item"]) for r in records
                                                 if r.get("kind") == "result"}
         self.policies: dict[str, dict] = {r["policy"]: r for r in records if r.get("kind") == "policy"}
+        self._checker = RecordChecker()
+        for i, rec in enumerate(records):
+            self._checker.check(rec, i + 1)
 
     @classmethod
     def check(cls, path: str, spec_hash: str) -> list[dict]:
         """Records of an existing file of this study ([] when there is none); else a StudyError.
 
-        Refuses a file that is not a results file (never deleting it), one of another study, and one
-        another process is writing right now.
+        Refuses a file that is not a results file (never deleting it), a damaged one, one of another
+        study, and one another process is writing right now.
         """
         ResultsLock.probe(path)
-        return cls._existing(path, spec_hash)
+        return cls._existing(path, spec_hash)[0]
 
     @staticmethod
-    def _existing(path: str, spec_hash: str) -> list[dict]:
+    def _existing(path: str, spec_hash: str) -> tuple[list[dict], int | None]:
+        """(records of this study, offset of a torn last line); ([], None) when the file may start afresh."""
         if os.path.isdir(path):
             raise StudyError(f"{path}: is a folder; --results names the results file (JSONL) to write")
-        if not os.path.exists(path) or not _read_lines(path)[0]:
-            return []  # no file, an empty one, or only a torn header: start afresh
-        records = read_records(path)
-        theirs = records[0].get("spec_hash")
+        if not os.path.exists(path):
+            return [], None
+        try:
+            records, torn = _read_lines(path)
+        except StudyError:
+            header = _header_of(path)
+            if header is not None and header["spec_hash"] != spec_hash:  # not ours to check or resume
+                raise _other_study(path, header["spec_hash"], spec_hash) from None
+            raise
+        if not records:
+            return [], None  # an empty file, or only a torn header: start afresh
+        theirs = records[0]["spec_hash"]
         if theirs != spec_hash:
-            if not any(r.get("kind") == "result" for r in records):
-                return []  # a run refused before its first result (the spec was fixed since): nothing to lose
-            raise StudyError(f"{path}: this results file belongs to another study (spec hash {theirs}, this spec "
-                             f"is {spec_hash}); pass another results path, or delete the file to start over")
-        return records
+            if not any(r["kind"] == "result" for r in records):
+                return [], None  # a run refused before its first result (the spec was fixed since): nothing to lose
+            raise _other_study(path, theirs, spec_hash)
+        return records, torn
 
     @classmethod
     def open(cls, path: str, spec_hash: str, spec: dict[str, Any]) -> "ResultsWriter":
@@ -151,23 +174,24 @@ class ResultsWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         lock = ResultsLock.acquire(path)
         try:
-            records = cls._existing(path, spec_hash)
+            records, torn = cls._existing(path, spec_hash)
             if records:
-                _, torn = _read_lines(path)
                 if torn is not None:
                     with open(path, "r+b") as fh:
                         fh.truncate(torn)
             else:
                 header = {"kind": "header", "format": FORMAT, "version": VERSION, "spec_hash": spec_hash,
                           "spec": spec}
+                line = _checked_line(header, RecordChecker(), path, 1)
                 with open(path, "wb"):  # empty, or only our own torn header (checked above)
                     pass
-                append_line_durable(path, json.dumps(header, sort_keys=True))
-                records = [header]
+                append_line_durable(path, line)
+                records = [json.loads(line)]
+            writer = cls(path, spec_hash, records, lock)
         except BaseException:
             lock.release()
             raise
-        return cls(path, spec_hash, records, lock)
+        return writer
 
     def close(self) -> None:
         """Release the lock (appending after this is an error)."""
@@ -182,82 +206,86 @@ class ResultsWriter:
         self.close()
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one record durably; a result record marks its (policy, task, item) done."""
-        append_line_durable(self.path, json.dumps(record, sort_keys=True, allow_nan=False))
+        """Check one record as the reader will, then write it durably; a result record marks its
+        (policy, task, item) done."""
+        append_line_durable(self.path, _checked_line(record, self._checker, self.path, self._checker.lines + 1))
         if record["kind"] == "result":
             self.done.add((record["policy"], record["task"], record["item"]))
         elif record["kind"] == "policy":
             self.policies[record["policy"]] = record
 
 
-class ResultsLock:
-    """An exclusive advisory lock on ``<results>.lock`` (``fcntl.flock``), naming its holder.
+def _other_study(path: str, theirs: str, spec_hash: str) -> StudyError:
+    return StudyError(f"{path}: this results file belongs to another study (spec hash {theirs}, this spec is "
+                      f"{spec_hash}); pass another results path, or delete the file to start over")
 
-    The lock file stays after release (removing it would race with a process about to lock it); the
-    lock itself goes with the process, also when it is killed.
+
+def _header_of(path: str) -> dict | None:
+    """The valid header on line 1 of ``path``, else None."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(1 << 26)
+        if not first.endswith(b"\n"):
+            return None
+        return RecordChecker().check(loads_strict(first.decode("utf-8")), 1)
+    except (OSError, ValueError):  # UnicodeDecodeError, JsonInputError and BadField are ValueErrors
+        return None
+
+
+def _checked_line(record: Any, checker: RecordChecker, path: str, line: int) -> str:
+    """The JSON line of ``record``, which must be one the reader accepts (else nothing is written)."""
+    try:
+        text = json.dumps(record, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise StudyError(f"{path}: refusing to write line {line}: {exc}; nothing was written (this is a bug in "
+                         "whatever made the record: please report it)") from None
+    try:
+        checker.check(json.loads(text), line)
+        return text
+    except BadField as exc:
+        raise StudyError(f"{path}: refusing to write line {line}" + (f", field '{exc.field}'" if exc.field else "")
+                         + f": {exc.problem}; nothing was written (this is a bug in whatever made the record: "
+                           "please report it)") from None
+
+
+class ResultsLock:
+    """An exclusive advisory lock on ``<results>.lock`` beside the resolved results path, naming its holder.
+
+    The lock file is keyed by the results file's resolved path, so a symlink to a results file and the
+    file itself share one lock. See :class:`polykv.atomic.FileLock`: the lock file is created
+    exclusively, never followed through a symlink, and an existing file that is not a polykv lock is
+    refused untouched.
     """
 
-    def __init__(self, path: str, fd: int):
-        self.path, self.fd = path, fd
+    def __init__(self, path: str, lock: FileLock):
+        self.path, self._lock = path, lock
 
     @staticmethod
     def lock_path(results: str) -> str:
-        return results + ".lock"
+        return os.path.realpath(results) + ".lock"
 
     @classmethod
     def acquire(cls, results: str, *, record: bool = True) -> "ResultsLock":
-        import fcntl
-        import socket
-        import time
-
         path = cls.lock_path(results)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StudyError(f"{path}: cannot create the results lock file ({exc.strerror}); choose a writable "
-                             "results folder") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise StudyError(f"{results}: another polykv study is writing this results file ({holder}); wait "
+            lock = FileLock.acquire(path, record=record, what="results lock file")
+        except LockBusy as exc:
+            raise StudyError(f"{results}: another polykv study is writing this results file ({exc.holder}); wait "
                              "for it to finish, or pass another --results path") from None
-        if not record:
-            return cls(path, fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n".encode())
-        return cls(path, fd)
+        except OutputError as exc:
+            raise StudyError(f"{exc} (--results {results})") from None
+        return cls(path, lock)
 
     @classmethod
     def probe(cls, results: str) -> None:
-        """Raise the lock's StudyError when another process holds it; hold nothing afterwards."""
-        if not os.path.exists(cls.lock_path(results)):
+        """Raise the lock's StudyError when another process holds it (or the lock file is not ours);
+        hold nothing afterwards."""
+        if not os.path.lexists(cls.lock_path(results)):
             return
         cls.acquire(results, record=False).release(clear=False)
 
     def release(self, clear: bool = True) -> None:
-        import fcntl
-
-        if self.fd is None:
-            return
-        if clear:
-            try:
-                os.ftruncate(self.fd, 0)
-            except OSError:
-                pass
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        self.fd = None
-
-
-def _holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        text = ""
-    return text or "holder unknown"
+        self._lock.release(clear=clear)
 
 
 @attrs.define

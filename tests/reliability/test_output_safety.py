@@ -15,6 +15,10 @@ from polykv.cli import main
 from polykv.errors import StudyError
 from polykv.studies.results import ResultsLock, ResultsWriter, read_records
 
+RESULT = {"kind": "result", "task": "t", "item": "i-0", "score": 1.0, "kv_bytes": 10, "full_kv_bytes": 20,
+          "context_tokens": 4}
+"""The fields every result record carries (the reader refuses one without them)."""
+
 
 def test_a_foreign_one_line_file_is_never_taken_for_a_torn_header(tmp_path):
     notes = tmp_path / "notes.txt"
@@ -43,7 +47,8 @@ def test_a_refused_run_before_any_result_does_not_block_the_fixed_spec(tmp_path)
         assert not w.done
     assert read_records(path)[0]["spec_hash"] == "spec-new"
     with ResultsWriter.open(path, "spec-new", {"name": "x"}) as w:
-        w.append({"kind": "result", "policy": "full", "task": "t", "item": "i-0", "score": 1.0})
+        w.append({"kind": "policy", "policy": "full"})
+        w.append(dict(RESULT, policy="full"))
     with pytest.raises(StudyError, match="belongs to another study"):
         ResultsWriter.check(path, "spec-other")
 
@@ -56,7 +61,8 @@ def test_a_second_writer_in_another_process_is_refused_naming_the_holder(tmp_pat
         w = ResultsWriter.open({path!r}, "spec-1", {{"name": "x"}})
         print("locked", flush=True)
         sys.stdin.readline()
-        w.append({{"kind": "result", "policy": "p", "task": "t", "item": "i-0", "score": 1.0}})
+        w.append({{"kind": "policy", "policy": "p"}})
+        w.append({{**{RESULT!r}, "policy": "p"}})
         w.close()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -81,7 +87,7 @@ def test_two_writers_started_together_never_both_write(tmp_path):
             ResultsWriter.open(path, "spec-1", {"name": "x"})
     finally:
         first.close()
-    assert open(path + ".lock").read() == ""  # released locks name no holder
+    assert "pid" not in open(path + ".lock").read()  # released locks name no holder
 
 
 def test_atomic_writes_clean_stale_temp_files_of_dead_processes(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from polykv.adapters.rules.cake import CAKEAllocator, CAKERule, split_budgets
 from polykv.rule_state import QueryWindow
@@ -127,3 +128,89 @@ def test_cake_allocator_splits_the_group_total_by_preference():
     got = CAKEAllocator(window=4).allocate(req).tolist()
     # non-window total 3 * 40 = 120 split 12 / 36 / 72, capped at 48: excess 24 -> 12 each to the two others
     assert got == [12 + 12 + 4, 36 + 12 + 4, 48 + 4] and sum(got) == 3 * 44
+
+
+@pytest.mark.parametrize("capacity, window", [(8, 32), (40, 32), (20, 8), (9, 8)])
+def test_cake_allocator_keeps_the_windows_inside_the_group_total(capacity, window):
+    """The paper's budget includes the window: a group never holds more than its planned total, also when
+    the total cannot hold one window per layer (every layer then keeps an equal share, all window)."""
+    from polykv.allocators import AllocationRequest
+
+    L, S = 4, 100
+    req = AllocationRequest(group_layers=tuple(range(L)), layers=tuple(range(L)), statistics=(1.0, 2.0, 3.0, 4.0),
+                            total=L * capacity, capacities=(capacity,) * L, context_tokens=S, num_kv_heads=2,
+                            final=True)
+    got = CAKEAllocator(window=window).allocate(req).tolist()
+    assert sum(got) == L * capacity and all(1 <= b <= S for b in got)
+    if capacity >= window:
+        assert all(b >= window for b in got)          # every layer keeps its window
+    else:
+        assert max(got) - min(got) <= 1               # an equal share of a total smaller than the windows
+
+
+def _cake_group_plan(geo, *, capacity: int, rule_window: int | None = None, group_window: int | None = None):
+    import attrs
+
+    import polykv
+    from polykv.plan import AllocationGroup
+
+    params = {} if rule_window is None else {"window": rule_window}
+    plan = polykv.uniform_plan(geo, prefill="cake", decode="cake", capacity=capacity, params=params)
+    group = AllocationGroup(allocator="cake", layers=tuple(range(geo.num_layers)),
+                            params={} if group_window is None else {"window": group_window})
+    return attrs.evolve(plan, allocation=(group,))
+
+
+@pytest.mark.parametrize("capacity", [8, 40])
+def test_a_cake_group_holds_at_most_its_total_after_prefill_and_decode(capacity):
+    import polykv
+    from polykv.geometry import geometry_of_model
+    from polykv.memory.report import memory_report
+    from polykv.testing import tiny_model, token_ids
+
+    model = tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16)
+    geo = geometry_of_model(model)
+    plan = _cake_group_plan(geo, capacity=capacity)
+    total = 4 * capacity
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        out = session.prefill(token_ids(1, 100))
+        held = [max(max(row) for row in a["stored"]) for a in session.allocations().values()]
+        assert sum(held) <= total
+        from polykv.runtime.fork import forward
+
+        for _ in range(3):
+            out = forward(session, out.logits[:, -1:].argmax(-1))
+        budgets = [a["budget"] for a in session.allocations().values()]
+    assert sum(budgets) <= total
+    # what plan show states for the group is the bound the runtime keeps
+    (name, bound), = memory_report(plan, geo, 100).group_bounds
+    assert bound == total >= sum(held)
+
+
+def test_a_cake_rule_window_other_than_its_allocators_is_refused_at_validation():
+    import polykv
+    from polykv.errors import PlanError
+    from polykv.geometry import geometry_of_model
+    from polykv.testing import tiny_model
+
+    geo = geometry_of_model(tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16))
+    for rule_window, group_window in [(8, None), (None, 8), (16, 8)]:
+        plan = _cake_group_plan(geo, capacity=40, rule_window=rule_window, group_window=group_window)
+        with pytest.raises(PlanError) as info:
+            plan.validate(registry=polykv.get_registry())
+        text = str(info.value)
+        assert "layers[0].prefill.params.window" in text and "allocator 'cake'" in text and "\n" not in text
+    _cake_group_plan(geo, capacity=40, rule_window=8, group_window=8).validate(registry=polykv.get_registry())
+
+
+def test_the_cake_allocator_refuses_a_batch_of_several_rows():
+    import polykv
+    from polykv.errors import RuntimeConfigError
+    from polykv.geometry import geometry_of_model
+    from polykv.testing import tiny_model, token_ids
+
+    model = tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16)
+    plan = _cake_group_plan(geometry_of_model(model), capacity=40)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        with pytest.raises(RuntimeConfigError, match=r"allocator 'cake' .*batch of 2 rows.*one prompt at a time"):
+            session.prefill(token_ids(2, 100))

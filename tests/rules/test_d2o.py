@@ -120,13 +120,16 @@ def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
             acc = ctx.accumulated[b, h].tolist()
             rest = sorted(range(2, 11), key=lambda j: (-acc[j], j))[:2]
             assert kept[b, h].tolist() == sorted([0, 1] + rest + [11, 12, 13])
-    want_keys, sims = naive_merge(ctx.keys, kept.tolist(), state.tau, variant)
-    tau0 = (sum(sims) / len(sims)) if variant == "code" else max(sims)
-    assert state.tau == pytest.approx(tau0, abs=1e-6)
-    for stream, x in (("key", ctx.keys), ("value", ctx.keys)):
-        merged, _ = sel.merge.apply(x)
-        got = merged.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
-        assert torch.allclose(got.double(), want_keys, atol=1e-5), stream
+    # one threshold per batch row, from that row's evicted tokens only
+    assert len(state.tau) == 2
+    for b in range(2):
+        want_keys, sims = naive_merge(ctx.keys[b:b + 1], kept[b:b + 1].tolist(), state.tau[b], variant)
+        tau0 = (sum(sims) / len(sims)) if variant == "code" else max(sims)
+        assert state.tau[b] == pytest.approx(tau0, abs=1e-6)
+        for stream, x in (("key", ctx.keys), ("value", ctx.keys)):
+            merged, _ = sel.merge.apply(x)
+            got = merged[b:b + 1].gather(2, kept[b:b + 1].unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+            assert torch.allclose(got.double(), want_keys, atol=1e-5), stream
     assert sel.merge.streams == frozenset({"key", "value"})
     assert ctx.state.component(AccumulatedAttention) is not None
 
@@ -144,3 +147,78 @@ def test_d2o_allocator_statistic_uses_per_head_column_sums_of_every_prompt_row(m
     assert torch.allclose(state.sums.double(), torch.tensor(want, dtype=torch.float64), atol=1e-5)
     ctx.state = state
     assert alloc.layer_statistic(ctx) == pytest.approx(naive_layer_score(want), rel=1e-5)
+
+
+def _d2o_plan(geo, *, allocator: bool = False):
+    import attrs
+
+    import polykv
+    from polykv.plan import AllocationGroup
+
+    plan = polykv.uniform_plan(geo, prefill="d2o", decode="d2o", capacity=8, params={"n_sink": 2}, decode_slack=1)
+    if allocator:
+        plan = attrs.evolve(plan, allocation=(AllocationGroup(allocator="d2o", layers=tuple(range(geo.num_layers))),))
+    return plan
+
+
+def _generate(model, plan, ids, steps=10):
+    import polykv
+
+    with torch.no_grad(), polykv.apply(model, plan):
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores, dim=1)                    # (B, T + steps), (B, steps, V)
+
+
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_d2o_rows_of_a_batch_equal_each_row_alone(variant):
+    """Every eviction updates each row's merge threshold from that row's tokens: a batch of equal-length
+    rows generates what each row generates alone (tokens exactly, logits to float tolerance)."""
+    import attrs
+
+    from polykv.geometry import geometry_of_model
+    from polykv.testing import tiny_model, token_ids
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+    geo = geometry_of_model(model)
+    plan = _d2o_plan(geo)
+    plan = attrs.evolve(plan, layers=[attrs.evolve(lp, prefill=attrs.evolve(lp.prefill, params={
+        **lp.prefill.params, "variant": variant}), decode=attrs.evolve(lp.decode, params={
+            **lp.decode.params, "variant": variant})) for lp in plan.layers])
+    ids = torch.cat([token_ids(1, 24, seed=1), token_ids(1, 24, seed=2)])
+    both, both_scores = _generate(model, plan, ids)
+    for b in range(2):
+        alone, alone_scores = _generate(model, plan, ids[b:b + 1])
+        assert torch.equal(both[b:b + 1], alone)
+        assert (both_scores[b] - alone_scores[0]).abs().max() < 1e-4
+
+
+def test_the_d2o_allocator_refuses_a_batch_of_several_rows():
+    """Its layer budgets come from the statistics of the whole prompt batch (one budget per layer for every
+    row), so rows would change each other's budgets: refused in one line; one row at a time runs."""
+    import polykv
+    from polykv.errors import RuntimeConfigError
+    from polykv.geometry import geometry_of_model
+    from polykv.testing import tiny_model, token_ids
+
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+    plan = _d2o_plan(geometry_of_model(model), allocator=True)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        with pytest.raises(RuntimeConfigError) as info:
+            session.prefill(token_ids(2, 24))
+        session.prefill(token_ids(1, 24))
+        assert sum(a["budget"] for a in session.allocations().values()) <= 16
+    text = str(info.value)
+    assert "allocator 'd2o'" in text and "batch of 2" in text and "one prompt at a time" in text and "\n" not in text
+
+
+def test_d2o_refuses_per_head_budgets_instead_of_keeping_padding(make_ctx):
+    """Per-head budgets make the inner top-k ragged; D2O's one kept set per row cannot hold that."""
+    from polykv.adapters.rules.d2o import D2ORule
+
+    ctx = make_ctx(B=1, H=4, Hkv=2, T=14, w=2, phase="decode")
+    rule = D2ORule(n_sink=2)
+    ctx.state = rule.new_state()
+    ctx.head_capacity = torch.tensor([[4, 9]])
+    with pytest.raises(ValueError, match="layer .*rule 'd2o'.*per-head budgets"):
+        rule.select(ctx, 9)
