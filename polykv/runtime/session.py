@@ -96,11 +96,11 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         from polykv.registry import get_registry
 
         registry = get_registry()
+    check_servable(model)
     if not isinstance(plan, Plan):
         raise RuntimeConfigError(f"apply(model, plan) needs a polykv Plan, got a {type(plan).__name__}; load a plan "
                                  f"file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
     _check_seed(seed)
-    check_servable(model)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
     if impl == attention.NAME:
