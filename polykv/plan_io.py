@@ -371,11 +371,11 @@ def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
 
 def load(path: str, *, registry=None, geometry=None) -> Plan:
     source = str(path)
-    from polykv.atomic import check_readable_file
+    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
     from polykv.errors import OutputError
 
     try:
-        check_readable_file(source, "plan file")
+        check_readable_file(source, "plan file", max_bytes=MAX_DOCUMENT_BYTES)
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
