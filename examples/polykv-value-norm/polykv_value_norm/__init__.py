@@ -12,6 +12,7 @@ import torch
 
 import polykv
 from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.params import ParamSpec
 
 
 class ValueNormRule(ScoredRule):
@@ -25,7 +26,7 @@ class ValueNormRule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
     needs_values = True
-    defaults = {"sinks": 4}
+    param_specs = {"sinks": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention sinks kept")}
     paper = "Guo et al., Value Also Matters (VATP), EMNLP 2024 (arXiv:2406.12335)"
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
