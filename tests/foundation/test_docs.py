@@ -98,7 +98,8 @@ def test_every_documented_hook_exists():
 # -- links ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/concepts.md", "docs/plan-format.md",
-                                  "docs/plugins.md", "docs/cli.md"])
+                                  "docs/plugins.md", "docs/cli.md", "docs/results.md",
+                                  "CONTRIBUTING.md"])
 def test_relative_links_resolve(page):
     path = ROOT / page
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8")):
