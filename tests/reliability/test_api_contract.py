@@ -362,9 +362,9 @@ def test_the_switch_reads_the_environment_and_apply_overrides_it(model, monkeypa
     assert not checks_enabled()
     plan = uniform_plan(geometry_of_model(model))
     with polykv.apply(model, plan) as session:
-        assert session.new_cache().check is False
+        assert session.new_cache().settings.check is False
     with polykv.apply(model, plan, check=True) as session:
-        assert session.new_cache().check is True
+        assert session.new_cache().settings.check is True
 
 
 # -- every built-in plugin passes the checkers -------------------------------------------------------
