@@ -25,19 +25,18 @@ def groups_to_json(groups) -> list[dict[str, Any]]:
 
 
 def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
-    """Parse the ``allocation`` list with the plan reader ``reader`` (errors name file and field)."""
+    """Parse the ``allocation`` list with the plan's :class:`~polykv.strict_json.FieldReader` (errors name
+    file and field)."""
     if raw is None:
         return ()
-    if not isinstance(raw, list):
-        reader.fail(f"expected a list of allocation groups, got {type(raw).__name__}", field="allocation")
+    reader.list_(raw, "allocation", what="a list of allocation groups")
     groups = []
     for i, entry in enumerate(raw):
         field = f"allocation[{i}]"
-        reader.obj(entry, field, {"allocator": True, "layers": True, "params": False})
+        reader.obj(entry, field, ["allocator", "layers"], ["params"])
         name = reader.str_(entry["allocator"], field + ".allocator")
-        layers = entry["layers"]
-        if not isinstance(layers, list) or not layers:
-            reader.fail("expected a non-empty list of layer indices", field=field + ".layers")
+        layers = reader.list_(entry["layers"], field + ".layers", nonempty=True,
+                              what="a non-empty list of layer indices")
         idx = [reader.int_(v, f"{field}.layers[{j}]", minimum=0) for j, v in enumerate(layers)]
         if idx != sorted(set(idx)):
             reader.fail("layers must be ascending and distinct", field=field + ".layers",

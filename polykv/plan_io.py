@@ -7,7 +7,6 @@ and the dotted field, and saying what to do.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -18,6 +17,7 @@ from polykv.errors import PlanError, RegistryError
 from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
                          MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
                          Plan, Provenance, TriggerSettings)
+from polykv.strict_json import FieldReader
 
 PHASES = ("prefill", "decode")
 
@@ -108,86 +108,13 @@ def is_plan_file(path: str) -> bool:
 
 # -- reading --------------------------------------------------------------------------------------
 
-class _Reader:
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, msg: str, *, layer: int | None = None, field: str | None = None, hint: str | None = None):
-        raise PlanError(msg, source=self.source, layer=layer, field=field, hint=hint)
-
-    def obj(self, value: Any, field: str, allowed: dict[str, bool], layer: int | None = None) -> dict:
-        """``allowed`` maps key -> required."""
-        if not isinstance(value, dict):
-            self.fail(f"expected a JSON object, got {type(value).__name__}", layer=layer, field=field)
-        unknown = sorted(set(value) - set(allowed))
-        if unknown:
-            self.fail(f"unknown key(s) {unknown}", layer=layer, field=_join(field, unknown[0]),
-                      hint=f"allowed keys here: {sorted(allowed)}")
-        for key, required in allowed.items():
-            if required and key not in value:
-                self.fail("missing required key", layer=layer, field=_join(field, key))
-        return value
-
-    def int_(self, value: Any, field: str, *, layer: int | None = None, minimum: int | None = None,
-             maximum: float | None = None, optional: bool = False) -> int | None:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(f"expected an integer, got {value!r}", layer=layer, field=field)
-        self._range(value, field, layer, minimum, maximum)
-        return value
-
-    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False,
-               minimum: float | None = None, maximum: float | None = None) -> float | None:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.fail(f"expected a finite number, got {value!r}", layer=layer, field=field)
-        self._range(value, field, layer, minimum, maximum)
-        return float(value)
-
-    def _range(self, value, field: str, layer: int | None, minimum, maximum) -> None:
-        if minimum is not None and value < minimum:
-            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
-        if maximum is not None and value > maximum:
-            self.fail(f"must be <= {maximum:g}, got {value:g}", layer=layer, field=field,
-                      hint="no real plan holds a value this large; fix the number")
-
-    def str_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> str | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, str):
-            self.fail(f"expected a string, got {value!r}", layer=layer, field=field)
-        return value
-
-    def dict_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> dict | None:
-        if value is None and optional:
-            return None
-        if not isinstance(value, dict):
-            self.fail(f"expected a JSON object, got {value!r}", layer=layer, field=field)
-        return value
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}.{b}" if a else b
-
-
 def parse_plan_text(text: str, source: str = "<plan>") -> Plan:
     """Parse plan JSON text strictly (no registry or model checks)."""
-    from polykv.strict_json import JsonInputError, loads_strict
-
-    try:
-        raw = loads_strict(text)
-    except JsonInputError as exc:
-        if exc.line:
-            raise PlanError(f"malformed JSON at line {exc.line}, column {exc.column}: {exc.message}", source=source,
-                            hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
-        raise PlanError(f"malformed JSON: {exc.message}", source=source) from None
-    return parse_plan_dict(raw, source)
+    return parse_plan_dict(FieldReader(source, PlanError).parse(text), source)
 
 
 def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
-    r = _Reader(source)
+    r = FieldReader(source, PlanError)
     if not isinstance(raw, dict):
         r.fail(f"a plan must be a JSON object, got {type(raw).__name__}")
     if "schema_version" not in raw:
@@ -197,14 +124,11 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
                field="schema_version", hint="upgrade polykv or re-save the plan with this version")
-    r.obj(raw, "", {"schema_version": True, "model": False, "trigger": False, "provenance": False,
-                    "layers": True, "allocation": False, "model_data": False})
+    r.obj(raw, "", ["schema_version", "layers"], ["model", "trigger", "provenance", "allocation", "model_data"])
     model = _parse_model(r, raw.get("model"))
     trigger = _parse_trigger(r, raw.get("trigger"))
     prov = _parse_provenance(r, raw.get("provenance"))
-    layers_raw = raw["layers"]
-    if not isinstance(layers_raw, list) or not layers_raw:
-        r.fail("expected a non-empty list of layer entries", field="layers")
+    layers_raw = r.list_(raw["layers"], "layers", nonempty=True, what="a non-empty list of layer entries")
     layers = [_parse_layer(r, i, entry) for i, entry in enumerate(layers_raw)]
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
@@ -217,11 +141,10 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     return plan
 
 
-def _parse_model(r: _Reader, raw: Any) -> ModelInfo | None:
+def _parse_model(r: FieldReader, raw: Any) -> ModelInfo | None:
     if raw is None:
         return None
-    r.obj(raw, "model", {"num_layers": True, "num_kv_heads": True, "head_dim": True, "name": False,
-                         "fingerprint": False})
+    r.obj(raw, "model", ["num_layers", "num_kv_heads", "head_dim"], ["name", "fingerprint"])
     return ModelInfo(num_layers=r.int_(raw["num_layers"], "model.num_layers", minimum=1),
                      num_kv_heads=r.int_(raw["num_kv_heads"], "model.num_kv_heads", minimum=1),
                      head_dim=r.int_(raw["head_dim"], "model.head_dim", minimum=1),
@@ -229,7 +152,7 @@ def _parse_model(r: _Reader, raw: Any) -> ModelInfo | None:
                      fingerprint=r.str_(raw.get("fingerprint"), "model.fingerprint", optional=True))
 
 
-def _parse_model_data(r: _Reader, raw: Any) -> dict[str, str]:
+def _parse_model_data(r: FieldReader, raw: Any) -> dict[str, str]:
     """``model_data``: data key -> file (a non-empty path, relative to the plan file's folder)."""
     if raw is None:
         return {}
@@ -241,20 +164,19 @@ def _parse_model_data(r: _Reader, raw: Any) -> dict[str, str]:
     return dict(raw)
 
 
-def _parse_trigger(r: _Reader, raw: Any) -> TriggerSettings:
+def _parse_trigger(r: FieldReader, raw: Any) -> TriggerSettings:
     if raw is None:
         return TriggerSettings()
-    r.obj(raw, "trigger", {"decode_slack": False})
+    r.obj(raw, "trigger", optional=["decode_slack"])
     return TriggerSettings(decode_slack=r.int_(raw.get("decode_slack", 128), "trigger.decode_slack", minimum=1))
 
 
-def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
+def _parse_provenance(r: FieldReader, raw: Any) -> Provenance:
     from polykv.memory.budgets import BASES, STORAGE_DTYPE_BYTES
 
     if raw is None:
         return Provenance()
-    fields = {f.name: False for f in attrs.fields(Provenance)}
-    r.obj(raw, "provenance", fields)
+    r.obj(raw, "provenance", optional=[f.name for f in attrs.fields(Provenance)])
     f = "provenance."
     return Provenance(
         solver=r.str_(raw.get("solver"), f + "solver", optional=True),
@@ -276,14 +198,11 @@ def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
     )
 
 
-def _choice(r: "_Reader", value: Any, field: str, choices: tuple[str, ...], what: str) -> str | None:
-    got = r.str_(value, field, optional=True)
-    if got is not None and got not in choices:
-        r.fail(f"unknown {what} {got!r}; use " + " or ".join(f'"{c}"' for c in choices), field=field)
-    return got
+def _choice(r: FieldReader, value: Any, field: str, choices: tuple[str, ...], what: str) -> str | None:
+    return None if value is None else r.choice(r.str_(value, field), field, choices, what)
 
 
-def _budget(r: "_Reader", value: Any, field: str) -> dict | None:
+def _budget(r: FieldReader, value: Any, field: str) -> dict | None:
     """``{"ratio": 8.0}``, ``{"bytes": N}`` or ``{"tokens_per_layer": N}``: one kind, a positive finite value."""
     budget = r.dict_(value, field, optional=True)
     if budget is None:
@@ -296,7 +215,7 @@ def _budget(r: "_Reader", value: Any, field: str) -> dict | None:
     return budget
 
 
-def _created(r: "_Reader", value: Any, field: str) -> str | None:
+def _created(r: FieldReader, value: Any, field: str) -> str | None:
     import datetime
 
     created = r.str_(value, field, optional=True)
@@ -309,9 +228,9 @@ def _created(r: "_Reader", value: Any, field: str) -> str | None:
     return created
 
 
-def _parse_op(r: _Reader, layer: int, phase: str, raw: Any) -> OpSpec:
+def _parse_op(r: FieldReader, layer: int, phase: str, raw: Any) -> OpSpec:
     field = f"layers[{layer}].{phase}"
-    r.obj(raw, field, {"rule": True, "capacity": False, "capacity_ratio": False, "params": False}, layer)
+    r.obj(raw, field, ["rule"], ["capacity", "capacity_ratio", "params"], layer=layer)
     rule = r.str_(raw["rule"], field + ".rule", layer=layer)
     if not rule:
         r.fail("rule name is empty", layer=layer, field=field + ".rule")
@@ -345,10 +264,9 @@ def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
                         layer=layer, field=field + ".capacity_ratio", hint="e.g. 0.25 keeps a quarter")
 
 
-def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
+def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
     field = f"layers[{i}]"
-    r.obj(raw, field, {"layer": True, "prefill": True, "decode": True, "k_bits": False, "v_bits": False,
-                       "quantizer": False, "quantizer_params": False}, i)
+    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params"], layer=i)
     idx = r.int_(raw["layer"], field + ".layer", layer=i)
     if idx != i:
         r.fail(f"entry {i} says layer {idx}", layer=i, field=field + ".layer",
@@ -371,23 +289,9 @@ def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
 
 def load(path: str, *, registry=None, geometry=None) -> Plan:
     source = str(path)
-    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
-    from polykv.errors import OutputError
-
-    try:
-        check_readable_file(source, "plan file", max_bytes=MAX_DOCUMENT_BYTES)
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise PlanError("no such file", source=source, hint="check the path") from None
-    except OutputError as exc:
-        raise PlanError(str(exc).split(": ", 1)[-1], source=source) from None
-    except UnicodeDecodeError:
-        raise PlanError("not a UTF-8 text file", source=source, hint="give a plan file (JSON)") from None
-    except OSError as exc:
-        raise PlanError(f"cannot read the file ({exc.strerror})", source=source,
-                        hint="check the path and its permissions") from None
-    plan = _resolved(parse_plan_text(text, source), source)
+    raw = FieldReader(source, PlanError).read("plan file", missing_hint="check the path",
+                                              text_hint="give a plan file (JSON)")
+    plan = _resolved(parse_plan_dict(raw, source), source)
     if registry is not None or geometry is not None:
         validate(plan, registry=registry, geometry=geometry, source=source)
     return plan

@@ -16,7 +16,7 @@ ROOT="$(pwd)"
 PYTHON="${PYTHON:-python3}"
 TESTS="${TESTS:-tests/runtime}"
 WORK="${WORK:-/tmp/polykv-transformers-check}"
-DEPS=(accelerate gguf safetensors pluggy attrs cattrs numpy tqdm pytest hypothesis scipy "triton>=3.3")
+DEPS=(accelerate gguf safetensors pluggy attrs numpy tqdm pytest hypothesis scipy "triton>=3.3")
 mkdir -p "$WORK"
 
 if [ "$#" -gt 0 ]; then

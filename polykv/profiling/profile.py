@@ -34,10 +34,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 FULL_RULE = "full"
 
 
-def raise_profile_error(source: str, field: str | None, message: str, hint: str | None = None):
-    """Raise a :class:`ProfileError` naming the file (``source``) and ``field``, with what to do (``hint``)."""
+def profile_error(message: str, *, source: str, field: str | None = None, layer: int | None = None,
+                  hint: str | None = None) -> ProfileError:
+    """A :class:`ProfileError` naming the file (``source``) and ``field``, with what to do (``hint``)."""
     where = ", ".join(x for x in (source, f"field '{field}'" if field else "") if x)
-    raise ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
+    return ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
+
+
+def raise_profile_error(source: str, field: str | None, message: str, hint: str | None = None):
+    raise profile_error(message, source=source, field=field, hint=hint)
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -6,15 +6,15 @@ Every reading error is a :class:`~polykv.errors.ProfileError` naming the file an
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any
 
 import attrs
 import numpy as np
 
-from polykv.errors import ProfileError
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, Profile, ProfileModel,
-                                      ProfileProvenance, StatTable, raise_profile_error)
+                                      ProfileProvenance, StatTable, profile_error)
+from polykv.strict_json import FieldReader
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -77,23 +77,10 @@ def dumps(p: Profile) -> str:
 def load_profile(path: str) -> Profile:
     """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
     source = str(path)
-    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
-    from polykv.errors import OutputError
-
-    try:
-        check_readable_file(source, "profile file", max_bytes=MAX_DOCUMENT_BYTES)
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise ProfileError(f"{source}: no such file (check the path, or run polykv calibrate)") from None
-    except OutputError as exc:
-        raise ProfileError(str(exc)) from None
-    except UnicodeDecodeError:
-        raise ProfileError(f"{source}: not a UTF-8 text file; give a profile written by polykv calibrate") from None
-    except OSError as exc:
-        raise ProfileError(f"{source}: cannot read the profile ({exc.strerror}); check the path and its "
-                           "permissions") from None
-    return loads(text, source)
+    raw = FieldReader(source, profile_error).read("profile file",
+                                                  missing_hint="check the path, or run polykv calibrate",
+                                                  text_hint="give a profile written by polykv calibrate")
+    return from_dict(raw, source)
 
 
 def is_profile_file(path: str) -> bool:
@@ -104,98 +91,70 @@ def is_profile_file(path: str) -> bool:
 
 
 def loads(text: str, source: str = "<profile>") -> Profile:
-    from polykv.strict_json import JsonInputError, loads_strict
-
-    try:
-        raw = loads_strict(text)
-    except JsonInputError as exc:
-        where = f" at line {exc.line}, column {exc.column}" if exc.line else ""
-        raise_profile_error(source, None, f"malformed JSON{where}: {exc.message}")
-    return from_dict(raw, source)
+    return from_dict(FieldReader(source, profile_error).parse(text), source)
 
 
-def _obj(source: str, raw: Any, field: str, required: Iterable[str], optional: Iterable[str]) -> dict:
-    if not isinstance(raw, dict):
-        raise_profile_error(source, field or None, f"expected a JSON object, got {type(raw).__name__}")
-    required, allowed = list(required), set(required) | set(optional)
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise_profile_error(source, field or None, f"unknown key(s) {unknown}", f"allowed keys: {sorted(allowed)}")
-    for key in required:
-        if key not in raw:
-            raise_profile_error(source, f"{field}.{key}" if field else key, "missing required key")
-    return raw
-
-
-def _num_table(source: str, field: str, raw: Any) -> np.ndarray:
-    if not isinstance(raw, list) or not all(isinstance(r, list) for r in raw):
-        raise_profile_error(source, field, "expected a list of rows, each a list of numbers")
-    width = {len(r) for r in raw}
+def _num_table(r: FieldReader, field: str, raw: Any) -> np.ndarray:
+    if not isinstance(raw, list) or not all(isinstance(row, list) for row in raw):
+        r.fail("expected a list of rows, each a list of numbers", field=field)
+    width = {len(row) for row in raw}
     if len(width) > 1:
-        raise_profile_error(source, field, f"rows have different lengths {sorted(width)}", "every row needs one value per column")
-    for i, r in enumerate(raw):
-        for j, v in enumerate(r):
+        r.fail(f"rows have different lengths {sorted(width)}", field=field, hint="every row needs one value per column")
+    for i, row in enumerate(raw):
+        for j, v in enumerate(row):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise_profile_error(source, f"{field}[{i}][{j}]", f"expected a number, got {v!r}")
+                r.fail(f"expected a number, got {v!r}", field=f"{field}[{i}][{j}]")
     return np.asarray(raw, dtype=np.float64).reshape(len(raw), width.pop() if width else 0)
+
+
+def _attrs_record(r: FieldReader, cls, raw: dict, field: str):
+    """``cls(**raw)``, its refusal one error naming ``field``."""
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        r.fail(str(exc), field=field)
 
 
 def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
-    _obj(source, raw, "", ["schema_version", "model", "configs", "metrics"],
-         ["format", "stats", "provenance", "quantizer"])
-    if raw["schema_version"] != SCHEMA_VERSION:
-        raise_profile_error(source, "schema_version", f"unknown schema version {raw['schema_version']!r}; this polykv reads "
-              f"version {SCHEMA_VERSION}", "upgrade polykv or re-save the profile with this version")
+    r = FieldReader(source, profile_error)
+    r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer"])
+    version = raw["schema_version"]
+    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
+        r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
+               field="schema_version", hint="upgrade polykv or re-save the profile with this version")
     if raw.get("format", FORMAT) != FORMAT:
-        raise_profile_error(source, "format", f"expected {FORMAT!r}, got {raw['format']!r}", "is this a plan file?")
+        r.fail(f"expected {FORMAT!r}, got {raw['format']!r}", field="format", hint="is this a plan file?")
     model_fields = [f.name for f in attrs.fields(ProfileModel)]
-    mraw = _obj(source, raw["model"], "model", model_fields[:3], model_fields[3:])
-    try:
-        model = ProfileModel(**mraw)
-    except (TypeError, ValueError) as exc:
-        raise_profile_error(source, "model", str(exc))
-    if not isinstance(raw["configs"], list):
-        raise_profile_error(source, "configs", "expected a list of config objects")
+    model = _attrs_record(r, ProfileModel, r.obj(raw["model"], "model", model_fields[:3], model_fields[3:]), "model")
     configs = []
-    for i, c in enumerate(raw["configs"]):
+    for i, c in enumerate(r.list_(raw["configs"], "configs", what="a list of config objects")):
         f = f"configs[{i}]"
-        _obj(source, c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params"])
-        for key, kinds in (("rule", str), ("phase", str), ("params", dict), ("k_bits", int), ("v_bits", int)):
-            if key in c and (not isinstance(c[key], kinds) or isinstance(c[key], bool)):
-                raise_profile_error(source, f"{f}.{key}", f"expected {kinds.__name__}, got {c[key]!r}")
+        r.obj(c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params"])
+        r.str_(c["rule"], f + ".rule")
+        r.str_(c.get("phase", ""), f + ".phase")
+        r.dict_(c.get("params", {}), f + ".params")
+        r.int_(c.get("k_bits", 16), f + ".k_bits")
+        r.int_(c.get("v_bits", 16), f + ".v_bits")
         if isinstance(c["keep"], bool) or not isinstance(c["keep"], (int, float)):
-            raise_profile_error(source, f"{f}.keep", f"expected a number in (0, 1], got {c['keep']!r}")
+            r.fail(f"expected a number in (0, 1], got {c['keep']!r}", field=f + ".keep")
         configs.append(CandidateConfig(**{**c, "keep": float(c["keep"])}))
-    _obj(source, raw["metrics"], "metrics", [], raw["metrics"] if isinstance(raw["metrics"], dict) else [])
-    metrics = {k: _num_table(source, f"metrics.{k}", v) for k, v in raw["metrics"].items()}
+    metrics_raw = r.dict_(raw["metrics"], "metrics")
+    metrics = {k: _num_table(r, f"metrics.{k}", v) for k, v in metrics_raw.items()}
     stats = {}
-    sraw = {} if raw.get("stats") is None else raw["stats"]
-    _obj(source, sraw, "stats", [], sraw if isinstance(sraw, dict) else [])
-    for k, s in sraw.items():
+    for k, s in (r.dict_(raw.get("stats"), "stats", optional=True) or {}).items():
         f = f"stats.{k}"
-        _obj(source, s, f, ["columns", "values", "higher_is_better"], ["phase", "capacity", "description"])
+        r.obj(s, f, ["columns", "values", "higher_is_better"], ["phase", "capacity", "description"])
         if not isinstance(s["columns"], list) or not all(isinstance(x, str) for x in s["columns"]):
-            raise_profile_error(source, f + ".columns", "expected a list of column labels (strings)")
-        if not isinstance(s["higher_is_better"], bool):
-            raise_profile_error(source, f + ".higher_is_better", f"expected true or false, got {s['higher_is_better']!r}")
-        cap = s.get("capacity")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise_profile_error(source, f + ".capacity", f"expected a positive integer or null, got {cap!r}")
-        stats[k] = StatTable(columns=s["columns"], values=_num_table(source, f + ".values", s["values"]),
-                             higher_is_better=s["higher_is_better"], phase=s.get("phase", "both"),
-                             capacity=cap, description=str(s.get("description", "")))
-    praw = _obj(source, raw.get("provenance") or {}, "provenance", [],
-                [f.name for f in attrs.fields(ProfileProvenance)])
-    try:
-        prov = ProfileProvenance(**praw)
-    except (TypeError, ValueError) as exc:
-        raise_profile_error(source, "provenance", str(exc))
-    qraw = _obj(source, raw.get("quantizer", {"name": DEFAULT_QUANTIZER}), "quantizer", ["name"], ["params"])
-    if not isinstance(qraw["name"], str) or not qraw["name"]:
-        raise_profile_error(source, "quantizer.name", f"expected a quantizer name, got {qraw['name']!r}")
-    if not isinstance(qraw.get("params", {}), dict):
-        raise_profile_error(source, "quantizer.params", f"expected an object, got {qraw['params']!r}")
+            r.fail("expected a list of column labels (strings)", field=f + ".columns")
+        cap = r.int_(s.get("capacity"), f + ".capacity", minimum=1, optional=True)
+        stats[k] = StatTable(columns=s["columns"], values=_num_table(r, f + ".values", s["values"]),
+                             higher_is_better=r.bool_(s["higher_is_better"], f + ".higher_is_better"),
+                             phase=s.get("phase", "both"), capacity=cap, description=str(s.get("description", "")))
+    praw = r.obj(raw.get("provenance") or {}, "provenance", optional=[f.name for f in attrs.fields(ProfileProvenance)])
+    prov = _attrs_record(r, ProfileProvenance, praw, "provenance")
+    qraw = r.obj(raw.get("quantizer", {"name": DEFAULT_QUANTIZER}), "quantizer", ["name"], ["params"])
+    r.str_(qraw["name"], "quantizer.name", nonempty=True)
     return Profile(model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
-                   quantizer=qraw["name"], quantizer_params=qraw.get("params", {}),
-                   schema_version=raw["schema_version"], source=source)
+                   quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
+                   schema_version=version, source=source)

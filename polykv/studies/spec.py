@@ -44,6 +44,7 @@ import attrs
 
 from polykv.errors import PolykvError, StudyError
 from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
+from polykv.strict_json import FieldReader
 from polykv.studies.corpus import corpus_id
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
@@ -150,8 +151,11 @@ def _resolved_task_params(entry: TaskEntry) -> dict[str, Any]:
     return {"task": entry.task, "params": {**defaults, **entry.params}}
 
 
-def _fail(source: str, field: str, message: str, hint: str = "") -> StudyError:
-    return StudyError(f"{source}: field '{field}': {message}" + (f" ({hint})" if hint else ""))
+def study_error(message: str, *, source: str, field: str | None = None, layer: int | None = None,
+                hint: str | None = None) -> StudyError:
+    """A :class:`StudyError` naming the spec file, the field and what to do."""
+    where = f"{source}: field '{field}'" if field else source
+    return StudyError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
 
 
 def _digest(path: str) -> str:
@@ -159,32 +163,13 @@ def _digest(path: str) -> str:
         return hashlib.sha256(fh.read()).hexdigest()
 
 
-def _path(base: str, value: Any, source: str, field: str) -> str:
+def _path(base: str, value: Any, r: FieldReader, field: str) -> str:
     if not isinstance(value, str) or not value:
-        raise _fail(source, field, f"expected a file path, got {value!r}")
+        r.fail(f"expected a file path, got {value!r}", field=field)
     path = value if os.path.isabs(value) else os.path.normpath(os.path.join(base, value))
     if not os.path.isfile(path):
-        raise _fail(source, field, f"no such file: {path}", "fix the path (relative to the spec's folder)")
+        r.fail(f"no such file: {path}", field=field, hint="fix the path (relative to the spec's folder)")
     return path
-
-
-def _int(raw: Mapping, key: str, default: Any, source: str, field: str, minimum: int = 0) -> Any:
-    v = raw.get(key, default)
-    if v is None and default is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise _fail(source, field, f"expected an integer >= {minimum}, got {v!r}")
-    return v
-
-
-def _keys(raw: Any, allowed: set, source: str, field: str) -> dict:
-    if not isinstance(raw, Mapping):
-        raise _fail(source, field, f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise _fail(source, f"{field}.{unknown[0]}" if field else unknown[0], "unknown key",
-                    f"known keys: {', '.join(sorted(allowed))}")
-    return dict(raw)
 
 
 def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=None) -> StudySpec:
@@ -193,7 +178,8 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         from polykv.registry import get_registry
 
         registry = get_registry()
-    raw = _keys(raw, _TOP, source, "")
+    r = FieldReader(source, study_error)
+    raw = r.obj(raw, "", optional=_TOP)
     digests: dict[str, str] = {}
     name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "study")
     model = raw.get("model", "default")
@@ -201,205 +187,173 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
 
     if not (model == "default" or (isinstance(model, str) and (model in NAMED_MODELS or model in MODEL_ALIASES))
             or (isinstance(model, Mapping) and set(model) == {"tiny"} and isinstance(model["tiny"], Mapping))):
-        raise _fail(source, "model", f"expected \"default\", a model name ({', '.join(sorted(NAMED_MODELS))}) or "
-                                     f"{{\"tiny\": {{...}}}}, got {model!r}")
-    dtype = raw.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise _fail(source, "dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    T = _int(raw, "context_tokens", 2048, source, "context_tokens", 1)
+        r.fail(f"expected \"default\", a model name ({', '.join(sorted(NAMED_MODELS))}) or "
+               f"{{\"tiny\": {{...}}}}, got {model!r}", field="model")
+    dtype = r.choice(raw.get("dtype", "float32"), "dtype", DTYPES, "dtype")
+    T = r.int_(raw.get("context_tokens", 2048), "context_tokens", minimum=1)
     if T > MAX_CONTEXT_TOKENS:
-        raise _fail(source, "context_tokens", f"{T} tokens is more than any model reads",
-                    f"use at most {MAX_CONTEXT_TOKENS}")
+        r.fail(f"{T} tokens is more than any model reads", field="context_tokens",
+               hint=f"use at most {MAX_CONTEXT_TOKENS}")
     storage_dtype = raw.get("storage_dtype")
-    if storage_dtype is not None and storage_dtype not in DTYPES:
-        raise _fail(source, "storage_dtype", f"unknown dtype {storage_dtype!r}",
-                    f"use one of {', '.join(DTYPES)}, or leave it out to store in \"dtype\"")
-    basis = raw.get("basis", "resident")
-    if basis not in ("resident", "nominal"):
-        raise _fail(source, "basis", f"unknown budget basis {basis!r}", "use \"resident\" or \"nominal\"")
+    if storage_dtype is not None:
+        r.choice(storage_dtype, "storage_dtype", DTYPES, "dtype", hint="or leave it out to store in \"dtype\"")
+    basis = r.choice(raw.get("basis", "resident"), "basis", ("resident", "nominal"), "budget basis")
     budgets = raw.get("budgets", [])
     if not isinstance(budgets, list) or not all(isinstance(b, (str, int)) for b in budgets):
-        raise _fail(source, "budgets", f"expected a list of budgets like [\"8x\", \"3MiB\"], got {budgets!r}")
+        r.fail(f"expected a list of budgets like [\"8x\", \"3MiB\"], got {budgets!r}", field="budgets")
     from polykv.profiling.budget import Budget
 
     for i, b in enumerate(budgets):
         try:
             Budget.parse(str(b), T)
         except PolykvError as exc:
-            raise _fail(source, f"budgets[{i}]", str(exc)) from None
+            raise r.error(str(exc), field=f"budgets[{i}]") from None
     budgets = tuple(str(b) for b in budgets)
     if len(set(budgets)) != len(budgets):
-        raise _fail(source, "budgets", f"duplicate budgets in {list(budgets)}")
-    plans = raw.get("plans", {})
-    if not isinstance(plans, Mapping):
-        raise _fail(source, "plans", f"expected an object of name -> plan file, got {type(plans).__name__}")
-    plans = dict(plans)
+        r.fail(f"duplicate budgets in {list(budgets)}", field="budgets")
+    plans = dict(r.dict_(raw.get("plans", {}), "plans"))
     from polykv.plan import load_plan
 
     for pname, value in list(plans.items()):
-        path = _path(base, value, source, f"plans.{pname}")
+        path = _path(base, value, r, f"plans.{pname}")
         try:
             load_plan(path, registry=registry)
         except PolykvError as exc:
-            raise _fail(source, f"plans.{pname}", str(exc)) from None
+            raise r.error(str(exc), field=f"plans.{pname}") from None
         plans[pname], digests[path] = path, _digest(path)
-    solvers = _solver_entries(raw.get("solvers", []), source, registry)
+    solvers = _solver_entries(raw.get("solvers", []), r, registry)
     profile = raw.get("profile")
     if profile is not None:
-        profile = _path(base, profile, source, "profile")
+        profile = _path(base, profile, r, "profile")
         digests[profile] = _digest(profile)
         from polykv.profiling.profile import load_profile
 
         try:
             load_profile(profile)
         except PolykvError as exc:
-            raise _fail(source, "profile", str(exc)) from None
+            raise r.error(str(exc), field="profile") from None
     if solvers and profile is None:
-        raise _fail(source, "profile", "solver entries need a profile file", "add \"profile\": \"path.json\"")
+        r.fail("solver entries need a profile file", field="profile", hint="add \"profile\": \"path.json\"")
     if solvers and not budgets:
-        raise _fail(source, "budgets", "solver entries need at least one budget", "add \"budgets\": [\"8x\"]")
-    tasks = _task_entries(raw.get("tasks"), base, source, registry, digests)
-    baseline = raw.get("baseline", True)
-    if not isinstance(baseline, bool):
-        raise _fail(source, "baseline", f"expected true or false, got {baseline!r}")
-    reuse = raw.get("reuse_prefill", True)
-    if not isinstance(reuse, bool):
-        raise _fail(source, "reuse_prefill", f"expected true or false, got {reuse!r}")
+        r.fail("solver entries need at least one budget", field="budgets", hint="add \"budgets\": [\"8x\"]")
+    tasks = _task_entries(raw.get("tasks"), base, r, registry, digests)
+    baseline = r.bool_(raw.get("baseline", True), "baseline")
+    reuse = r.bool_(raw.get("reuse_prefill", True), "reuse_prefill")
     if not baseline:
         from polykv.studies.tasks.base import TEACHER_FORCED
 
         forced = [t.task for t in tasks if registry.task(t.task).mode == TEACHER_FORCED]
         if forced:
-            raise _fail(source, "baseline", f"task '{forced[0]}' is teacher_forced: its KL and top-1 agreement "
-                        "compare every policy with the full cache, so the study needs the full baseline",
-                        "set \"baseline\": true")
-    bos, prompt_format = _prompt_rule(raw, tasks, source, registry)
+            r.fail(f"task '{forced[0]}' is teacher_forced: its KL and top-1 agreement compare every policy with "
+                   "the full cache, so the study needs the full baseline", field="baseline",
+                   hint="set \"baseline\": true")
+    bos, prompt_format = _prompt_rule(raw, tasks, r, registry)
     names = set(plans) | {s.name for s in solvers} | ({FULL_POLICY} if baseline else set())
     if len(names) != len(plans) + len(solvers) + int(baseline):
-        raise _fail(source, "solvers", "policy names must be unique across plans, solvers and 'full'")
+        r.fail("policy names must be unique across plans, solvers and 'full'", field="solvers")
     if not (plans or solvers or baseline):
-        raise _fail(source, "plans", "the spec names no policy", "add plans, solvers or \"baseline\": true")
+        r.fail("the spec names no policy", field="plans", hint="add plans, solvers or \"baseline\": true")
     return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
                      baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
-                     chunk_size=_int(raw, "chunk_size", None, source, "chunk_size", 1), bos=bos,
+                     chunk_size=r.int_(raw.get("chunk_size"), "chunk_size", minimum=1, optional=True), bos=bos,
                      prompt_format=prompt_format, source=source, digests=digests,
                      storage_dtype=storage_dtype, basis=basis)
 
 
-def _prompt_rule(raw: Mapping, tasks, source: str, registry) -> tuple[Any, str]:
+def _prompt_rule(raw: Mapping, tasks, r: FieldReader, registry) -> tuple[Any, str]:
     from polykv.studies.prompt import PROMPT_FORMATS
     from polykv.studies.tasks.base import TEACHER_FORCED
 
     bos = raw.get("bos", "auto")
     if not (bos == "auto" or isinstance(bos, bool)):
-        raise _fail(source, "bos", f"expected \"auto\", true or false, got {bos!r}",
-                    "auto: a BOS exactly where the model's tokenizer adds one")
+        r.fail(f"expected \"auto\", true or false, got {bos!r}", field="bos",
+               hint="auto: a BOS exactly where the model's tokenizer adds one")
     fmt = raw.get("prompt_format", "plain")
     if fmt not in PROMPT_FORMATS:
-        raise _fail(source, "prompt_format", f"expected one of {', '.join(PROMPT_FORMATS)}, got {fmt!r}")
+        r.fail(f"expected one of {', '.join(PROMPT_FORMATS)}, got {fmt!r}", field="prompt_format")
     if fmt == "chat":
         forced = [t.task for t in tasks if registry.task(t.task).mode == TEACHER_FORCED]
         if forced:
-            raise _fail(source, "prompt_format", f"task '{forced[0]}' is teacher_forced: it continues plain text, "
-                        "which has no chat turn", "use \"plain\", or run that task in another study")
+            r.fail(f"task '{forced[0]}' is teacher_forced: it continues plain text, which has no chat turn",
+                   field="prompt_format", hint="use \"plain\", or run that task in another study")
     return bos, fmt
 
 
-def _solver_entries(raw: Any, source: str, registry) -> tuple[SolverEntry, ...]:
-    if not isinstance(raw, list):
-        raise _fail(source, "solvers", f"expected a list of solver entries, got {type(raw).__name__}")
+def _solver_entries(raw: Any, r: FieldReader, registry) -> tuple[SolverEntry, ...]:
+    r.list_(raw, "solvers", what="a list of solver entries")
     out = []
     for i, e in enumerate(raw):
         f = f"solvers[{i}]"
-        e = _keys(e, _SOLVER, source, f)
+        e = r.obj(e, f, optional=_SOLVER)
         if not isinstance(e.get("name"), str) or not e["name"] or any(c in e["name"] for c in "@#"):
-            raise _fail(source, f + ".name", f"expected a name without '@' or '#', got {e.get('name')!r}")
+            r.fail(f"expected a name without '@' or '#', got {e.get('name')!r}", field=f + ".name")
         try:
             cls = registry.solver(e.get("solver"))
         except PolykvError as exc:
-            raise _fail(source, f + ".solver", str(exc)) from None
+            raise r.error(str(exc), field=f + ".solver") from None
         params = e.get("params", {})
         try:
             cls(registry=registry).params(params)
         except PolykvError as exc:
-            raise _fail(source, f + ".params", str(exc)) from None
+            raise r.error(str(exc), field=f + ".params") from None
         role = e.get("role", e["name"] if e["name"] in ROLES else "")
         if role not in ROLES:
-            raise _fail(source, f + ".role", f"unknown role {role!r}", f"use one of {', '.join(r for r in ROLES if r)}")
+            r.fail(f"unknown role {role!r}", field=f + ".role", hint=f"use one of {', '.join(x for x in ROLES if x)}")
         count = guided = None
         if e["solver"] == "random-placement":
-            count = _int(e, "count", 1, source, f + ".count", 1)
+            count = r.int_(e.get("count", 1), f + ".count", minimum=1)
             guided = e.get("guided")
             role = role or "placement"
         elif "count" in e or "guided" in e:
-            raise _fail(source, f + ".count", "only random-placement entries take 'count' and 'guided'")
+            r.fail("only random-placement entries take 'count' and 'guided'", field=f + ".count")
         out.append(SolverEntry(name=e["name"], solver=e["solver"], params=dict(params), role=role, count=count,
                                guided=guided))
     names = {s.name for s in out}
     for i, s in enumerate(out):
         if s.guided is not None and s.guided not in names:
-            raise _fail(source, f"solvers[{i}].guided", f"no solver entry named {s.guided!r}")
+            r.fail(f"no solver entry named {s.guided!r}", field=f"solvers[{i}].guided")
     return tuple(out)
 
 
-def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> tuple[TaskEntry, ...]:
+def _task_entries(raw: Any, base: str, r: FieldReader, registry, digests: dict) -> tuple[TaskEntry, ...]:
     from polykv.studies.tasks.base import GENERATE, TEACHER_FORCED
 
-    if not isinstance(raw, list) or not raw:
-        raise _fail(source, "tasks", "expected a non-empty list of tasks",
-                    "e.g. [{\"task\": \"passkey\", \"samples\": 20}]")
+    r.list_(raw, "tasks", nonempty=True, what="a non-empty list of tasks",
+            hint="e.g. [{\"task\": \"passkey\", \"samples\": 20}]")
     out = []
     for i, e in enumerate(raw):
         f = f"tasks[{i}]"
-        e = _keys(e, _TASK, source, f)
+        e = r.obj(e, f, optional=_TASK)
         try:
             cls = registry.task(e.get("task"))
         except PolykvError as exc:
-            raise _fail(source, f + ".task", str(exc)) from None
+            raise r.error(str(exc), field=f + ".task") from None
         if cls.mode not in (GENERATE, TEACHER_FORCED):
-            raise _fail(source, f + ".task", f"task '{cls.name}' has mode {cls.mode!r}; the study runner runs "
-                        f"'{GENERATE}' and '{TEACHER_FORCED}' tasks", "fix the task class's 'mode'")
-        params = dict(_keys(e.get("params", {}), set(cls.defaults), source, f + ".params"))
-        samples = _int(e, "samples", 20, source, f + ".samples", 1)
-        seed = _int(e, "seed", 0, source, f + ".seed", 0)
+            r.fail(f"task '{cls.name}' has mode {cls.mode!r}; the study runner runs '{GENERATE}' and "
+                   f"'{TEACHER_FORCED}' tasks", field=f + ".task", hint="fix the task class's 'mode'")
+        params = dict(r.obj(e.get("params", {}), f + ".params", optional=cls.defaults))
+        samples = r.int_(e.get("samples", 20), f + ".samples", minimum=1)
+        seed = r.int_(e.get("seed", 0), f + ".seed", minimum=0)
         if "path" in cls.defaults:  # a file task: read and check the file now, before any model loads
-            params["path"] = _path(base, params.get("path"), source, f + ".params.path")
+            params["path"] = _path(base, params.get("path"), r, f + ".params.path")
             digests[params["path"]] = _digest(params["path"])
             try:
                 cls().make_items(None, samples, seed, **params)
             except PolykvError as exc:
-                raise _fail(source, f + ".params.path", str(exc)) from None
+                raise r.error(str(exc), field=f + ".params.path") from None
         else:
             try:
                 cls().params(**params)
             except PolykvError as exc:
-                raise _fail(source, f + ".params", str(exc)) from None
+                raise r.error(str(exc), field=f + ".params") from None
         out.append(TaskEntry(task=cls.name, params=params, samples=samples, seed=seed))
     if len(set(t.task for t in out)) != len(out):
-        raise _fail(source, "tasks", "each task may appear once (results are keyed by task name)")
+        r.fail("each task may appear once (results are keyed by task name)", field="tasks")
     return tuple(out)
 
 
 def load_spec(path: str, *, registry=None) -> StudySpec:
     """Read and check a spec file (see the module docstring); nothing here loads a model."""
-    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
-
-    from polykv.strict_json import JsonInputError, loads_strict
-
-    try:
-        check_readable_file(path, "study spec file", max_bytes=MAX_DOCUMENT_BYTES)
-        with open(path, encoding="utf-8") as fh:
-            raw = loads_strict(fh.read())
-    except FileNotFoundError:
-        raise StudyError(f"{path}: no such study spec file") from None
-    except PolykvError as exc:
-        raise StudyError(str(exc)) from None
-    except JsonInputError as exc:
-        where = f" at line {exc.line}, column {exc.column}" if exc.line else ""
-        raise StudyError(f"{path}: not valid JSON{where}: {exc.message}") from None
-    except UnicodeDecodeError:
-        raise StudyError(f"{path}: not UTF-8 text; a study spec is a UTF-8 JSON file") from None
-    except OSError as exc:
-        raise StudyError(f"{path}: cannot read the study spec ({exc.strerror}); check the path and permissions") \
-            from None
+    raw = FieldReader(path, study_error).read("study spec file", missing_hint="check the path to the study spec",
+                                              text_hint="a study spec is a UTF-8 JSON file")
     return parse_spec(raw, base=os.path.dirname(os.path.abspath(path)), source=path, registry=registry)

@@ -67,7 +67,7 @@ PROFILE_QUANTIZER = [
     ("name-int", {"name": 5}, "field 'quantizer.name'"),
     ("name-empty", {"name": ""}, "field 'quantizer.name'"),
     ("params-list", {"name": "kivi", "params": [1]}, "field 'quantizer.params'"),
-    ("extra-key", {"name": "kivi", "bits": 8}, "field 'quantizer'"),
+    ("extra-key", {"name": "kivi", "bits": 8}, "field 'quantizer.bits'"),
 ]
 for _id, _value, _expect in PROFILE_QUANTIZER:
     add(f"profile-quantizer-{_id}", "profile",
