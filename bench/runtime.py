@@ -43,7 +43,7 @@ import time
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 
 RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "adakv"]
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     geo = geometry_of_model(model)
     registry = polykv.get_registry()
     kivi = {"group_size": 32, "residual": 32}
-    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.models.query_stats import compute_query_stats
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

@@ -35,7 +35,7 @@ if _threads is None or _threads.isdigit():
 
     torch.set_num_threads(int(_threads or 1))
 
-# Every plugin output is checked in full during tests (polykv.contract_checks: the expensive checks too),
+# Every plugin output is checked in full during tests (polykv.contract.checks: the expensive checks too),
 # so a built-in or test plugin that breaks its contract fails with one line naming it.
 os.environ.setdefault("POLYKV_CHECK", "1")
 
@@ -71,7 +71,7 @@ def default_model():
 @pytest.fixture(scope="session")
 def default_geometry(default_model):
     """ModelGeometry (with weights fingerprint) of the default model."""
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     return geometry_of_model(default_model[0])
 
@@ -88,7 +88,7 @@ def saved_tiny_model(tmp_path_factory):
             from tokenizers import Tokenizer, models, pre_tokenizers, trainers
             from transformers import PreTrainedTokenizerFast
 
-            from polykv.corpus import corpus_texts
+            from polykv.profiling.corpus import corpus_texts
             from polykv.testing import tiny_model
 
             tok = Tokenizer(models.BPE())

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.snapkv import SnapKVRule
-from polykv.allocators import AllocationRequest, Allocator
-from polykv.solvers.pyramid import pyramid_capacities, trim_to
+from polykv.contract import AllocationRequest, Allocator, pyramid_capacities, trim_to
 
 
 class PyramidKVRule(SnapKVRule):

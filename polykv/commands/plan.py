@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 def model_geometry(spec: str):
     """Geometry for ``--model``: ``"default"``, a model name (``gemma3-270m``) or a local folder with a
     transformers ``config.json``."""
-    from polykv.geometry import geometry_from_config
+    from polykv.models.geometry import geometry_from_config
     from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
     if spec == "default":

@@ -66,7 +66,7 @@ def parse_params(items: list[str], option: str = "--param") -> dict:
 
 def run(args) -> int:
     from polykv.atomic import check_output
-    from polykv.plan_io import is_plan_file
+    from polykv.plan.io import is_plan_file
     from polykv.profiling.budget import Budget
     from polykv.profiling.calibrate import query_stats_path
     from polykv.profiling.profile import load_profile

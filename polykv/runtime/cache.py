@@ -27,7 +27,7 @@ class PlanCache(Cache):
         self.storage_dtype = storage_dtype
         """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
         self.check = check
-        """Run the expensive plugin contract checks (:mod:`polykv.contract_checks`)."""
+        """Run the expensive plugin contract checks (:mod:`polykv.contract.checks`)."""
         self.rope_inv_freq, self.rope_scaling = rope_inv_freq, rope_scaling
         self.model_data, self.generator = model_data, generator
         self.prefill_continues = False

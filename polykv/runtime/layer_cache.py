@@ -3,7 +3,7 @@ holds one per layer inside a transformers ``Cache``.
 
 Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
 original position of every stored token, uniform or ragged across KV heads), its rule objects and
-their states (:mod:`polykv.rule_state`). A forward runs in two halves: ``update`` (called by the
+their states (:mod:`polykv.contract.state`). A forward runs in two halves: ``update`` (called by the
 model right after RoPE) hands the attention function the keys and values to attend (and, for a
 ragged layer, which columns are padding); :meth:`LayerCache.after_attention` (called by the
 attention function) lets every state observe the forward, then selects and stores (prefill) or
@@ -29,14 +29,14 @@ import attrs
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from polykv.contract_checks import StoreContract, checked_selection
+from polykv.contract.checks import StoreContract, checked_selection
 from polykv.errors import RuntimeConfigError
-from polykv.operators import SelectionContext
+from polykv.contract.rules import SelectionContext
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.reserve import layer_hold, reserve_tokens
-from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
+from polykv.storage.reserve import layer_hold, reserve_tokens
+from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.runtime.storage import LayerStorage, StorageView
-from polykv.selection import Selection, ragged_top_k
+from polykv.contract.selection import Selection, ragged_top_k
 from polykv.runtime.stores import new_store
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class LayerCache(CacheLayerMixin):
         """Whether this forward attends from the stores (set by :meth:`update`)."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
+        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
         ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
@@ -121,7 +121,7 @@ class LayerCache(CacheLayerMixin):
         return layer_hold(capacity=cap, decode_slack=self.owner.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
-        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.reserve.reserve_tokens`)."""
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.reserve.reserve_tokens`)."""
         return reserve_tokens(kept, self.hold_tokens(kept, ragged))
 
     def _new_store(self, stream: str):
@@ -210,7 +210,7 @@ class LayerCache(CacheLayerMixin):
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
             self.from_stores = self.reads_stores()
-            if self.from_stores:  # attention reads the stores (polykv.online_softmax); no dense view is built
+            if self.from_stores:  # attention reads the stores (polykv.attention.online_softmax); no dense view is built
                 self._view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
                 self._view = self.storage.view()
@@ -218,7 +218,7 @@ class LayerCache(CacheLayerMixin):
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
-        (:func:`polykv.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
+        (:func:`polykv.attention.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
         of the dense view: a full-attention layer with plain softmax attention whose stores read in token
         blocks, no rule state observing every forward (states read the dense keys), and something the view
         would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
@@ -246,7 +246,7 @@ class LayerCache(CacheLayerMixin):
     def after_attention(self, query: torch.Tensor, scaling: float, signals=None) -> None:
         """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode).
 
-        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any."""
+        ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any."""
         view = self._view
         states = self.observing_states()
         if states:

@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from polykv.contract_checks import checks_enabled
+from polykv.contract.checks import checks_enabled
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.geometry import FULL, ModelGeometry, geometry_of_model
+from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache
@@ -70,7 +70,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     compute dtype. None keeps them in the compute dtype.
 
     ``check=True`` runs the expensive plugin contract checks as well as the cheap ones that always run
-    (:mod:`polykv.contract_checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
+    (:mod:`polykv.contract.checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
 
     Raises
     ------
@@ -131,7 +131,7 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
     if not isinstance(model_data, Mapping) or not all(isinstance(k, str) for k in model_data):
         raise RuntimeConfigError(f"apply(model_data=...) must be a dict from names to per-model data, e.g. "
                                  f"{{'triattention': QueryStats.load(path)}}, got {type(model_data).__name__}")
-    from polykv.model_data import needs_of_rules
+    from polykv.contract.model_data import needs_of_rules
 
     for need in needs_of_rules(registry, sorted(plan.rules_used())):
         data = model_data.get(need.key)

@@ -103,12 +103,12 @@ def load_model(spec: StudySpec):
 
 
 def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *, registry=None) -> dict[str, Any]:
-    """The per-model data the plans' rules declare (:mod:`polykv.model_data`; e.g. query statistics).
+    """The per-model data the plans' rules declare (:mod:`polykv.contract.model_data`; e.g. query statistics).
 
     Each is read from the profile's side file (e.g. ``x.qstats.safetensors``, written by ``polykv
     calibrate``) when there is one, else computed once here on the offline corpus (4 texts of 512 tokens).
     """
-    from polykv.model_data import load_side_files, needs_of_rules
+    from polykv.contract.model_data import load_side_files, needs_of_rules
 
     if registry is None:
         from polykv.registry import get_registry
@@ -120,7 +120,7 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *,
     out = load_side_files(profile, needs, model=model) if profile is not None else {}
     missing = [need for need in needs if need.key not in out]
     if missing:
-        from polykv.corpus import corpus_texts
+        from polykv.profiling.corpus import corpus_texts
 
         device = next(model.parameters()).device
         batches = [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:QUERY_STATS_TOKENS]], device=device)
@@ -242,7 +242,7 @@ class LoadedStudy:
     @classmethod
     def load(cls, prepared: Prepared, *, model=None, tokenizer=None, registry=None) -> "LoadedStudy":
         """Load the spec's model (unless given), check the profile and every plan against it."""
-        from polykv.geometry import geometry_of_model
+        from polykv.models.geometry import geometry_of_model
 
         spec, policies = prepared.spec, prepared.policies
         if model is None:

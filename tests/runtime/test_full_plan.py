@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
 
 TOL = 1e-4

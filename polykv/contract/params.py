@@ -11,7 +11,7 @@ parameter, instead of failing mid-forward. This module imports nothing from poly
 >>> spec.check("window", -3)
 Traceback (most recent call last):
 ...
-polykv.params.ParamError: parameter 'window' must be >= 1, got -3 (observation window)
+polykv.contract.params.ParamError: parameter 'window' must be >= 1, got -3 (observation window)
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""Operator adapter contracts (v2): retention rules and quantizers.
+"""The retention-rule contract (v2): what a rule plugin implements.
 
 A *retention rule* decides which stored tokens a layer keeps. It never touches the model or the
 cache storage: the runtime hands it a :class:`SelectionContext` and the rule returns a
-:class:`~polykv.selection.Selection` (kept columns per KV head, ragged counts allowed, an optional
+:class:`~polykv.contract.selection.Selection` (kept columns per KV head, ragged counts allowed, an optional
 merge of evicted tokens into kept ones), or simply an index tensor. A rule that remembers
-something between forwards owns a :class:`~polykv.rule_state.RuleState` (:meth:`RetentionRule.new_state`).
-A *quantizer* turns a layer's keys or values into a :class:`KVStore` (codes + scales) that supports
-append, gather-by-index without requantizing, a write path for merges (requantizing only the
-groups it touches), dequantization, and an exact byte count that :mod:`polykv.memory` predicts.
-Budgets decided at run time come from allocators (:mod:`polykv.allocators`).
+something between forwards owns a :class:`~polykv.contract.state.RuleState` (:meth:`RetentionRule.new_state`).
+Quantizers and their stores have their own contract (:mod:`polykv.contract.stores`).
+Budgets decided at run time come from allocators (:mod:`polykv.contract.allocators`).
 
 Shapes: B batch, H query heads, Hkv key/value heads, G = H // Hkv, T stored tokens, d head dim.
 """
@@ -21,9 +19,10 @@ from typing import Any, Callable, ClassVar, Mapping
 import attrs
 import torch
 
-from polykv.contract_checks import check_deciding_scores, checked_scores, checks_enabled
-from polykv.rule_state import AccumulatedAttention, QueryWindow, RuleState
-from polykv.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
+from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
+from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
+from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
+from polykv.contract.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
 
 PHASES = ("prefill", "decode")
 
@@ -43,7 +42,7 @@ class SelectionContext:
     ``keys``, ``positions``, ``tokens_seen``, ``scaling`` and ``layer_idx``/``phase`` are always
     set; ``state`` is the rule's own state (:meth:`RetentionRule.new_state`); ``queries`` /
     ``query_positions`` and ``accumulated`` / ``query_counts`` are filled from the built-in helpers
-    :class:`~polykv.rule_state.QueryWindow` and :class:`~polykv.rule_state.AccumulatedAttention`
+    :class:`~polykv.contract.state.QueryWindow` and :class:`~polykv.contract.state.AccumulatedAttention`
     when the rule's state is (or contains) one. In a ragged layer storage is padded to the longest
     head: ``valid`` marks real tokens, and padding columns sit before each head's tokens.
     """
@@ -107,7 +106,7 @@ class SelectionContext:
 
         Causal: a query at position p sees only stored tokens with position <= p (padding never).
         The rows the prefill attention pass already computed for these queries over these keys
-        (kept by the state's :class:`~polykv.rule_state.QueryWindow`) are returned as they are;
+        (kept by the state's :class:`~polykv.contract.state.QueryWindow`) are returned as they are;
         otherwise they are computed in float32 from ``queries`` and ``keys``, the G query heads of a
         KV head folded into the row axis (keys are never repeated), in query chunks.
         """
@@ -171,7 +170,7 @@ class RetentionRule:
     signal: ClassVar[str] = SIGNAL_NONE
     defaults: ClassVar[Mapping[str, Any]] = {}
     param_specs: ClassVar[Mapping[str, Any]] = {}
-    """Parameter name -> :class:`polykv.params.ParamSpec` (type, range or choices); values are checked."""
+    """Parameter name -> :class:`polykv.contract.params.ParamSpec` (type, range or choices); values are checked."""
     needs_values: ClassVar[bool] = False
     shared_across_heads: ClassVar[bool] = False
     """True when one index set serves every KV head of the layer (e.g. TOVA)."""
@@ -183,7 +182,7 @@ class RetentionRule:
             raise ValueError(
                 f"rule '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}"
             )
-        from polykv.params import check_params
+        from polykv.contract.params import check_params
 
         check_params(self.param_specs, params, owner=f"rule '{self.name}'")
         self.params = {**self.defaults, **params}
@@ -201,8 +200,8 @@ class RetentionRule:
         """The state this rule keeps per layer, or None. Called once per layer per new cache.
 
         The default builds the built-in helper the class's ``signal`` names: a
-        :class:`~polykv.rule_state.QueryWindow` of :meth:`query_window` queries, or
-        :class:`~polykv.rule_state.AccumulatedAttention`.
+        :class:`~polykv.contract.state.QueryWindow` of :meth:`query_window` queries, or
+        :class:`~polykv.contract.state.AccumulatedAttention`.
         """
         if self.signal == SIGNAL_ACCUMULATED:
             return AccumulatedAttention()
@@ -210,7 +209,7 @@ class RetentionRule:
         return QueryWindow(w) if w else None
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
-        """The tokens to keep: a :class:`~polykv.selection.Selection`, or [B, Hkv, capacity] int64
+        """The tokens to keep: a :class:`~polykv.contract.selection.Selection`, or [B, Hkv, capacity] int64
         indices ascending along the last dim (every head keeps ``capacity``).
 
         A ragged Selection may give each head its own count; the layer's total (the sum of the
@@ -270,103 +269,6 @@ class ScoredRule(RetentionRule):
         if ctx.checks:
             check_deciding_scores(self, scores, ctx)
         return ragged_top_k(scores, counts)
-
-
-# -- quantizers ----------------------------------------------------------------------------------
-
-class KVStore:
-    """Storage of one tensor stream (keys or values) of one layer: [B, Hkv, T, d] logically."""
-
-    def append(self, x: torch.Tensor) -> None:
-        """Append [B, Hkv, t, d] new tokens."""
-        raise NotImplementedError
-
-    def gather(self, index: torch.Tensor) -> None:
-        """Keep only tokens ``index`` [B, Hkv, k] (ascending); survivors keep their codes and scales."""
-        raise NotImplementedError
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for ``tokens`` tokens per head, so that appends up to that many do not reallocate
-        (the runtime calls it when the prompt is stored and after each eviction, with the policy of
-        :mod:`polykv.reserve`). A store may also release room beyond ``max(tokens, len(self))``.
-        Optional: the default does nothing (a store that allocates as it goes)."""
-
-    def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":
-        """Overwrite the tokens where ``mask`` [B, Hkv, T] (bool, storage order) is True with the
-        same columns of ``x`` [B, Hkv, T, d]. A quantized store re-encodes only the quantization
-        groups holding written tokens and says how many in the returned :class:`WriteCost`.
-        Optional: stores without it cannot serve merging rules (the runtime says so)."""
-        raise NotImplementedError(f"{type(self).__name__} has no write path; merging rules need one")
-
-    def split_heads(self) -> list["KVStore"]:
-        """One store per (batch row, KV head), row-major, holding that head's tokens without
-        re-encoding them. Optional: needed when a layer turns ragged after its stores were filled."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be split per head")
-
-    def dequantize(self) -> torch.Tensor:
-        """[B, Hkv, T, d] tensor in the compute dtype."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def resident_bytes(self) -> int:
-        """Exact bytes held: codes + scales/zeros + full-precision residual (tensor storage only)."""
-        raise NotImplementedError
-
-
-@attrs.define(frozen=True)
-class WriteCost:
-    """What one :meth:`KVStore.write` cost: tokens written, and tokens/groups re-encoded because of it.
-
-    ``tokens_requantized`` counts every stored token whose codes were recomputed (written tokens and
-    the other members of the groups they share); 0 for a full-precision store or residual writes.
-    """
-
-    tokens_written: int = 0
-    tokens_requantized: int = 0
-    groups_requantized: int = 0
-
-    def __add__(self, other: "WriteCost") -> "WriteCost":
-        return WriteCost(self.tokens_written + other.tokens_written,
-                         self.tokens_requantized + other.tokens_requantized,
-                         self.groups_requantized + other.groups_requantized)
-
-
-class Quantizer:
-    """Base class of quantizers. ``bits`` are the widths it stores; 16 always means passthrough."""
-
-    name: ClassVar[str]
-    bits: ClassVar[frozenset[int]]
-    defaults: ClassVar[Mapping[str, Any]] = {}
-    paper: ClassVar[str] = ""
-
-    def __init__(self, **params: Any):
-        unknown = sorted(set(params) - set(self.defaults))
-        if unknown:
-            raise ValueError(
-                f"quantizer '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}"
-            )
-        self.params = {**self.defaults, **params}
-
-    def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
-        """An empty store for ``stream`` ("key" or "value") at ``bits``."""
-        raise NotImplementedError
-
-    def predict_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
-                      tokens: int, dtype_bytes: int) -> int:
-        """Exact resident bytes of a fresh store after ``tokens`` tokens were appended (in any
-        chunking) with no eviction since; ``dtype_bytes`` is the compute dtype's element size."""
-        raise NotImplementedError
-
-    def predict_reserved_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
-                               tokens: int, reserved: int, dtype_bytes: int) -> int:
-        """Exact resident bytes of a fresh store that was asked to :meth:`KVStore.reserve` ``reserved``
-        tokens and then received ``tokens`` tokens with no eviction. The default is
-        :meth:`predict_bytes` (a store whose ``reserve`` does nothing); a store that preallocates
-        overrides both."""
-        return self.predict_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens,
-                                  dtype_bytes=dtype_bytes)
 
 
 Register = Callable[[type], None]

@@ -42,7 +42,7 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
 
 
 def plan_dict(plan: Plan) -> dict[str, Any]:
-    from polykv.plan_groups import groups_to_json
+    from polykv.plan.groups import groups_to_json
 
     out = {
         "schema_version": plan.schema_version,
@@ -178,7 +178,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
-    from polykv.plan_groups import check_groups, parse_groups
+    from polykv.plan.groups import check_groups, parse_groups
 
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
                 allocation=parse_groups(r, raw.get("allocation")))
@@ -326,7 +326,7 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
-    from polykv.plan_groups import check_groups
+    from polykv.plan.groups import check_groups
 
     check_groups(plan, source=source, registry=registry)
     if registry is not None:
@@ -384,7 +384,7 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
-    from polykv.geometry import fingerprints_match
+    from polykv.models.geometry import fingerprints_match
 
     if plan.num_layers != geometry.num_layers:
         raise PlanError(f"the plan has {plan.num_layers} layers but the model has {geometry.num_layers}",

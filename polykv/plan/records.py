@@ -4,7 +4,7 @@ A plan is a plain JSON file (``schema_version`` 1), written deterministically so
 and round-trips byte for byte: top-level fields one per line, one line per layer. Load with
 :func:`load_plan`, save with :meth:`Plan.save` (atomic). Build plans in Python with
 :func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is documented
-in ``docs/plan-format.md``; :mod:`polykv.plan_io` parses and checks files strictly.
+in ``docs/plan-format.md``; :mod:`polykv.plan.io` parses and checks files strictly.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype")
 
 @attrs.define(frozen=True, kw_only=True)
 class AllocationGroup:
-    """Layers whose budgets an allocator decides at run time (see :mod:`polykv.allocators`).
+    """Layers whose budgets an allocator decides at run time (see :mod:`polykv.contract.allocators`).
 
     The group's total budget is the sum of its layers' prefill capacities as planned (resolved
     for the context); the allocator redistributes it after prefill. The allocated budget replaces
@@ -215,19 +215,19 @@ class Plan:
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        from polykv.plan_io import dumps
+        from polykv.plan.io import dumps
 
         return dumps(self)
 
     def save(self, path: str) -> None:
         """Write the plan atomically (temp file + rename): an existing file is never half-written."""
-        from polykv.plan_io import save
+        from polykv.plan.io import save
 
         save(self, path)
 
     def validate(self, *, registry=None, geometry=None, source: str = "<plan>") -> "Plan":
         """Check names/params against the registry and shape against a model geometry; returns self."""
-        from polykv.plan_io import validate
+        from polykv.plan.io import validate
 
         validate(self, registry=registry, geometry=geometry, source=source)
         return self
@@ -235,7 +235,7 @@ class Plan:
 
 def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
     """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
-    from polykv.plan_io import load
+    from polykv.plan.io import load
 
     return load(path, registry=registry, geometry=geometry)
 

@@ -46,7 +46,7 @@ def need_of(rule_class: Any) -> ModelDataNeed | None:
     need = getattr(rule_class, NEED_ATTRIBUTE, None)
     if need is not None and not isinstance(need, ModelDataNeed):
         raise TypeError(f"{getattr(rule_class, '__name__', rule_class)!r}.{NEED_ATTRIBUTE} must be a "
-                        f"polykv.model_data.ModelDataNeed or None, got {type(need).__name__}")
+                        f"polykv.contract.model_data.ModelDataNeed or None, got {type(need).__name__}")
     return need
 
 
