@@ -22,7 +22,7 @@ from polykv.adapters.quantizers.code_buffers import CodeBuffers
 from polykv.storage.token_blocks import PackedStream
 from polykv.storage.packing import pack, packed_width
 from polykv.storage.store_checks import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
-                                                own_copy)
+                                         own_copy)
 
 
 class KiviKeyStore(CodeBuffers):

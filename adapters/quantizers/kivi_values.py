@@ -21,7 +21,7 @@ from polykv.storage.token_blocks import PackedStream
 from polykv.storage.packing import pack, packed_width
 from polykv.storage.reserve import grown_capacity
 from polykv.storage.store_checks import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
-                                                own_copy)
+                                         own_copy)
 
 
 class KiviValueStore(CodeBuffers):

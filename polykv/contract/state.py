@@ -33,9 +33,9 @@ import attrs
 import torch
 
 from polykv.attention.signals import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS,  # noqa: F401
-                                     AttentionSignals, SignalRequest, attention_column_sums,
-                                     attention_column_sums_per_head, attention_last_rows, attention_probabilities,
-                                     lower_right_causal, signal_request)
+                                      AttentionSignals, SignalRequest, attention_column_sums,
+                                      attention_column_sums_per_head, attention_last_rows, attention_probabilities,
+                                      lower_right_causal, signal_request)
 
 
 @attrs.define(frozen=True, kw_only=True)

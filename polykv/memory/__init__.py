@@ -55,13 +55,13 @@ them each such row reports the allocator's bound (:meth:`Allocator.bound`) and i
 """
 
 from polykv.memory.budgets import (
-    BASES,
-    STORAGE_DTYPE_BYTES,
-    context_note,
-    full_cache_bytes_16bit,
-    held_bytes_per_layer,
-    layer_held_bytes,
-)
+                                   BASES,
+                                   STORAGE_DTYPE_BYTES,
+                                   context_note,
+                                   full_cache_bytes_16bit,
+                                   held_bytes_per_layer,
+                                   layer_held_bytes,
+                                   )
 from polykv.memory.report import MemoryReport, memory_report
 from polykv.memory.resident import MemoryRow, predict_resident, stream_bound_bytes
 from polykv.memory.tokens import MEMORY_PHASES, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes

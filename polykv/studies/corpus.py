@@ -2,12 +2,12 @@
 calibration draws its sequences from the same corpus)."""
 
 from polykv.profiling.corpus import (  # noqa: F401
-    CORPUS_RECIPE,
-    KINDS,
-    Document,
-    corpus_id,
-    corpus_documents,
-    corpus_texts,
-    corpus_fingerprint,
-    filler_text,
-)
+                                     CORPUS_RECIPE,
+                                     KINDS,
+                                     Document,
+                                     corpus_id,
+                                     corpus_documents,
+                                     corpus_texts,
+                                     corpus_fingerprint,
+                                     filler_text,
+                                     )

@@ -19,19 +19,19 @@ import numpy as np
 from polykv.solvers import placements
 from polykv.errors import StudyError
 from polykv.profiling.stats import (  # noqa: F401 (re-exported)
-    DEFAULT_PERMUTATIONS,
-    DEFAULT_REPLICATES,
-    Correlation,
-    Interval,
-    as_scores,
-    bootstrap_mean,
-    paired_bootstrap,
-    paired_bootstrap_tasks,
-    pearson,
-    rankdata,
-    spearman,
-    wilson_interval,
-)
+                                    DEFAULT_PERMUTATIONS,
+                                    DEFAULT_REPLICATES,
+                                    Correlation,
+                                    Interval,
+                                    as_scores,
+                                    bootstrap_mean,
+                                    paired_bootstrap,
+                                    paired_bootstrap_tasks,
+                                    pearson,
+                                    rankdata,
+                                    spearman,
+                                    wilson_interval,
+                                    )
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ import polykv.runtime.attention as attention
 from polykv.contract.rules import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.contract.state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
-                               RuleState, SignalRequest, attention_column_sums, signal_request)
+                                   RuleState, SignalRequest, attention_column_sums, signal_request)
 from polykv.runtime.attention import sdpa
 from polykv.runtime.signals import attention_with_signals
 
