@@ -11,11 +11,13 @@ with the traceback. A closed stdout (``polykv plugins | head -1``) ends the comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
 import pkgutil
 import sys
+import warnings
 
 from polykv import __version__
 from polykv.errors import PolykvError
@@ -90,6 +92,24 @@ def _verb(args) -> str:
     return " ".join(p for p in parts if p)
 
 
+@contextlib.contextmanager
+def _one_line_warnings(verb: str):
+    """polykv's own input warnings (unchecked plugin parameters) as one stderr line each."""
+    from polykv.contract.params import UncheckedParamsWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UncheckedParamsWarning):
+            print(f"polykv {verb}: warning: {_one_line(message)}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def _stdout_closed() -> int:
     """stdout's reader went away (``| head``): silence the final flush and exit like a killed pipe writer."""
     try:
@@ -112,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     verb = _verb(args)
     try:
-        code = int(args.func(args) or 0)
+        with _one_line_warnings(verb):
+            code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
     except BrokenPipeError:

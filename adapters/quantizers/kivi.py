@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from polykv.contract import KVStore, Quantizer
+from polykv.contract import KVStore, ParamError, ParamSpec, Quantizer
 from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
                                                   key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
@@ -33,18 +33,19 @@ class KiviQuantizer(Quantizer):
 
     name = "kivi"
     bits = frozenset({2, 4, 8})
-    defaults = {"group_size": 32, "residual": 32}
+    param_specs = {
+        "group_size": ParamSpec(int, default=32, low=1, high=1 << 16, description="G, tokens or channels per group"),
+        "residual": ParamSpec(int, default=32, low=1, high=1 << 20,
+                              description="R, newest tokens kept in full precision (a multiple of G)"),
+    }
     paper = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024, arXiv 2402.02750"
 
     def __init__(self, **params: Any):
         super().__init__(**params)
         G, R = self.params["group_size"], self.params["residual"]
-        for key, val in (("group_size", G), ("residual", R)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"quantizer 'kivi': parameter '{key}' must be a positive integer, got {val!r}")
         if R % G:
-            raise ValueError(f"quantizer 'kivi': residual={R} must be a multiple of group_size={G} "
-                             f"(keys are quantized a block of R tokens at a time, in groups of G)")
+            raise ParamError("residual", f"quantizer 'kivi': residual={R} must be a multiple of group_size={G} "
+                                         f"(keys are quantized a block of R tokens at a time, in groups of G)")
 
     def _check(self, stream: str, bits: int) -> None:
         if stream not in STREAMS:

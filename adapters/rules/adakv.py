@@ -89,12 +89,13 @@ class AdaKVRule(RetentionRule):
     name = "adakv"
     phases = frozenset({"prefill"})
     signal = SIGNAL_WINDOW
-    defaults = {"rule": "snapkv", "rule_params": {}, "floor_alpha": 0.2, "rounding": "exact"}
-    param_specs = {"rule": ParamSpec(str, description="the scoring rule whose scores Ada-KV allocates by"),
-                   "rule_params": ParamSpec(dict, description="parameters of that rule"),
-                   "floor_alpha": ParamSpec(float, low=0.0, high=1.0, description="share of the budget kept as a "
-                                            "per-head floor"),
-                   "rounding": ParamSpec(str, choices=("exact", "reference"), description="budget rounding")}
+    param_specs = {
+        "rule": ParamSpec(str, default="snapkv", description="the scoring rule whose scores Ada-KV allocates by"),
+        "rule_params": ParamSpec(dict, default={}, description="parameters of that rule"),
+        "floor_alpha": ParamSpec(float, default=0.2, low=0.0, high=1.0,
+                                 description="share of the budget kept as a per-head floor"),
+        "rounding": ParamSpec(str, default="exact", choices=("exact", "reference"), description="budget rounding"),
+    }
     shared_across_heads = False
     paper = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
              "Inference, arXiv:2407.11550")
@@ -110,10 +111,6 @@ class AdaKVRule(RetentionRule):
         if not isinstance(self.inner, ScoredRule):
             raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + "
                                      f"protected), e.g. snapkv, h2o, tova")
-        if not 0.0 <= float(p["floor_alpha"]) <= 1.0:
-            raise ValueError(f"rule 'adakv': floor_alpha must lie in [0, 1], got {p['floor_alpha']}")
-        if p["rounding"] not in ("exact", "reference"):
-            raise ValueError(f"rule 'adakv': rounding must be 'exact' or 'reference', got {p['rounding']!r}")
 
     def new_state(self):
         return self.inner.new_state()

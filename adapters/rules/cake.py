@@ -121,24 +121,14 @@ class CAKERule(ScoredRule):
     name = "cake"
     phases = frozenset(PHASES)
     signal = SIGNAL_WINDOW
-    defaults = {"window": 32, "gamma": 200.0, "kernel_size": 5}
-    param_specs = {"window": ParamSpec(int, low=1, high=1 << 20, description="observation window in tokens"),
-                   "gamma": ParamSpec(float, low=0.0, high=1e12, description="weight of the attention variance"),
-                   "kernel_size": ParamSpec(int, low=1, high=1 << 12, description="pooling kernel, odd")}
+    param_specs = {
+        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
+        "gamma": ParamSpec(float, default=200.0, low=0.0, high=1e12, description="weight of the attention variance"),
+        "kernel_size": ParamSpec(int, default=5, low=1, high=1 << 12, odd=True, description="pooling kernel"),
+    }
     shared_across_heads = False
     paper = ("Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences, ICLR 2025 "
              "(arXiv:2503.12491)")
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        if int(p["window"]) < 1:
-            raise ValueError(f"rule 'cake': window must be >= 1, got {p['window']}")
-        k = int(p["kernel_size"])
-        if k < 1 or k % 2 == 0:
-            raise ValueError(f"rule 'cake': kernel_size must be a positive odd number, got {k}")
-        if float(p["gamma"]) < 0:
-            raise ValueError(f"rule 'cake': gamma must be >= 0, got {p['gamma']}")
 
     def _window(self, ctx: SelectionContext) -> int:
         return min(int(self.params["window"]), ctx.num_stored)
@@ -189,18 +179,14 @@ class CAKEAllocator(Allocator):
     """
 
     name = "cake"
-    defaults = {"window": 32, "tau1": 1.0, "tau2": 1.0}
+    param_specs = {
+        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
+        "tau1": ParamSpec(float, default=1.0, low=1e-6, high=1e6, description="preference exponent of the entropy"),
+        "tau2": ParamSpec(float, default=1.0, low=1e-6, high=1e6, description="preference exponent of the variance"),
+    }
     paper = CAKERule.paper
     one_row = True
     """Budgets from the prompt's statistics, one per layer for every row: batches of one row only."""
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        if int(p["window"]) < 1:
-            raise ValueError(f"allocator 'cake': window must be >= 1, got {p['window']}")
-        if float(p["tau1"]) <= 0 or float(p["tau2"]) <= 0:
-            raise ValueError(f"allocator 'cake': tau1 and tau2 must be > 0, got {p['tau1']}, {p['tau2']}")
 
     def check_op(self, op) -> tuple[str, str] | None:
         """A member ``cake`` rule must keep the window this allocator budgets (each layer's share holds it)."""

@@ -110,11 +110,13 @@ class CaMRule(RetentionRule):
     name = "cam"
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
-    defaults = {"rule": "streamingllm", "rule_params": {}, "merge_window": 32, "divide_by": "window"}
-    param_specs = {"rule": ParamSpec(str, description="the rule choosing which tokens stay"),
-                   "rule_params": ParamSpec(dict, description="parameters of that rule"),
-                   "merge_window": ParamSpec(int, low=1, high=1 << 20, description="tokens an evicted one may merge into"),
-                   "divide_by": ParamSpec(str, choices=("window", "m"), description="merge weight normaliser")}
+    param_specs = {
+        "rule": ParamSpec(str, default="streamingllm", description="the rule choosing which tokens stay"),
+        "rule_params": ParamSpec(dict, default={}, description="parameters of that rule"),
+        "merge_window": ParamSpec(int, default=32, low=1, high=1 << 20,
+                                  description="tokens an evicted one may merge into"),
+        "divide_by": ParamSpec(str, default="window", choices=("window", "m"), description="merge weight normaliser"),
+    }
     shared_across_heads = False
     paper = "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024"
 
@@ -124,10 +126,6 @@ class CaMRule(RetentionRule):
         self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
         self.phases = self.inner.phases
         self.needs_values = True
-        if int(p["merge_window"]) < 1:
-            raise ValueError(f"rule 'cam': merge_window must be >= 1, got {p['merge_window']}")
-        if p["divide_by"] not in ("window", "m"):
-            raise ValueError(f"rule 'cam': divide_by must be 'window' or 'm', got {p['divide_by']!r}")
 
     def new_state(self) -> RuleState:
         inner = self.inner.new_state()

@@ -184,30 +184,19 @@ class D2ORule(ScoredRule):
     name = "d2o"
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
-    defaults = {"recent_ratio": 0.5, "n_sink": 4, "variant": "code", "alpha": 0.5, "beta": 0.5,
-                "paper_beta": 0.7, "paper_c": 0.1}
-    param_specs = {"recent_ratio": ParamSpec(float, low=0.0, high=1.0, description="share kept for recent tokens"),
-                   "n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept"),
-                   "variant": ParamSpec(str, choices=("code", "paper"), description="threshold update"),
-                   "alpha": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
-                   "beta": ParamSpec(float, low=-1e6, high=1e6, description="code variant: weight of the mean"),
-                   "paper_beta": ParamSpec(float, low=0.0, high=1.0, description="paper variant: weight of the max"),
-                   "paper_c": ParamSpec(float, low=1e-12, high=1e6, description="paper variant: kept token weight")}
+    param_specs = {
+        "recent_ratio": ParamSpec(float, default=0.5, low=0.0, high=1.0, description="share kept for recent tokens"),
+        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
+        "variant": ParamSpec(str, default="code", choices=("code", "paper"), description="threshold update"),
+        "alpha": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
+        "beta": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the mean"),
+        "paper_beta": ParamSpec(float, default=0.7, low=0.0, high=1.0,
+                                description="paper variant: weight of the max"),
+        "paper_c": ParamSpec(float, default=0.1, low=1e-12, high=1e6, description="paper variant: kept token weight"),
+    }
     shared_across_heads = False
     paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
              "Language Models, ICLR 2025 (arXiv:2406.13035)")
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        if not 0.0 <= float(p["recent_ratio"]) <= 1.0:
-            raise ValueError(f"rule 'd2o': recent_ratio must lie in [0, 1], got {p['recent_ratio']}")
-        if int(p["n_sink"]) < 0:
-            raise ValueError(f"rule 'd2o': n_sink must be >= 0, got {p['n_sink']}")
-        if p["variant"] not in ("code", "paper"):
-            raise ValueError(f"rule 'd2o': variant must be 'code' or 'paper', got {p['variant']!r}")
-        if float(p["paper_c"]) <= 0:
-            raise ValueError(f"rule 'd2o': paper_c must be > 0, got {p['paper_c']}")
 
     def new_state(self) -> CompositeState:
         """H2O's accumulated attention (shared with any other rule of the layer) and the threshold."""
@@ -224,9 +213,11 @@ class D2ORule(ScoredRule):
         return int(self.params["n_sink"]), recent
 
     def select(self, ctx: SelectionContext, capacity: int) -> Selection:
-        if ctx.valid is not None:
-            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' needs every head to store the same number of "
-                             f"tokens (this layer is ragged)")
+        if ctx.valid is not None or ctx.head_capacity is not None:
+            why = "this layer is ragged" if ctx.valid is not None else "a per-head allocator gave it per-head budgets"
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' merges evicted tokens into one kept set per row "
+                             f"and needs every head to keep the same number of tokens ({why}); use a per-layer "
+                             f"allocator or another rule on this layer")
         state = ctx.state.component(MergeThreshold) if ctx.state is not None else None
         if state is None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "

@@ -38,10 +38,11 @@ class H2ORule(ScoredRule):
     name = "h2o"
     phases = frozenset(PHASES)
     signal = SIGNAL_ACCUMULATED
-    defaults = {"recent_ratio": 0.5, "normalize": False}
-    param_specs = {"recent_ratio": ParamSpec(float, low=0.0, high=1.0, description="share of the capacity kept "
-                                             "for the most recent tokens"),
-                   "normalize": ParamSpec(bool, description="divide accumulated attention by the query count")}
+    param_specs = {
+        "recent_ratio": ParamSpec(float, default=0.5, low=0.0, high=1.0,
+                                  description="share of the capacity kept for the most recent tokens"),
+        "normalize": ParamSpec(bool, default=False, description="divide accumulated attention by the query count"),
+    }
     shared_across_heads = False
     paper = ("Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large "
              "Language Models, NeurIPS 2023 (arXiv:2306.14048)")
@@ -65,7 +66,4 @@ class H2ORule(ScoredRule):
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(0, recent) with ``recent = floor(recent_ratio * capacity)``."""
-        ratio = float(self.params["recent_ratio"])
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"rule 'h2o': recent_ratio must lie in [0, 1], got {ratio}")
-        return 0, math.floor(ratio * capacity + 1e-9)  # guard 0.29 * 100 = 28.999...
+        return 0, math.floor(float(self.params["recent_ratio"]) * capacity + 1e-9)  # guard 0.29 * 100 = 28.999...

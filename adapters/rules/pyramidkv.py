@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.snapkv import SnapKVRule
-from polykv.contract import AllocationRequest, Allocator, pyramid_capacities, trim_to
+from polykv.contract import AllocationRequest, Allocator, ParamSpec, pyramid_capacities, trim_to, with_defaults
 
 
 class PyramidKVRule(SnapKVRule):
@@ -43,7 +43,7 @@ class PyramidKVRule(SnapKVRule):
     """
 
     name = "pyramidkv"
-    defaults = {"window": 8, "kernel_size": 7, "pooling": "max"}
+    param_specs = with_defaults(SnapKVRule.param_specs, window=8, kernel_size=7, pooling="max")
     paper = ("Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information "
              "Funneling, arXiv:2406.02069")
 
@@ -79,14 +79,11 @@ class PyramidKVAllocator(Allocator):
     """
 
     name = "pyramidkv"
-    defaults = {"window": 8, "beta": 20}
+    param_specs = {
+        "window": ParamSpec(int, default=8, low=0, high=1 << 20, description="window included in every budget"),
+        "beta": ParamSpec(int, default=20, low=1, high=1 << 20, description="largest to smallest budget spread"),
+    }
     paper = PyramidKVRule.paper
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        if int(self.params["window"]) < 0 or int(self.params["beta"]) < 1:
-            raise ValueError(f"allocator 'pyramidkv': window must be >= 0 and beta >= 1, got "
-                             f"{self.params['window']}, {self.params['beta']}")
 
     def layer_statistic(self, ctx) -> None:
         return None

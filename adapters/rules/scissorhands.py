@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import (LAST_ROWS, PHASES, SIGNAL_NONE, Observation, ParamSpec, RuleState, ScoredRule,
-                             SelectionContext)
+from polykv.contract import (LAST_ROWS, PHASES, SIGNAL_NONE, Observation, ParamError, ParamSpec, RuleState,
+                             ScoredRule, SelectionContext)
 
 
 def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, *,
@@ -140,25 +140,22 @@ class ScissorhandsRule(ScoredRule):
     name = "scissorhands"
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
-    defaults = {"history": 400, "recent": 10, "threshold": "average", "quantile": 0.9}
-    param_specs = {"history": ParamSpec(int, low=1, high=1 << 20, description="attention rows remembered"),
-                   "recent": ParamSpec(int, low=0, high=1 << 20, description="recent tokens always kept"),
-                   "threshold": ParamSpec(str, choices=("average", "quantile"), description="importance cut"),
-                   "quantile": ParamSpec(float, low=0.0, high=1.0, description="quantile of the quantile cut")}
+    param_specs = {
+        "history": ParamSpec(int, default=400, low=1, high=1 << 20, description="attention rows remembered"),
+        "recent": ParamSpec(int, default=10, low=0, high=1 << 20, description="recent tokens always kept"),
+        "threshold": ParamSpec(str, default="average", choices=("average", "quantile"), description="importance cut"),
+        "quantile": ParamSpec(float, default=0.9, low=0.0, high=1.0, description="quantile of the quantile cut"),
+    }
     shared_across_heads = False
     paper = ("Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
              "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)")
 
     def __init__(self, **params):
         super().__init__(**params)
-        p = self.params
-        if int(p["history"]) < 1 or int(p["recent"]) < 0:
-            raise ValueError(f"rule 'scissorhands': history must be >= 1 and recent >= 0, got {p['history']}, "
-                             f"{p['recent']}")
-        if not 0.0 < float(p["quantile"]) < 1.0:
-            raise ValueError(f"rule 'scissorhands': quantile must lie in (0, 1), got {p['quantile']}")
-        if p["threshold"] not in ("average", "quantile"):
-            raise ValueError(f"rule 'scissorhands': threshold must be 'average' or 'quantile', got {p['threshold']!r}")
+        quantile = float(self.params["quantile"])
+        if not 0.0 < quantile < 1.0:                          # the spec's bounds are inclusive: exclude 0 and 1
+            raise ParamError("quantile", f"rule 'scissorhands': parameter 'quantile' must lie in (0, 1), "
+                                         f"got {quantile}")
 
     def new_state(self) -> UnimportantHistory:
         p = self.params

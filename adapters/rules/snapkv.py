@@ -38,27 +38,21 @@ class SnapKVRule(ScoredRule):
     name = "snapkv"
     phases = frozenset({"prefill"})
     signal = SIGNAL_WINDOW
-    defaults = {"window": 32, "kernel_size": 7, "pooling": "max"}
-    param_specs = {"window": ParamSpec(int, low=1, high=1 << 20, description="observation window in tokens"),
-                   "kernel_size": ParamSpec(int, low=1, high=1 << 12, description="pooling kernel, odd"),
-                   "pooling": ParamSpec(str, choices=("max", "avg"), description="pooling of the votes")}
+    param_specs = {
+        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
+        "kernel_size": ParamSpec(int, default=7, low=1, high=1 << 12, odd=True, description="pooling kernel"),
+        "pooling": ParamSpec(str, default="max", choices=("max", "avg"), description="pooling of the votes"),
+    }
     shared_across_heads = False
     paper = ("Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 "
              "(arXiv:2404.14469)")
 
     def _window(self, ctx: SelectionContext) -> int:
-        w = int(self.params["window"])
-        if w < 1:
-            raise ValueError(f"rule 'snapkv': window must be >= 1, got {w}")
-        return min(w, ctx.num_stored)
+        return min(int(self.params["window"]), ctx.num_stored)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Pooled votes of the prefix, +inf on the window: [B, Hkv, T] float32."""
         k, pooling = int(self.params["kernel_size"]), self.params["pooling"]
-        if k < 1 or k % 2 == 0:
-            raise ValueError(f"rule 'snapkv': kernel_size must be a positive odd number, got {k}")
-        if pooling not in ("max", "avg"):
-            raise ValueError(f"rule 'snapkv': pooling must be 'max' or 'avg', got {pooling!r}")
         if ctx.queries is None:
             raise ValueError(
                 f"layer {ctx.layer_idx} ({ctx.phase}): rule 'snapkv' needs the last {self.params['window']} "

@@ -28,8 +28,9 @@ class StreamingLLMRule(ScoredRule):
     name = "streamingllm"
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
-    defaults = {"n_sink": 4}
-    param_specs = {"n_sink": ParamSpec(int, low=0, high=1 << 20, description="attention-sink tokens kept")}
+    param_specs = {
+        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
+    }
     shared_across_heads = True
     paper = ("Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 "
              "(arXiv:2309.17453)")

@@ -54,8 +54,9 @@ class TriAttentionRule(ScoredRule):
     name = "triattention"
     phases = frozenset(PHASES)
     signal = SIGNAL_PREROPE_STATS
-    defaults = {"max_offset": 65536}
-    param_specs = {"max_offset": ParamSpec(int, low=1, high=1 << 31, description="largest future offset scored")}
+    param_specs = {
+        "max_offset": ParamSpec(int, default=65536, low=1, high=1 << 31, description="largest future offset scored"),
+    }
     shared_across_heads = False
     model_data_need = QUERY_STATISTICS
     paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "

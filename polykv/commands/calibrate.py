@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from polykv.errors import ProfileError
+from polykv.errors import PolykvError, ProfileError
 from polykv.plan import DEFAULT_QUANTIZER
 
 
@@ -122,9 +122,15 @@ def check_model_folder(name: str) -> None:
     if not os.path.isdir(name):
         raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
                            "Hugging Face model (config.json, weights, tokenizer)")
-    if not os.path.isfile(os.path.join(name, "config.json")):
+    if not os.path.lexists(os.path.join(name, "config.json")):
         raise ProfileError(f"model {name!r}: the folder holds no config.json; give a folder holding a Hugging Face "
                            "model (config.json, weights, tokenizer)")
+    from polykv.models import read_local_config
+
+    try:
+        read_local_config(name)
+    except PolykvError as exc:
+        raise ProfileError(f"model {name!r}: {exc}") from None
 
 
 def model_geometry(name: str):

@@ -46,9 +46,15 @@ def model_geometry(spec: str):
         from polykv.models import model_geometry as named_geometry
 
         return named_geometry(spec)
-    if not os.path.isfile(os.path.join(spec, "config.json")):
+    if not os.path.isdir(spec) or not os.path.lexists(os.path.join(spec, "config.json")):
         raise PolykvError(f"--model {spec!r}: expected 'default', one of {sorted(NAMED_MODELS)} or a local model "
                           f"folder holding config.json (models are never downloaded)")
+    from polykv.models import read_local_config
+
+    try:
+        read_local_config(spec)
+    except PolykvError as exc:
+        raise PolykvError(f"--model {spec!r}: {exc}") from None
     import transformers
 
     return geometry_from_config(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
@@ -71,11 +77,16 @@ def recognised_geometry(plan):
     return None
 
 
-def _load(path: str, geometry=None):
+def _load(path: str, geometry=None, context: int | None = None):
+    """The checked plan; its allocation groups are also budgeted at ``context`` (default: the plan's own)."""
     from polykv.plan import load_plan
+    from polykv.plan.groups import check_group_bounds
     from polykv.registry import get_registry
 
-    return load_plan(path, registry=get_registry(), geometry=geometry)
+    plan = load_plan(path, registry=get_registry(), geometry=geometry)
+    context = context or plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT
+    check_group_bounds(plan, get_registry(), context, source=path)
+    return plan
 
 
 def run_validate(args) -> int:
@@ -95,7 +106,7 @@ def run_show(args) -> int:
     if args.context is not None and not 1 <= args.context <= MAX_CONTEXT_TOKENS:
         raise PolykvError(f"--context must be a number of tokens in [1, {MAX_CONTEXT_TOKENS}], got {args.context}")
     geometry = model_geometry(args.model) if args.model else None
-    plan = _load(args.plan, geometry)
+    plan = _load(args.plan, geometry, args.context)
     if geometry is None:
         geometry = recognised_geometry(plan)
     if geometry is None and plan.model is None:

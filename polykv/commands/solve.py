@@ -35,6 +35,11 @@ def register(subparsers) -> None:
                    help="registered solver (default: exact); `polykv plugins` lists them")
     p.add_argument("--param", action="append", default=[], metavar="K=V",
                    help="solver parameter; V is read as JSON when it parses (3, 0.5, null, [..]), else a string")
+    p.add_argument("--quantizer", default=None, metavar="NAME",
+                   help="the quantizer the plan must store its widths with; refused unless it is the one the "
+                        "profile was calibrated with (default: the profile's, which every plan uses)")
+    p.add_argument("--quantizer-param", action="append", default=None, metavar="K=V",
+                   help="with --quantizer: its parameters, which must equal the profile's")
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="check first that the profile was measured on this model: 'default' (SmolLM2-135M) or "
                         "a local model folder holding config.json")
@@ -83,8 +88,9 @@ def run(args) -> int:
         from polykv.commands.plan import model_geometry
 
         geometry = model_geometry(args.model)
+    qparams = None if args.quantizer_param is None else parse_params(args.quantizer_param, "--quantizer-param")
     plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
-                 **parse_params(args.param))
+                 quantizer=args.quantizer, quantizer_params=qparams, **parse_params(args.param))
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"

@@ -25,7 +25,8 @@ it from them would wait on itself.
 from polykv.contract.allocators import AllocationRequest, Allocator
 from polykv.contract.hookspecs import PROJECT, hookimpl
 from polykv.contract.model_data import ModelDataNeed, need_of, side_file
-from polykv.contract.params import ParamError, ParamSpec, check_params
+from polykv.contract.params import (NO_DEFAULT, DeclaredParams, ParamError, ParamSpec, UncheckedParamsWarning,
+                                    check_params, resolve_params, unchecked_params, with_defaults)
 from polykv.contract.rules import (PHASES, SIGNAL_ACCUMULATED, SIGNAL_LAST_QUERY, SIGNAL_NONE, SIGNAL_PREROPE_STATS,
                                    SIGNAL_WINDOW, SIGNALS, Register, RetentionRule, ScoredRule, SelectionContext,
                                    window_rows)
@@ -52,6 +53,7 @@ __all__ = [
     # allocators and their shared schedule
     "Allocator", "AllocationRequest", "pyramid_capacities", "trim_to",
     # parameters, model data, hooks, the registry
-    "ParamSpec", "ParamError", "check_params", "ModelDataNeed", "need_of", "side_file",
+    "ParamSpec", "ParamError", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults",
+    "resolve_params", "unchecked_params", "UncheckedParamsWarning", "ModelDataNeed", "need_of", "side_file",
     "QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "PROJECT", "hookimpl", "get_registry",
 ]

@@ -24,10 +24,12 @@ The memory model cannot know the budgets ahead of time; it reports :meth:`Alloca
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Sequence
 
 import attrs
 import torch
+
+from polykv.contract.params import DeclaredParams
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -51,15 +53,16 @@ class AllocationRequest:
     """True when every group layer has been prefilled (the last call)."""
 
 
-class Allocator:
+class Allocator(DeclaredParams):
     """Base class of allocators. Subclasses set the class attributes and implement the two methods.
 
-    Parameters are keyword arguments with defaults in ``defaults``; unknown ones are an error,
-    raised when a plan naming the allocator is validated.
+    Parameters are declared in ``param_specs`` (:class:`polykv.contract.params.ParamSpec` with a default;
+    see :class:`polykv.contract.params.DeclaredParams`); unknown names and values outside their specs are
+    an error, raised when a plan naming the allocator is validated.
     """
 
+    plugin_kind = "allocator"
     name: ClassVar[str]
-    defaults: ClassVar[Mapping[str, Any]] = {}
     paper: ClassVar[str] = ""
     cascades: ClassVar[bool] = False
     """True: re-allocate after every group layer (CAKE); False: once, after the last (D2O)."""
@@ -67,13 +70,6 @@ class Allocator:
     """True when the budgets come from statistics of the prompt: they are one per layer (or head) for every
     batch row, so rows would change each other's budgets, and the runtime refuses a batch of more than
     one row (D2O, CAKE). False when they depend only on the group's shape and total (a pyramid)."""
-
-    def __init__(self, **params: Any):
-        unknown = sorted(set(params) - set(self.defaults))
-        if unknown:
-            raise ValueError(
-                f"allocator '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}")
-        self.params = {**self.defaults, **params}
 
     def check_op(self, op) -> tuple[str, str] | None:
         """Why this allocator cannot budget a member layer's op (a plan ``OpSpec`` of either phase), as

@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
+from polykv.contract.params import DeclaredParams
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
 from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
 from polykv.contract.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
@@ -155,37 +156,25 @@ def window_rows(queries: torch.Tensor, query_positions: torch.Tensor, keys: torc
     return out.view(B, H, w, T)
 
 
-class RetentionRule:
+class RetentionRule(DeclaredParams):
     """Base class of every retention rule (eviction adapter).
 
     Subclasses set the class attributes and implement :meth:`select` (or :meth:`score`, when
-    deriving from :class:`ScoredRule`). Parameters are keyword arguments with the reference
-    defaults declared in ``defaults``; unknown parameters are an error. Plan validation builds
-    the rule (``cls(**params)``), so checks in ``__init__`` fail when a plan is loaded, naming the
-    file, layer and field.
+    deriving from :class:`ScoredRule`). Parameters are keyword arguments declared in
+    ``param_specs`` (:class:`polykv.contract.params.ParamSpec` with the reference default; ``defaults`` is
+    derived from them, see :class:`polykv.contract.params.DeclaredParams`); unknown parameters are an error.
+    Plan validation builds the rule (``cls(**params)``), so checks in ``__init__`` fail when a plan
+    is loaded, naming the file, layer and field.
     """
 
+    plugin_kind = "rule"
     name: ClassVar[str]
     phases: ClassVar[frozenset[str]] = frozenset(PHASES)
     signal: ClassVar[str] = SIGNAL_NONE
-    defaults: ClassVar[Mapping[str, Any]] = {}
-    param_specs: ClassVar[Mapping[str, Any]] = {}
-    """Parameter name -> :class:`polykv.contract.params.ParamSpec` (type, range or choices); values are checked."""
     needs_values: ClassVar[bool] = False
     shared_across_heads: ClassVar[bool] = False
     """True when one index set serves every KV head of the layer (e.g. TOVA)."""
     paper: ClassVar[str] = ""
-
-    def __init__(self, **params: Any):
-        unknown = sorted(set(params) - set(self.defaults))
-        if unknown:
-            raise ValueError(
-                f"rule '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}"
-            )
-        from polykv.contract.params import check_params
-
-        check_params(self.param_specs, params, owner=f"rule '{self.name}'")
-        self.params = {**self.defaults, **params}
 
     @classmethod
     def query_window(cls, params: Mapping[str, Any]) -> int:

@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Mapping
 import attrs
 import torch
 
+from polykv.contract.params import DeclaredParams
+
 
 class KVStore:
     """Storage of one tensor stream (keys or values) of one layer: [B, Hkv, T, d] logically."""
@@ -76,21 +78,16 @@ class WriteCost:
                          self.groups_requantized + other.groups_requantized)
 
 
-class Quantizer:
-    """Base class of quantizers. ``bits`` are the widths it stores; 16 always means passthrough."""
+class Quantizer(DeclaredParams):
+    """Base class of quantizers. ``bits`` are the widths it stores; 16 always means passthrough.
 
+    Parameters are declared in ``param_specs`` (see :class:`polykv.contract.params.DeclaredParams`).
+    """
+
+    plugin_kind = "quantizer"
     name: ClassVar[str]
     bits: ClassVar[frozenset[int]]
-    defaults: ClassVar[Mapping[str, Any]] = {}
     paper: ClassVar[str] = ""
-
-    def __init__(self, **params: Any):
-        unknown = sorted(set(params) - set(self.defaults))
-        if unknown:
-            raise ValueError(
-                f"quantizer '{self.name}' has no parameter(s) {unknown}; known: {sorted(self.defaults)}"
-            )
-        self.params = {**self.defaults, **params}
 
     def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
         """An empty store for ``stream`` ("key" or "value") at ``bits``."""

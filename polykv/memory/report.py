@@ -102,8 +102,10 @@ def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
 def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *, batch: int = 1,
                   dtype_bytes: int = 2, registry: Any = None, phase: str = "prefill",
                   num_heads: int | None = None, decode_slack: int | None = None,
-                  new_tokens: int | None = None) -> MemoryReport:
-    """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`).
+                  new_tokens: int | None = None, head_counts: Any = None, allocations: Any = None) -> MemoryReport:
+    """Nominal, resident and metadata bytes of ``plan`` per layer and in total (see :func:`predict_resident`,
+    which takes the same arguments: ``head_counts`` and ``allocations`` from a session make ragged and
+    allocated layers exact).
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
     """
@@ -111,7 +113,7 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
 
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
                             registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
-                            new_tokens=new_tokens)
+                            new_tokens=new_tokens, head_counts=head_counts, allocations=allocations)
     registry = registry if registry is not None else get_registry()
     groups = []
     for g in getattr(plan, "allocation", ()):

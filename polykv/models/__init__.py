@@ -15,10 +15,11 @@ from polykv.models.loading import (CACHE_ENV, DEFAULT_GGUF_FILE, DEFAULT_MODEL_D
                                    DEFAULT_MODEL_NAME, INSTALL_COMMAND, MODEL_ALIASES, NAMED_MODELS, NamedModel,
                                    cache_root, cached_complete, cached_model_dir, default_geometry,
                                    default_model_config, default_model_path, load_default_model, load_from_gguf,
-                                   load_model, model_config, model_geometry, named_cached_dir, named_model)
+                                   load_model, model_config, model_geometry, named_cached_dir, named_model,
+                                   read_local_config)
 
 __all__ = ["DEFAULT_MODEL_NAME", "DEFAULT_MODEL_DIST", "DEFAULT_MODEL_MODULE", "DEFAULT_GGUF_FILE", "CACHE_ENV",
            "INSTALL_COMMAND", "default_model_path", "cache_root", "cached_model_dir", "load_from_gguf",
            "load_default_model", "default_model_config", "default_geometry", "NamedModel", "NAMED_MODELS",
            "MODEL_ALIASES", "named_model", "named_cached_dir", "load_model", "cached_complete", "model_config",
-           "model_geometry"]
+           "model_geometry", "read_local_config"]

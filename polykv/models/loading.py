@@ -376,3 +376,33 @@ def model_geometry(name: str = "default", *, cache_dir: str | os.PathLike | None
     from polykv.models.geometry import geometry_from_config
 
     return geometry_from_config(model_config(name, cache_dir=cache_dir))
+
+
+def read_local_config(folder: str) -> dict:
+    """The ``config.json`` of a local model folder as a dict, read strictly before transformers reads it.
+
+    A :class:`PolykvError` names the file when it is missing, not a regular file (reading a FIFO would
+    block), not UTF-8, or not one strict JSON object.
+    """
+    from polykv.atomic import check_readable_file
+    from polykv.errors import OutputError
+    from polykv.strict_json import JsonInputError, loads_strict
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.lexists(path):
+        raise PolykvError(f"{path}: no such file; a model folder holds config.json (models are never downloaded)")
+    try:
+        check_readable_file(path, "model config (config.json)")
+        with open(path, "rb") as fh:
+            raw = loads_strict(fh.read().decode("utf-8"))
+    except OutputError as exc:
+        raise PolykvError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise PolykvError(f"{path}: not UTF-8 text (byte {exc.start}); a model's config.json is UTF-8 JSON") from None
+    except JsonInputError as exc:
+        raise PolykvError(f"{path}: not valid JSON ({exc}); restore the model's config.json") from None
+    except OSError as exc:
+        raise PolykvError(f"{path}: cannot read the model config ({exc.strerror}); check its permissions") from None
+    if not isinstance(raw, dict):
+        raise PolykvError(f"{path}: expected a JSON object of model settings, got {type(raw).__name__}")
+    return raw

@@ -47,8 +47,9 @@ def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
     return tuple(groups)
 
 
-def check_groups(plan, *, source: str, registry=None) -> None:
-    """Members exist, belong to one group, and evict in prefill; allocators and their params are known."""
+def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = None) -> None:
+    """Members exist, belong to one group, and evict in prefill; allocators and their params are known
+    (parameters without a spec are added to ``unchecked``, see :func:`polykv.plan.io.plugin_instance`)."""
     seen: dict[int, int] = {}
     for gi, g in enumerate(plan.allocation):
         field = f"allocation[{gi}]"
@@ -70,10 +71,11 @@ def check_groups(plan, *, source: str, registry=None) -> None:
                 cls = registry.allocator(g.allocator)
             except RegistryError as exc:
                 raise PlanError(str(exc), source=source, field=field + ".allocator") from None
-            try:
-                allocator = cls(**g.params)
-            except (TypeError, ValueError) as exc:
-                raise PlanError(str(exc), source=source, field=field + ".params") from None
+            from polykv.plan.io import plugin_instance
+
+            allocator = plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
+                                        unchecked={} if unchecked is None else unchecked,
+                                        hint=f"fix the value; the group holds layers {list(g.layers)}")
             _check_members(plan, g, allocator, source=source, field=field)
 
 
@@ -87,3 +89,19 @@ def _check_members(plan, group, allocator, *, source: str, field: str) -> None:
                 raise PlanError(f"{reason} (allocation group {field}, {group.describe()})", source=source,
                                 layer=layer, field=f"layers[{layer}].{phase}.{where}",
                                 hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")
+
+
+def check_group_bounds(plan, registry, context_tokens: int, *, source: str) -> None:
+    """Every group's allocator can budget its layers at ``context_tokens`` (e.g. a pyramid window below
+    the group's average); an allocator's refusal names the group's field and the parameter it gives."""
+    from polykv.errors import PolykvError
+    from polykv.memory.tokens import op_kept_tokens
+
+    for gi, g in enumerate(plan.allocation):
+        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        try:
+            registry.allocator(g.allocator)(**g.params).bound(caps, context_tokens)
+        except (PolykvError, TypeError, ValueError) as exc:
+            param = getattr(exc, "param", None)
+            raise PlanError(f"at {context_tokens} context tokens: {exc}", source=source,
+                            field=f"allocation[{gi}].params" + (f".{param}" if param else "")) from None

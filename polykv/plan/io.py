@@ -14,8 +14,9 @@ import attrs
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
-from polykv.plan import (DEFAULT_QUANTIZER, FULL_RULE, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan,
-                         ModelInfo, OpSpec, Plan, Provenance, TriggerSettings)
+from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
+                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
+                         Plan, Provenance, TriggerSettings)
 
 PHASES = ("prefill", "decode")
 
@@ -108,21 +109,29 @@ class _Reader:
         return value
 
     def int_(self, value: Any, field: str, *, layer: int | None = None, minimum: int | None = None,
-             optional: bool = False) -> int | None:
+             maximum: float | None = None, optional: bool = False) -> int | None:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             self.fail(f"expected an integer, got {value!r}", layer=layer, field=field)
-        if minimum is not None and value < minimum:
-            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
+        self._range(value, field, layer, minimum, maximum)
         return value
 
-    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> float | None:
+    def float_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False,
+               minimum: float | None = None, maximum: float | None = None) -> float | None:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(f"expected a finite number, got {value!r}", layer=layer, field=field)
+        self._range(value, field, layer, minimum, maximum)
         return float(value)
+
+    def _range(self, value, field: str, layer: int | None, minimum, maximum) -> None:
+        if minimum is not None and value < minimum:
+            self.fail(f"must be >= {minimum}, got {value}", layer=layer, field=field)
+        if maximum is not None and value > maximum:
+            self.fail(f"must be <= {maximum:g}, got {value:g}", layer=layer, field=field,
+                      hint="no real plan holds a value this large; fix the number")
 
     def str_(self, value: Any, field: str, *, layer: int | None = None, optional: bool = False) -> str | None:
         if value is None and optional:
@@ -145,13 +154,15 @@ def _join(a: str, b: str) -> str:
 
 def parse_plan_text(text: str, source: str = "<plan>") -> Plan:
     """Parse plan JSON text strictly (no registry or model checks)."""
+    from polykv.strict_json import JsonInputError, loads_strict
+
     try:
-        raw = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", source=source,
-                        hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
-    except ValueError as exc:
-        raise PlanError(f"malformed JSON: {exc}", source=source) from None
+        raw = loads_strict(text)
+    except JsonInputError as exc:
+        if exc.line:
+            raise PlanError(f"malformed JSON at line {exc.line}, column {exc.column}: {exc.message}", source=source,
+                            hint="fix the JSON syntax (a linter such as `python -m json.tool FILE` shows it)") from None
+        raise PlanError(f"malformed JSON: {exc.message}", source=source) from None
     return parse_plan_dict(raw, source)
 
 
@@ -206,6 +217,8 @@ def _parse_trigger(r: _Reader, raw: Any) -> TriggerSettings:
 
 
 def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
+    from polykv.memory.budgets import BASES, STORAGE_DTYPE_BYTES
+
     if raw is None:
         return Provenance()
     fields = {f.name: False for f in attrs.fields(Provenance)}
@@ -214,25 +227,54 @@ def _parse_provenance(r: _Reader, raw: Any) -> Provenance:
     return Provenance(
         solver=r.str_(raw.get("solver"), f + "solver", optional=True),
         params=r.dict_(raw.get("params", {}), f + "params"),
-        budget=r.dict_(raw.get("budget"), f + "budget", optional=True),
-        context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1, optional=True),
-        predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True),
-        predicted_bytes=r.int_(raw.get("predicted_bytes"), f + "predicted_bytes", minimum=0, optional=True),
+        budget=_budget(r, raw.get("budget"), f + "budget"),
+        context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1,
+                              maximum=MAX_CONTEXT_TOKENS, optional=True),
+        predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True, minimum=0.0,
+                                maximum=MAX_LOSS),
+        predicted_bytes=r.int_(raw.get("predicted_bytes"), f + "predicted_bytes", minimum=0,
+                               maximum=MAX_BUDGET_VALUE, optional=True),
         profile_fingerprint=r.str_(raw.get("profile_fingerprint"), f + "profile_fingerprint", optional=True),
         polykv_version=r.str_(raw.get("polykv_version"), f + "polykv_version", optional=True),
-        created=r.str_(raw.get("created"), f + "created", optional=True),
+        created=_created(r, raw.get("created"), f + "created"),
         note=r.str_(raw.get("note", ""), f + "note"),
-        basis=_basis(r, raw.get("basis"), f + "basis"),
-        batch=r.int_(raw.get("batch"), f + "batch", minimum=1, optional=True),
-        cache_dtype=r.str_(raw.get("cache_dtype"), f + "cache_dtype", optional=True),
+        basis=_choice(r, raw.get("basis"), f + "basis", BASES, "basis"),
+        batch=r.int_(raw.get("batch"), f + "batch", minimum=1, maximum=MAX_BATCH, optional=True),
+        cache_dtype=_choice(r, raw.get("cache_dtype"), f + "cache_dtype", tuple(STORAGE_DTYPE_BYTES), "cache dtype"),
     )
 
 
-def _basis(r: "_Reader", value: Any, field: str) -> str | None:
-    basis = r.str_(value, field, optional=True)
-    if basis is not None and basis not in ("resident", "nominal"):
-        r.fail(f"unknown basis {basis!r}; use \"resident\" or \"nominal\"", field=field)
-    return basis
+def _choice(r: "_Reader", value: Any, field: str, choices: tuple[str, ...], what: str) -> str | None:
+    got = r.str_(value, field, optional=True)
+    if got is not None and got not in choices:
+        r.fail(f"unknown {what} {got!r}; use " + " or ".join(f'"{c}"' for c in choices), field=field)
+    return got
+
+
+def _budget(r: "_Reader", value: Any, field: str) -> dict | None:
+    """``{"ratio": 8.0}``, ``{"bytes": N}`` or ``{"tokens_per_layer": N}``: one kind, a positive finite value."""
+    budget = r.dict_(value, field, optional=True)
+    if budget is None:
+        return None
+    if len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
+        r.fail(f"expected one budget kind, got {sorted(budget)}", field=field,
+               hint="e.g. {\"ratio\": 8.0}, {\"bytes\": 1048576} or {\"tokens_per_layer\": 256}")
+    kind, amount = next(iter(budget.items()))
+    r.float_(amount, f"{field}.{kind}", minimum=1, maximum=MAX_BUDGET_VALUE)
+    return budget
+
+
+def _created(r: "_Reader", value: Any, field: str) -> str | None:
+    import datetime
+
+    created = r.str_(value, field, optional=True)
+    if created is not None:
+        try:
+            datetime.datetime.fromisoformat(created)
+        except ValueError:
+            r.fail(f"expected an ISO-8601 time like \"2026-01-31T12:00:00+00:00\", got {created!r}", field=field,
+                   hint="write the time polykv writes, or leave the field out")
+    return created
 
 
 def _parse_op(r: _Reader, layer: int, phase: str, raw: Any) -> OpSpec:
@@ -322,20 +364,57 @@ def load(path: str, *, registry=None, geometry=None) -> Plan:
 # -- validation -----------------------------------------------------------------------------------
 
 def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> None:
-    """Check op capacities, names and params against ``registry`` and shape against ``geometry``."""
+    """Check op capacities, names and params against ``registry`` and shape against ``geometry``.
+
+    Parameters of rules, quantizers and allocators are checked against their ``param_specs``; a
+    given parameter its plugin declares no spec for is reported once per plugin as an
+    :class:`~polykv.contract.params.UncheckedParamsWarning` (its value is checked only when the plugin runs).
+    """
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
     from polykv.plan.groups import check_groups
 
-    check_groups(plan, source=source, registry=registry)
+    unchecked: dict[str, set[str]] = {}
+    check_groups(plan, source=source, registry=registry, unchecked=unchecked)
     if registry is not None:
-        _validate_registry(plan, registry, source)
+        _validate_registry(plan, registry, source, unchecked)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
+    _warn_unchecked(unchecked, source)
 
 
-def _validate_registry(plan: Plan, registry, source: str) -> None:
+def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, unchecked: dict[str, set[str]],
+                    hint: str = "fix the value (see `polykv plugins`)"):
+    """``cls(**params)`` for a plan's rule, quantizer or allocator: a refused value is one PlanError naming
+    the parameter (``field.<name>``); given names without a spec are added to ``unchecked``."""
+    from polykv.contract.params import unchecked_params
+
+    try:
+        obj = cls(**params)
+    except (TypeError, ValueError) as exc:
+        param = getattr(exc, "param", None)
+        raise PlanError(str(exc), source=source, layer=layer, field=field + (f".{param}" if param else ""),
+                        hint=hint if param else None) from None
+    names = unchecked_params(cls, params)
+    if names:
+        owner = f"{getattr(cls, 'plugin_kind', 'plugin')} '{getattr(cls, 'name', cls.__name__)}'"
+        unchecked.setdefault(owner, set()).update(names)
+    return obj
+
+
+def _warn_unchecked(unchecked: dict[str, set[str]], source: str) -> None:
+    import warnings
+
+    from polykv.contract.params import UncheckedParamsWarning
+
+    for owner, names in sorted(unchecked.items()):
+        warnings.warn(f"{source}: {owner} declares no param_specs for {sorted(names)}: their values are not checked "
+                      "until it runs (its author can declare a ParamSpec per parameter)", UncheckedParamsWarning,
+                      stacklevel=4)
+
+
+def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
     for lp in plan.layers:
         for phase in PHASES:
             op = getattr(lp, phase)
@@ -348,14 +427,8 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
                 raise PlanError(f"rule '{op.rule}' does not run in the {phase} phase (it supports "
                                 f"{sorted(cls.phases)})", source=source, layer=lp.layer, field=field + ".rule",
                                 hint=f"choose a rule that supports {phase}, or 'full'")
-            try:
-                rule = cls(**op.params)
-            except (TypeError, ValueError) as exc:
-                param = getattr(exc, "param", None)
-                raise PlanError(str(exc), source=source, layer=lp.layer,
-                                field=field + ".params" + (f".{param}" if param else ""),
-                                hint="fix the value (see `polykv plugins` and docs/rules.md)" if param else None
-                                ) from None
+            rule = plugin_instance(cls, op.params, source=source, layer=lp.layer, field=field + ".params",
+                                   unchecked=unchecked, hint="fix the value (see `polykv plugins` and docs/rules.md)")
             # A rule built with its parameters may run in fewer phases than its class (a wrapper runs
             # where the rule it wraps runs): check the instance too.
             built_phases = getattr(rule, "phases", cls.phases)
@@ -376,11 +449,9 @@ def _validate_registry(plan: Plan, registry, source: str) -> None:
                     raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
                                     f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
                                     field=f"{field}.{name}", hint="pick a supported width or 16")
-            try:
-                qcls(**lp.quantizer_params)
-            except (TypeError, ValueError) as exc:
-                raise PlanError(str(exc), source=source, layer=lp.layer,
-                                field=field + ".quantizer_params") from None
+            plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                            field=field + ".quantizer_params", unchecked=unchecked,
+                            hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:

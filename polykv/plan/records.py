@@ -19,6 +19,17 @@ SCHEMA_VERSION = 1
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
+MAX_CONTEXT_TOKENS = 1 << 24
+"""Largest context length a plan, budget or spec may refer to (16M tokens)."""
+BUDGET_KINDS = ("bytes", "ratio", "tokens_per_layer")
+"""The kinds of memory budget: bytes, a compression ratio, or average tokens per layer."""
+MAX_BUDGET_VALUE = 1e18
+"""Largest budget value in any unit (an exabyte, or as many tokens): anything above is a typo."""
+MAX_LOSS = 1e12
+"""Largest loss a profile table or a plan's prediction may hold: a sum of a million layers' errors far
+above any measured (relative errors and KL stay below ~100); larger values overflow the solvers' sums."""
+MAX_BATCH = 1 << 20
+"""Most batch rows a resident budget may be counted for."""
 
 
 def _frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:

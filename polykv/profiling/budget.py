@@ -36,8 +36,9 @@ import attrs
 
 from polykv.errors import SolverError
 from polykv.memory import BASES, STORAGE_DTYPE_BYTES, layer_held_bytes
+from polykv.plan import BUDGET_KINDS, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS  # noqa: F401 - re-exported
 
-KINDS = ("bytes", "ratio", "tokens_per_layer")
+KINDS = BUDGET_KINDS
 CONTEXT_SLACK = 32
 """Resident costs of profiled configs hold for any context from T - 32 to T tokens (see Budget.layer_bits_bound)."""
 _BOUND_CACHE: dict = {}
@@ -72,10 +73,6 @@ def bits_to_bytes(bits: int) -> int:
     return -(-int(bits) // 8)
 
 
-MAX_CONTEXT_TOKENS = 1 << 24
-"""Largest context length a budget may refer to (16M tokens)."""
-MAX_BUDGET_VALUE = 1e18
-"""Largest budget value in any unit (an exabyte, or as many tokens): anything above is a typo."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -237,14 +234,17 @@ class Budget:
     def capacity_bits(self, model: Any, layer: Any, tokens: int, k_bits: int, v_bits: int, registry: Any = None) -> int:
         """Bits of ``layer`` with its rule ops set to keep ``tokens`` tokens, at (k_bits, v_bits).
 
-        ``layer`` None (or a layer without rules): a layer that holds ``tokens`` tokens and no rule state.
+        ``layer`` None (or a layer without rules): a layer that holds ``tokens`` tokens and no rule state
+        (with ``layer``'s quantizer when given).
         """
         from polykv.plan import FULL_OP, LayerPlan
 
         T = self.context_tokens
         if layer is None or (layer.prefill.keeps_everything and layer.decode.keeps_everything):
             shorter = attrs.evolve(self, context_tokens=max(1, min(int(tokens), T)))
-            return shorter.layer_bits(model, LayerPlan(layer=0, k_bits=k_bits, v_bits=v_bits), registry)
+            held = LayerPlan(layer=0) if layer is None else LayerPlan(layer=0, quantizer=layer.quantizer,
+                                                                      quantizer_params=layer.quantizer_params)
+            return shorter.layer_bits(model, attrs.evolve(held, k_bits=k_bits, v_bits=v_bits), registry)
         ops = {}
         for phase in ("prefill", "decode"):
             op = getattr(layer, phase)

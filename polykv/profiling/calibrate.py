@@ -346,4 +346,5 @@ def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq,
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
                                              f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
-    return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov)
+    return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
+                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params)

@@ -4,9 +4,10 @@ A :class:`Profile` holds the model's shape and fingerprint, the candidate config
 keep ratio, K bits, V bits), one or more metric tables ``metric[layer, config]`` (lower is better,
 e.g. ``"l2"``: MoE-nD's relative attention-output error, or ``"kl"``), optional named statistic
 tables with their own column labels (PolyKV's per-(layer, rule) cosine or delta-PPL at a common
-calibration capacity, per-layer attention entropy), and provenance. The file is plain JSON
-(``schema_version`` 1), one config or table row per line; see ``docs/profiles.md``. Loading is
-strict: every error is a :class:`~polykv.errors.ProfileError` naming the file and the field.
+calibration capacity, per-layer attention entropy), the quantizer its quantized configs were
+measured with (name and parameters; a file without one means KIVI with its defaults), and
+provenance. The file is plain JSON (``schema_version`` 1), one config or table row per line; see
+``docs/profiles.md``. Loading is strict: every error is a :class:`~polykv.errors.ProfileError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import numpy as np
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import ProfileError
+from polykv.plan import DEFAULT_QUANTIZER, MAX_CONTEXT_TOKENS, MAX_LOSS
 
 SCHEMA_VERSION = 1
 FORMAT = "polykv-profile"
 PHASES = ("prefill", "decode", "both")
 BITS = (2, 4, 8, 16)
+MIN_KEEP = 1e-7
+"""Smallest keep ratio: below it a config keeps less than one token of any context a budget may name."""
+DTYPES = ("float32", "bfloat16", "float16")
 FULL_RULE = "full"
 
 
@@ -122,6 +127,10 @@ class Profile:
     """Metric name -> [L, C] table, lower is better."""
     stats: dict[str, StatTable] = attrs.field(factory=dict, converter=dict)
     provenance: ProfileProvenance = ProfileProvenance()
+    quantizer: str = DEFAULT_QUANTIZER
+    """Registered quantizer the configs below 16 bits were measured with; plans solved from the profile use it."""
+    quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """Its parameters (empty: its defaults)."""
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""
@@ -134,6 +143,10 @@ class Profile:
     @property
     def num_layers(self) -> int:
         return self.model.num_layers
+
+    def quantizer_fields(self) -> dict[str, Any]:
+        """``quantizer`` and ``quantizer_params`` for the plan layers solved from this profile."""
+        return {"quantizer": self.quantizer, "quantizer_params": dict(self.quantizer_params)}
 
     @property
     def default_metric(self) -> str:
@@ -265,6 +278,8 @@ def check(p: Profile, source: str) -> None:
         v = getattr(m, field)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise_profile_error(source, f"model.{field}", f"must be a positive integer, got {v!r}")
+    if not isinstance(p.quantizer, str) or not p.quantizer:
+        raise_profile_error(source, "quantizer.name", f"expected a quantizer name, got {p.quantizer!r}")
     if not p.configs:
         raise_profile_error(source, "configs", "the profile lists no candidate configs", "give one config per table column")
     seen: dict[str, int] = {}
@@ -276,6 +291,9 @@ def check(p: Profile, source: str) -> None:
             raise_profile_error(source, f + ".phase", f"unknown phase {c.phase!r}", f"use one of {', '.join(PHASES)}")
         if isinstance(c.keep, bool) or not isinstance(c.keep, (int, float)) or not 0.0 < c.keep <= 1.0:
             raise_profile_error(source, f + ".keep", f"keep ratio must be in (0, 1], got {c.keep!r}")
+        if c.keep < MIN_KEEP:
+            raise_profile_error(source, f + ".keep", f"keep ratio {c.keep!r} keeps less than one token of any "
+                                f"context", f"use at least {MIN_KEEP:g}")
         if c.rule == FULL_RULE and c.keep < 1.0:
             raise_profile_error(source, f + ".keep", f"rule 'full' keeps everything; keep must be 1.0, got {c.keep}")
         for name in ("k_bits", "v_bits"):
@@ -290,6 +308,7 @@ def check(p: Profile, source: str) -> None:
     shape = (m.num_layers, len(p.configs))
     for name, t in p.metrics.items():
         _check_array(source, f"metrics.{name}", t, shape, "rows are layers, columns are the configs in order")
+        _check_range(source, f"metrics.{name}", t, 0.0, "a loss (0 = no error, lower is better)")
     for name, st in p.stats.items():
         f = f"stats.{name}"
         if not st.columns or len(set(st.columns)) != len(st.columns):
@@ -298,6 +317,49 @@ def check(p: Profile, source: str) -> None:
             raise_profile_error(source, f + ".phase", f"unknown phase {st.phase!r}", f"use one of {', '.join(PHASES)}")
         _check_array(source, f + ".values", st.values, (m.num_layers, len(st.columns)),
                      "rows are layers, columns are the table's column labels")
+        _check_range(source, f + ".values", st.values, -MAX_LOSS, "a statistic")
+    _check_model(source, m)
+    _check_provenance(source, p.provenance)
+
+
+def _check_range(source: str, field: str, a: np.ndarray, low: float, what: str) -> None:
+    bad = np.argwhere((a < low) | (a > MAX_LOSS))
+    if len(bad):
+        l, c = (int(x) for x in bad[0])
+        raise_profile_error(source, field, f"value {a[l, c]:g} at layer {l}, column {c} is not {what} "
+                            f"({len(bad)} such values)", f"every value must lie in [{low:g}, {MAX_LOSS:g}]; re-measure "
+                            "or drop the config")
+
+
+def _positive_int(source: str, field: str, v: Any, *, nullable: bool, high: int | None = None) -> None:
+    if v is None and nullable:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (high is not None and v > high):
+        raise_profile_error(source, field, f"must be a positive integer{f' up to {high}' if high else ''}"
+                            f"{' or null' if nullable else ''}, got {v!r}")
+
+
+def _check_model(source: str, m: "ProfileModel") -> None:
+    _positive_int(source, "model.num_heads", m.num_heads, nullable=True)
+    for name in ("model_type", "fingerprint"):
+        v = getattr(m, name)
+        if not isinstance(v, str) and not (v is None and name == "fingerprint"):
+            raise_profile_error(source, f"model.{name}", f"expected a string, got {v!r}")
+
+
+def _check_provenance(source: str, prov: "ProfileProvenance") -> None:
+    f = "provenance."
+    _positive_int(source, f + "context_tokens", prov.context_tokens, nullable=True, high=MAX_CONTEXT_TOKENS)
+    if prov.seed is not None and (isinstance(prov.seed, bool) or not isinstance(prov.seed, int) or prov.seed < 0):
+        raise_profile_error(source, f + "seed", f"expected a non-negative integer or null, got {prov.seed!r}")
+    for name in ("corpus", "note", "created"):
+        v = getattr(prov, name)
+        if not isinstance(v, str) and not (v is None and name == "created"):
+            raise_profile_error(source, f + name, f"expected a string, got {v!r}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in prov.versions.items()):
+        raise_profile_error(source, f + "versions", f"expected package -> version strings, got {prov.versions!r}")
+    if prov.dtype is not None and prov.dtype not in DTYPES:
+        raise_profile_error(source, f + "dtype", f"unknown dtype {prov.dtype!r}", f"use one of {', '.join(DTYPES)}")
 
 
 def _check_array(source: str, field: str, a: np.ndarray, shape: tuple[int, int], what: str) -> None:

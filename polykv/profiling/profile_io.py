@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from polykv.errors import ProfileError
+from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, Profile, ProfileModel,
                                       ProfileProvenance, StatTable, raise_profile_error)
 
@@ -19,10 +20,18 @@ from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, P
 # -- files ------------------------------------------------------------------------------------------
 
 def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
-    """Plain data of a profile; ``tables=False`` leaves out the table values (shapes stay implied)."""
+    """Plain data of a profile; ``tables=False`` leaves out the table values (shapes stay implied).
+
+    ``quantizer`` is written only when it is not KIVI with its defaults, so such profiles read (and
+    fingerprint) exactly as before the field existed.
+    """
+    quantizer = {}
+    if p.quantizer != DEFAULT_QUANTIZER or p.quantizer_params:
+        quantizer = {"quantizer": {"name": p.quantizer, "params": dict(sorted(p.quantizer_params.items()))}}
     return {
         "schema_version": p.schema_version,
         "format": FORMAT,
+        **quantizer,
         "model": attrs.asdict(p.model),
         "configs": [_config_dict(c) for c in p.configs],
         "metrics": {k: p.metrics[k].tolist() if tables else None for k in sorted(p.metrics)},
@@ -50,8 +59,9 @@ def dumps(p: Profile) -> str:
         return "[\n" + ",\n".join(indent + "  " + enc(r) for r in items) + "\n" + indent + "]"
 
     lines = ["{"]
-    for key in ("schema_version", "format", "model", "provenance"):
-        lines.append(f"  {enc(key)}: {enc(d[key])},")
+    for key in ("schema_version", "format", "quantizer", "model", "provenance"):
+        if key in d:
+            lines.append(f"  {enc(key)}: {enc(d[key])},")
     lines.append(f'  "configs": {rows(d["configs"], "  ")},')
     metric_rows = [f"    {enc(k)}: {rows(v, '    ')}" for k, v in d["metrics"].items()]
     lines.append('  "metrics": {\n' + ",\n".join(metric_rows) + "\n  },")
@@ -93,17 +103,14 @@ def is_profile_file(path: str) -> bool:
     return f'"format": "{FORMAT}"'.encode() in head
 
 
-def _reject_constant(c: str):
-    raise ValueError(f"{c} is not a number a profile may hold")
-
-
 def loads(text: str, source: str = "<profile>") -> Profile:
+    from polykv.strict_json import JsonInputError, loads_strict
+
     try:
-        raw = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise_profile_error(source, None, f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}")
-    except ValueError as exc:
-        raise_profile_error(source, None, f"malformed JSON: {exc}", "NaN and infinity are not allowed")
+        raw = loads_strict(text)
+    except JsonInputError as exc:
+        where = f" at line {exc.line}, column {exc.column}" if exc.line else ""
+        raise_profile_error(source, None, f"malformed JSON{where}: {exc.message}")
     return from_dict(raw, source)
 
 
@@ -135,7 +142,8 @@ def _num_table(source: str, field: str, raw: Any) -> np.ndarray:
 
 def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
-    _obj(source, raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance"])
+    _obj(source, raw, "", ["schema_version", "model", "configs", "metrics"],
+         ["format", "stats", "provenance", "quantizer"])
     if raw["schema_version"] != SCHEMA_VERSION:
         raise_profile_error(source, "schema_version", f"unknown schema version {raw['schema_version']!r}; this polykv reads "
               f"version {SCHEMA_VERSION}", "upgrade polykv or re-save the profile with this version")
@@ -183,5 +191,11 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
         prov = ProfileProvenance(**praw)
     except (TypeError, ValueError) as exc:
         raise_profile_error(source, "provenance", str(exc))
+    qraw = _obj(source, raw.get("quantizer", {"name": DEFAULT_QUANTIZER}), "quantizer", ["name"], ["params"])
+    if not isinstance(qraw["name"], str) or not qraw["name"]:
+        raise_profile_error(source, "quantizer.name", f"expected a quantizer name, got {qraw['name']!r}")
+    if not isinstance(qraw.get("params", {}), dict):
+        raise_profile_error(source, "quantizer.params", f"expected an object, got {qraw['params']!r}")
     return Profile(model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+                   quantizer=qraw["name"], quantizer_params=qraw.get("params", {}),
                    schema_version=raw["schema_version"], source=source)

@@ -8,11 +8,11 @@ Built-in solvers (``polykv.solvers.builtin.SOLVERS``): ``uniform``, ``moend-gree
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 
 def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, capacities: str = "ratio",
-          **params: Any):
+          quantizer: str | None = None, quantizer_params: Mapping[str, Any] | None = None, **params: Any):
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
     ``geometry`` (a :class:`polykv.models.geometry.ModelGeometry`), when given, must be the model the
@@ -21,7 +21,22 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
     (:mod:`polykv.solvers.windowed`).
     (default) writes every capacity as a fraction of the context, so the plan keeps its compression
     at any length; ``"tokens"`` writes token counts for the budget's context.
+
+    Quantized layers use the quantizer the profile was calibrated with (``profile.quantizer``), and
+    are budgeted with its byte model. ``quantizer`` / ``quantizer_params``, when given, state the
+    quantizer the plan must use: one other than the profile's is a :class:`~polykv.errors.SolverError`.
     """
+    from polykv.errors import SolverError
+
+    if quantizer is not None or quantizer_params is not None:
+        want = (quantizer or profile.quantizer, dict(profile.quantizer_params if quantizer_params is None
+                                                     else quantizer_params))
+        if want != (profile.quantizer, dict(profile.quantizer_params)):
+            raise SolverError(f"{profile.source}: the profile was calibrated with quantizer '{profile.quantizer}'"
+                              f"{' ' + str(dict(profile.quantizer_params)) if profile.quantizer_params else ''}, "
+                              f"not '{want[0]}'{' ' + str(want[1]) if want[1] else ''}: its losses and byte costs "
+                              f"describe its own quantizer; calibrate a profile with it (polykv calibrate --quantizer "
+                              f"{want[0]}), or leave the quantizer unset")
     if registry is None:
         from polykv.registry import get_registry
 
@@ -29,8 +44,6 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
     if geometry is not None:
         profile.check_model(geometry)
     if capacities not in ("ratio", "tokens"):
-        from polykv.errors import SolverError
-
         raise SolverError(f"capacities must be 'ratio' or 'tokens', got {capacities!r}")
     from polykv.solvers.windowed import solve_around_windows
 

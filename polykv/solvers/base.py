@@ -16,9 +16,12 @@ import attrs
 import numpy as np
 
 from polykv.errors import RegistryError, SolverError
+from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
+METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: l2, else the first)")
+RULE_SPEC = ParamSpec(str, nullable=True, description="a profiled rule (null: the profile's only rule)")
 CAPACITY_FORMS = ("ratio", "tokens")
 """How plans write capacities: ``ratio`` of the context (keeps its compression at any length) or ``tokens``."""
 from polykv.profiling.profile import CandidateConfig, Profile, now_iso
@@ -33,6 +36,10 @@ class Solver:
 
     name: ClassVar[str]
     defaults: ClassVar[Mapping[str, Any]] = {}
+    param_specs: ClassVar[Mapping[str, ParamSpec]] = {}
+    """Type and range of each parameter (checked by :meth:`params`; one without a spec is taken as given)."""
+    rule_lists: ClassVar[tuple[str, ...]] = ()
+    """Parameters that hold a list of rule names (or null): non-empty, distinct, every entry a name."""
     paper: ClassVar[str] = ""
 
     def __init__(self, registry=None, capacities: str = "ratio"):
@@ -59,6 +66,12 @@ class Solver:
         if unknown:
             raise SolverError(f"solver '{self.name}' has no parameter(s) {unknown}; "
                               f"known: {sorted(self.defaults) or '(none)'}")
+        try:
+            check_params(self.param_specs, given)
+        except ParamError as exc:
+            raise SolverError(f"solver '{self.name}': {exc}") from None
+        for name in self.rule_lists:
+            _check_rule_list(self.name, name, given.get(name))
         return {**self.defaults, **given}
 
     def check_phase(self, rule: str, phase: str, where: str) -> None:
@@ -76,9 +89,21 @@ class Solver:
                               f"{sorted(missing)} (it supports {sorted(cls.phases)}); fix the config's phase "
                               "in the profile or leave the config out")
 
-    def layer_entry(self, config: CandidateConfig, where: str = "") -> dict[str, Any]:
-        """Plan fields for one layer running ``config``: the phase decides which op gets the rule."""
-        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits}
+    def check_configs(self, profile: Profile, columns) -> None:
+        """Raise unless every config in ``columns`` names a registered rule that runs in its phase (the
+        error names the profile file and the config), before any solving."""
+        checked = set()
+        for i in columns:
+            c = profile.configs[int(i)]
+            if not c.keeps_everything and (c.rule, c.phase) not in checked:
+                self.check_phase(c.rule, c.phase, f"{profile.source}: configs[{int(i)}] ({c.label})")
+                checked.add((c.rule, c.phase))
+
+    def layer_entry(self, config: CandidateConfig, where: str = "", *, profile: Profile | None = None
+                    ) -> dict[str, Any]:
+        """Plan fields for one layer running ``config``: the phase decides which op gets the rule; the
+        widths are stored with ``profile``'s quantizer (the one ``config`` was measured with)."""
+        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits, **(profile.quantizer_fields() if profile else {})}
         if config.keeps_everything:
             return {"prefill": FULL_OP, "decode": FULL_OP, **bits}
         self.check_phase(config.rule, config.phase, where or f"config {config.label}")
@@ -95,7 +120,7 @@ class Solver:
         """
         limit = budget.to_bits(profile.model)
         entries = [LayerPlan(layer=i, **dict(e)) if not isinstance(e, LayerPlan) else e for i, e in enumerate(layers)]
-        entries = [self._capacity_form(lp, budget.context_tokens) for lp in entries]
+        entries = [self._capacity_form(self._profile_quantizer(lp, profile), budget.context_tokens) for lp in entries]
         used = sum(budget.layer_bits(profile.model, lp, self.registry) for lp in entries)
         if max(used, predicted_bits) > limit:
             raise SolverError(f"solver '{self.name}' produced {bits_to_bytes(max(used, predicted_bits))} bytes, over "
@@ -111,6 +136,19 @@ class Solver:
                           cache_dtype=budget.cache_dtype if budget.resident else None)
         return per_layer_plan(profile.model, entries, provenance=prov)
 
+    def _profile_quantizer(self, lp: LayerPlan, profile: Profile) -> LayerPlan:
+        """``lp`` storing its widths with the profile's quantizer; a quantized layer naming another is refused
+        (the profile's losses and byte costs describe its own quantizer only)."""
+        fields = profile.quantizer_fields()
+        if not lp.quantized:
+            return attrs.evolve(lp, **fields)
+        if (lp.quantizer, dict(lp.quantizer_params)) != (fields["quantizer"], fields["quantizer_params"]):
+            raise SolverError(f"solver '{self.name}': layer {lp.layer} stores K{lp.k_bits}/V{lp.v_bits} with quantizer "
+                              f"{_describe_quantizer(lp.quantizer, lp.quantizer_params)} but {profile.source} was "
+                              f"calibrated with {_describe_quantizer(profile.quantizer, profile.quantizer_params)}; "
+                              "solve with the profile's quantizer or calibrate a profile with this one")
+        return lp
+
     def _capacity_form(self, lp: LayerPlan, context_tokens: int) -> LayerPlan:
         """``lp`` with every rule op's capacity written as a ratio of ``context_tokens`` (or as tokens)."""
         ops = {}
@@ -125,9 +163,24 @@ class Solver:
             ops[phase] = op
         return attrs.evolve(lp, **ops)
 
-    def config_layer(self, config: CandidateConfig, where: str = "") -> LayerPlan:
+    def config_layer(self, config: CandidateConfig, where: str = "", *, profile: Profile | None = None) -> LayerPlan:
         """:meth:`layer_entry` as a :class:`polykv.LayerPlan` (layer 0), for counting its bytes."""
-        return LayerPlan(layer=0, **self.layer_entry(config, where))
+        return LayerPlan(layer=0, **self.layer_entry(config, where, profile=profile))
+
+
+def _describe_quantizer(name: str, params) -> str:
+    return f"'{name}'" + (f" {dict(sorted(dict(params).items()))}" if params else "")
+
+
+def _check_rule_list(solver: str, name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(r, str) and r for r in value):
+        raise SolverError(f"solver '{solver}': parameter '{name}' must be a non-empty list of rule names such as "
+                          f"[\"snapkv\", \"tova\"] (or null for every profiled rule), got {value!r}")
+    twice = sorted({r for r in value if list(value).count(r) > 1})
+    if twice:
+        raise SolverError(f"solver '{solver}': parameter '{name}' lists {twice} more than once; list each rule once")
 
 
 def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" = None) -> np.ndarray:
@@ -143,7 +196,8 @@ def config_bits(profile: Profile, budget: Budget | int, solver: "Solver | None" 
         return np.array([layer_bits(profile.model, c.keep, c.k_bits, c.v_bits, T) for c in profile.configs],
                         dtype=np.int64)
     solver = solver if solver is not None else Solver()
-    return np.array([budget.layer_bits_bound(profile.model, solver.config_layer(c, f"config {c.label}"),
+    return np.array([budget.layer_bits_bound(profile.model, solver.config_layer(c, f"config {c.label}",
+                                                                                 profile=profile),
                                              solver.registry) for c in profile.configs], dtype=np.int64)
 
 

@@ -17,14 +17,12 @@ import numpy as np
 from polykv.errors import SolverError
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
-from polykv.solvers.base import Solver, config_bits, min_bytes_message
+from polykv.solvers.base import METRIC_SPEC, Solver, config_bits, min_bytes_message
 from polykv.solvers.mckp import Infeasible, solve_mckp
 
 
 def candidate_columns(solver: Solver, profile: Profile, rules: Any) -> np.ndarray:
     """Config columns allowed by ``rules`` (None = all; keep-1.0 configs always stay), phase-checked."""
-    if isinstance(rules, str):
-        rules = [r for r in rules.split(",") if r]
     if rules is not None:
         missing = sorted(set(rules) - {c.rule for c in profile.configs})
         if missing:
@@ -35,12 +33,7 @@ def candidate_columns(solver: Solver, profile: Profile, rules: Any) -> np.ndarra
     if not cols:
         raise SolverError(f"solver '{solver.name}': no config of rules {rules} in the profile; it has "
                           f"{sorted({c.rule for c in profile.configs})}")
-    checked = set()
-    for i in cols:
-        c = profile.configs[i]
-        if not c.keeps_everything and (c.rule, c.phase) not in checked:
-            solver.check_phase(c.rule, c.phase, f"{profile.source}: configs[{i}] ({c.label})")
-            checked.add((c.rule, c.phase))
+    solver.check_configs(profile, cols)
     return np.asarray(cols, np.int64)
 
 
@@ -60,6 +53,8 @@ class Exact(Solver):
 
     name = "exact"
     defaults = {"metric": None, "rules": None}
+    param_specs = {"metric": METRIC_SPEC}
+    rule_lists = ("rules",)
     paper = "MoE-nD additive model, arXiv 2604.17695; exact multiple-choice knapsack"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
@@ -67,6 +62,6 @@ class Exact(Solver):
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
         chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
-        layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(chosen)]
+        layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)]
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
                          note="optimal under the additive loss model")

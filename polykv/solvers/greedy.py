@@ -19,7 +19,7 @@ from polykv.errors import SolverError
 from polykv.plan import FULL_RULE
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
-from polykv.solvers.base import Solver, config_bits, min_bytes_message
+from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver, config_bits, min_bytes_message
 from polykv.solvers.mckp import Infeasible
 
 
@@ -120,12 +120,14 @@ class MoendGreedy(Solver):
 
     name = "moend-greedy"
     defaults = {"rule": None, "metric": None}
+    param_specs = {"rule": RULE_SPEC, "metric": METRIC_SPEC}
     paper = "MoE-nD, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
         table = profile.table(p["metric"])
         rule, grid, axes = rule_grid(profile, p["rule"], self.name)
+        self.check_configs(profile, grid.ravel())
         bits = config_bits(profile, budget, self)
         capacity = budget.to_bits(profile.model)
         try:
@@ -135,7 +137,7 @@ class MoendGreedy(Solver):
             raise SolverError(min_bytes_message(self.name, exc.need, budget, f"keep {c.keep:g}, K{c.k_bits}, "
                                                 f"V{c.v_bits} on every layer")) from None
         cols = [int(grid[tuple(x)]) for x in pos]
-        layers = [self.layer_entry(profile.configs[c], f"layer {i}") for i, c in enumerate(cols)]
+        layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(cols)]
         loss = float(sum(table[i, c] for i, c in enumerate(cols)))
         return self.plan(profile, budget, layers, {**p, "rule": rule}, predicted_loss=loss,
                          predicted_bits=int(bits[cols].sum()), note=f"{len(steps)} greedy upgrades")

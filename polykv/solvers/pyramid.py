@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from polykv.errors import SolverError
-from polykv.plan import FULL_OP, OpSpec
+from polykv.contract.params import ParamSpec
+from polykv.plan import FULL_OP, MAX_CONTEXT_TOKENS, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.memory.schedules import pyramid_capacities, trim_to
@@ -33,6 +34,14 @@ class Pyramid(Solver):
 
     name = "pyramid"
     defaults = {"window": 8, "beta": 20, "rule": "snapkv", "rule_params": None}
+    param_specs = {
+        "window": ParamSpec(int, low=1, high=MAX_CONTEXT_TOKENS, description="observation window in every layer's "
+                            "budget, tokens"),
+        "beta": ParamSpec(int, low=1, high=MAX_CONTEXT_TOKENS, description="ratio of the largest to the smallest "
+                          "non-window budget's spread"),
+        "rule": ParamSpec(str, description="the prefill rule every layer runs"),
+        "rule_params": ParamSpec(dict, nullable=True, description="the rule's parameters"),
+    }
     paper = "PyramidKV, arXiv 2406.02069"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
@@ -43,7 +52,8 @@ class Pyramid(Solver):
         if M < 1:
             raise SolverError(min_bytes_message(self.name, L * budget.token_bits(model), budget,
                                                 "one token per layer at 16 bits"))
-        caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]))
+        caps = pyramid_capacities(L, T, M, window=w, beta=int(p["beta"]),
+                                  fix="raise the budget or lower --param window")
         per_token = budget.token_bits(model)
         if caps is None:
             layers = [{"prefill": FULL_OP, "decode": FULL_OP}] * L

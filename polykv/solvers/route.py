@@ -33,6 +33,7 @@ from polykv.solvers import placements
 from polykv.errors import RegistryError, SolverError
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
+from polykv.contract.params import ParamSpec
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
 
@@ -80,6 +81,15 @@ class ProfileRoute(Solver):
     name = "profile-route"
     defaults = {"statistic": "cosine", "scope": None, "allocation": "uniform", "rules": None,
                 "entropy_statistic": "entropy", "delta_ppl_statistic": "delta_ppl", "clip_percentile": 95.0}
+    param_specs = {
+        "statistic": ParamSpec(str, description="the stats table that ranks rules per layer"),
+        "scope": ParamSpec(str, choices=SCOPES, nullable=True, description="phases the route covers"),
+        "allocation": ParamSpec(str, choices=ALLOCATIONS, description="how layer budgets are shared"),
+        "entropy_statistic": ParamSpec(str, description="the stats table of per-layer attention entropy"),
+        "delta_ppl_statistic": ParamSpec(str, description="the stats table of per-(layer, rule) delta-PPL"),
+        "clip_percentile": ParamSpec(float, low=0, high=100, description="delta-PPL clip, a percentile"),
+    }
+    rule_lists = ("rules",)
     paper = "PolyKV, arXiv 2606.15157"
 
     def route(self, profile: Profile, p: dict[str, Any]) -> tuple[str, list[str]]:
@@ -89,7 +99,7 @@ class ProfileRoute(Solver):
         if scope not in SCOPES:
             raise SolverError(f"solver '{self.name}': unknown scope {scope!r}; use one of {', '.join(SCOPES)}")
         needed = {"prefill", "decode"} if scope == "both" else {scope}
-        rules = p["rules"].split(",") if isinstance(p["rules"], str) else p["rules"]
+        rules = p["rules"]
         cols = []
         for j, rule in enumerate(st.columns):
             if rule == FULL_RULE or (rules is not None and rule not in rules):
@@ -199,6 +209,10 @@ class RandomPlacement(ProfileRoute):
 
     name = "random-placement"
     defaults = {**ProfileRoute.defaults, "route": None, "seed": 0, "count": 99, "index": 0}
+    param_specs = {**ProfileRoute.param_specs,
+                   "seed": ParamSpec(int, low=0, high=2 ** 63 - 1, description="seed of the placements"),
+                   "count": ParamSpec(int, low=1, high=1 << 20, description="number of placements"),
+                   "index": ParamSpec(int, low=0, high=1 << 20, description="which placement, 0 to count - 1")}
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)

@@ -27,10 +27,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from polykv.errors import SolverError
+from polykv.contract.params import ParamSpec
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import Profile
-from polykv.solvers.base import Solver, min_bytes_message
+from polykv.profiling.profile import BITS, MIN_KEEP, Profile
+from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver, min_bytes_message
 from polykv.solvers.mckp import Infeasible, solve_mckp
 
 MODES = ("best", "1d", "2d_uniform")
@@ -91,14 +92,22 @@ def interpolated_loss(profile: Profile, table: np.ndarray, tpl: Template, kb: in
     return table[:, points[keeps[0]]].copy()
 
 
-def rule_layer(solver: Solver, tpl: Template, tokens: int, kb: int, vb: int, T: int, params: dict) -> LayerPlan:
-    """A layer running ``tpl`` in its phase(s) at ``tokens`` capacity (``full`` ops once it holds T)."""
+def rule_layer(solver: Solver, tpl: Template, tokens: int, kb: int, vb: int, T: int, params: dict,
+               profile: Profile) -> LayerPlan:
+    """A layer running ``tpl`` in its phase(s) at ``tokens`` capacity (``full`` ops once it holds T), its
+    widths stored with the profile's quantizer."""
+    stored = {"k_bits": kb, "v_bits": vb, **profile.quantizer_fields()}
     if tokens >= T:
-        return LayerPlan(layer=0, k_bits=kb, v_bits=vb)
+        return LayerPlan(layer=0, **stored)
     solver.check_phase(tpl.rule, tpl.phase, f"rule '{tpl.rule}'")
     op = OpSpec(rule=tpl.rule, capacity=int(tokens), params=params)
     return LayerPlan(layer=0, prefill=op if tpl.phase in ("prefill", "both") else FULL_OP,
-                     decode=op if tpl.phase in ("decode", "both") else FULL_OP, k_bits=kb, v_bits=vb)
+                     decode=op if tpl.phase in ("decode", "both") else FULL_OP, **stored)
+
+
+def _stored(profile: Profile) -> LayerPlan:
+    """A layer that holds its tokens with the profile's quantizer and no rule state (for a minimum cost)."""
+    return LayerPlan(layer=0, **profile.quantizer_fields())
 
 
 def _params(profile: Profile, tpl: Template) -> dict:
@@ -108,7 +117,7 @@ def _params(profile: Profile, tpl: Template) -> dict:
 def fill_tokens(solver: Solver, profile: Profile, budget: Budget, tpl: Template, kb: int, vb: int) -> int:
     """Largest tokens per layer a uniform plan of ``tpl`` at (kb, vb) holds within ``budget`` (at most T)."""
     T = budget.context_tokens
-    layer = rule_layer(solver, tpl, 1, kb, vb, T + 1, _params(profile, tpl))
+    layer = rule_layer(solver, tpl, 1, kb, vb, T + 1, _params(profile, tpl), profile)
     if not budget.resident:
         return min(budget.uniform_tokens(profile.model, kb, vb), T)
     return budget.uniform_tokens(profile.model, kb, vb, layer=layer, registry=solver.registry)
@@ -140,6 +149,11 @@ class Uniform(Solver):
 
     name = "uniform"
     defaults = {"mode": "best", "metric": None, "rule": None, "rules": None, "k_bits": None, "v_bits": None}
+    param_specs = {"mode": ParamSpec(str, choices=MODES, description="which uniform baseline"),
+                   "metric": METRIC_SPEC, "rule": RULE_SPEC,
+                   "k_bits": ParamSpec(int, choices=BITS, nullable=True, description="key width"),
+                   "v_bits": ParamSpec(int, choices=BITS, nullable=True, description="value width")}
+    rule_lists = ("rules",)
     paper = "MoE-nD baselines 1d / 2d_uniform, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
@@ -158,11 +172,13 @@ class Uniform(Solver):
             pairs = None
         found = candidates(self, profile, budget, table, tpls, pairs)
         if not found:
-            need = min(budget.capacity_bits(profile.model, None, 1, kb, vb) for kb, vb in (pairs or [(4, 4)]))
+            need = min(budget.capacity_bits(profile.model, _stored(profile), 1, kb, vb)
+                       for kb, vb in (pairs or [(4, 4)]))
             raise SolverError(min_bytes_message(self.name, L * need, budget, "one token per layer"))
         best = min(found, key=lambda c: (c.loss is None, float(c.loss.sum()) if c.loss is not None else -c.tokens,
                                          -c.tokens, c.tpl, c.k_bits, c.v_bits))
-        layer = rule_layer(self, best.tpl, best.tokens, best.k_bits, best.v_bits, T, _params(profile, best.tpl))
+        layer = rule_layer(self, best.tpl, best.tokens, best.k_bits, best.v_bits, T, _params(profile, best.tpl),
+                           profile)
         loss = None if best.loss is None else float(best.loss.sum())
         keep = min(best.tokens, T) / T
         note = (f"{p['mode']}: {best.tpl.rule} keep {keep:.4g} ({best.tokens} of {T} tokens) K{best.k_bits} "
@@ -179,6 +195,11 @@ class QuantOnly(Solver):
 
     name = "quant-only"
     defaults = {"rule": None, "metric": None, "keep": None, "ref_k_bits": 8, "ref_v_bits": 4}
+    param_specs = {"rule": RULE_SPEC, "metric": METRIC_SPEC,
+                   "keep": ParamSpec(float, low=MIN_KEEP, high=1, nullable=True, description="the one keep ratio, "
+                                     "in (0, 1]; null: the largest a K8/V4 plan fits"),
+                   "ref_k_bits": ParamSpec(int, choices=BITS, description="key width the keep is fitted at"),
+                   "ref_v_bits": ParamSpec(int, choices=BITS, description="value width the keep is fitted at")}
     paper = "MoE-nD 2d baseline, arXiv 2604.17695"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
@@ -197,7 +218,7 @@ class QuantOnly(Solver):
         if p["keep"] is None:
             ref_fit = candidates(self, profile, budget, table, tpls, [ref])
             if not ref_fit:
-                need = budget.capacity_bits(model, None, 1, *ref)
+                need = budget.capacity_bits(model, _stored(profile), 1, *ref)
                 raise SolverError(min_bytes_message(self.name, L * need, budget,
                                                     f"one token per layer at K{ref[0]} V{ref[1]}"))
             pick = min(ref_fit, key=lambda c: (c.loss is None, float(c.loss.sum()) if c.loss is not None else 0,
@@ -219,7 +240,7 @@ class QuantOnly(Solver):
         if not pairs:
             raise SolverError(f"solver '{self.name}': keep {keep:.4g} is below every profiled keep of rule "
                               f"'{rule}'; raise the budget or give --param keep=K within the profiled range")
-        layers = [rule_layer(self, tpl, tokens, kb, vb, T, rule_params) for kb, vb in pairs]
+        layers = [rule_layer(self, tpl, tokens, kb, vb, T, rule_params, profile) for kb, vb in pairs]
         bits = np.array([budget.layer_bits(model, lp, self.registry) for lp in layers], np.int64)
         try:
             choice, loss, used = solve_mckp(np.stack(losses, axis=1), bits, budget.to_bits(model))

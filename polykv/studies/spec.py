@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import attrs
 
 from polykv.errors import PolykvError, StudyError
+from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
 from polykv.studies.corpus import corpus_id
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
@@ -54,8 +55,6 @@ _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "basel
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
-MAX_CONTEXT_TOKENS = 1 << 24
-"""Largest context a spec (or ``--context``) may name: 16M tokens."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -381,28 +380,25 @@ def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> 
     return tuple(out)
 
 
-def _no_constant(name: str):
-    raise ValueError(name)
-
-
 def load_spec(path: str, *, registry=None) -> StudySpec:
     """Read and check a spec file (see the module docstring); nothing here loads a model."""
     from polykv.atomic import check_readable_file
 
+    from polykv.strict_json import JsonInputError, loads_strict
+
     try:
         check_readable_file(path, "study spec file")
         with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh, parse_constant=_no_constant)
+            raw = loads_strict(fh.read())
     except FileNotFoundError:
         raise StudyError(f"{path}: no such study spec file") from None
     except PolykvError as exc:
         raise StudyError(str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise StudyError(f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except JsonInputError as exc:
+        where = f" at line {exc.line}, column {exc.column}" if exc.line else ""
+        raise StudyError(f"{path}: not valid JSON{where}: {exc.message}") from None
     except UnicodeDecodeError:
         raise StudyError(f"{path}: not UTF-8 text; a study spec is a UTF-8 JSON file") from None
-    except ValueError as exc:
-        raise StudyError(f"{path}: {exc} is not allowed in a study spec (numbers must be finite)") from None
     except OSError as exc:
         raise StudyError(f"{path}: cannot read the study spec ({exc.strerror}); check the path and permissions") \
             from None

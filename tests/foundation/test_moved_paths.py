@@ -66,3 +66,20 @@ def test_every_old_path_is_gone_and_every_new_one_exists():
 def test_an_unknown_old_looking_path_is_still_an_import_error():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("polykv.operatorz")
+
+
+@pytest.mark.parametrize("package, module", [("polykv.plan", "polykv.plan.records"),
+                                             ("polykv.models", "polykv.models.loading")])
+def test_a_module_that_became_a_package_still_offers_every_public_name(package, module):
+    """``from polykv.plan import X`` and ``from polykv.models import X`` keep working for every X the
+    module offered (a name added to the module later must be re-exported too)."""
+    import ast
+
+    pkg, mod = importlib.import_module(package), importlib.import_module(module)
+    tree = ast.parse(pathlib.Path(mod.__file__).read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    names |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    public = {n for n in names if not n.startswith("_")}
+    assert public - set(pkg.__all__) == set()
+    assert all(getattr(pkg, n) is getattr(mod, n) for n in public)

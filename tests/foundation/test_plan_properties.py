@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from polykv.errors import PlanError
 from polykv.models.geometry import ModelGeometry
-from polykv.plan import FULL_OP, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings
+from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
+                         OpSpec, Plan, Provenance, TriggerSettings)
 from polykv.plan.io import dumps, parse_plan_text, plan_dict, validate
 from polykv.registry import get_registry
 
@@ -61,12 +63,17 @@ def plans(draw, *, any_names: bool = True, with_model: bool | None = None):
                       name=draw(st.text(max_size=12)), fingerprint=draw(st.none() | st.text(max_size=20))) \
         if has_model else None
     opt = st.none
+    # provenance values in their documented ranges (a budget of one kind, an ISO time, losses >= 0, ...)
+    budgets = st.builds(lambda kind, value: {kind: value}, st.sampled_from(BUDGET_KINDS),
+                        st.integers(1, int(MAX_BUDGET_VALUE)) | st.floats(1.0, MAX_BUDGET_VALUE))
+    times = st.datetimes(timezones=st.just(datetime.timezone.utc)).map(lambda t: t.isoformat())
     prov = Provenance(solver=draw(opt() | st.text(max_size=10)), params=draw(params),
-                      budget=draw(opt() | params), context_tokens=draw(opt() | st.integers(min_value=1)),
-                      predicted_loss=draw(opt() | st.floats(allow_nan=False, allow_infinity=False)),
-                      predicted_bytes=draw(opt() | st.integers(min_value=0)),
+                      budget=draw(opt() | budgets),
+                      context_tokens=draw(opt() | st.integers(min_value=1, max_value=MAX_CONTEXT_TOKENS)),
+                      predicted_loss=draw(opt() | st.floats(min_value=0.0, max_value=MAX_LOSS)),
+                      predicted_bytes=draw(opt() | st.integers(min_value=0, max_value=int(MAX_BUDGET_VALUE))),
                       profile_fingerprint=draw(opt() | st.text(max_size=12)),
-                      polykv_version=draw(opt() | st.text(max_size=6)), created=draw(opt() | st.text(max_size=20)),
+                      polykv_version=draw(opt() | st.text(max_size=6)), created=draw(opt() | times),
                       note=draw(st.text(max_size=30)))
     trigger = TriggerSettings(decode_slack=draw(st.integers(min_value=1, max_value=4096)))
     return Plan(layers=layers, model=model, trigger=trigger, provenance=prov)
@@ -241,8 +248,12 @@ def m_unknown_param(data, d, plan):
 
 def m_provenance_numbers(data, d, plan):
     name, bad = data.draw(st.sampled_from([("context_tokens", st.integers(max_value=0)),
+                                           ("context_tokens", st.integers(min_value=MAX_CONTEXT_TOKENS + 1)),
                                            ("predicted_bytes", st.integers(max_value=-1)),
-                                           ("predicted_loss", st.just("low"))]))
+                                           ("predicted_loss", st.just("low")),
+                                           ("predicted_loss", st.floats(max_value=-1e-9, allow_infinity=False)),
+                                           ("cache_dtype", st.text(max_size=8).filter(
+                                               lambda t: t not in ("bfloat16", "float16", "float32")))]))
     d["provenance"][name] = data.draw(bad)
     return d, None, f"provenance.{name}"
 

@@ -71,7 +71,7 @@ def invalid_cases(base_text: str):
 
     yield ("malformed-json-missing-comma", None, "malformed JSON at line 5, column 3",
            base_text.replace('"trigger": {"decode_slack": 16},', '"trigger": {"decode_slack": 16}', 1))
-    yield ("nan-number", None, "NaN is not allowed", base_text.replace('"predicted_loss": null', '"predicted_loss": NaN'))
+    yield ("nan-number", None, "NaN is not a number", base_text.replace('"predicted_loss": null', '"predicted_loss": NaN'))
     cases = [
         ("schema-version-2", "schema_version", "unknown schema version 2", lambda d: d.update(schema_version=2)),
         ("unknown-rule", "layers[1].decode.rule", "unknown operator 'h2o-typo'", op(1, "decode", rule="h2o-typo")),

@@ -29,8 +29,8 @@ def test_new_store_builds_the_stream_store():
 
 @pytest.mark.parametrize("params,match", [
     ({"group_size": 32, "residual": 48}, "multiple of group_size"),
-    ({"group_size": 0}, "positive integer"),
-    ({"residual": 2.5}, "positive integer"),
+    ({"group_size": 0}, "parameter 'group_size' must be >= 1"),
+    ({"residual": 2.5}, "parameter 'residual' must be an integer"),
     ({"block": 4}, "no parameter"),
 ])
 def test_bad_parameters_are_named(params, match):

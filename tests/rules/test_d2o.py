@@ -210,3 +210,15 @@ def test_the_d2o_allocator_refuses_a_batch_of_several_rows():
         assert sum(a["budget"] for a in session.allocations().values()) <= 16
     text = str(info.value)
     assert "allocator 'd2o'" in text and "batch of 2" in text and "one prompt at a time" in text and "\n" not in text
+
+
+def test_d2o_refuses_per_head_budgets_instead_of_keeping_padding(make_ctx):
+    """Per-head budgets make the inner top-k ragged; D2O's one kept set per row cannot hold that."""
+    from polykv.adapters.rules.d2o import D2ORule
+
+    ctx = make_ctx(B=1, H=4, Hkv=2, T=14, w=2, phase="decode")
+    rule = D2ORule(n_sink=2)
+    ctx.state = rule.new_state()
+    ctx.head_capacity = torch.tensor([[4, 9]])
+    with pytest.raises(ValueError, match="layer .*rule 'd2o'.*per-head budgets"):
+        rule.select(ctx, 9)

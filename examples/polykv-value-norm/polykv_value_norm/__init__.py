@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext, hookimpl
+from polykv.contract import PHASES, SIGNAL_NONE, ParamSpec, ScoredRule, SelectionContext, hookimpl
 
 
 class ValueNormRule(ScoredRule):
@@ -24,7 +24,7 @@ class ValueNormRule(ScoredRule):
     phases = frozenset(PHASES)
     signal = SIGNAL_NONE
     needs_values = True
-    defaults = {"sinks": 4}
+    param_specs = {"sinks": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention sinks kept")}
     paper = "Guo et al., Value Also Matters (VATP), EMNLP 2024 (arXiv:2406.12335)"
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:

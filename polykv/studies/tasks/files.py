@@ -15,13 +15,13 @@ A malformed line is a :class:`~polykv.errors.StudyError` naming the file, the li
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from typing import Any, Iterator, Mapping
 
 from polykv.errors import StudyError
 from polykv.contract.params import ParamSpec
+from polykv.strict_json import JsonInputError, loads_strict
 from polykv.studies.tasks.base import Task, TaskItem
 from polykv.studies.tasks.metrics import METRICS
 
@@ -70,12 +70,11 @@ def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, 
         if not line.strip():
             continue
         try:
-            record = json.loads(line, parse_constant=_no_constant)
-        except json.JSONDecodeError as exc:
-            raise StudyError(f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+            record = loads_strict(line)
+        except JsonInputError as exc:
+            where = f" at column {exc.column}" if exc.line else ""
+            raise StudyError(f"{path} line {lineno}: not valid JSON ({exc.message}{where}); "
                              f"{fmt} files hold one JSON object per line") from None
-        except ValueError as exc:
-            raise StudyError(f"{path} line {lineno}: {exc} is not allowed in a {fmt} file") from None
         if not isinstance(record, dict):
             raise StudyError(f"{path} line {lineno}: expected a JSON object with fields {list(fields)}, "
                              f"got {type(record).__name__}")
@@ -84,10 +83,6 @@ def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, 
             raise StudyError(f"{path} line {lineno}: missing field(s) {missing}; {fmt} lines carry "
                              f"{list(fields)}. Is this a {fmt} file?")
         yield lineno, record
-
-
-def _no_constant(name: str):
-    raise ValueError(name)
 
 
 def _unique_id(seen: dict[str, int], item_id: str, path: str, lineno: int, field: str) -> None:
