@@ -19,6 +19,7 @@ import torch
 
 import polykv
 from polykv.models.geometry import geometry_of_model
+from polykv.runtime.cache import cache_keyword
 from polykv.memory import predict_resident
 from polykv.models import load_default_model
 from polykv.plan import OpSpec
@@ -34,21 +35,21 @@ def measure(model, tok, plan, context: str, question: str, new_tokens: int) -> d
     peak = 0
     with torch.no_grad(), polykv.apply(model, plan) as session:
         cache = session.new_cache()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{cache_keyword(model): cache}, use_cache=True)
         rb = session.resident_bytes()
         counts = cache.head_counts()
         rows = predict_resident(plan, geo, T, dtype_bytes=dtype_bytes, head_counts=counts)
         after_prefill = (rb.total, sum(r.resident_bytes for r in rows), rb.metadata_total,
                          sum(r.metadata_bytes for r in rows))
         peak = rb.total + rb.metadata_total
-        out = model(q, past_key_values=cache, use_cache=True)
+        out = model(q, **{cache_keyword(model): cache}, use_cache=True)
         text = []
         for _ in range(new_tokens):
             rb = session.resident_bytes()
             peak = max(peak, rb.total + rb.metadata_total)
             nxt = out.logits[:, -1:].argmax(-1)
             text.append(int(nxt))
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, **{cache_keyword(model): cache}, use_cache=True)
         rb = session.resident_bytes()
         peak = max(peak, rb.total + rb.metadata_total)
     ragged = sum(1 for layer in counts if len({n for row in layer for n in row}) > 1)

@@ -19,6 +19,7 @@ import torch
 
 import polykv
 from polykv.models.geometry import geometry_of_model
+from polykv.runtime.cache import cache_keyword
 from polykv.models import load_default_model
 from polykv.plan import AllocationGroup, LayerPlan, OpSpec, Plan, Provenance
 from polykv.profiling.calibrate import model_data_for
@@ -84,13 +85,13 @@ def main() -> int:
     q = tok(item.question, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad(), polykv.apply(model, plan, model_data=model_data_for(PROFILE)) as session:
         cache = session.new_cache()
-        model(ids, past_key_values=cache, use_cache=True)
-        out = model(q, past_key_values=cache, use_cache=True)
+        model(ids, **{cache_keyword(model): cache}, use_cache=True)
+        out = model(q, **{cache_keyword(model): cache}, use_cache=True)
         generated = []
         for _ in range(args.new_tokens):
             nxt = out.logits[:, -1:].argmax(-1)
             generated.append(int(nxt))
-            out = model(nxt, past_key_values=cache, use_cache=True)
+            out = model(nxt, **{cache_keyword(model): cache}, use_cache=True)
         rb = session.resident_bytes()
         print(f"prompt {ids.shape[1]} tokens + question {q.shape[1]}; passkey {item.answers[0]}")
         print("allocations:", {k: v["budget"] for k, v in sorted(cache.allocations().items())})

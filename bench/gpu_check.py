@@ -49,6 +49,7 @@ if not torch.cuda.is_available():
 
 import polykv  # noqa: E402
 from polykv.models.geometry import geometry_of_model  # noqa: E402
+from polykv.runtime.cache import cache_keyword, output_cache  # noqa: E402
 from polykv.memory import predict_resident  # noqa: E402
 from polykv.plan import OpSpec  # noqa: E402
 from polykv.testing import tiny_model  # noqa: E402
@@ -160,7 +161,7 @@ def check_invariants(device) -> None:
         cache, tok = session.cache, out.logits[:, -1:].argmax(-1)
         for _ in range(20):
             seen = cache.get_seq_length()
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             for layer, cap in zip(cache.layers, (40, 30)):
                 assert layer.num_stored() <= cap + 3
@@ -278,7 +279,7 @@ def check_stores_path(device, small) -> str:
                     fed = [out.logits[:, -1:].argmax(-1)] if tokens is None else tokens
                     logits = []
                     for i in range(steps):
-                        out = model(fed[i], past_key_values=session.cache, use_cache=True)
+                        out = model(fed[i], **{cache_keyword(model): session.cache}, use_cache=True)
                         logits.append(out.logits[:, -1].float())
                         if tokens is None:
                             fed.append(out.logits[:, -1:].argmax(-1))
@@ -463,7 +464,7 @@ def time_one(model, ids, steps, plan, geo):
             out = model(ids, use_cache=True, logits_to_keep=1) if plan is None else session.prefill(ids, logits_to_keep=1)
             sync()
             prefill = time.perf_counter() - t0
-            cache = out.past_key_values if plan is None else session.cache
+            cache = output_cache(out) if plan is None else session.cache
             if plan is not None:
                 got = list(session.resident_bytes().per_layer)
                 nbytes = torch.finfo(model.dtype).bits // 8
@@ -474,7 +475,7 @@ def time_one(model, ids, steps, plan, geo):
             sync()
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = model(tok, past_key_values=cache, use_cache=True)
+                out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
             sync()
             decode = steps / (time.perf_counter() - t0)
@@ -549,10 +550,10 @@ def check_bf16_vanilla(device, small) -> str:
             session = None if plan is None else polykv.apply(model, plan).__enter__()
             try:
                 cache = None if plan is None else session.new_cache()
-                out = model(ids[:, :T], past_key_values=cache, use_cache=True)
-                cache, rows = out.past_key_values, [out.logits[:, -1]]
+                out = model(ids[:, :T], **{cache_keyword(model): cache}, use_cache=True)
+                cache, rows = output_cache(out), [out.logits[:, -1]]
                 for i in range(T, T + steps):
-                    out = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                    out = model(ids[:, i:i + 1], **{cache_keyword(model): cache}, use_cache=True)
                     rows.append(out.logits[:, -1])
             finally:
                 if session is not None:

@@ -44,6 +44,7 @@ import torch
 
 import polykv
 from polykv.models.geometry import geometry_of_model
+from polykv.runtime.cache import cache_keyword, output_cache
 from polykv.plan import OpSpec
 
 RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "adakv"]
@@ -141,7 +142,7 @@ def run_one(model, ids, steps, plan=None, model_data=None):
             out = model(ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            cache = output_cache(out)
         else:
             session = polykv.apply(model, plan, model_data=model_data).__enter__()
             _sync(device)
@@ -154,7 +155,7 @@ def run_one(model, ids, steps, plan=None, model_data=None):
         del out
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
         _sync(device)
         decode, decode_cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -47,8 +47,8 @@ MOVED = {
     "polykv.families": "polykv.models.families",
     "polykv.reference": "polykv.models.reference",
     "polykv.profiling.query_stats": "polykv.models.query_stats",
+    "polykv.corpus": "polykv.models.corpus",
     # shared by calibration and studies, and by a solver and studies
-    "polykv.corpus": "polykv.profiling.corpus",
     "polykv.stats": "polykv.profiling.stats",
     "polykv.placements": "polykv.solvers.placements",
 }

@@ -113,7 +113,7 @@ def full_plan_against_vanilla(model, geometry, prompt: torch.Tensor, new_tokens:
         ref_prefill = model(prompt).logits
         ref = model.generate(prompt, **kwargs)
         with polykv.apply(model, polykv.full_plan(geometry)) as session:
-            got_prefill = model(prompt, past_key_values=session.new_cache(), use_cache=True).logits
+            got_prefill = model(prompt, use_cache=True, **{session._cache_kw: session.new_cache()}).logits
             after_prefill = session.cache.stored_tokens()
             got = model.generate(prompt, **kwargs)
             after_generate = session.cache.stored_tokens()
@@ -134,7 +134,7 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
         ref = model(prompt).logits
         with polykv.apply(model, polykv.full_plan(geometry)) as session:
             out = session.prefill(prompt[:, :split], chunk_size=chunk_size).logits
-            more = model(prompt[:, split:], past_key_values=session.cache, use_cache=True).logits
+            more = model(prompt[:, split:], use_cache=True, **{session._cache_kw: session.cache}).logits
     return ((out - ref[:, split - out.shape[1]:split]).abs().max().item(),
             (more - ref[:, split:]).abs().max().item())
 

@@ -46,6 +46,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+try:  # imported now so that the slow-marker guard below can watch interpreter launches from the first test
+    import triton.runtime.interpreter  # noqa: E402,F401
+except ImportError:  # Triton is the kernels extra
+    pass
+
 try:
     from hypothesis import settings
 except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
@@ -54,6 +59,17 @@ else:
     # No deadlines: timing on a shared 2-core machine is not a property of the code under test.
     settings.register_profile("polykv", deadline=None, database=None, print_blob=True)
     settings.load_profile("polykv")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_model_data_cache(monkeypatch, tmp_path_factory, request):
+    """Each test starts with an empty cache of computed per-model data (polykv.contract.model_data.cache_dir), so
+    that data one test computed never satisfies another and no test writes under the user's cache."""
+    import polykv.contract.model_data
+
+    root = tmp_path_factory.getbasetemp() / "model-data-cache"
+    folder = str(root / f"{abs(hash(request.node.nodeid)):x}")
+    monkeypatch.setattr(polykv.contract.model_data, "cache_dir", lambda: folder)
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +104,7 @@ def saved_tiny_model(tmp_path_factory):
             from tokenizers import Tokenizer, models, pre_tokenizers, trainers
             from transformers import PreTrainedTokenizerFast
 
-            from polykv.profiling.corpus import corpus_texts
+            from polykv.models.corpus import corpus_texts
             from polykv.testing import tiny_model
 
             tok = Tokenizer(models.BPE())
@@ -105,3 +121,66 @@ def saved_tiny_model(tmp_path_factory):
         return made[head_dim]
 
     return make
+
+
+# ---- The slow marker -------------------------------------------------------------------------------
+# ``pytest -m "not slow"`` runs the rest of the suite in about a minute. A test is slow when it loads a
+# real model, starts a process (Ray included) or runs a Triton kernel in Triton's CPU interpreter. Tests
+# marked ``model`` are slow by this rule; the others say ``@pytest.mark.slow`` (or a module's
+# ``pytestmark``). The guards below fail a test that does one of these things without the mark, naming
+# what it did, so the quick subset cannot grow slow unnoticed.
+
+REAL_MODEL_FIXTURES = ("default_model", "default_geometry")
+"""Session fixtures that load the real default model."""
+
+
+def _is_slow(item) -> bool:
+    return item.get_closest_marker("slow") is not None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # tryfirst: before ``-m`` deselects, so the added marks count.
+    for item in items:
+        if item.get_closest_marker("model") is not None:
+            item.add_marker(pytest.mark.slow)
+        fixtures = getattr(item, "fixturenames", ())
+        for name in REAL_MODEL_FIXTURES:
+            if name in fixtures and item.get_closest_marker("model") is None:
+                raise pytest.UsageError(f"{item.nodeid} uses the real-model fixture {name!r} but is not "
+                                        "marked: add @pytest.mark.model (it makes the test slow)")
+
+
+def _refuse(item, what: str):
+    pytest.fail(f"{item.nodeid} {what} but is not marked slow: add @pytest.mark.slow (pytest -m 'not slow' "
+                "must stay quick; see CONTRIBUTING.md)", pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside slow tests (their fixtures included), starting a process or a Triton interpreter launch fails."""
+    if _is_slow(item):
+        yield
+        return
+    import subprocess
+
+    patched = [(subprocess.Popen, "_execute_child", subprocess.Popen._execute_child)]
+
+    def no_process(self, args, *rest, **kwargs):
+        command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        _refuse(item, f"starts a process ({' '.join(command.split())[:60]})")
+
+    subprocess.Popen._execute_child = no_process
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is not None and hasattr(interpreter, "InterpretedFunction"):
+        patched.append((interpreter.InterpretedFunction, "run", interpreter.InterpretedFunction.run))
+
+        def no_interpreter(self, *args, **kwargs):
+            _refuse(item, f"runs a Triton kernel in Triton's CPU interpreter ({getattr(self, '__name__', self)})")
+
+        interpreter.InterpretedFunction.run = no_interpreter
+    try:
+        yield
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)

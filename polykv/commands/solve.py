@@ -69,6 +69,18 @@ def parse_params(items: list[str], option: str = "--param") -> dict:
     return out
 
 
+def with_profile_data(plan, profile_path: str):
+    """``plan`` recording the profile's side files that hold the per-model data its rules read (its
+    ``model_data`` field), so that ``polykv.apply`` finds them."""
+    import attrs
+
+    from polykv.contract.model_data import needs_of_rules, side_file_references
+    from polykv.registry import get_registry
+
+    refs = side_file_references(profile_path, needs_of_rules(get_registry(), sorted(plan.rules_used())))
+    return attrs.evolve(plan, model_data={**refs, **plan.model_data}) if refs else plan
+
+
 def run(args) -> int:
     from polykv.atomic import check_output
     from polykv.plan.io import is_plan_file
@@ -91,6 +103,7 @@ def run(args) -> int:
     qparams = None if args.quantizer_param is None else parse_params(args.quantizer_param, "--quantizer-param")
     plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
                  quantizer=args.quantizer, quantizer_params=qparams, **parse_params(args.param))
+    plan = with_profile_data(plan, args.profile)
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"

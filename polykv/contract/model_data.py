@@ -15,9 +15,15 @@ a rule. Users keep passing ``model_data={key: data}`` to :func:`polykv.apply` di
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
+
+from polykv.errors import PolykvError, RuntimeConfigError
+
+class ModelDataError(RuntimeConfigError):
+    """Per-model data a plan's rules need is missing or belongs to another model."""
+
 
 NEED_ATTRIBUTE = "model_data_need"
 """The rule class attribute that holds a :class:`ModelDataNeed` (absent or None: the rule needs nothing)."""
@@ -77,6 +83,13 @@ def side_file(profile_path: str, suffix: str) -> str:
     return base + suffix
 
 
+def side_file_references(profile_path: str, needs: Iterable[ModelDataNeed]) -> dict[str, str]:
+    """``{key: path}`` of each need's side file that exists beside ``profile_path`` (what a plan solved from
+    that profile records in its ``model_data`` field)."""
+    return {need.key: side_file(profile_path, need.suffix) for need in needs
+            if os.path.isfile(side_file(profile_path, need.suffix))}
+
+
 def load_side_files(profile_path: str, needs: Iterable[ModelDataNeed], *, model: Any = None) -> dict[str, Any]:
     """``{key: data}`` for each need whose side file exists beside ``profile_path`` (checked against
     ``model`` when one is given and the need has a check)."""
@@ -89,3 +102,145 @@ def load_side_files(profile_path: str, needs: Iterable[ModelDataNeed], *, model:
                 need.check(data, model)
             out[need.key] = data
     return out
+
+
+# -- finding the data a plan needs ------------------------------------------------------------------
+
+MISSING_CHOICES = ("compute", "refuse")
+"""What :func:`polykv.apply` does when a rule's data is neither given, nor in the plan's file, nor cached:
+``compute`` it from the offline corpus (and cache it), or ``refuse`` in one line."""
+CORPUS_TEXTS = 4
+"""Offline-corpus texts (mixed prose and code, :mod:`polykv.models.corpus`, seed 0) the data is computed on."""
+CORPUS_TOKENS = 512
+"""Tokens taken from the start of each text."""
+
+
+class ModelDataNote(UserWarning):
+    """Per-model data was computed on the fly (one line: what, for which model, the cost, where it is cached)."""
+
+
+def cache_dir() -> str:
+    """Folder of computed per-model data: ``$POLYKV_CACHE/model-data``, else ``~/.cache/polykv/model-data``."""
+    root = os.environ.get("POLYKV_CACHE")
+    return os.path.join(root, "model-data") if root else os.path.join(os.path.expanduser("~"), ".cache", "polykv",
+                                                                       "model-data")
+
+
+def cached_file(need: ModelDataNeed, fingerprint: str) -> str:
+    """Where computed data for the model with ``fingerprint`` is cached (one folder per model fingerprint)."""
+    safe = "".join(c if c.isalnum() or c in "-_+." else "_" for c in fingerprint)
+    return os.path.join(cache_dir(), safe, f"{need.key}{need.suffix}")
+
+
+def corpus_batches(tokenizer: Any, device: Any) -> list:
+    """The token batches per-model data is computed on: :data:`CORPUS_TEXTS` offline-corpus texts, the first
+    :data:`CORPUS_TOKENS` tokens of each, as LongTensor [1, T] on ``device``."""
+    import torch
+
+    from polykv.models.corpus import corpus_texts
+
+    return [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:CORPUS_TOKENS]], device=device)
+            for t in corpus_texts("mixed", CORPUS_TEXTS, min_chars=4 * CORPUS_TOKENS, seed=0)]
+
+
+def _load_checked(need: ModelDataNeed, path: str, model: Any, origin: str) -> Any:
+    what = f"{path} ({origin}): {need.description or 'data'} '{need.key}'"
+    try:
+        data = need.load(path)
+    except Exception as exc:  # noqa: BLE001 - a plugin's loader may raise anything on a file that is not its data
+        raise ModelDataError(f"{what} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                             f"replace the file or remove it to compute the data") from None
+    if need.check is not None:
+        try:
+            need.check(data, model)
+        except (PolykvError, ValueError) as exc:
+            raise ModelDataError(f"{what} was not measured on this model: {exc}") from None
+    return data
+
+
+def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mapping[str, Any] | None = None,
+                    files: Mapping[str, Iterable[tuple[str, str]]] | None = None, tokenizer: Any = None,
+                    missing: str = "compute", fingerprint: str | None = None,
+                    used_by: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``{need.key: data}`` for every need, found in this order: ``given`` (kept as is); the first existing
+    file of ``files[need.key]`` (``(path, origin)`` pairs, e.g. a plan's ``model_data`` reference, a
+    profile's side file); the cache (:func:`cached_file`, by model ``fingerprint``); else, with
+    ``missing="compute"``, computed over the offline corpus with ``tokenizer`` (a one-line
+    :class:`ModelDataNote` with the cost) and cached, or with ``missing="refuse"`` a one-line
+    :class:`ModelDataError` naming every file looked for. Loaded files are checked against ``model``.
+    ``used_by``: per key, which rule and layers read it (for messages)."""
+    if missing not in MISSING_CHOICES:
+        raise ModelDataError(f"missing_model_data must be one of {list(MISSING_CHOICES)}, got {missing!r}")
+    out = dict(given or {})
+    for need in needs:
+        if need.key in out:
+            continue
+        looked = []
+        for path, origin in (files or {}).get(need.key, ()):
+            looked.append(f"{path} ({origin})")
+            if os.path.isfile(path):
+                out[need.key] = _load_checked(need, path, model, origin)
+                break
+        if need.key in out:
+            continue
+        cached = cached_file(need, fingerprint) if fingerprint else None
+        if cached is not None:
+            looked.append(f"{cached} (cache)")
+            if os.path.isfile(cached):
+                out[need.key] = _load_checked(need, cached, model, "cache")
+                continue
+        what = f"{need.description or 'data'} '{need.key}'" + (f" for {used_by[need.key]}" if used_by and
+                                                                need.key in used_by else "")
+        where = "; looked for " + ", ".join(looked) if looked else "; no file was named for it"
+        if missing == "refuse":
+            raise ModelDataError(f"{what}: not found{where}; pass model_data={{'{need.key}': ...}} or "
+                                 f"missing_model_data='compute' to compute it from the offline corpus")
+        if tokenizer is None:
+            raise ModelDataError(f"{what}: not found{where}; pass tokenizer=... to compute it from the offline "
+                                 f"corpus, or model_data={{'{need.key}': ...}}")
+        out[need.key] = _compute(need, model, tokenizer, cached)
+    return out
+
+
+def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None) -> Any:
+    import time
+    import warnings
+
+    start = time.perf_counter()
+    batches = corpus_batches(tokenizer, next(model.parameters()).device)
+    data = need.compute(model, batches)
+    seconds = time.perf_counter() - start
+    saved = ""
+    if cached is not None:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        data.save(cached)
+        saved = f", cached at {cached}"
+    tokens = sum(int(b.shape[-1]) for b in batches)
+    warnings.warn(f"polykv: computed {need.description or need.key} ('{need.key}') over the offline corpus "
+                  f"({len(batches)} texts, {tokens} tokens) in {seconds:.1f} s{saved}", ModelDataNote,
+                  stacklevel=_caller_level())
+    return data
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside polykv above the caller (where the note points)."""
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def tokenizer_of(model: Any) -> Any:
+    """The tokenizer saved beside a model loaded from a local folder (``model.name_or_path``), or None."""
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(str(folder)):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        return None

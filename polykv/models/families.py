@@ -151,12 +151,14 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 def _vanilla(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """Logits of every prompt position and of ``steps`` greedy steps with transformers' own cache."""
+    from polykv.runtime.cache import cache_keyword, output_cache
+
     out = model(ids, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     logits = [out.logits]
     for _ in range(steps):
         tok = logits[-1][:, -1:].argmax(-1)
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, use_cache=True, **{cache_keyword(model): cache})
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
 
@@ -234,7 +236,7 @@ def _greedy(model, session, ref, ids, steps):
     out, T = [], ids.shape[1]
     for i in range(steps):
         tok = ref[:, T - 1 + i:T + i].argmax(-1)
-        out.append(model(tok, past_key_values=session.cache, use_cache=True).logits)
+        out.append(model(tok, use_cache=True, **{session._cache_kw: session.cache}).logits)
     return out
 
 

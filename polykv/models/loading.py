@@ -384,7 +384,7 @@ def read_local_config(folder: str) -> dict:
     A :class:`PolykvError` names the file when it is missing, not a regular file (reading a FIFO would
     block), not UTF-8, or not one strict JSON object.
     """
-    from polykv.atomic import check_readable_file
+    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
     from polykv.errors import OutputError
     from polykv.strict_json import JsonInputError, loads_strict
 
@@ -392,7 +392,7 @@ def read_local_config(folder: str) -> dict:
     if not os.path.lexists(path):
         raise PolykvError(f"{path}: no such file; a model folder holds config.json (models are never downloaded)")
     try:
-        check_readable_file(path, "model config (config.json)")
+        check_readable_file(path, "model config (config.json)", max_bytes=MAX_DOCUMENT_BYTES)
         with open(path, "rb") as fh:
             raw = loads_strict(fh.read().decode("utf-8"))
     except OutputError as exc:

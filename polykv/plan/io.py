@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 import attrs
@@ -42,7 +43,8 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
     return out
 
 
-def plan_dict(plan: Plan) -> dict[str, Any]:
+def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
+    """The plan as JSON data; ``model_data`` paths relative to ``folder`` when given (the plan file's folder)."""
     from polykv.plan.groups import groups_to_json
 
     out = {
@@ -55,15 +57,33 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
     }
     if plan.allocation:
         out["allocation"] = groups_to_json(plan.allocation)
+    if plan.model_data:
+        out["model_data"] = {k: _relative(v, folder) for k, v in sorted(plan.model_data.items())}
     return out
 
 
-def dumps(plan: Plan) -> str:
+def _relative(path: str, folder: str | None) -> str:
+    """``path`` as written in a plan file in ``folder`` (forward slashes); unchanged without a folder."""
+    if folder is None:
+        return path
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).replace(os.sep, "/")
+
+
+def _resolved(plan: Plan, source: str) -> Plan:
+    """A loaded plan with its ``model_data`` paths resolved against the plan file's folder."""
+    if not plan.model_data:
+        return plan
+    folder = os.path.dirname(os.path.abspath(source))
+    return attrs.evolve(plan, model_data={k: os.path.normpath(os.path.join(folder, v))
+                                          for k, v in plan.model_data.items()})
+
+
+def dumps(plan: Plan, folder: str | None = None) -> str:
     """Stable text: one top-level field per line, one layer per line, trailing newline."""
-    d = plan_dict(plan)
+    d = plan_dict(plan, folder)
     enc = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)  # noqa: E731
     lines = ["{"]
-    for key in ("schema_version", "model", "trigger", "provenance", "allocation"):
+    for key in ("schema_version", "model", "trigger", "provenance", "allocation", "model_data"):
         if key in d:
             lines.append(f'  "{key}": {enc(d[key])},')
     lines.append('  "layers": [')
@@ -75,7 +95,7 @@ def dumps(plan: Plan) -> str:
 
 
 def save(plan: Plan, path: str) -> None:
-    write_text_atomic(path, dumps(plan))
+    write_text_atomic(path, dumps(plan, os.path.dirname(os.path.abspath(path))))
 
 
 def is_plan_file(path: str) -> bool:
@@ -178,7 +198,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
                field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", {"schema_version": True, "model": False, "trigger": False, "provenance": False,
-                    "layers": True, "allocation": False})
+                    "layers": True, "allocation": False, "model_data": False})
     model = _parse_model(r, raw.get("model"))
     trigger = _parse_trigger(r, raw.get("trigger"))
     prov = _parse_provenance(r, raw.get("provenance"))
@@ -192,7 +212,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     from polykv.plan.groups import check_groups, parse_groups
 
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
-                allocation=parse_groups(r, raw.get("allocation")))
+                allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
     check_groups(plan, source=source)
     return plan
 
@@ -207,6 +227,18 @@ def _parse_model(r: _Reader, raw: Any) -> ModelInfo | None:
                      head_dim=r.int_(raw["head_dim"], "model.head_dim", minimum=1),
                      name=r.str_(raw.get("name", ""), "model.name"),
                      fingerprint=r.str_(raw.get("fingerprint"), "model.fingerprint", optional=True))
+
+
+def _parse_model_data(r: _Reader, raw: Any) -> dict[str, str]:
+    """``model_data``: data key -> file (a non-empty path, relative to the plan file's folder)."""
+    if raw is None:
+        return {}
+    r.dict_(raw, "model_data")
+    for key, path in raw.items():
+        if not key or not isinstance(path, str) or not path:
+            r.fail(f"expected a non-empty file path, got {path!r}", field=f"model_data.{key}",
+                   hint="e.g. \"triattention\": \"../profiles/x.qstats.safetensors\" (relative to the plan file)")
+    return dict(raw)
 
 
 def _parse_trigger(r: _Reader, raw: Any) -> TriggerSettings:
@@ -339,11 +371,11 @@ def _parse_layer(r: _Reader, i: int, raw: Any) -> LayerPlan:
 
 def load(path: str, *, registry=None, geometry=None) -> Plan:
     source = str(path)
-    from polykv.atomic import check_readable_file
+    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
     from polykv.errors import OutputError
 
     try:
-        check_readable_file(source, "plan file")
+        check_readable_file(source, "plan file", max_bytes=MAX_DOCUMENT_BYTES)
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
@@ -355,7 +387,7 @@ def load(path: str, *, registry=None, geometry=None) -> Plan:
     except OSError as exc:
         raise PlanError(f"cannot read the file ({exc.strerror})", source=source,
                         hint="check the path and its permissions") from None
-    plan = parse_plan_text(text, source)
+    plan = _resolved(parse_plan_text(text, source), source)
     if registry is not None or geometry is not None:
         validate(plan, registry=registry, geometry=geometry, source=source)
     return plan
@@ -379,9 +411,22 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
     check_groups(plan, source=source, registry=registry, unchecked=unchecked)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
+        _validate_model_data(plan, registry, source)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
     _warn_unchecked(unchecked, source)
+
+
+def _validate_model_data(plan: Plan, registry, source: str) -> None:
+    """Every ``model_data`` key is data some rule of the plan reads (a misspelt key would go unused)."""
+    from polykv.contract.model_data import needs_of_rules
+
+    read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
+    for key in sorted(plan.model_data):
+        if key not in read:
+            raise PlanError(f"no rule of this plan reads per-model data '{key}' (they read {read or 'none'})",
+                            source=source, field=f"model_data.{key}",
+                            hint="remove the entry or correct its key")
 
 
 def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, unchecked: dict[str, set[str]],

@@ -196,6 +196,10 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     allocation: tuple[AllocationGroup, ...] = attrs.field(default=(), converter=tuple)
     """Allocation groups (none in a plan whose capacities are all fixed)."""
+    model_data: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
+    """Where the per-model data the plan's rules read comes from (:mod:`polykv.contract.model_data`): data key
+    (e.g. ``"triattention"``) -> file. In a plan file the path is relative to the file's folder; a
+    loaded plan holds it resolved, and :meth:`save` writes it relative to the new file's folder."""
 
     def group_of(self, layer: int) -> AllocationGroup | None:
         """The allocation group ``layer`` belongs to, or None."""

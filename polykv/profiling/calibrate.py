@@ -253,11 +253,11 @@ def corpus_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: i
                      kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
     """``n`` sequences of exactly ``tokens`` token ids from the offline corpus, and their description.
 
-    Texts come from :func:`polykv.profiling.corpus.corpus_texts` (``kind``, ``seed``), at least
+    Texts come from :func:`polykv.models.corpus.corpus_texts` (``kind``, ``seed``), at least
     ``4 * tokens`` characters long; each is tokenized and cut to its first ``tokens`` ids; texts that
     tokenize shorter are skipped, in the corpus order, so the result depends only on the arguments.
     """
-    from polykv.profiling.corpus import corpus_fingerprint, corpus_id, corpus_texts
+    from polykv.models.corpus import corpus_fingerprint, corpus_id, corpus_texts
 
     if n < 1 or tokens < 2:
         raise ProfileError(f"need at least one sequence of at least 2 tokens, got n={n}, tokens={tokens}")

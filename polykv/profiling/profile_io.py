@@ -77,11 +77,11 @@ def dumps(p: Profile) -> str:
 def load_profile(path: str) -> Profile:
     """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
     source = str(path)
-    from polykv.atomic import check_readable_file
+    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
     from polykv.errors import OutputError
 
     try:
-        check_readable_file(source, "profile file")
+        check_readable_file(source, "profile file", max_bytes=MAX_DOCUMENT_BYTES)
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:

@@ -16,7 +16,6 @@ Shapes: T = P + F tokens, V vocabulary.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Mapping, Sequence
 
@@ -48,10 +47,6 @@ def config_plan(geometry, layer: int, config: CandidateConfig, *, quantizer: str
                           quantizer_params=quantizer_params)
 
 
-def _cache_kw(model) -> str:
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def reference_logprobs(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
     """[F, V] float64 log-probabilities of the uncompressed model predicting tokens ``prefix`` .. T-1."""
@@ -70,7 +65,7 @@ def plan_logprobs(model, plan, ids: torch.Tensor, prefix: int, *, model_data: Ma
     with apply(model, plan, model_data=model_data, seed=seed) as session:
         first = session.prefill(ids[:, :prefix]).logits[:, -1:]                     # (1, 1, V)
         rest = model(input_ids=ids[:, prefix:-1], use_cache=True,
-                     **{_cache_kw(model): session.cache}).logits                      # (1, F-1, V)
+                     **{session._cache_kw: session.cache}).logits                      # (1, F-1, V)
     return torch.log_softmax(torch.cat([first, rest], dim=1)[0].double(), dim=-1)
 
 

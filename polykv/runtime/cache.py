@@ -6,6 +6,7 @@ layer groups. Create it with ``session.new_cache()``; the flow of a forward thro
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 import torch
@@ -13,6 +14,18 @@ from transformers.cache_utils import Cache
 
 from polykv.errors import RuntimeConfigError
 from polykv.runtime.layer_cache import LayerCache, LayerSpec
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``cache`` where the installed transformers has it
+    (``past_key_values`` is deprecated there), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The cache a model output returns: ``output.cache`` where transformers names it so, else
+    ``output.past_key_values``."""
+    return output["cache"] if "cache" in output else output.past_key_values
 
 
 class PlanCache(Cache):

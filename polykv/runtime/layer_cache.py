@@ -166,11 +166,17 @@ class LayerCache(CacheLayerMixin):
     def value_store(self):
         return self.storage.value_store
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.num_stored() + query_length, 0
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        # transformers before get_query_offset (5.0-5.2) pass the new tokens' cache_position [q] instead
+        q = query_length.shape[-1] if isinstance(query_length, torch.Tensor) else int(query_length)
+        return self.num_stored() + q, 0
 
     def get_max_length(self) -> int:
         return -1
+
+    def get_max_cache_shape(self) -> int:
+        """No fixed maximum (the name transformers 5.0-5.2 give :meth:`get_max_length`)."""
+        return self.get_max_length()
 
     def reset(self) -> None:
         self.__init__(layer_idx=self.layer_idx, spec=self.spec, owner=self.owner)

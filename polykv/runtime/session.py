@@ -5,8 +5,9 @@
 ...     print(session.resident_bytes().total)
 
 Inside the block the model's attention implementation is ``polykv`` and ``model.generate`` gets a
-fresh plan cache unless one is passed; manual loops pass ``past_key_values=session.new_cache()``
-(then ``session.cache``). On exit the attention implementation is restored and ``generate`` is
+fresh plan cache unless one is passed; manual loops pass ``cache=session.new_cache()`` (then
+``session.cache``; ``past_key_values=`` on transformers without the ``cache`` keyword, see
+:func:`polykv.runtime.cache.cache_keyword`). On exit the attention implementation is restored and ``generate`` is
 unpatched.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import threading
 import warnings
 from typing import Any, Mapping
@@ -27,7 +27,7 @@ from polykv.errors import PlanError, RuntimeConfigError
 from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
-from polykv.runtime.cache import PlanCache
+from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.layer_cache import LayerSpec
 from polykv.runtime.stores import new_store
 from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
@@ -62,8 +62,16 @@ class ResidentBytes:
 
 
 def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, registry=None,
-          seed: int = 0, storage_dtype: torch.dtype | None = None, check: bool | None = None) -> "Session":
+          seed: int = 0, storage_dtype: torch.dtype | None = None, check: bool | None = None,
+          tokenizer=None, missing_model_data: str = "compute") -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
+
+    Per-model data the plan's rules read (TriAttention's query statistics; :mod:`polykv.contract.model_data`)
+    comes from ``model_data={key: data}``, else the file the plan names for it (``plan.model_data``,
+    e.g. the profile's side file), else the cache under ``$POLYKV_CACHE`` or ``~/.cache/polykv`` (by
+    model fingerprint). When none holds it, ``missing_model_data="compute"`` (the default) computes it
+    over the offline corpus with ``tokenizer`` (default: the one saved beside a model loaded from a
+    folder), notes the cost in one line and caches it; ``"refuse"`` raises, naming the files looked for.
 
     ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
     cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
@@ -80,17 +88,19 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         that cannot serve the model's head dim.
     RuntimeConfigError
         The model cannot be served (:mod:`polykv.runtime.support`: latent, differential or recurrent
-        attention, KV sharing), or uses an attention implementation the runtime cannot replace.
+        attention, KV sharing), or uses an attention implementation the runtime cannot replace;
+        :class:`polykv.contract.model_data.ModelDataError` when a rule's per-model data is missing (and cannot
+        be computed) or was measured on another model.
     """
     if registry is None:
         from polykv.registry import get_registry
 
         registry = get_registry()
+    check_servable(model)
     if not isinstance(plan, Plan):
         raise RuntimeConfigError(f"apply(model, plan) needs a polykv Plan, got a {type(plan).__name__}; load a plan "
                                  f"file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
     _check_seed(seed)
-    check_servable(model)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
     if impl == attention.NAME:
@@ -107,7 +117,9 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     _check_model_data(model_data, plan, registry, model)
     modules = _attention_modules(model, geometry.num_layers)
     _check_layer_shapes(model, modules, geometry)
-    session = Session(model, plan, registry=registry, modules=modules, model_data=dict(model_data or {}), seed=seed,
+    data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
+                           missing=missing_model_data)
+    session = Session(model, plan, registry=registry, modules=modules, model_data=data, seed=seed,
                       geometry=geometry)
     session.storage_dtype = storage_dtype
     session.check = checks_enabled(check)
@@ -147,6 +159,40 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
             ) from None
         except ValueError as exc:
             raise RuntimeConfigError(f"apply(model_data=...): model_data['{need.key}']: {exc}") from None
+
+
+def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str, Any] | None = None,
+                    tokenizer=None, missing: str = "compute") -> dict[str, Any]:
+    """The per-model data ``plan``'s rules read (see :func:`apply`), by key."""
+    from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
+
+    rules = sorted(plan.rules_used())
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    needs = [n for n in needs_of_rules(registry, rules) if n.key not in given]
+    if not needs:
+        return given
+    files = {k: [(path, f"plan field model_data.{k}")] for k, path in plan.model_data.items()}
+    used_by = {}
+    for need in needs:
+        names = [r for r in rules if getattr(registry.operator(r), "model_data_need", None) is need]
+        layers = [lp.layer for lp in plan.layers if {lp.prefill.rule, lp.decode.rule} & set(names)]
+        used_by[need.key] = f"rule {', '.join(repr(n) for n in names)} (layers {_spans(layers)})"
+    if tokenizer is None and missing == "compute":
+        tokenizer = tokenizer_of(model)
+    return find_model_data(model, needs, given=given, files=files, tokenizer=tokenizer, missing=missing,
+                           fingerprint=geometry.fingerprint, used_by=used_by)
+
+
+def _spans(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], None
+    for i, x in enumerate(layers):
+        if start is None:
+            start = x
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
@@ -281,8 +327,7 @@ class Session:
         self._calls = _OneCaller()
         self._uncached_thread: int | None = None
         """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
-        params = inspect.signature(type(model).forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     def _layer_spec(self, lp) -> LayerSpec:
         rules = {}
@@ -383,6 +428,12 @@ class Session:
                                 generator=gen, groups=self._groups,
                                 storage_dtype=self.storage_dtype, check=self.check)
         return self._cache
+
+    @property
+    def cache_keyword(self) -> str:
+        """The keyword the model's forward takes the cache by: ``"cache"`` where the installed transformers
+        has it, else ``"past_key_values"`` (:func:`polykv.runtime.cache.cache_keyword`)."""
+        return self._cache_kw
 
     @property
     def cache(self) -> PlanCache | None:

@@ -1,7 +1,7 @@
-"""The offline corpus of studies, re-exported from :mod:`polykv.profiling.corpus` (a bottom module, because
+"""The offline corpus of studies, re-exported from :mod:`polykv.models.corpus` (a bottom module, because
 calibration draws its sequences from the same corpus)."""
 
-from polykv.profiling.corpus import (  # noqa: F401
+from polykv.models.corpus import (  # noqa: F401
                                      CORPUS_RECIPE,
                                      KINDS,
                                      Document,

@@ -43,9 +43,6 @@ from polykv.errors import StudyError
 from polykv.studies.spec import FULL_POLICY, StudySpec
 from polykv.studies.tasks.base import TEACHER_FORCED
 
-QUERY_STATS_TOKENS = 512
-"""Tokens per corpus text when a plan's rule needs per-model data (e.g. query statistics) computed here."""
-
 
 @attrs.define
 class Prepared:
@@ -105,10 +102,12 @@ def load_model(spec: StudySpec):
 def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *, registry=None) -> dict[str, Any]:
     """The per-model data the plans' rules declare (:mod:`polykv.contract.model_data`; e.g. query statistics).
 
-    Each is read from the profile's side file (e.g. ``x.qstats.safetensors``, written by ``polykv
-    calibrate``) when there is one, else computed once here on the offline corpus (4 texts of 512 tokens).
+    Each is read from the file a plan names for it (its ``model_data`` field), else the profile's side file
+    (e.g. ``x.qstats.safetensors``, written by ``polykv calibrate``), else the cache, else computed once
+    here on the offline corpus (:func:`polykv.contract.model_data.corpus_batches`) and cached.
     """
-    from polykv.contract.model_data import load_side_files, needs_of_rules
+    from polykv.models.geometry import geometry_of_model
+    from polykv.contract.model_data import find_model_data, needs_of_rules, side_file
 
     if registry is None:
         from polykv.registry import get_registry
@@ -117,16 +116,15 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *,
     needs = needs_of_rules(registry, sorted({rule for p in plans for rule in p.rules_used()}))
     if not needs:
         return {}
-    out = load_side_files(profile, needs, model=model) if profile is not None else {}
-    missing = [need for need in needs if need.key not in out]
-    if missing:
-        from polykv.profiling.corpus import corpus_texts
-
-        device = next(model.parameters()).device
-        batches = [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:QUERY_STATS_TOKENS]], device=device)
-                   for t in corpus_texts("mixed", 4, min_chars=4 * QUERY_STATS_TOKENS, seed=0)]
-        out.update({need.key: need.compute(model, batches) for need in missing})
-    return out
+    files: dict[str, list[tuple[str, str]]] = {}
+    for p in plans:
+        for key, path in p.model_data.items():
+            files.setdefault(key, []).append((path, f"plan field model_data.{key}"))
+    if profile is not None:
+        for need in needs:
+            files.setdefault(need.key, []).append((side_file(profile, need.suffix), "profile side file"))
+    return find_model_data(model, needs, files=files, tokenizer=tokenizer,
+                           fingerprint=geometry_of_model(model).fingerprint)
 
 
 def _ids(ids: list[int], device) -> torch.Tensor:

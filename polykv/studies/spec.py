@@ -382,12 +382,12 @@ def _task_entries(raw: Any, base: str, source: str, registry, digests: dict) -> 
 
 def load_spec(path: str, *, registry=None) -> StudySpec:
     """Read and check a spec file (see the module docstring); nothing here loads a model."""
-    from polykv.atomic import check_readable_file
+    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
 
     from polykv.strict_json import JsonInputError, loads_strict
 
     try:
-        check_readable_file(path, "study spec file")
+        check_readable_file(path, "study spec file", max_bytes=MAX_DOCUMENT_BYTES)
         with open(path, encoding="utf-8") as fh:
             raw = loads_strict(fh.read())
     except FileNotFoundError:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # pip-installs the example and runs fresh interpreters
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "polykv-value-norm"
 PROBE = Path(__file__).with_name("value_norm_probe.py")

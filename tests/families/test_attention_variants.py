@@ -18,6 +18,7 @@ from polykv.plan import OpSpec
 from polykv.models.reference import masked_reference_logits, record_run
 from polykv.runtime.attention import eager_attention, sdpa
 from polykv.testing import full_plan_against_vanilla, random_model, token_ids
+from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -90,4 +91,4 @@ def test_a_model_whose_sliding_window_disagrees_with_its_geometry_is_stopped():
     model.model.layers[0].self_attn.sliding_window = 16   # the module passes a window the geometry never recorded
     with pytest.raises(RuntimeConfigError, match="sliding window 16"):
         with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
-            model(token_ids(1, 4), past_key_values=session.new_cache(), use_cache=True)
+            model(token_ids(1, 4), **{cache_keyword(model): session.new_cache()}, use_cache=True)

@@ -18,9 +18,12 @@ MUST_SERVE = {
 """Families the runtime must serve: sliding and hybrid layers, softcap, sinks, chunks, multi-head."""
 MUST_REFUSE = {"deepseek_v2", "deepseek_v3", "minicpm3", "diffllama", "falcon_h1", "bloom", "falcon", "gemma4_text"}
 """Families that must be refused before anything is patched."""
+STARTS_A_PROCESS = {"rwkv": "building the model runs `ninja --version` to look for a compiler of its CUDA kernel"}
+"""Families whose tiny model starts a process while it is built: slow tests (see tests/conftest.py)."""
 
 
-@pytest.mark.parametrize("model_type", model_types())
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.slow) if t in STARTS_A_PROCESS else t
+                                        for t in model_types()])
 def test_family(model_type):
     r = check_family(model_type)
     if r.status == "served":

@@ -12,6 +12,7 @@ import torch
 import polykv
 from polykv.models.geometry import SLIDING, geometry_of_model
 from polykv.models import load_model, model_geometry, named_model
+from polykv.runtime.cache import cache_keyword, output_cache
 
 pytestmark = pytest.mark.model
 TOL = 1e-3   # float32 logits of magnitude ~50 over 18 layers and 1,000 tokens
@@ -40,16 +41,16 @@ def test_full_plan_equals_vanilla_across_the_window(gemma3):
     ids = torch.randint(10, 20000, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(ids, use_cache=True, logits_to_keep=KEEP)
-        ref_logits, cache = [ref.logits], ref.past_key_values
+        ref_logits, cache = [ref.logits], output_cache(ref)
         for _ in range(STEPS):
-            out = model(ref_logits[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(ref_logits[-1][:, -1:].argmax(-1), **{cache_keyword(model): cache}, use_cache=True)
             ref_logits.append(out.logits)
         with polykv.apply(model, polykv.full_plan(geo)) as session:
             got = session.prefill(ids, logits_to_keep=KEEP)
             got_logits = [got.logits]
             for i in range(STEPS):
                 tok = ref_logits[i][:, -1:].argmax(-1)
-                got_logits.append(model(tok, past_key_values=session.cache, use_cache=True).logits)
+                got_logits.append(model(tok, **{cache_keyword(model): session.cache}, use_cache=True).logits)
             stored = session.cache.stored_tokens()
     diff = max((a - b).abs().max().item() for a, b in zip(got_logits, ref_logits))
     assert diff < TOL, diff

@@ -23,6 +23,7 @@ from polykv.profiling.profile import Profile, moend_configs
 from polykv.models.reference import masked_reference_logits, record_run
 from polykv.storage.reserve import layer_hold, reserve_tokens
 from polykv.testing import chunked_prefill_against_vanilla, full_plan_against_vanilla, random_model, token_ids
+from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4
 WINDOW = 8
@@ -99,7 +100,7 @@ def test_memory_model_predicts_the_window_bounded_bytes(gemma3):
     plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=12, params={"window": 2}))
     plan = plan.with_layer(0, k_bits=8, v_bits=4, quantizer_params={"group_size": 16})
     with torch.no_grad(), polykv.apply(model, plan) as session:
-        model(token_ids(1, 30, seed=9), past_key_values=session.new_cache(), use_cache=True)
+        model(token_ids(1, 30, seed=9), **{cache_keyword(model): session.new_cache()}, use_cache=True)
         measured = session.resident_bytes()
     report = memory_report(plan, geo, 30, dtype_bytes=4)
     assert [r.kept_tokens for r in report.rows] == [WINDOW - 1, WINDOW - 1, 12]

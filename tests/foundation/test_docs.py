@@ -98,7 +98,8 @@ def test_every_documented_hook_exists():
 # -- links ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/concepts.md", "docs/plan-format.md",
-                                  "docs/plugins.md", "docs/cli.md"])
+                                  "docs/plugins.md", "docs/cli.md", "docs/results.md",
+                                  "CONTRIBUTING.md"])
 def test_relative_links_resolve(page):
     path = ROOT / page
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8")):
@@ -113,3 +114,30 @@ def test_cli_doc_covers_every_verb():
     text = (DOCS / "cli.md").read_text(encoding="utf-8")
     for verb in sub.choices:
         assert f"## polykv {verb}" in text, f"docs/cli.md has no section for `polykv {verb}`"
+
+
+# -- README tour ----------------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_readme_tour_runs_as_shown(tmp_path, monkeypatch, capsys):
+    """The README's Python blocks, run in order from a copy of the repository's data folders (as from a fresh
+    clone): the shipped exact 8x plan runs with the query statistics its plan names, nothing computed."""
+    import shutil
+    import warnings
+
+    from polykv.contract.model_data import ModelDataNote
+
+    for folder in ("plans", "profiles"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    monkeypatch.chdir(tmp_path)
+    blocks = _python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert blocks and 'polykv.load_plan("plans/smollm2-135m-instruct.exact.8x.plan.json")' in blocks[0]
+    namespace = {"__name__": "readme_tour"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelDataNote)
+        warnings.simplefilter("error", FutureWarning)
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)
+            printed = capsys.readouterr().out.strip()
+            assert int(printed.rsplit(" ", 1)[1]) > 0                     # the run's resident bytes
+    assert "triattention" in namespace["polykv"].load_plan("plans/smollm2-135m-instruct.exact.8x.plan.json").rules_used()

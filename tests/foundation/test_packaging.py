@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import polykv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +64,7 @@ def test_under_pytest_adapters_is_namespaced():
     assert "adapters" not in sys.modules or not _inside(sys.modules["adapters"].__file__ or "", REPO)
 
 
+@pytest.mark.slow
 def test_editable_install_maps_adapters(tmp_path):
     got = _probe(tmp_path)
     assert _inside(got["polykv"], REPO / "polykv")
@@ -71,6 +74,7 @@ def test_editable_install_maps_adapters(tmp_path):
     assert got["rule_names"], "no built-in rules found through polykv.adapters.rules"
 
 
+@pytest.mark.slow
 def test_wheel_install_maps_adapters(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -93,6 +93,7 @@ def matching_geometry(plan: Plan) -> ModelGeometry:
 
 # -- valid plans ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 250 generated plans: several seconds
 @settings(max_examples=250)
 @given(plans())
 def test_generated_plans_round_trip_byte_identically(plan):

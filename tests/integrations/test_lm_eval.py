@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # lm-eval's harness: about 20 s of imports and evaluation
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

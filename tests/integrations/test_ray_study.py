@@ -15,6 +15,8 @@ from polykv.studies.results import read_records
 from polykv.studies.runner import prepare, run_study
 from polykv.studies.spec import load_spec
 
+pytestmark = pytest.mark.slow  # starts a local Ray
+
 RESULTS = 3 * (3 + 1)
 """3 policies (full, snapkv, h2o) x (3 passkey + 1 continuation items)."""
 

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh interpreter process compiles the kernel
+
 pytest.importorskip("triton")  # the 'kernels' extra
 
 SCRIPT = textwrap.dedent('''

@@ -18,6 +18,8 @@ from polykv.attention.online_softmax import blockwise_attention, token_blocks  #
 pytest.importorskip("triton")  # the 'kernels' extra, which scripts/setup.sh installs
 from polykv.attention import kivi_triton  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the kernel runs in Triton's CPU interpreter
+
 DEVICES = (["cpu"] if kivi_triton.interpreting() else []) + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -59,6 +59,7 @@ def _polykv(*args, cwd, stdin=None):
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_real_process_fifo_and_foreign_results_and_self_overwrite(tmp_path):
     os.mkfifo(tmp_path / "fifo.json")
     notes = write(tmp_path, "notes.txt", "remember the milk")
@@ -72,6 +73,7 @@ def test_real_process_fifo_and_foreign_results_and_self_overwrite(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("polykv plan show: error: --context")
 
 
+@pytest.mark.slow
 def test_debug_variable_shows_the_traceback(tmp_path):
     env = dict(os.environ, POLYKV_DEBUG="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "polykv", "plan", "validate", str(tmp_path / "none.json")],
@@ -79,6 +81,7 @@ def test_debug_variable_shows_the_traceback(tmp_path):
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "PlanError" in proc.stderr
 
 
+@pytest.mark.slow
 def test_piping_into_head_prints_no_broken_pipe_traceback(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m polykv plan show {SHIPPED_PLAN} | head -1", shell=True,
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

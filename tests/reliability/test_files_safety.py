@@ -39,6 +39,7 @@ def _tree(folder) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_a_study_writing_a_symlink_is_locked_out_by_one_writing_the_file_in_another_process(tmp_path):
     path = str(tmp_path / "r.jsonl")
     os.symlink(path, tmp_path / "link.jsonl")

@@ -11,9 +11,13 @@ import sys
 import time
 from collections import Counter
 
+import pytest
+
 from cases import plan_dict, spec_dict, write
 
 from polykv.studies.results import read_records
+
+pytestmark = pytest.mark.slow  # kills and restarts a study process
 
 
 def _study(folder, results, *extra):

@@ -53,6 +53,7 @@ def test_a_refused_run_before_any_result_does_not_block_the_fixed_spec(tmp_path)
         ResultsWriter.check(path, "spec-other")
 
 
+@pytest.mark.slow
 def test_a_second_writer_in_another_process_is_refused_naming_the_holder(tmp_path):
     path = str(tmp_path / "r.jsonl")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
@@ -90,6 +91,7 @@ def test_two_writers_started_together_never_both_write(tmp_path):
     assert "pid" not in open(path + ".lock").read()  # released locks name no holder
 
 
+@pytest.mark.slow
 def test_atomic_writes_clean_stale_temp_files_of_dead_processes(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
@@ -103,6 +105,7 @@ def test_atomic_writes_clean_stale_temp_files_of_dead_processes(tmp_path):
     assert clean_stale_temps(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 def test_a_killed_solve_leaves_a_temp_file_the_next_run_removes(tmp_path):
     prof = os.path.join(os.path.dirname(__file__), "..", "..", "profiles", "smollm2-135m-instruct.profile.json")
     code = textwrap.dedent(f"""
@@ -134,6 +137,7 @@ def test_solve_replaces_its_own_plan_but_not_its_profile(tmp_path, capsys):
     assert "also an input" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_lock_is_released_when_the_holder_dies(tmp_path):
     path = str(tmp_path / "r.jsonl")
     subprocess.run([sys.executable, "-c", textwrap.dedent(f"""

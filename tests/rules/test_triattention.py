@@ -13,6 +13,7 @@ from polykv.errors import ProfileError
 from polykv.contract.rules import SelectionContext
 from polykv.models.query_stats import QueryStats, compute_query_stats
 from polykv.testing import tiny_model
+from polykv.runtime.cache import output_cache
 
 OFFSETS = [2 ** j for j in range(17)]
 
@@ -84,7 +85,7 @@ def test_post_rope_score_equals_pre_rope_score_on_tiny_llama():
     g = torch.Generator().manual_seed(3)
     stats = compute_query_stats(model, [torch.randint(0, 128, (2, 16), generator=g)])
     ids = torch.randint(0, 128, (1, 20), generator=g)
-    cache = model(input_ids=ids, use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=ids, use_cache=True))
     inv = stats.inv_freq.double().numpy()
     rule = TriAttentionRule()
     for layer in range(2):

@@ -21,6 +21,7 @@ from polykv.contract.state import (AccumulatedAttention, CompositeState, Observa
                                    RuleState, SignalRequest, attention_column_sums, signal_request)
 from polykv.runtime.attention import sdpa
 from polykv.runtime.signals import attention_with_signals
+from polykv.runtime.cache import cache_keyword
 
 EVERYTHING = SignalRequest(column_sums=True, column_sums_per_head=True, last_rows=5)
 
@@ -185,7 +186,7 @@ def _run(model, plan, ids, chunk=None):
         positions = [layer.positions.clone() for layer in session.cache.layers]
         tok = logits.argmax(-1, keepdim=True)
         for _ in range(3):
-            logits = model(tok, past_key_values=session.cache, use_cache=True).logits[:, -1]
+            logits = model(tok, **{cache_keyword(model): session.cache}, use_cache=True).logits[:, -1]
             tok = logits.argmax(-1, keepdim=True)
         return positions, logits
 
@@ -256,7 +257,7 @@ def test_decode_states_read_their_signals_from_the_attention_pass(llama, prompt,
         monkeypatch.setattr(attention, "attention_with_signals", lambda *a, **k: passes.append(1) or real(*a, **k))
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(6):
-            tok = model(tok, past_key_values=session.cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(tok, **{cache_keyword(model): session.cache}, use_cache=True).logits[:, -1:].argmax(-1)
         assert max(session.cache.stored_tokens()) <= 14 + 2
         for layer in session.cache.layers:                  # nothing of a step's signals is held between steps
             window = layer.states["decode"].component(QueryWindow)
@@ -292,7 +293,7 @@ def test_a_state_declaring_nothing_still_gets_every_signal(llama, prompt):
         cache = session.new_cache()
         cache.layers[0].extra_states.append(Listener())
         ids = prompt(1, 12)
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{cache_keyword(model): cache}, use_cache=True)
     (signals, sums, total, shape), = seen
     assert signals is None and shape == (1, 4, 2, 12)
     assert abs(float(sums.sum()) - 4 * 12) < 1e-4 and abs(float(total) - 4 * 12) < 1e-4   # every row sums to 1

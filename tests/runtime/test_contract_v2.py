@@ -10,6 +10,7 @@ from polykv.errors import PlanError
 from polykv.memory import predict_resident
 from polykv.plan import AllocationGroup, OpSpec, load_plan
 from polykv.runtime.fork import capture_prefill, restore_prefill
+from polykv.runtime.cache import cache_keyword
 from tests.runtime.v2_plugins import registry_with_plugins
 
 KIVI = {"group_size": 4, "residual": 4}
@@ -46,7 +47,7 @@ def test_ragged_decode_on_quantized_storage_splits_heads_without_requantizing(ll
         layer = session.cache.layers[0]
         keys = layer.storage.view().keys
         before = {(h, int(p)): keys[0, h, c].clone() for h in range(2) for c, p in enumerate(layer.positions[0, h].tolist())}
-        model(out.logits[:, -1:].argmax(-1), past_key_values=session.cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): session.cache}, use_cache=True)
         assert layer.storage.ragged
         view = layer.storage.view()
         checked = 0
@@ -66,7 +67,7 @@ def test_merge_into_quantized_store_requantizes_only_touched_groups(llama, promp
         out = session.prefill(prompt(1, 12, seed=5))
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(4):
-            out = model(tok, past_key_values=session.cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
         cost = session.cache.layers[0].storage.write_cost
     # 12 -> 14 stored twice (slack 1): two evictions, each merging into the oldest kept token of each of
@@ -109,7 +110,7 @@ def test_a_stateful_rule_owns_its_state_and_a_new_cache_resets_it(llama, prompt,
     plan = polykv.uniform_plan(geo, decode=OpSpec(rule="test-seen", capacity=10), decode_slack=1)
     with torch.no_grad(), polykv.apply(model, plan, registry=registry) as session:
         out = session.prefill(prompt(1, 14))
-        model(out.logits[:, -1:].argmax(-1), past_key_values=session.cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): session.cache}, use_cache=True)
         state = session.cache.layers[0].states["decode"]
         assert state.counts.shape == (1, 2, 10)
         assert session.resident_bytes().metadata_per_layer[0]["rule_state"] == 1 * 2 * 10 * 4
@@ -168,7 +169,7 @@ def test_per_head_allocation_gives_ragged_layers_and_decode_keeps_the_budgets(ll
         assert session.allocations()[0] == {"budget": [8, 16], "stored": [[8, 16]]}
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(6):
-            out = model(tok, past_key_values=session.cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
         counts = session.cache.head_counts()
     # decode evicts back to the allocated per-head budgets (8 + 16 per row) once 2 x slack 1 are exceeded

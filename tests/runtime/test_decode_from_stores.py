@@ -18,6 +18,7 @@ from polykv.adapters.quantizers.kivi_values import KiviValueStore
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.testing import tiny_model
+from polykv.runtime.cache import cache_keyword
 
 QP = {"group_size": 8, "residual": 16}
 STEPS = 24
@@ -45,10 +46,10 @@ def _decode(model, plan, ids, *, codes: bool, monkeypatch, registry=None):
         calls["ragged"] = [layer.storage.ragged for layer in session.cache.layers]
         # a multi-token forward first (a question after the context): its new tokens attend causally
         more = torch.randint(1, 96, (ids.shape[0], 5), generator=torch.Generator().manual_seed(9))
-        out = model(more, past_key_values=session.cache, use_cache=True)
+        out = model(more, **{cache_keyword(model): session.cache}, use_cache=True)
         tok, logits = out.logits[:, -1:].argmax(-1), [out.logits[:, -1], out.logits[:, 0]]
         for _ in range(STEPS):
-            out = model(tok, past_key_values=session.cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
             logits.append(out.logits[:, -1])
             tok = out.logits[:, -1:].argmax(-1)
     monkeypatch.undo()

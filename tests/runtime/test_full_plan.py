@@ -8,6 +8,7 @@ import torch
 import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
+from polykv.runtime.cache import cache_keyword, output_cache
 
 TOL = 1e-4
 STEPS = 64
@@ -21,12 +22,12 @@ def model(request):
 def _greedy_manual(model, ids, steps, cache_kw):
     """Prefill + ``steps`` greedy decode steps; returns (tokens [B, steps], logits [steps + 1, B, V])."""
     out = model(ids, use_cache=True, **cache_kw)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache = output_cache(out)
     logits, toks = [out.logits[:, -1]], []
     for _ in range(steps):
         tok = logits[-1].argmax(-1, keepdim=True)
         toks.append(tok)
-        out = model(tok, use_cache=True, past_key_values=cache)
+        out = model(tok, use_cache=True, **{cache_keyword(model): cache})
         logits.append(out.logits[:, -1])
     return torch.cat(toks, dim=1), torch.stack(logits)
 
@@ -52,8 +53,8 @@ def test_manual_loop_logits_match_vanilla(model, prompt, batch):
         ref_prefill = model(ids).logits
         ref_toks, ref_logits = _greedy_manual(model, ids, STEPS, {})
         with polykv.apply(model, polykv.full_plan(geometry_of_model(model))) as session:
-            got_prefill = model(ids, past_key_values=session.new_cache(), use_cache=True).logits
-            toks, logits = _greedy_manual(model, ids, STEPS, {"past_key_values": session.new_cache()})
+            got_prefill = model(ids, **{cache_keyword(model): session.new_cache()}, use_cache=True).logits
+            toks, logits = _greedy_manual(model, ids, STEPS, {cache_keyword(model): session.new_cache()})
     assert (got_prefill - ref_prefill).abs().max() < TOL          # every prompt row
     assert torch.equal(toks, ref_toks)
     assert (logits - ref_logits).abs().max() < TOL                # prefill last row + every decode step
@@ -66,7 +67,7 @@ def test_chunked_prefill_and_multi_token_decode_match_vanilla(model, prompt):
         with polykv.apply(model, polykv.full_plan(geometry_of_model(model))) as session:
             out = session.prefill(ids[:, :30], chunk_size=7)
             assert (out.logits - ref[:, 28:30]).abs().max() < TOL   # last chunk is 2 tokens (28, 29)
-            more = model(ids[:, 30:], past_key_values=session.cache, use_cache=True).logits
+            more = model(ids[:, 30:], **{cache_keyword(model): session.cache}, use_cache=True).logits
     assert (more - ref[:, 30:]).abs().max() < TOL
 
 

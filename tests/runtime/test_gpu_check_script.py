@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # runs bench/gpu_check.py in a process
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 RULES = ("streamingllm", "snapkv", "h2o", "tova")  # bench/gpu_check.py EVICTION_RULES
 

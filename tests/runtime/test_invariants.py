@@ -13,6 +13,7 @@ from polykv.memory import predict_resident
 from polykv.plan import OpSpec
 from polykv.runtime.signals import attention_column_sums
 from polykv.testing import tiny_model
+from polykv.runtime.cache import cache_keyword
 
 KIVI = {"group_size": 16, "residual": 16}
 
@@ -20,7 +21,7 @@ KIVI = {"group_size": 16, "residual": 16}
 def _decode(model, cache, first, steps):
     out, tok = None, first
     for _ in range(steps):
-        out = model(tok, past_key_values=cache, use_cache=True)
+        out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
     return out
 
@@ -32,12 +33,12 @@ def test_positions_continue_at_tokens_seen_and_capacity_holds(llama, prompt):
     ids = prompt(2, 30)
     with torch.no_grad(), polykv.apply(model, plan) as session:
         cache = session.new_cache()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{cache_keyword(model): cache}, use_cache=True)
         assert cache.stored_tokens() == [8, 8] and cache.get_seq_length() == 30
         tok = ids[:, -1:]
         for step in range(20):
             seen = cache.get_seq_length()
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             for layer in cache.layers:
                 assert layer.tokens_seen == seen + 1
@@ -81,7 +82,7 @@ def test_quantization_error_does_not_compound_under_repeated_eviction(llama, pro
         out = session.prefill(prompt(1, 16, seed=6))
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(30):
-            out = model(tok, past_key_values=session.cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             for li, layer in enumerate(session.cache.layers):
                 k, v = layer.key_store.dequantize(), layer.value_store.dequantize()
@@ -122,14 +123,14 @@ def test_generate_continues_a_compressed_context_like_a_manual_loop(llama, promp
     context, question = prompt(1, 40, seed=3), prompt(1, 5, seed=4)
     with torch.no_grad(), polykv.apply(model, plan) as session:
         session.prefill(context)
-        out = model.generate(torch.cat([context, question], 1), past_key_values=session.cache,
+        out = model.generate(torch.cat([context, question], 1), **{cache_keyword(model): session.cache},
                              max_new_tokens=6, do_sample=False)
         session.prefill(context)
-        step = model(question, past_key_values=session.cache, use_cache=True)
+        step = model(question, **{cache_keyword(model): session.cache}, use_cache=True)
         manual = []
         for _ in range(6):
             manual.append(step.logits[:, -1:].argmax(-1))
-            step = model(manual[-1], past_key_values=session.cache, use_cache=True)
+            step = model(manual[-1], **{cache_keyword(model): session.cache}, use_cache=True)
     assert torch.equal(out[:, 45:], torch.cat(manual, 1))
 
 
@@ -162,7 +163,7 @@ def test_same_plan_runs_on_every_family(family, prompt):
         assert out.shape == (2, 44)
         assert session.cache.get_seq_length() == 43
         assert all(n <= 14 for n in session.cache.stored_tokens())
-        assert torch.isfinite(model(out[:, -1:], past_key_values=session.cache).logits).all()
+        assert torch.isfinite(model(out[:, -1:], **{cache_keyword(model): session.cache}).logits).all()
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -208,7 +209,7 @@ def test_left_padding_is_rejected(llama, prompt):
         with pytest.raises(RuntimeConfigError, match="padded"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2)
         with pytest.raises(RuntimeConfigError, match="padded"):
-            model(ids, attention_mask=mask, past_key_values=session.new_cache(), use_cache=True)
+            model(ids, attention_mask=mask, **{cache_keyword(model): session.new_cache()}, use_cache=True)
 
 
 def test_forward_without_the_session_cache_is_rejected(llama, prompt):

@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import polykv
 from polykv.plan import OpSpec
 from polykv.models.query_stats import compute_query_stats
+from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4
 PROMPT, STEPS, QUESTION = 40, 12, 5
@@ -111,7 +112,7 @@ def _run_and_record(model, plan, ids, question, stats, registry=None, merges=Fal
                                        registry=registry) as session:
         _LAST_SPECS[:] = session._specs
         cache = session.new_cache()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, **{cache_keyword(model): cache}, use_cache=True)
         records.append((None, 0, ids.shape[1], None))
         logits.append(out.logits)
         chunks = [question] + [None] * STEPS
@@ -122,7 +123,7 @@ def _run_and_record(model, plan, ids, question, stats, registry=None, merges=Fal
             stored = [layer.positions.clone() for layer in cache.layers]
             # copies: a 16-bit store's view is its buffer, which later appends and evictions overwrite in place
             views = [_snapshot(layer.storage.view()) for layer in cache.layers] if merges else None
-            out = model(chunk, past_key_values=cache, use_cache=True)
+            out = model(chunk, **{cache_keyword(model): cache}, use_cache=True)
             for layer in cache.layers:  # capacity is honoured after every decode forward
                 cap = layer.spec.plan.decode.resolve_capacity(cache.get_seq_length())
                 if cap is not None:  # per batch row, over the KV heads (heads may differ)

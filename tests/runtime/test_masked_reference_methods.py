@@ -23,6 +23,7 @@ from polykv.plan import AllocationGroup, OpSpec
 from polykv.models.reference import record_run
 from polykv.registry import get_registry
 from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow
+from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4
 PROMPT, STEPS, QUESTION = 40, 8, 5
@@ -156,7 +157,7 @@ def test_adakv_ragged_heads_equal_masked_full_cache(llama, decode):
     # The last decode eviction leaves per-head counts; after prefill they were ragged (checked below).
     with torch.no_grad(), polykv.apply(model, plan) as session:
         cache = session.new_cache()
-        model(_prompt(1, PROMPT, 1), past_key_values=cache, use_cache=True)
+        model(_prompt(1, PROMPT, 1), **{cache_keyword(model): cache}, use_cache=True)
         after = cache.head_counts()
     assert any(len(set(head)) > 1 for layer in after for head in layer), after
     assert all(sum(head) == 2 * 14 for layer in after for head in layer)
@@ -220,7 +221,7 @@ def test_state_and_ragged_bytes_equal_the_prediction(llama, rule, params):
     plan = polykv.uniform_plan(geo, prefill=op, decode=op if decodes else OpSpec())
     with torch.no_grad(), polykv.apply(model, plan) as session:
         cache = session.new_cache()
-        model(_prompt(1, 48, 4), past_key_values=cache, use_cache=True)
+        model(_prompt(1, 48, 4), **{cache_keyword(model): cache}, use_cache=True)
         got = session.resident_bytes()
         rows = predict_resident(plan, geo, 48, dtype_bytes=4, num_heads=4, head_counts=cache.head_counts())
     assert list(got.per_layer) == [r.resident_bytes for r in rows]

@@ -8,10 +8,11 @@ import polykv
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
 from polykv.storage.reserve import GROWTH_BLOCK, grown_capacity, reserve_tokens
+from polykv.runtime.cache import cache_keyword
 
 
 def _step(model, session, out):
-    return model(out.logits[:, -1:].argmax(-1), past_key_values=session.cache, use_cache=True)
+    return model(out.logits[:, -1:].argmax(-1), **{cache_keyword(model): session.cache}, use_cache=True)
 
 
 def _buffers(layer):

@@ -11,6 +11,7 @@ from polykv.memory import predict_resident
 from polykv.plan import OpSpec
 from polykv.storage.reserve import GROWTH_BLOCK
 from polykv.testing import tiny_model
+from polykv.runtime.cache import cache_keyword
 
 QP = {"group_size": 8, "residual": 16}
 
@@ -26,7 +27,7 @@ def _value_code_moves(session, model, tok, steps):
     ptrs = [s.buffers["codes"].data.data_ptr() for s in stores]
     moves = [0] * len(stores)
     for _ in range(steps):
-        out = model(tok, past_key_values=session.cache, use_cache=True)
+        out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         stores = [layer.storage.value_store for layer in session.cache.layers]
         for i, s in enumerate(stores):
@@ -67,6 +68,6 @@ def test_an_evicting_k4v4_layer_writes_in_place_between_evictions(model):
         bound = predict_resident(plan, geo, 60, dtype_bytes=4, phase="decode")
         tok = out.logits[:, -1:].argmax(-1)
         for _ in range(60):
-            out = model(tok, past_key_values=session.cache, use_cache=True)
+            out = model(tok, **{cache_keyword(model): session.cache}, use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             assert session.resident_bytes().total <= sum(r.resident_bytes for r in bound)

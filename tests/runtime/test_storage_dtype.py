@@ -10,6 +10,7 @@ import torch
 import polykv
 from polykv.memory import context_note, held_bytes_per_layer
 from polykv.plan import OpSpec, Provenance, full_plan, uniform_plan
+from polykv.runtime.cache import cache_keyword
 
 from .conftest import make_prompt
 
@@ -23,7 +24,7 @@ def test_bfloat16_storage_under_float32_compute_holds_what_the_16_bit_model_pred
     with torch.no_grad(), polykv.apply(model, plan, storage_dtype=torch.bfloat16) as session:
         session.prefill(ids)
         held = session.resident_bytes()
-        out = model(make_prompt(1, 1, seed=1), past_key_values=session.cache, use_cache=True)
+        out = model(make_prompt(1, 1, seed=1), **{cache_keyword(model): session.cache}, use_cache=True)
     assert out.logits.dtype == torch.float32  # attention reads the stores back in the compute dtype
     assert held.total + held.metadata_total == sum(held_bytes_per_layer(plan, geo, 70, dtype_bytes=2))
     with torch.no_grad(), polykv.apply(model, plan) as session:  # default: stored in the compute dtype
@@ -40,7 +41,7 @@ def test_full_plan_in_float32_storage_is_unchanged_and_bfloat16_is_close(llama):
         for dtype in (None, torch.bfloat16):
             with polykv.apply(model, full_plan(geo), storage_dtype=dtype) as session:
                 session.prefill(ids[:, :-1])
-                outs[dtype] = model(ids[:, -1:], past_key_values=session.cache, use_cache=True).logits[:, -1]
+                outs[dtype] = model(ids[:, -1:], **{cache_keyword(model): session.cache}, use_cache=True).logits[:, -1]
     torch.testing.assert_close(outs[None], ref, rtol=1e-4, atol=1e-4)
     assert (outs[torch.bfloat16] - ref).abs().max() < 0.1 and not torch.equal(outs[torch.bfloat16], ref)
 

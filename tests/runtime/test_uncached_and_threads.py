@@ -17,6 +17,7 @@ import polykv
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
+from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4
 NEW = 8
@@ -89,7 +90,7 @@ def test_uncached_generate_with_a_cache_is_refused(model, prompt):
     ids = prompt(1, 12, seed=5)
     with torch.no_grad(), polykv.apply(model, _full(model)) as session:
         with pytest.raises(RuntimeConfigError, match=r"got a cache and use_cache=False"):
-            model.generate(ids, max_new_tokens=2, use_cache=False, past_key_values=session.new_cache())
+            model.generate(ids, max_new_tokens=2, use_cache=False, **{cache_keyword(model): session.new_cache()})
 
 
 def test_a_bare_forward_without_a_cache_is_refused_and_with_one_matches_vanilla(model, prompt):
@@ -98,14 +99,14 @@ def test_a_bare_forward_without_a_cache_is_refused_and_with_one_matches_vanilla(
         from transformers import DynamicCache
 
         ref_cache = DynamicCache(config=model.config)
-        ref = [model(ids[:, :11], use_cache=False, past_key_values=ref_cache).logits,
-               model(ids[:, 11:], use_cache=False, past_key_values=ref_cache).logits]
+        ref = [model(ids[:, :11], use_cache=False, **{cache_keyword(model): ref_cache}).logits,
+               model(ids[:, 11:], use_cache=False, **{cache_keyword(model): ref_cache}).logits]
         with polykv.apply(model, _full(model)) as session:
             with pytest.raises(RuntimeConfigError, match=r"use_cache=True"):
                 model(ids, use_cache=False)
             cache = session.new_cache()
-            got = [model(ids[:, :11], use_cache=False, past_key_values=cache).logits,
-                   model(ids[:, 11:], use_cache=False, past_key_values=cache).logits]
+            got = [model(ids[:, :11], use_cache=False, **{cache_keyword(model): cache}).logits,
+                   model(ids[:, 11:], use_cache=False, **{cache_keyword(model): cache}).logits]
     for a, b in zip(got, ref):
         assert (a - b).abs().max() < TOL
 
@@ -143,7 +144,7 @@ def test_a_second_thread_is_refused_while_a_generate_runs(model, prompt, second)
                 elif second == "prefill":
                     session.prefill(ids)
                 elif second == "forward":
-                    model(ids, past_key_values=session.cache, use_cache=True)
+                    model(ids, **{cache_keyword(model): session.cache}, use_cache=True)
                 else:
                     session.new_cache()
         except RuntimeConfigError as exc:
@@ -190,7 +191,7 @@ def test_a_failed_call_releases_the_session(model, prompt):
     ids = prompt(1, 12, seed=8)
     with torch.no_grad(), polykv.apply(model, _full(model)) as session:
         with pytest.raises(Exception):
-            model(ids, past_key_values=session.new_cache(), use_cache=True, attention_mask=torch.zeros(1, 12))
+            model(ids, **{cache_keyword(model): session.new_cache()}, use_cache=True, attention_mask=torch.zeros(1, 12))
         errors = []
 
         def run():
