@@ -226,7 +226,7 @@ def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside polykv above the caller (where the note points)."""
     import sys
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # polykv/, above contract/
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1
