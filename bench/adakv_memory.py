@@ -18,7 +18,7 @@ import sys
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.runtime.cache import cache_keyword
 from polykv.memory import predict_resident
 from polykv.models import load_default_model

@@ -5,7 +5,7 @@ For each context length and K/V bit mix, one layer's stores are filled with rand
 query attends over them in three ways, timed in the same run (best of ``--reps``, interleaved):
 
 * ``dense``: ``dequantize()`` both stores, then SDPA (what the runtime does today every step);
-* ``blockwise``: :func:`polykv.online_softmax.blockwise_attention` over the stores' token blocks
+* ``blockwise``: :func:`polykv.attention.online_softmax.blockwise_attention` over the stores' token blocks
   (dequantize one block, attend, combine with an online softmax; never a full-precision copy);
 * the Triton kernel's agreement with the blockwise reference (on CPU it runs in Triton's
   interpreter, so it is checked, not timed, at ``--kernel-tokens``).
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from polykv.adapters.quantizers.kivi import KiviQuantizer  # noqa: E402
-from polykv.online_softmax import blockwise_attention, token_blocks  # noqa: E402
+from polykv.attention.online_softmax import blockwise_attention, token_blocks  # noqa: E402
 
 
 def filled_stores(T, k_bits, v_bits, *, kv_heads, head_dim, dtype, device, seed=0):
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
 
 def kernel_agreement(args, device, dtype, scaling, sync) -> None:
     try:
-        from polykv.adapters.quantizers import kivi_triton
+        from polykv.attention import kivi_triton
     except ImportError:
         print("kernel: Triton is not installed (pip install -e '.[kernels]'); agreement not checked")
         return

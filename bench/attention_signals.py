@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from polykv.attention_signals import SignalRequest, attention_column_sums
+from polykv.attention.signals import SignalRequest, attention_column_sums
 from polykv.runtime.attention import sdpa
 from polykv.runtime.signals import attention_with_signals
 

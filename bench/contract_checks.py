@@ -1,4 +1,4 @@
-"""What the plugin contract checks cost per decode step (polykv.contract_checks), in one process.
+"""What the plugin contract checks cost per decode step (polykv.contract.checks), in one process.
 
 Runs the same greedy decode loop (one model forward per token) under one plan three ways, interleaved
 round by round so that machine noise hits all three alike:
@@ -28,8 +28,8 @@ from unittest import mock
 import torch
 
 import polykv
-from polykv import contract_checks
-from polykv.geometry import geometry_of_model
+from polykv.contract import checks as contract_checks
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, per_layer_plan
 from polykv.testing import tiny_model
 
@@ -49,7 +49,7 @@ def decode_seconds(model, plan, ids: torch.Tensor, steps: int, check: bool) -> f
 
 def without_checks():
     """Patch out the checks the contract layer added (the pre-existing selection checks stay)."""
-    return [mock.patch("polykv.operators.checked_scores", lambda rule, scores, ctx: scores),
+    return [mock.patch("polykv.contract.rules.checked_scores", lambda rule, scores, ctx: scores),
             mock.patch.object(contract_checks.StoreContract, "after", lambda self, call, storage, keys=None: None),
             mock.patch.object(contract_checks.StoreContract, "read", lambda self, stream, x, *a, **k: x),
             mock.patch.object(contract_checks.StoreContract, "written", lambda self, s, st, m, cost: cost)]
@@ -58,7 +58,7 @@ def without_checks():
 def time_inside_checks(model, plan, ids, steps: int, check: bool) -> tuple[float, float]:
     """(seconds inside the contract checks per decode step, seconds per step), timing each check call."""
     spent = [0.0]
-    targets = [(polykv.operators, "checked_scores"), (contract_checks.StoreContract, "after"),
+    targets = [(polykv.contract.rules, "checked_scores"), (contract_checks.StoreContract, "after"),
                (contract_checks.StoreContract, "read"), (contract_checks.StoreContract, "written")]
 
     def timed(fn):

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.memory import predict_resident
 from polykv.models import load_default_model
 from polykv.plan import AllocationGroup, OpSpec, per_layer_plan

@@ -30,9 +30,9 @@ def main() -> int:
 
     import torch
 
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.plan import uniform_plan
-    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.models.query_stats import compute_query_stats
     from polykv.registry import get_registry
     from polykv.testing import decode_soak, tiny_model
 

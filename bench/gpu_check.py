@@ -48,7 +48,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel section runs in Triton's interpreter on CPU
 
 import polykv  # noqa: E402
-from polykv.geometry import geometry_of_model  # noqa: E402
+from polykv.models.geometry import geometry_of_model  # noqa: E402
 from polykv.runtime.cache import cache_keyword, output_cache  # noqa: E402
 from polykv.memory import predict_resident  # noqa: E402
 from polykv.plan import OpSpec  # noqa: E402
@@ -101,7 +101,7 @@ def check_masked_reference(device, small=False, dtype=torch.float32) -> str:
     mod = _test_module("test_masked_reference")
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, dtype=dtype).to(device)
     geo = geometry_of_model(model)
-    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.models.query_stats import compute_query_stats
 
     stats = compute_query_stats(model, [_ids(1, 64, 7, device)])
     worst = 0.0
@@ -200,7 +200,7 @@ def check_signals(device, small) -> str:
     """The prefill pass's output and signals in the timing dtype against SDPA and the float32 generic
     path, and the same selections through the pass as through the generic path (float32 tiny model);
     on CUDA also the pass's time against SDPA over one layer of the timing model's shape."""
-    from polykv.rule_state import SignalRequest, attention_column_sums, attention_last_rows
+    from polykv.contract.state import SignalRequest, attention_column_sums, attention_last_rows
     from polykv.runtime import attention
     from polykv.runtime.signals import attention_with_signals
 
@@ -325,7 +325,7 @@ def _ragged(stream, lengths):
     """The stream with per-head lengths: each head keeps a prefix; its padding residual rows become nan."""
     import attrs
 
-    from polykv.adapters.quantizers.packed_stream import with_head_counts
+    from polykv.storage.token_blocks import with_head_counts
 
     nq = lengths.clamp(max=stream.num_quantized)
     nr = lengths - nq
@@ -336,8 +336,8 @@ def _ragged(stream, lengths):
 
 
 def check_kernel(device, small) -> str:
-    from polykv.adapters.quantizers import kivi_triton
-    from polykv.online_softmax import blockwise_attention, token_blocks
+    from polykv.attention import kivi_triton
+    from polykv.attention.online_softmax import blockwise_attention, token_blocks
 
     if device.type != "cuda" and not kivi_triton.interpreting():
         raise RuntimeError("on CPU the kernel needs TRITON_INTERPRET=1 before Triton is imported")
@@ -377,7 +377,7 @@ def check_kernel(device, small) -> str:
 def _kernel_timing(kivi_triton, T, B, H, Hkv, d, dtype, device) -> str:
     import torch.nn.functional as F
 
-    from polykv.online_softmax import token_blocks
+    from polykv.attention.online_softmax import token_blocks
 
     ks, vs = _stores(T, 4, 4, B=B, Hkv=Hkv, d=d, dtype=dtype, device=device, group_size=32)
     kv, vv = token_blocks(ks), token_blocks(vs)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     import polykv
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes
     from polykv.models import load_default_model
     from polykv.plan import load_plan

@@ -43,7 +43,7 @@ import time
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.runtime.cache import cache_keyword, output_cache
 from polykv.plan import OpSpec
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     geo = geometry_of_model(model)
     registry = polykv.get_registry()
     kivi = {"group_size": 32, "residual": 32}
-    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.models.query_stats import compute_query_stats
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

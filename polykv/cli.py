@@ -95,7 +95,7 @@ def _verb(args) -> str:
 @contextlib.contextmanager
 def _one_line_warnings(verb: str):
     """polykv's own input warnings (unchecked plugin parameters) as one stderr line each."""
-    from polykv.params import UncheckedParamsWarning
+    from polykv.contract.params import UncheckedParamsWarning
 
     shown = warnings.showwarning
 

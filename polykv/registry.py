@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import attrs
 import pluggy
 
-from polykv import hookspecs
+from polykv.contract import hookspecs
 from polykv.errors import RegistryError
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT

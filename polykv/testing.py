@@ -68,7 +68,7 @@ def decode_soak(model, plan, *, context_tokens: int, steps: int, model_data=None
     the predicted bound, and how many forwards ended above it.
     """
     import polykv
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.memory import predict_resident
 
     geo = geometry_of_model(model)
@@ -143,7 +143,7 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
 #
 # Each runs a plugin class through the real runtime on a tiny random model (its stores and rules driven
 # with random post-RoPE tensors, as decode_soak does) with every contract check of
-# polykv.contract_checks turned on, plus what only a test can afford; a broken plugin fails with the
+# polykv.contract.checks turned on, plus what only a test can afford; a broken plugin fails with the
 # same one-line polykv.errors.PluginContractError the runtime raises. About a second each.
 
 _CHECK_MODELS: dict = {}
@@ -193,7 +193,7 @@ def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int =
     """Prefill ``prompt`` random tokens and decode ``steps`` under ``plan`` with every check on; returns the
     session (closed) and how often each counted rule object's ``select`` ran, per phase."""
     import polykv
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     geo = geometry_of_model(model)
     calls = {"prefill": 0, "decode": 0}
@@ -223,9 +223,9 @@ def _helper_plugins():
     """The checkers' own plugins (no built-in is named): a rule keeping the largest key norms, a rule keeping
     the newest tokens that merges each evicted value into the newest kept one, and an allocator giving the
     two halves of a layer's KV heads unequal budgets (per-head budgets, ragged storage)."""
-    from polykv.allocators import Allocator
-    from polykv.operators import ScoredRule
-    from polykv.selection import Merge, Selection
+    from polykv.contract.allocators import Allocator
+    from polykv.contract.rules import ScoredRule
+    from polykv.contract.selection import Merge, Selection
 
     class KeepLargeKeys(ScoredRule):
         name = "polykv-testing-keep"
@@ -296,8 +296,8 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     import attrs as _attrs
 
     from polykv.errors import PluginContractError
-    from polykv.geometry import geometry_of_model
-    from polykv.model_data import need_of
+    from polykv.models.geometry import geometry_of_model
+    from polykv.contract.model_data import need_of
     from polykv.plan import AllocationGroup, OpSpec, per_layer_plan
 
     params = dict(params or {})
@@ -329,7 +329,7 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
 
 
 def _store_check_head(name, bits, stream, what: str) -> str:
-    from polykv.contract_checks import store_head
+    from polykv.contract.checks import store_head
 
     return f"{store_head(0, 'check', name, bits, stream)} {what}"
 
@@ -343,7 +343,7 @@ def check_quantizer(quantizer_class, params=None, *, bits=None, tokens: int = 70
       store the same codes; ``predict_reserved_bytes`` equals it after ``reserve`` (below and above);
     * ``len``, ``dequantize()`` shape and dtype, in float32 and (as ``storage_dtype``) bfloat16;
     * ``gather`` keeps the survivors' values exactly (codes and scales survive);
-    * ``write`` (when the store has one) returns a :class:`~polykv.operators.WriteCost` with
+    * ``write`` (when the store has one) returns a :class:`~polykv.contract.stores.WriteCost` with
       ``tokens_written`` the masked count, and changes no token it did not write or re-encode;
     * ``split_heads`` (when it has one) gives each head its own tokens unchanged;
     * then a plan routing the quantizer to a tiny model's layer runs prefill and decode with every runtime
@@ -354,8 +354,8 @@ def check_quantizer(quantizer_class, params=None, *, bits=None, tokens: int = 70
     naming the quantizer, stream and width.
     """
     from polykv.errors import PluginContractError
-    from polykv.geometry import geometry_of_model
-    from polykv.operators import WriteCost
+    from polykv.models.geometry import geometry_of_model
+    from polykv.contract.stores import WriteCost
     from polykv.plan import OpSpec, per_layer_plan
 
     params = dict(params or {})
@@ -444,7 +444,7 @@ def _check_store(quantizer, stream, bits, T, d, g, fail, WriteCost) -> bool:
     else:
         writable = True
         if not isinstance(cost, WriteCost):
-            fail(f"write() returned a {type(cost).__name__}; expected a polykv.operators.WriteCost (fix write())")
+            fail(f"write() returned a {type(cost).__name__}; expected a polykv.contract.stores.WriteCost (fix write())")
         n = int(mask.sum())
         new = store.dequantize()
         changed = int(((new != old).any(-1) & ~mask).sum())
@@ -482,7 +482,7 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     import attrs as _attrs
 
     from polykv.errors import PluginContractError
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.plan import AllocationGroup, OpSpec, uniform_plan
 
     params = dict(params or {})

@@ -2,7 +2,7 @@
 
     python scripts/family_table.py [MODEL_TYPE ...] [--all]
 
-Rows come from :func:`polykv.families.check_family`, the same check ``tests/families/test_family_matrix.py``
+Rows come from :func:`polykv.models.families.check_family`, the same check ``tests/families/test_family_matrix.py``
 asserts. Without ``--all`` only served and refused families are listed (encoder-decoder, composite and
 unbuildable ones are counted below the table).
 """
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     import torch
     import transformers
 
-    from polykv.families import check_family, family_table, model_types
+    from polykv.models.families import check_family, family_table, model_types
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

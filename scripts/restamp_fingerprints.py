@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     import torch
 
     from polykv.atomic import replace_with, write_text_atomic
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.models import load_default_model
     from polykv.profiling.profile import load_profile
 

@@ -35,7 +35,7 @@ if _threads is None or _threads.isdigit():
 
     torch.set_num_threads(int(_threads or 1))
 
-# Every plugin output is checked in full during tests (polykv.contract_checks: the expensive checks too),
+# Every plugin output is checked in full during tests (polykv.contract.checks: the expensive checks too),
 # so a built-in or test plugin that breaks its contract fails with one line naming it.
 os.environ.setdefault("POLYKV_CHECK", "1")
 
@@ -63,13 +63,13 @@ else:
 
 @pytest.fixture(autouse=True)
 def _fresh_model_data_cache(monkeypatch, tmp_path_factory, request):
-    """Each test starts with an empty cache of computed per-model data (polykv.model_data.cache_dir), so
+    """Each test starts with an empty cache of computed per-model data (polykv.contract.model_data.cache_dir), so
     that data one test computed never satisfies another and no test writes under the user's cache."""
-    import polykv.model_data
+    import polykv.contract.model_data
 
     root = tmp_path_factory.getbasetemp() / "model-data-cache"
     folder = str(root / f"{abs(hash(request.node.nodeid)):x}")
-    monkeypatch.setattr(polykv.model_data, "cache_dir", lambda: folder)
+    monkeypatch.setattr(polykv.contract.model_data, "cache_dir", lambda: folder)
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +87,7 @@ def default_model():
 @pytest.fixture(scope="session")
 def default_geometry(default_model):
     """ModelGeometry (with weights fingerprint) of the default model."""
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     return geometry_of_model(default_model[0])
 
@@ -104,7 +104,7 @@ def saved_tiny_model(tmp_path_factory):
             from tokenizers import Tokenizer, models, pre_tokenizers, trainers
             from transformers import PreTrainedTokenizerFast
 
-            from polykv.corpus import corpus_texts
+            from polykv.models.corpus import corpus_texts
             from polykv.testing import tiny_model
 
             tok = Tokenizer(models.BPE())

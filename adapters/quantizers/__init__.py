@@ -1,10 +1,10 @@
 """Built-in quantizers, registered through the same hook a third-party plugin uses.
 
-16-bit streams use :class:`polykv.adapters.quantizers.passthrough.PassthroughStore`, which is not a
+16-bit streams use :class:`polykv.storage.token_buffer.PassthroughStore`, which is not a
 registered quantizer: 16 bits means passthrough for every quantizer.
 """
 
-from polykv.hookspecs import hookimpl
+from polykv.contract import hookimpl
 from polykv.adapters.quantizers.kivi import KiviQuantizer
 
 QUANTIZERS: tuple = (KiviQuantizer,)

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
-from polykv.operators import KVStore, Quantizer
-from polykv.params import ParamError, ParamSpec
+from polykv.contract import KVStore, ParamError, ParamSpec, Quantizer
 from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
                                                   key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
-from polykv.adapters.quantizers.passthrough import PassthroughStore, passthrough_bytes
+from polykv.storage.token_buffer import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
 
@@ -81,7 +80,7 @@ class KiviQuantizer(Quantizer):
         """Exact resident bytes of a fresh store asked to ``reserve(reserved)`` before ``tokens`` appends
         (no eviction): the quantized part holds the rows ``reserved`` tokens need (keys:
         ``floor(reserved / R) * R`` code rows and ``/ G`` group rows, grown to exactly what ``tokens`` need
-        past them; values: ``reserved - R`` rows, grown by whole :data:`polykv.reserve.GROWTH_BLOCK` blocks);
+        past them; values: ``reserved - R`` rows, grown by whole :data:`polykv.storage.reserve.GROWTH_BLOCK` blocks);
         the residual holds exactly its tokens, as in :meth:`predict_bytes`."""
         return self._bytes(key_bytes, value_bytes, stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                            tokens=tokens, dtype_bytes=dtype_bytes, reserved=int(reserved))

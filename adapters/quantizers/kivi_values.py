@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import WriteCost
-from polykv.adapters.quantizers import minmax
+from polykv.contract import WriteCost
+from polykv.storage import minmax
 from polykv.adapters.quantizers.code_buffers import CodeBuffers
-from polykv.adapters.quantizers.packed_stream import PackedStream
-from polykv.adapters.quantizers.packing import pack, packed_width
-from polykv.reserve import grown_capacity
-from polykv.adapters.quantizers.storage import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
-                                                own_copy)
+from polykv.storage.token_blocks import PackedStream
+from polykv.storage.packing import pack, packed_width
+from polykv.storage.reserve import grown_capacity
+from polykv.storage.store_checks import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
+                                         own_copy)
 
 
 class KiviValueStore(CodeBuffers):

@@ -14,7 +14,7 @@ from polykv.adapters.rules.snapkv import SnapKVRule
 from polykv.adapters.rules.streamingllm import StreamingLLMRule
 from polykv.adapters.rules.tova import TOVARule
 from polykv.adapters.rules.triattention import TriAttentionRule
-from polykv.hookspecs import hookimpl
+from polykv.contract import hookimpl
 
 RULES: tuple = (FullRule, StreamingLLMRule, H2ORule, SnapKVRule, TOVARule, TriAttentionRule, RandomRule,
                 KeyNormRule, PyramidKVRule, CAKERule, ScissorhandsRule, AdaKVRule, CaMRule, D2ORule)

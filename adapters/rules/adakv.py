@@ -24,9 +24,8 @@ import math
 import torch
 
 from polykv.adapters.rules.wrapping import build_inner_rule
-from polykv.operators import SIGNAL_WINDOW, RetentionRule, ScoredRule, SelectionContext
-from polykv.selection import ragged_top_k
-from polykv.params import ParamError, ParamSpec
+from polykv.contract import (SIGNAL_WINDOW, ParamError, ParamSpec, RetentionRule, ScoredRule, SelectionContext,
+                             ragged_top_k)
 
 
 def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2,

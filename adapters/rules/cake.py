@@ -29,11 +29,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from polykv.allocators import AllocationRequest, Allocator
-from polykv.operators import PHASES, SIGNAL_WINDOW, ScoredRule, SelectionContext
-from polykv.rule_state import QueryWindow
-from polykv.params import ParamSpec
-from polykv.selection import newest_tokens
+from polykv.contract import (PHASES, SIGNAL_WINDOW, AllocationRequest, Allocator, ParamSpec, QueryWindow, ScoredRule,
+                             SelectionContext, newest_tokens)
 
 ENTROPY_EPS = 1e-10
 """Inside the log of the entropy, as in the reference."""

@@ -22,10 +22,8 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.wrapping import build_inner_rule
-from polykv.operators import PHASES, SIGNAL_ACCUMULATED, RetentionRule, SelectionContext
-from polykv.rule_state import AccumulatedAttention, CompositeState, RuleState
-from polykv.selection import Merge, Selection, as_selection
-from polykv.params import ParamSpec
+from polykv.contract import (PHASES, SIGNAL_ACCUMULATED, AccumulatedAttention, CompositeState, Merge, ParamSpec,
+                             RetentionRule, RuleState, Selection, SelectionContext, as_selection)
 
 
 def merge_weights(kept: torch.Tensor, accumulated: torch.Tensor, *, merge_window: int,
@@ -78,7 +76,7 @@ def merge_values(values: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor
 
 
 def as_merge(kept: torch.Tensor, weights: torch.Tensor) -> Merge:
-    """The matrix form of :func:`merge_weights` as a :class:`~polykv.selection.Merge` of values.
+    """The matrix form of :func:`merge_weights` as a :class:`~polykv.contract.selection.Merge` of values.
 
     Every evicted column (E = T - C per head) lists the kept columns of its window as targets, with
     weight 0 where the window is shorter or the Bernoulli draw said no.

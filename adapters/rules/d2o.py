@@ -29,11 +29,9 @@ from typing import Sequence
 
 import torch
 
-from polykv.allocators import AllocationRequest, Allocator
-from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
-from polykv.rule_state import COLUMN_SUMS_PER_HEAD, AccumulatedAttention, CompositeState, Observation, RuleState
-from polykv.selection import Merge, Selection, as_selection
-from polykv.params import ParamSpec
+from polykv.contract import (COLUMN_SUMS_PER_HEAD, PHASES, SIGNAL_ACCUMULATED, AccumulatedAttention,
+                             AllocationRequest, Allocator, CompositeState, Merge, Observation, ParamSpec, RuleState,
+                             ScoredRule, Selection, SelectionContext, as_selection)
 
 VARIANCE_EPS = 1e-6
 
@@ -129,7 +127,7 @@ def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evic
 
 
 def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: torch.Tensor) -> Merge:
-    """The matrix form of :func:`merge_matrix` as a :class:`~polykv.selection.Merge` of keys and values.
+    """The matrix form of :func:`merge_matrix` as a :class:`~polykv.contract.selection.Merge` of keys and values.
 
     Each evicted column has one target, its nearest kept column; ``target_scale`` rescales the kept
     columns (1 / (1 + n_j) in the code variant).

@@ -10,8 +10,7 @@ import math
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_ACCUMULATED, ScoredRule, SelectionContext
-from polykv.params import ParamSpec
+from polykv.contract import PHASES, SIGNAL_ACCUMULATED, ParamSpec, ScoredRule, SelectionContext
 
 
 class H2ORule(ScoredRule):

@@ -21,9 +21,7 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.snapkv import SnapKVRule
-from polykv.allocators import AllocationRequest, Allocator
-from polykv.params import ParamSpec, with_defaults
-from polykv.solvers.pyramid import pyramid_capacities, trim_to
+from polykv.contract import AllocationRequest, Allocator, ParamSpec, pyramid_capacities, trim_to, with_defaults
 
 
 class PyramidKVRule(SnapKVRule):

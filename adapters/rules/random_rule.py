@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.contract import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
 
 
 class RandomRule(ScoredRule):

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
-from polykv.rule_state import LAST_ROWS, Observation, RuleState
-from polykv.params import ParamError, ParamSpec
+from polykv.contract import (LAST_ROWS, PHASES, SIGNAL_NONE, Observation, ParamError, ParamSpec, RuleState,
+                             ScoredRule, SelectionContext)
 
 
 def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, *,

@@ -11,9 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from polykv.operators import SIGNAL_WINDOW, ScoredRule, SelectionContext
-from polykv.params import ParamSpec
-from polykv.selection import newest_tokens
+from polykv.contract import SIGNAL_WINDOW, ParamSpec, ScoredRule, SelectionContext, newest_tokens
 
 
 class SnapKVRule(ScoredRule):

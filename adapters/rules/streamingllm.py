@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
-from polykv.params import ParamSpec
+from polykv.contract import PHASES, SIGNAL_NONE, ParamSpec, ScoredRule, SelectionContext
 
 
 class StreamingLLMRule(ScoredRule):

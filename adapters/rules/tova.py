@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import PHASES, SIGNAL_LAST_QUERY, ScoredRule, SelectionContext
+from polykv.contract import PHASES, SIGNAL_LAST_QUERY, ScoredRule, SelectionContext
 
 
 class TOVARule(ScoredRule):

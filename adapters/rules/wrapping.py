@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from polykv.operators import RetentionRule
-from polykv.params import ParamError
+from polykv.contract import ParamError, RetentionRule
 
 
 def build_inner_rule(wrapper: str, name: Any, params: Mapping[str, Any] | None) -> RetentionRule:
     """The inner rule ``name`` built with ``params`` from the process registry.
 
-    Raises :class:`~polykv.params.ParamError` (a ValueError) when the name is not a registered rule,
+    Raises :class:`~polykv.contract.params.ParamError` (a ValueError) when the name is not a registered rule,
     is ``full`` or the wrapper itself (``param`` = ``"rule"``), or the inner parameters are wrong
     (``param`` = ``"rule_params"`` or ``"rule_params.<name>"``), so plan validation names the field,
     e.g. ``layers[3].prefill.params.rule_params.window``.
     """
-    from polykv.registry import get_registry
+    from polykv.contract import get_registry
 
     if not isinstance(name, str) or name in ("full", wrapper):
         raise ParamError("rule", f"rule '{wrapper}': parameter 'rule' must name another eviction rule, "

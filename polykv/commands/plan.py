@@ -35,7 +35,7 @@ def register(subparsers) -> None:
 def model_geometry(spec: str):
     """Geometry for ``--model``: ``"default"``, a model name (``gemma3-270m``) or a local folder with a
     transformers ``config.json``."""
-    from polykv.geometry import geometry_from_config
+    from polykv.models.geometry import geometry_from_config
     from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
     if spec == "default":
@@ -80,7 +80,7 @@ def recognised_geometry(plan):
 def _load(path: str, geometry=None, context: int | None = None):
     """The checked plan; its allocation groups are also budgeted at ``context`` (default: the plan's own)."""
     from polykv.plan import load_plan
-    from polykv.plan_groups import check_group_bounds
+    from polykv.plan.groups import check_group_bounds
     from polykv.registry import get_registry
 
     plan = load_plan(path, registry=get_registry(), geometry=geometry)

@@ -74,7 +74,7 @@ def with_profile_data(plan, profile_path: str):
     ``model_data`` field), so that ``polykv.apply`` finds them."""
     import attrs
 
-    from polykv.model_data import needs_of_rules, side_file_references
+    from polykv.contract.model_data import needs_of_rules, side_file_references
     from polykv.registry import get_registry
 
     refs = side_file_references(profile_path, needs_of_rules(get_registry(), sorted(plan.rules_used())))
@@ -83,7 +83,7 @@ def with_profile_data(plan, profile_path: str):
 
 def run(args) -> int:
     from polykv.atomic import check_output
-    from polykv.plan_io import is_plan_file
+    from polykv.plan.io import is_plan_file
     from polykv.profiling.budget import Budget
     from polykv.profiling.calibrate import query_stats_path
     from polykv.profiling.profile import load_profile

@@ -61,7 +61,7 @@ def load_pretrained(pretrained: Any, dtype: str = "float32"):
 def resolve_plan(plan: Any, model):
     """A :class:`~polykv.plan.Plan` from a Plan, ``"full"`` or a plan file, checked against ``model``."""
     import polykv
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.plan import Plan, full_plan
 
     geometry = geometry_of_model(model)
@@ -110,7 +110,7 @@ class PolykvLM(HFLM):
         return polykv.apply(self.model, self.plan, model_data=self.model_data)
 
     def _full_bytes(self, tokens: int) -> int:
-        from polykv.geometry import geometry_of_model
+        from polykv.models.geometry import geometry_of_model
 
         geo = geometry_of_model(self.model)
         elem = next(self.model.parameters()).element_size()

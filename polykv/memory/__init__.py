@@ -8,7 +8,7 @@ Two numbers per layer, for a context of ``T`` tokens:
   minima and full-precision residuals are not counted; this is what solvers budget against.
 * **resident** bytes: exactly what the runtime's stores hold, via each quantizer's
   ``predict_reserved_bytes`` (16-bit streams: their preallocated buffers, ``C * Hkv * d * dtype_bytes``
-  per batch row for the ``C`` token rows :mod:`polykv.reserve` reserves). Metadata the runtime keeps
+  per batch row for the ``C`` token rows :mod:`polykv.storage.reserve` reserves). Metadata the runtime keeps
   beside the stores is reported separately.
 
 Which op bounds storage (``phase=``):
@@ -32,10 +32,10 @@ Which op bounds storage (``phase=``):
   bound holds for ``new_tokens`` generated tokens (None counts as 0: the start of decoding).
 
 Window-bounded layers (sliding-window or chunked attention, see
-:meth:`polykv.geometry.ModelGeometry.token_bound`) never hold more than their bound ``window - 1``,
+:meth:`polykv.models.geometry.ModelGeometry.token_bound`) never hold more than their bound ``window - 1``,
 whatever the plan says: kept tokens are ``min(plan's kept, bound)``, and their ``full_bytes`` (the
 uncompressed baseline) is what vanilla transformers holds there, ``min(T, bound)`` tokens. The bound
-is known when the geometry is a :class:`~polykv.geometry.ModelGeometry`; a plan's own ``model``
+is known when the geometry is a :class:`~polykv.models.geometry.ModelGeometry`; a plan's own ``model``
 record carries no layer types, so pass the geometry for models with such layers.
 
 Metadata right after prefill (the runtime keeps only the decode rule's state): positions int64
@@ -43,7 +43,7 @@ Metadata right after prefill (the runtime keeps only the decode rule's state): p
 :meth:`RuleState.predict_bytes` and reported under its ``metadata_name``: ``accumulated``
 (H2O's float32 ``[B, Hkv, kept]``), ``query_window`` (``[B, H, w, d]`` in the compute dtype plus
 int64 positions ``[w]``, ``w = min(window, T)``), ``rule_state`` (any other state). The window
-needs the number of query heads: from the geometry (a :class:`polykv.geometry.ModelGeometry`) or
+needs the number of query heads: from the geometry (a :class:`polykv.models.geometry.ModelGeometry`) or
 ``num_heads=``; without it the window is reported as not counted.
 
 Ragged layers (a head-wise rule keeps a different number of tokens per KV head) hold, per head,
@@ -55,13 +55,13 @@ them each such row reports the allocator's bound (:meth:`Allocator.bound`) and i
 """
 
 from polykv.memory.budgets import (
-    BASES,
-    STORAGE_DTYPE_BYTES,
-    context_note,
-    full_cache_bytes_16bit,
-    held_bytes_per_layer,
-    layer_held_bytes,
-)
+                                   BASES,
+                                   STORAGE_DTYPE_BYTES,
+                                   context_note,
+                                   full_cache_bytes_16bit,
+                                   held_bytes_per_layer,
+                                   layer_held_bytes,
+                                   )
 from polykv.memory.report import MemoryReport, memory_report
 from polykv.memory.resident import MemoryRow, predict_resident, stream_bound_bytes
 from polykv.memory.tokens import MEMORY_PHASES, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes

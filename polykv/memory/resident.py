@@ -12,7 +12,7 @@ from polykv.errors import PlanError
 from polykv.memory.tokens import (check_context, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
                                   op_kept_tokens, plan_geometry)
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
+from polykv.storage.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[in
                        reserved: int | None = None) -> list[int]:
     """Bytes one stream's store holds at each token count of ``held`` = (fewest, most), or one bound.
 
-    ``reserved``: the tokens the runtime asks the store to reserve (:mod:`polykv.reserve`): after each
+    ``reserved``: the tokens the runtime asks the store to reserve (:mod:`polykv.storage.reserve`): after each
     eviction (evicting layers), or once for the prompt (None: never). With eviction: ``[bound]``, the
     quantizer's ``bound_reserved_bytes`` (or ``bound_bytes`` at the most tokens, a store that does not
     preallocate): the worst layout after appends and gathers; a quantizer with neither is assumed to
@@ -186,7 +186,7 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
                  wbound: int | None, new_tokens: int | None) -> tuple[int, int]:
     """(rows, reserved): the most token rows a layer's 16-bit buffers and positions hold after any one-token
-    decode forward (:mod:`polykv.reserve`), and the most tokens its stores were asked to reserve.
+    decode forward (:mod:`polykv.storage.reserve`), and the most tokens its stores were asked to reserve.
 
     A layer cut back to ``hold`` tokens reserves ``hold + 1`` rows (at the most tokens seen, for a ratio
     capacity) after each eviction; a layer that keeps everything reserved exactly what prefill kept and

@@ -19,7 +19,7 @@ def plan_geometry(plan: Any, geometry: Any) -> Any:
     geo = geometry if geometry is not None else getattr(plan, "model", None)
     if geo is None:
         raise PlanError("no model geometry: the plan has no 'model' record and none was given", field="model",
-                        hint="pass a geometry (polykv.geometry.geometry_from_config(config)) or a plan with a model")
+                        hint="pass a geometry (polykv.models.geometry.geometry_from_config(config)) or a plan with a model")
     n = len(plan.layers)
     if int(geo.num_layers) != n:
         raise PlanError(f"the plan has {n} layers but the model geometry has {geo.num_layers}", field="layers",

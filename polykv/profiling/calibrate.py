@@ -5,8 +5,8 @@
 
 Steps (``docs/calibration.md``):
 
-1. The per-model data the calibrated rules declare (:mod:`polykv.model_data`; e.g. query statistics,
-   :func:`~polykv.profiling.query_stats.compute_query_stats`), computed over the calibration
+1. The per-model data the calibrated rules declare (:mod:`polykv.contract.model_data`; e.g. query statistics,
+   :func:`~polykv.models.query_stats.compute_query_stats`), computed over the calibration
    sequences, passed to rules as ``model_data[need.key]`` and saved beside the profile.
 2. One captured forward per sequence (:mod:`polykv.profiling.capture`).
 3. Per layer: the ``l2`` error of every candidate config (:mod:`polykv.profiling.sensitivity`),
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from polykv.errors import ProfileError
-from polykv.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
+from polykv.contract.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
@@ -39,7 +39,7 @@ from polykv.profiling.profile import (FULL_RULE, CandidateConfig, Profile, Profi
 from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
 from polykv.profiling import validation as val
-from polykv.profiling.query_stats import QUERY_STATS_SUFFIX, QueryStats
+from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -80,7 +80,7 @@ class CalibrationResult:
 
     @property
     def query_stats(self) -> QueryStats | None:
-        """The :class:`~polykv.profiling.query_stats.QueryStats` among ``model_data`` (None when no
+        """The :class:`~polykv.models.query_stats.QueryStats` among ``model_data`` (None when no
         calibrated rule needs query statistics)."""
         return next((v for v in self.model_data.values() if isinstance(v, QueryStats)), None)
 
@@ -183,7 +183,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
     """
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     if registry is None:
         from polykv.registry import get_registry
@@ -253,11 +253,11 @@ def corpus_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: i
                      kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
     """``n`` sequences of exactly ``tokens`` token ids from the offline corpus, and their description.
 
-    Texts come from :func:`polykv.corpus.corpus_texts` (``kind``, ``seed``), at least
+    Texts come from :func:`polykv.models.corpus.corpus_texts` (``kind``, ``seed``), at least
     ``4 * tokens`` characters long; each is tokenized and cut to its first ``tokens`` ids; texts that
     tokenize shorter are skipped, in the corpus order, so the result depends only on the arguments.
     """
-    from polykv.corpus import corpus_fingerprint, corpus_id, corpus_texts
+    from polykv.models.corpus import corpus_fingerprint, corpus_id, corpus_texts
 
     if n < 1 or tokens < 2:
         raise ProfileError(f"need at least one sequence of at least 2 tokens, got n={n}, tokens={tokens}")

@@ -83,9 +83,9 @@ class ProfileModel:
     num_heads: int | None = None
     model_type: str = "unknown"
     fingerprint: str | None = None
-    """:func:`polykv.geometry.fingerprint` of the model; None when unknown (matches any model)."""
+    """:func:`polykv.models.geometry.fingerprint` of the model; None when unknown (matches any model)."""
     geometry: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
-    """Full :meth:`polykv.geometry.ModelGeometry.summary` when the profile came from a model."""
+    """Full :meth:`polykv.models.geometry.ModelGeometry.summary` when the profile came from a model."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -189,7 +189,7 @@ class Profile:
 
     def check_model(self, geometry: Any) -> "Profile":
         """Raise ProfileError unless this profile was measured on ``geometry`` (a ModelGeometry)."""
-        from polykv.geometry import fingerprints_match
+        from polykv.models.geometry import fingerprints_match
 
         m = self.model
         for field in ("num_layers", "num_kv_heads", "head_dim"):

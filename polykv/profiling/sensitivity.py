@@ -55,7 +55,7 @@ class LayerContext:
     quantizer_name: str = attrs.field(default=attrs.Factory(lambda self: self.quantizer.name, takes_self=True))
     """Its registered name (the plan layer's ``quantizer``)."""
     model_data: Mapping[str, Any] = attrs.field(factory=dict)
-    """Per-model data the rules declared (:mod:`polykv.model_data`), by key."""
+    """Per-model data the rules declared (:mod:`polykv.contract.model_data`), by key."""
     rope_inv_freq: torch.Tensor | None = None
     """[d/2] RoPE inverse frequencies."""
     rope_scaling: float = 1.0

@@ -95,11 +95,11 @@ def sample_configs(configs: Sequence[CandidateConfig], count: int, seed: int) ->
 def correlations(l2: np.ndarray, kl: np.ndarray, *, seed: int = 0) -> np.ndarray:
     """Per-layer (Pearson, Spearman) between the L2 proxy and KL over the sampled configs: [L, 2].
 
-    Uses :func:`polykv.stats.pearson` / :func:`~polykv.stats.spearman`; a layer whose
+    Uses :func:`polykv.profiling.stats.pearson` / :func:`~polykv.profiling.stats.spearman`; a layer whose
     values are constant on one side gets NaN (the correlation is undefined there).
     """
     from polykv.errors import StudyError
-    from polykv.stats import pearson, spearman
+    from polykv.profiling.stats import pearson, spearman
 
     out = np.full((l2.shape[0], 2), np.nan)
     for layer in range(l2.shape[0]):

@@ -1,4 +1,4 @@
-"""Runs an allocation group during prefill (see :mod:`polykv.allocators` for the contract).
+"""Runs an allocation group during prefill (see :mod:`polykv.contract.allocators` for the contract).
 
 Group layers keep their prompt unstored until the allocator has decided. A cascading allocator is
 asked after every group layer and the layers prefilled so far are re-selected at their new budgets
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from polykv.allocators import AllocationRequest
-from polykv.contract_checks import checked_budgets
+from polykv.contract.allocators import AllocationRequest
+from polykv.contract.checks import checked_budgets
 from polykv.errors import RuntimeConfigError
-from polykv.operators import SelectionContext  # noqa: F401 (the type allocators receive)
+from polykv.contract.rules import SelectionContext  # noqa: F401 (the type allocators receive)
 
 
 class GroupRun:

@@ -16,7 +16,7 @@ its own step:
 * full attention: every stored token precedes the q new ones, so one lower-right causal [q, K] mask
   serves every head, whatever each head retained (a ragged layer's padding columns, ``valid``, are
   masked too);
-* sliding-window and chunked layers (:data:`polykv.geometry.WINDOWED`): the mask is computed from the
+* sliding-window and chunked layers (:data:`polykv.models.geometry.WINDOWED`): the mask is computed from the
   original position of every attended token per head (``ForwardStep.positions``), so a query sees exactly
   the tokens of its window or chunk, as in the model's own mask.
 
@@ -33,9 +33,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import CHUNKED, SLIDING
-from polykv.attention_signals import AttentionSignals, signal_request
-from polykv.online_softmax import decode_attention_from_stores, decode_attention_per_head
+from polykv.models.geometry import CHUNKED, SLIDING
+from polykv.attention.signals import AttentionSignals, signal_request
+from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"

@@ -30,7 +30,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from polykv.attention_signals import signal_request
+from polykv.attention.signals import signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.runtime.cache import PlanCache
@@ -145,7 +145,7 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
         :meth:`Session.prefill`).
     """
     from polykv.plan import full_plan
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
     groups = capture_groups(model, plans, registry=registry)

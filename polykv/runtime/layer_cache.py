@@ -3,7 +3,7 @@ holds one per layer inside a transformers ``Cache``.
 
 Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
 original position of every stored token, uniform or ragged across KV heads), its rule objects and
-their states (:mod:`polykv.rule_state`). A forward runs in two halves joined by one
+their states (:mod:`polykv.contract.state`). A forward runs in two halves joined by one
 :class:`ForwardStep`: :meth:`LayerCache.begin` (reached through ``update``, which the model calls
 right after RoPE) takes the new keys and values and returns the step, which says what this forward
 attends (the prompt, the dense view of the stores, or the stores themselves), its padding and
@@ -32,14 +32,14 @@ import attrs
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from polykv.contract_checks import StoreContract, checked_selection
+from polykv.contract.checks import StoreContract, checked_selection
 from polykv.errors import RuntimeConfigError
-from polykv.operators import SelectionContext
+from polykv.contract.rules import SelectionContext
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.reserve import layer_hold, reserve_tokens
-from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, state_bytes
+from polykv.storage.reserve import layer_hold, reserve_tokens
+from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.runtime.storage import LayerStorage, StorageView
-from polykv.selection import Selection, ragged_top_k
+from polykv.contract.selection import Selection, ragged_top_k
 from polykv.runtime.stores import new_store
 
 
@@ -180,7 +180,7 @@ class LayerCache(CacheLayerMixin):
         :meth:`after_attention` was told; so it is known from the prefill forward on."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
+        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
         ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
@@ -194,7 +194,7 @@ class LayerCache(CacheLayerMixin):
         return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
-        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.reserve.reserve_tokens`)."""
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.reserve.reserve_tokens`)."""
         return reserve_tokens(kept, self.hold_tokens(kept, ragged))
 
     def _new_store(self, stream: str):
@@ -287,7 +287,7 @@ class LayerCache(CacheLayerMixin):
             view = self.prompt
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            if self.reads_stores():  # attention reads the stores (polykv.online_softmax); no dense view is built
+            if self.reads_stores():  # attention reads the stores (polykv.attention.online_softmax); no dense view is built
                 stores = self.storage
                 view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
@@ -299,7 +299,7 @@ class LayerCache(CacheLayerMixin):
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
-        (:func:`polykv.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
+        (:func:`polykv.attention.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
         of the dense view: a full-attention layer with plain softmax attention whose stores read in token
         blocks, no rule state observing every forward (states read the dense keys), and something the view
         would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
@@ -329,7 +329,7 @@ class LayerCache(CacheLayerMixin):
         """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d], then
         select (prefill) or evict (decode).
 
-        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any.
+        ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any.
         ``plain``: whether the model's attention was a plain softmax (no softcap, no sinks): a later decode
         forward reads the stores only then."""
         self.plain_attention = plain

@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from polykv.contract_checks import checks_enabled
+from polykv.contract.checks import checks_enabled
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.geometry import FULL, ModelGeometry, geometry_of_model
+from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
@@ -66,7 +66,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
           tokenizer=None, missing_model_data: str = "compute") -> "Session":
     """Check ``plan`` against ``model`` and the registry; return a :class:`Session` to use in ``with``.
 
-    Per-model data the plan's rules read (TriAttention's query statistics; :mod:`polykv.model_data`)
+    Per-model data the plan's rules read (TriAttention's query statistics; :mod:`polykv.contract.model_data`)
     comes from ``model_data={key: data}``, else the file the plan names for it (``plan.model_data``,
     e.g. the profile's side file), else the cache under ``$POLYKV_CACHE`` or ``~/.cache/polykv`` (by
     model fingerprint). When none holds it, ``missing_model_data="compute"`` (the default) computes it
@@ -78,7 +78,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     compute dtype. None keeps them in the compute dtype.
 
     ``check=True`` runs the expensive plugin contract checks as well as the cheap ones that always run
-    (:mod:`polykv.contract_checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
+    (:mod:`polykv.contract.checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
 
     Raises
     ------
@@ -89,7 +89,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     RuntimeConfigError
         The model cannot be served (:mod:`polykv.runtime.support`: latent, differential or recurrent
         attention, KV sharing), or uses an attention implementation the runtime cannot replace;
-        :class:`polykv.model_data.ModelDataError` when a rule's per-model data is missing (and cannot
+        :class:`polykv.contract.model_data.ModelDataError` when a rule's per-model data is missing (and cannot
         be computed) or was measured on another model.
     """
     if registry is None:
@@ -143,7 +143,7 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
     if not isinstance(model_data, Mapping) or not all(isinstance(k, str) for k in model_data):
         raise RuntimeConfigError(f"apply(model_data=...) must be a dict from names to per-model data, e.g. "
                                  f"{{'triattention': QueryStats.load(path)}}, got {type(model_data).__name__}")
-    from polykv.model_data import needs_of_rules
+    from polykv.contract.model_data import needs_of_rules
 
     for need in needs_of_rules(registry, sorted(plan.rules_used())):
         data = model_data.get(need.key)
@@ -164,7 +164,7 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
 def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str, Any] | None = None,
                     tokenizer=None, missing: str = "compute") -> dict[str, Any]:
     """The per-model data ``plan``'s rules read (see :func:`apply`), by key."""
-    from polykv.model_data import find_model_data, needs_of_rules, tokenizer_of
+    from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
 
     rules = sorted(plan.rules_used())
     given = {k: v for k, v in (given or {}).items() if v is not None}

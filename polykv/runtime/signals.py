@@ -10,7 +10,7 @@ in float32 once per forward), probabilities meet the values in the values' dtype
 eager attention does.
 
 The chunked math of the generic path (a state asking for something no pass computed) lives in
-:mod:`polykv.attention_signals`, a bottom module shared with calibration; it is re-exported here.
+:mod:`polykv.attention.signals`, a bottom module shared with calibration; it is re-exported here.
 
 Shapes: B batch, H query heads, Hkv KV heads, G = H // Hkv, q new queries (the last q of the K
 keys), d head dim.
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from polykv.attention_signals import (AttentionSignals, SignalRequest, attention_column_sums, attention_probabilities,
+from polykv.attention.signals import (AttentionSignals, SignalRequest, attention_column_sums, attention_probabilities,
                                       lower_right_causal)
 
 __all__ = ["attention_column_sums", "attention_probabilities", "attention_with_signals", "lower_right_causal",
@@ -53,7 +53,7 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
     scaling : float
         Attention scaling.
     request : SignalRequest
-        Which signals to collect (:func:`polykv.attention_signals.signal_request` of the layer's states).
+        Which signals to collect (:func:`polykv.attention.signals.signal_request` of the layer's states).
     valid : [B, Hkv, K] bool, optional
         False on padding columns of a ragged layer (never attended, probability 0).
     chunk_elements : int
@@ -61,7 +61,7 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
 
     Returns
     -------
-    (out [B, H, q, dv] in the query's dtype, :class:`~polykv.attention_signals.AttentionSignals`) with
+    (out [B, H, q, dv] in the query's dtype, :class:`~polykv.attention.signals.AttentionSignals`) with
     ``column_sums`` [B, Hkv, K], ``column_sums_per_head`` [B, H, K], ``last_rows`` [B, H, r, K]
     (r = min(request.last_rows, q)) float32, each None unless requested.
     """

@@ -1,7 +1,7 @@
 """Token storage of one layer: key and value stores plus positions, uniform or ragged across KV heads.
 
 *Uniform* storage is one key store and one value store of shape [B, Hkv, T, d] and positions
-[B, Hkv, T]: every head holds T tokens. A ragged :class:`~polykv.selection.Selection` turns a layer
+[B, Hkv, T]: every head holds T tokens. A ragged :class:`~polykv.contract.selection.Selection` turns a layer
 *ragged*: each (batch row, KV head) then owns its own key store, value store and positions, holding
 exactly its tokens, so memory is really freed (nothing is masked in place). For attention and
 selection, :meth:`LayerStorage.view` pads the heads to the longest one, right-aligned (padding
@@ -20,11 +20,11 @@ from typing import Callable
 import attrs
 import torch
 
-from polykv.contract_checks import NoContract
-from polykv.operators import KVStore, WriteCost
-from polykv.reserve import reserve_tokens
-from polykv.token_buffer import TokenBuffer
-from polykv.selection import Selection
+from polykv.contract.checks import NoContract
+from polykv.contract.stores import KVStore, WriteCost
+from polykv.storage.reserve import reserve_tokens
+from polykv.storage.token_buffer import TokenBuffer
+from polykv.contract.selection import Selection
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -72,16 +72,16 @@ class LayerStorage:
     Parameters
     ----------
     new_store : callable
-        ``new_store(stream)`` -> an empty :class:`~polykv.operators.KVStore` for ``"key"`` or ``"value"``.
+        ``new_store(stream)`` -> an empty :class:`~polykv.contract.stores.KVStore` for ``"key"`` or ``"value"``.
     reserve_for : callable, optional
         ``reserve_for(kept, ragged)`` -> token rows to reserve per head for a head holding ``kept``
-        tokens right after the prompt is stored or an eviction (:mod:`polykv.reserve`); by default
+        tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.reserve`); by default
         exactly ``kept``.
     exact_growth : bool
         True for a layer that evicts: an append that does not fit grows the buffers to exactly the new
-        length (a ratio capacity's slow growth), not to the next :data:`polykv.reserve.GROWTH_BLOCK`.
+        length (a ratio capacity's slow growth), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
     contract : StoreContract, optional
-        The checks run after every store call (:class:`polykv.contract_checks.StoreContract`); none by default.
+        The checks run after every store call (:class:`polykv.contract.checks.StoreContract`); none by default.
     """
 
     def __init__(self, new_store: Callable[[str], KVStore],

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore
+from polykv.contract.stores import KVStore
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.token_buffer import PassthroughStore
+from polykv.storage.token_buffer import PassthroughStore
 
 
 def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import FULL, WINDOWED
+from polykv.models.geometry import FULL, WINDOWED
 
 SERVED = ("decoders whose every layer is softmax attention over a per-head K/V cache (full, sliding-window or "
           "chunked; GQA, MQA or multi-head; optional logit softcapping or attention sinks) through the "

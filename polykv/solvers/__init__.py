@@ -15,7 +15,7 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
           quantizer: str | None = None, quantizer_params: Mapping[str, Any] | None = None, **params: Any):
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
-    ``geometry`` (a :class:`polykv.geometry.ModelGeometry`), when given, must be the model the
+    ``geometry`` (a :class:`polykv.models.geometry.ModelGeometry`), when given, must be the model the
     profile was measured on (else :class:`polykv.errors.ProfileError`). Window-bounded layers
     (sliding-window, chunked) keep their model's window and the budget goes to the other layers
     (:mod:`polykv.solvers.windowed`).

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from polykv.errors import RegistryError, SolverError
-from polykv.params import ParamError, ParamSpec, check_params
+from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 

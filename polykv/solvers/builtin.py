@@ -1,6 +1,6 @@
 """Built-in solvers, registered through the same hook a third-party plugin uses."""
 
-from polykv.hookspecs import hookimpl
+from polykv.contract.hookspecs import hookimpl
 from polykv.solvers.exact import Exact
 from polykv.solvers.greedy import MoendGreedy
 from polykv.solvers.pyramid import Pyramid

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from polykv import placements
+from polykv.solvers import placements
 from polykv.errors import RegistryError, SolverError
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import Solver, min_bytes_message
 
@@ -195,7 +195,7 @@ class ProfileRoute(Solver):
 
 def random_placements(route: list[str], count: int, seed: int) -> list[list[str]]:
     """``count`` unique seeded permutations of ``route`` (method counts fixed), never ``route`` itself
-    (:func:`polykv.placements.random_placements`)."""
+    (:func:`polykv.solvers.placements.random_placements`)."""
     try:
         return [list(pl) for pl in placements.random_placements(route, count, seed, exclude=[route])]
     except ValueError:

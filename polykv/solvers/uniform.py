@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from polykv.errors import SolverError
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import BITS, MIN_KEEP, Profile

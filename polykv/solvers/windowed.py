@@ -1,7 +1,7 @@
 """Window-bounded layers in solving: they keep their model's window, and the budget goes to the other layers.
 
 A sliding-window or chunked layer never holds more than ``window - 1`` tokens
-(:meth:`polykv.geometry.ModelGeometry.token_bound`). Every solver sees only the unbounded layers:
+(:meth:`polykv.models.geometry.ModelGeometry.token_bound`). Every solver sees only the unbounded layers:
 the windowed layers are fixed to the keep-everything 16-bit op (which the runtime holds at their
 bound), their bytes are taken off the budget, the solver runs on a profile of the other layers, and
 the plan is reassembled in layer order. A byte budget is the whole cache's (the windowed layers'

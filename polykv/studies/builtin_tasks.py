@@ -1,6 +1,6 @@
 """Built-in study tasks, registered through the same hook a third-party plugin uses."""
 
-from polykv.hookspecs import hookimpl
+from polykv.contract.hookspecs import hookimpl
 from polykv.studies.tasks.continuation import ContinuationTask
 from polykv.studies.tasks.files import LongBenchFileTask, RulerFileTask
 from polykv.studies.tasks.niah import NeedleMultiKeyTask, NeedleMultiValueTask, NeedleSingleTask, NeedleTask

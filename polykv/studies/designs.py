@@ -52,7 +52,7 @@ class Policy:
     def record(self, geometry, context_tokens: int) -> dict[str, Any]:
         """The ``policy`` line of the results file."""
         from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
-        from polykv.plan_io import plan_dict
+        from polykv.plan.io import plan_dict
 
         nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
         resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
@@ -297,7 +297,7 @@ def spec_geometry(spec: StudySpec):
         from polykv.models import default_geometry
 
         return default_geometry()
-    from polykv.geometry import geometry_from_config
+    from polykv.models.geometry import geometry_from_config
     from polykv.testing import tiny_model
 
     try:

@@ -75,7 +75,7 @@ def _table(rows: list[dict]) -> list[str]:
 def _context_notes(res: Results, task: str) -> list[str]:
     """One line per policy whose plan keeps absolute capacities budgeted for another context length."""
     from polykv.memory import context_note
-    from polykv.plan_io import parse_plan_dict
+    from polykv.plan.io import parse_plan_dict
 
     out = []
     for name, rec in res.policies.items():
@@ -257,7 +257,7 @@ def prompt_line(res: Results) -> str:
 
 def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
     from polykv.memory import kept_tokens
-    from polykv.plan_io import parse_plan_dict
+    from polykv.plan.io import parse_plan_dict
 
     T = int(res.header["spec"].get("context_tokens", 0))
     T = int(np.mean([r["context_tokens"] for r in res.results])) if res.results else T

@@ -100,14 +100,14 @@ def load_model(spec: StudySpec):
 
 
 def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *, registry=None) -> dict[str, Any]:
-    """The per-model data the plans' rules declare (:mod:`polykv.model_data`; e.g. query statistics).
+    """The per-model data the plans' rules declare (:mod:`polykv.contract.model_data`; e.g. query statistics).
 
     Each is read from the file a plan names for it (its ``model_data`` field), else the profile's side file
     (e.g. ``x.qstats.safetensors``, written by ``polykv calibrate``), else the cache, else computed once
-    here on the offline corpus (:func:`polykv.model_data.corpus_batches`) and cached.
+    here on the offline corpus (:func:`polykv.contract.model_data.corpus_batches`) and cached.
     """
-    from polykv.geometry import geometry_of_model
-    from polykv.model_data import find_model_data, needs_of_rules, side_file
+    from polykv.models.geometry import geometry_of_model
+    from polykv.contract.model_data import find_model_data, needs_of_rules, side_file
 
     if registry is None:
         from polykv.registry import get_registry
@@ -240,7 +240,7 @@ class LoadedStudy:
     @classmethod
     def load(cls, prepared: Prepared, *, model=None, tokenizer=None, registry=None) -> "LoadedStudy":
         """Load the spec's model (unless given), check the profile and every plan against it."""
-        from polykv.geometry import geometry_of_model
+        from polykv.models.geometry import geometry_of_model
 
         spec, policies = prepared.spec, prepared.policies
         if model is None:

@@ -1,4 +1,4 @@
-"""Statistics of studies: the paired statistics of :mod:`polykv.stats` (re-exported; a bottom module,
+"""Statistics of studies: the paired statistics of :mod:`polykv.profiling.stats` (re-exported; a bottom module,
 because calibration's validation uses the same correlations), and the summaries of particular study
 designs built on them:
 
@@ -16,22 +16,22 @@ from typing import Mapping, Sequence
 import attrs
 import numpy as np
 
-from polykv import placements
+from polykv.solvers import placements
 from polykv.errors import StudyError
-from polykv.stats import (  # noqa: F401 (re-exported)
-    DEFAULT_PERMUTATIONS,
-    DEFAULT_REPLICATES,
-    Correlation,
-    Interval,
-    as_scores,
-    bootstrap_mean,
-    paired_bootstrap,
-    paired_bootstrap_tasks,
-    pearson,
-    rankdata,
-    spearman,
-    wilson_interval,
-)
+from polykv.profiling.stats import (  # noqa: F401 (re-exported)
+                                    DEFAULT_PERMUTATIONS,
+                                    DEFAULT_REPLICATES,
+                                    Correlation,
+                                    Interval,
+                                    as_scores,
+                                    bootstrap_mean,
+                                    paired_bootstrap,
+                                    paired_bootstrap_tasks,
+                                    pearson,
+                                    rankdata,
+                                    spearman,
+                                    wilson_interval,
+                                    )
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ def placement_control(guided: float, random_scores: Sequence[float], *,
 def random_placements(counts: Mapping[str, int], n: int, *, seed: int = 0,
                       exclude: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
     """``n`` unique random layer -> method placements with fixed method counts (seeded), drawn by
-    :func:`polykv.placements.random_placements`.
+    :func:`polykv.solvers.placements.random_placements`.
 
     Parameters
     ----------

@@ -11,7 +11,7 @@ from polykv.errors import ProfileError
 from polykv.profiling.budget import Budget
 from polykv.profiling.calibrate import calibrate, candidate_configs, query_stats_path
 from polykv.profiling.profile import load_profile
-from polykv.profiling.query_stats import QueryStats
+from polykv.models.query_stats import QueryStats
 from polykv.registry import get_registry
 from polykv.solvers import solve
 
@@ -87,7 +87,7 @@ def test_profile_round_trips_and_solves(reference, model, tmp_path):
     assert set(prof.stats) >= {"cosine", "entropy", "delta_ppl", "kl_sampled", "l2_kl_correlation"}
     assert prof.stats["kl_sampled"].values.shape == (3, 5)
     assert np.all(prof.stats["kl_sampled"].values >= 0)
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     prof.check_model(geometry_of_model(model))
     QueryStats.load(query_stats_path(path)).check_model(model)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from polykv.adapters.rules.key_norm import KeyNormRule
-from polykv.hookspecs import hookimpl
-from polykv.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
+from polykv.contract.hookspecs import hookimpl
+from polykv.contract.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
 from polykv.plan import OpSpec, uniform_plan
 from polykv.profiling.calibrate import calibrate, model_data_for, query_stats_path
-from polykv.profiling.query_stats import QUERY_STATS_SUFFIX, QueryStats
+from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats
 from polykv.registry import Registry, get_registry
 
 KEY = "token-count"
@@ -132,7 +132,7 @@ def test_triattention_calibration_still_yields_query_statistics(model, sequences
 
 
 def test_study_runner_loads_the_side_file_or_computes_the_data(model, registry, tmp_path):
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.studies.runner import CharTokenizer, plan_model_data
 
     geo = geometry_of_model(model)

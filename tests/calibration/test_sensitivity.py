@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.capture import capture_sequence
 from polykv.profiling.profile import CandidateConfig
@@ -140,7 +140,7 @@ def test_equals_a_hand_written_attention_for_streamingllm(model, sequences):
 
 def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences):
     """No rule needs calibration code of its own: every registered prefill rule gets a finite error."""
-    from polykv.profiling.query_stats import compute_query_stats
+    from polykv.models.query_stats import compute_query_stats
 
     reg = get_registry()
     seqs = sequences(1)

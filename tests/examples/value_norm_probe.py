@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
-from polykv.operators import SelectionContext
+from polykv.models.geometry import geometry_of_model
+from polykv.contract.rules import SelectionContext
 from polykv.plan import OpSpec, load_plan, per_layer_plan
 from polykv.testing import tiny_model
 

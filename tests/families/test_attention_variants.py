@@ -13,9 +13,9 @@ import transformers
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
-from polykv.reference import masked_reference_logits, record_run
+from polykv.models.reference import masked_reference_logits, record_run
 from polykv.runtime.attention import eager_attention, sdpa
 from polykv.testing import full_plan_against_vanilla, random_model, token_ids
 from polykv.runtime.cache import cache_keyword

@@ -7,9 +7,9 @@ import transformers
 
 
 import polykv
-from polykv.geometry import CHUNKED, geometry_of_model
+from polykv.models.geometry import CHUNKED, geometry_of_model
 from polykv.plan import OpSpec
-from polykv.reference import masked_reference_logits, record_run
+from polykv.models.reference import masked_reference_logits, record_run
 from polykv.testing import random_model as build
 from polykv.testing import chunked_prefill_against_vanilla, full_plan_against_vanilla
 from polykv.testing import token_ids as ids

@@ -2,14 +2,14 @@
 
 Each family is served exactly (full plan == vanilla, compressed plan == masked full-cache reference),
 or refused with one line naming the model type and the reason; never a traceback and never a silently
-different output. See :mod:`polykv.families` (``python scripts/family_table.py`` prints the table).
+different output. See :mod:`polykv.models.families` (``python scripts/family_table.py`` prints the table).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from polykv.families import TOL, check_family, model_types
+from polykv.models.families import TOL, check_family, model_types
 
 MUST_SERVE = {
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "olmo3",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import polykv
-from polykv.geometry import SLIDING, geometry_of_model
+from polykv.models.geometry import SLIDING, geometry_of_model
 from polykv.models import load_model, model_geometry, named_model
 from polykv.runtime.cache import cache_keyword, output_cache
 

@@ -36,7 +36,7 @@ def test_study_spec_and_demo_take_a_model_name(tmp_path):
 
 @pytest.mark.model
 def test_shipped_gemma3_files_fit_the_model():
-    from polykv.geometry import fingerprints_match
+    from polykv.models.geometry import fingerprints_match
     from polykv.models import model_geometry
     from polykv.plan import load_plan
     from polykv.profiling.profile import load_profile

@@ -6,7 +6,7 @@ import transformers
 
 import polykv
 from polykv.cli import main
-from polykv.geometry import FULL, SLIDING, geometry_from_config
+from polykv.models.geometry import FULL, SLIDING, geometry_from_config
 from polykv.plan import OpSpec
 
 

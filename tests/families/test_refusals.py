@@ -6,8 +6,8 @@ import pytest
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.families import build
-from polykv.geometry import geometry_from_config
+from polykv.models.families import build
+from polykv.models.geometry import geometry_from_config
 
 CASES = {
     "deepseek_v3": "multi-head latent attention",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from polykv.geometry import ModelGeometry
+from polykv.models.geometry import ModelGeometry
 from polykv.plan import Provenance, load_plan, uniform_plan
 
 GEO = ModelGeometry(model_type="llama", num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)

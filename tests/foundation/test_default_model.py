@@ -65,7 +65,7 @@ def test_geometry_of_smollm2(default_model, default_geometry):
     assert not model.training
     assert tokenizer.chat_template, "the tokenizer should carry the instruct chat template"
     # The config-only geometry (used by `polykv plan validate --model default`) is the same model.
-    from polykv.geometry import fingerprints_match
+    from polykv.models.geometry import fingerprints_match
 
     cfg_only = models.default_geometry()
     assert (cfg_only.num_layers, cfg_only.num_kv_heads, cfg_only.head_dim) == (30, 3, 64)

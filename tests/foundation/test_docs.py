@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from polykv import hookspecs
+from polykv.contract import hookspecs
 from polykv.plan import AllocationGroup, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_hookspecs_are_found():
 @pytest.mark.parametrize("hook", HOOKS)
 def test_every_hook_is_documented_with_a_running_example(hook):
     sections = _sections((DOCS / "plugins.md").read_text(encoding="utf-8"))
-    assert hook in sections, f"hook {hook} (polykv/hookspecs.py) has no '## {hook}' section in docs/plugins.md"
+    assert hook in sections, f"hook {hook} (polykv/contract/hookspecs.py) has no '## {hook}' section in docs/plugins.md"
     body = sections[hook]
     assert f"{hook}(register)" in body, "the section must show the hook's signature"
     assert "| `register` |" in body, "the section must describe the hook's parameters"
@@ -125,7 +125,7 @@ def test_readme_tour_runs_as_shown(tmp_path, monkeypatch, capsys):
     import shutil
     import warnings
 
-    from polykv.model_data import ModelDataNote
+    from polykv.contract.model_data import ModelDataNote
 
     for folder in ("plans", "profiles"):
         shutil.copytree(ROOT / folder, tmp_path / folder)

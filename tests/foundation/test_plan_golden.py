@@ -16,7 +16,7 @@ import transformers
 
 from polykv.cli import main
 from polykv.errors import PlanError
-from polykv.geometry import geometry_from_config
+from polykv.models.geometry import geometry_from_config
 from polykv.plan import load_plan
 from polykv.registry import get_registry
 

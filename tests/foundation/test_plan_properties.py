@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polykv.errors import PlanError
-from polykv.geometry import ModelGeometry
+from polykv.models.geometry import ModelGeometry
 from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
                          OpSpec, Plan, Provenance, TriggerSettings)
-from polykv.plan_io import dumps, parse_plan_text, plan_dict, validate
+from polykv.plan.io import dumps, parse_plan_text, plan_dict, validate
 from polykv.registry import get_registry
 
 REGISTRY = get_registry()

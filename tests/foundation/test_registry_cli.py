@@ -10,7 +10,7 @@ import pytest
 import polykv
 from polykv.cli import main
 from polykv.errors import RegistryError
-from polykv.operators import ScoredRule
+from polykv.contract.rules import ScoredRule
 from polykv.registry import DISABLE_ENV, Registry, get_registry, reset_registry
 from polykv.testing import tiny_model
 
@@ -44,7 +44,7 @@ class ClashingPlugin:
 
 @pytest.fixture(scope="module")
 def geometry():
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     return geometry_of_model(tiny_model("llama", layers=3))
 
@@ -128,7 +128,7 @@ def _fake_distribution(folder, module: str, dist: str, body: str):
 
 EP_PLUGIN = '''
 import polykv
-from polykv.operators import ScoredRule
+from polykv.contract.rules import ScoredRule
 
 class EntryPointRule(ScoredRule):
     name = "{rule}"

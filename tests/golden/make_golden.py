@@ -14,7 +14,7 @@ from pathlib import Path
 
 import attrs
 
-from polykv.geometry import ModelGeometry
+from polykv.models.geometry import ModelGeometry
 from polykv.plan import OpSpec, Provenance, full_plan, per_layer_plan, uniform_plan
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ TIMING = {"seconds", "prefill_seconds"}
 def write_tiny_spec(folder, *, passkey_samples: int = 3, continuation_samples: int = 2) -> str:
     """A study over a 2-layer random model: full, two plan files; passkey (generated) and continuation
     (teacher-forced) items."""
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.plan import uniform_plan
     from polykv.testing import tiny_model
 

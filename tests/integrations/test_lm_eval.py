@@ -58,7 +58,7 @@ def test_full_plan_scores_exactly_as_lm_eval_hf(tiny_hf_folder, lm_eval_tasks, h
 
 def test_a_compressing_plan_holds_fewer_bytes_and_moves_the_scores(tiny_hf_folder, lm_eval_tasks, hf_results,
                                                                    tmp_path):
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.integrations.lm_harness import PolykvLM
     from polykv.plan import uniform_plan
 

@@ -3,7 +3,7 @@
 import pytest
 
 from polykv.errors import PlanError
-from polykv.geometry import ModelGeometry
+from polykv.models.geometry import ModelGeometry
 from polykv.memory import kept_tokens, nominal_bytes
 from polykv.plan import LayerPlan, OpSpec, full_plan, per_layer_plan, uniform_plan
 

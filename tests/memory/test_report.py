@@ -5,7 +5,7 @@ import torch
 
 import polykv
 from polykv.errors import PlanError
-from polykv.geometry import ModelGeometry, geometry_of_model
+from polykv.models.geometry import ModelGeometry, geometry_of_model
 from polykv.memory import memory_report
 from polykv.plan import OpSpec, per_layer_plan
 from polykv.testing import tiny_model

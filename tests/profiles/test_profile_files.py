@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from polykv.errors import ProfileError
-from polykv.geometry import geometry_from_config
+from polykv.models.geometry import geometry_from_config
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import (CandidateConfig, Profile, ProfileProvenance, StatTable, load_profile,
                                       moend_configs)

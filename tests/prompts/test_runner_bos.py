@@ -8,7 +8,7 @@ import json
 import pytest
 
 from polykv.errors import StudyError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, uniform_plan
 from polykv.studies import runner
 from polykv.studies.report import prompt_line

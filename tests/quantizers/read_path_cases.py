@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from polykv.adapters.quantizers.kivi import KiviQuantizer
-from polykv.adapters.quantizers.packed_stream import with_head_counts
+from polykv.storage.token_blocks import with_head_counts
 
 
 def filled_pair(k_bits, v_bits, *, B=2, Hkv=2, T=45, d=16, group_size=4, residual=8, dtype=torch.float32,

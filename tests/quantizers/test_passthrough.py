@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from polykv.adapters.quantizers.kivi import KiviQuantizer
-from polykv.adapters.quantizers.passthrough import PassthroughStore
+from polykv.storage.token_buffer import PassthroughStore
 from polykv.registry import get_registry
-from polykv.reserve import GROWTH_BLOCK, capacity_after, grown_capacity
-from polykv.token_buffer import PassthroughStore as CorePassthroughStore
+from polykv.storage.reserve import GROWTH_BLOCK, capacity_after, grown_capacity
+from polykv.storage.token_buffer import PassthroughStore as CorePassthroughStore
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polykv.online_softmax import blockwise_attention, token_blocks
+from polykv.attention.online_softmax import blockwise_attention, token_blocks
 
 BITS = [2, 4, 8, 16]
 
@@ -131,7 +131,7 @@ def test_bad_inputs_get_clear_errors(cases):
 
 def test_per_head_stores_attend_their_own_tokens(cases):
     """Ragged storage that keeps one store pair per (batch row, KV head): each head sees only its tokens."""
-    from polykv.online_softmax import per_head_attention
+    from polykv.attention.online_softmax import per_head_attention
 
     lengths = [[45, 20], [7, 33]]
     pairs, dense = [], []

@@ -13,10 +13,10 @@ import attrs  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from polykv.online_softmax import blockwise_attention, token_blocks  # noqa: E402
+from polykv.attention.online_softmax import blockwise_attention, token_blocks  # noqa: E402
 
 pytest.importorskip("triton")  # the 'kernels' extra, which scripts/setup.sh installs
-from polykv.adapters.quantizers import kivi_triton  # noqa: E402
+from polykv.attention import kivi_triton  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the kernel runs in Triton's CPU interpreter
 
@@ -123,7 +123,7 @@ def test_kernel_rejects_mismatched_streams(cases):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attend_stores_runs_the_backend_it_is_asked_for(device, cases):
-    from polykv.online_softmax import attend_stores
+    from polykv.attention.online_softmax import attend_stores
 
     ks, vs = cases.filled_pair(8, 2, T=45, device=device)
     query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(9)).to(device)

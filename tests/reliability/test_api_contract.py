@@ -18,13 +18,14 @@ import pytest
 import torch
 
 import polykv
-from polykv.allocators import Allocator
+from polykv.contract.allocators import Allocator
 from polykv.errors import PluginContractError
-from polykv.geometry import geometry_of_model
-from polykv.operators import KVStore, Quantizer, ScoredRule
+from polykv.models.geometry import geometry_of_model
+from polykv.contract.rules import ScoredRule
+from polykv.contract.stores import KVStore, Quantizer
 from polykv.plan import AllocationGroup, OpSpec, per_layer_plan, uniform_plan
 from polykv.registry import Registry
-from polykv.selection import Merge, Selection
+from polykv.contract.selection import Merge, Selection
 from polykv.testing import check_allocator, check_quantizer, check_rule, tiny_model
 
 
@@ -354,7 +355,7 @@ def test_budgets_above_the_declared_bound_fail(model):
 # -- the switch --------------------------------------------------------------------------------------
 
 def test_the_switch_reads_the_environment_and_apply_overrides_it(model, monkeypatch):
-    from polykv.contract_checks import checks_enabled
+    from polykv.contract.checks import checks_enabled
 
     monkeypatch.setenv("POLYKV_CHECK", "1")
     assert checks_enabled() and checks_enabled(True) and not checks_enabled(False)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import polykv
-from polykv.allocators import Allocator
+from polykv.contract.allocators import Allocator
 from polykv.errors import PlanError
 from polykv.memory import memory_report, predict_resident
-from polykv.params import ParamError, ParamSpec, UncheckedParamsWarning, with_defaults
-from polykv.plan_io import parse_plan_text
+from polykv.contract.params import ParamError, ParamSpec, UncheckedParamsWarning, with_defaults
+from polykv.plan.io import parse_plan_text
 from polykv.registry import get_registry
 from polykv.testing import tiny_model
 from tests.solvers.fp8_plugin import PLUGIN_NAME, ThirdParty, registry_with_third_party

@@ -7,7 +7,7 @@ import torch
 
 import polykv
 from polykv.errors import PlanError, PolykvError, RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model, token_ids
 
 

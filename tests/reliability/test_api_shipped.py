@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
-from polykv.model_data import ModelDataError, cached_file
+from polykv.models.geometry import geometry_of_model
+from polykv.contract.model_data import ModelDataError, cached_file
 from polykv.plan import OpSpec, uniform_plan
-from polykv.profiling.query_stats import compute_query_stats
+from polykv.models.query_stats import compute_query_stats
 from polykv.registry import get_registry
 from polykv.testing import tiny_model
 

@@ -11,7 +11,7 @@ import torch
 import polykv
 from polykv.cli import main
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import fingerprints_match, geometry_of_model, weights_digest
+from polykv.models.geometry import fingerprints_match, geometry_of_model, weights_digest
 from polykv.plan import OpSpec, load_plan, uniform_plan
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry

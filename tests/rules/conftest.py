@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polykv.operators import SelectionContext
+from polykv.contract.rules import SelectionContext
 
 
 def _context(*, B=2, H=4, Hkv=2, T=12, d=8, w=4, phase="prefill", seed=0, gaps=False, layer_idx=0,

@@ -12,8 +12,8 @@ import pathlib
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
-from polykv.profiling.query_stats import compute_query_stats
+from polykv.models.geometry import geometry_of_model
+from polykv.models.query_stats import compute_query_stats
 from polykv.testing import tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polykv.adapters.rules.cake import CAKEAllocator, CAKERule, split_budgets
-from polykv.rule_state import QueryWindow
+from polykv.contract.state import QueryWindow
 
 
 def naive_rows(ctx, attn_row, b, h, rows):
@@ -121,7 +121,7 @@ def test_cake_rejects_bad_parameters_when_built():
 
 
 def test_cake_allocator_splits_the_group_total_by_preference():
-    from polykv.allocators import AllocationRequest
+    from polykv.contract.allocators import AllocationRequest
 
     req = AllocationRequest(group_layers=(0, 1, 2), layers=(0, 1, 2), statistics=(1.0, 3.0, 6.0), total=3 * 44,
                             capacities=(44, 44, 44), context_tokens=52, num_kv_heads=2, final=True)
@@ -134,7 +134,7 @@ def test_cake_allocator_splits_the_group_total_by_preference():
 def test_cake_allocator_keeps_the_windows_inside_the_group_total(capacity, window):
     """The paper's budget includes the window: a group never holds more than its planned total, also when
     the total cannot hold one window per layer (every layer then keeps an equal share, all window)."""
-    from polykv.allocators import AllocationRequest
+    from polykv.contract.allocators import AllocationRequest
 
     L, S = 4, 100
     req = AllocationRequest(group_layers=tuple(range(L)), layers=tuple(range(L)), statistics=(1.0, 2.0, 3.0, 4.0),
@@ -164,7 +164,7 @@ def _cake_group_plan(geo, *, capacity: int, rule_window: int | None = None, grou
 @pytest.mark.parametrize("capacity", [8, 40])
 def test_a_cake_group_holds_at_most_its_total_after_prefill_and_decode(capacity):
     import polykv
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.memory.report import memory_report
     from polykv.testing import tiny_model, token_ids
 
@@ -190,7 +190,7 @@ def test_a_cake_group_holds_at_most_its_total_after_prefill_and_decode(capacity)
 def test_a_cake_rule_window_other_than_its_allocators_is_refused_at_validation():
     import polykv
     from polykv.errors import PlanError
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.testing import tiny_model
 
     geo = geometry_of_model(tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16))
@@ -206,7 +206,7 @@ def test_a_cake_rule_window_other_than_its_allocators_is_refused_at_validation()
 def test_the_cake_allocator_refuses_a_batch_of_several_rows():
     import polykv
     from polykv.errors import RuntimeConfigError
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.testing import tiny_model, token_ids
 
     model = tiny_model("llama", layers=4, heads=4, kv_heads=2, head_dim=16)

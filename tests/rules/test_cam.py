@@ -95,7 +95,7 @@ def test_a_plan_with_a_bad_inner_rule_fails_validation_naming_layer_and_field():
     from polykv.plan import OpSpec
     from polykv.registry import get_registry
     from polykv.testing import tiny_model
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     geo = geometry_of_model(tiny_model("llama", layers=2))
     for params, needle, field in [
@@ -115,7 +115,7 @@ def test_cam_around_a_prefill_only_rule_is_refused_in_decode_when_the_plan_is_va
     from polykv.plan import OpSpec
     from polykv.registry import get_registry
     from polykv.testing import tiny_model
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     geo = geometry_of_model(tiny_model("llama", layers=2))
     plan = polykv.uniform_plan(geo, decode=OpSpec(rule="cam", capacity=8, params={"rule": "snapkv"}))

@@ -106,7 +106,7 @@ def test_threshold_ema():
 @pytest.mark.parametrize("variant", ["code", "paper"])
 def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
     from polykv.adapters.rules.d2o import D2ORule, MergeThreshold
-    from polykv.rule_state import AccumulatedAttention
+    from polykv.contract.state import AccumulatedAttention
 
     ctx = make_ctx(B=2, H=4, Hkv=2, T=14, w=2, phase="decode")
     rule = D2ORule(variant=variant, n_sink=2)
@@ -136,7 +136,7 @@ def test_d2o_rule_merge_applied_equals_the_matrix_form(make_ctx, variant):
 
 def test_d2o_allocator_statistic_uses_per_head_column_sums_of_every_prompt_row(make_ctx, attn_row):
     from polykv.adapters.rules.d2o import D2OAllocator
-    from polykv.rule_state import Observation
+    from polykv.contract.state import Observation
 
     ctx = make_ctx(B=1, H=4, Hkv=2, T=10, w=10)  # every stored token is a prompt query
     alloc = D2OAllocator()
@@ -176,7 +176,7 @@ def test_d2o_rows_of_a_batch_equal_each_row_alone(variant):
     rows generates what each row generates alone (tokens exactly, logits to float tolerance)."""
     import attrs
 
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.testing import tiny_model, token_ids
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
@@ -198,7 +198,7 @@ def test_the_d2o_allocator_refuses_a_batch_of_several_rows():
     row), so rows would change each other's budgets: refused in one line; one row at a time runs."""
     import polykv
     from polykv.errors import RuntimeConfigError
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
     from polykv.testing import tiny_model, token_ids
 
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)

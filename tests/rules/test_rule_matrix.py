@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from polykv.adapters.rules import RULES
-from polykv.operators import PHASES, SIGNALS, RetentionRule
-from polykv.profiling.query_stats import QueryStats
+from polykv.contract.rules import PHASES, SIGNALS, RetentionRule
+from polykv.models.query_stats import QueryStats
 from polykv.registry import Registry
-from polykv.rule_state import Observation
-from polykv.selection import as_selection
+from polykv.contract.state import Observation
+from polykv.contract.selection import as_selection
 
 REGISTRY = Registry(load_entry_points=False)
 NAMES = REGISTRY.names("operator")

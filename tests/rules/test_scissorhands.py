@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from polykv.adapters.rules.scissorhands import ScissorhandsRule
-from polykv.operators import SelectionContext
-from polykv.rule_state import Observation
-from polykv.selection import Selection
+from polykv.contract.rules import SelectionContext
+from polykv.contract.state import Observation
+from polykv.contract.selection import Selection
 
 
 def observe_window(rule, ctx):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.selection import Merge, Selection, ragged_top_k, top_k_sorted
+from polykv.contract.selection import Merge, Selection, ragged_top_k, top_k_sorted
 
 
 def test_top_k_keeps_unequal_scores_in_order_at_long_context():

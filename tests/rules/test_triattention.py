@@ -10,8 +10,8 @@ import torch
 
 from polykv.adapters.rules.triattention import TriAttentionRule
 from polykv.errors import ProfileError
-from polykv.operators import SelectionContext
-from polykv.profiling.query_stats import QueryStats, compute_query_stats
+from polykv.contract.rules import SelectionContext
+from polykv.models.query_stats import QueryStats, compute_query_stats
 from polykv.testing import tiny_model
 from polykv.runtime.cache import output_cache
 
@@ -181,7 +181,7 @@ def test_ragged_padding_does_not_change_a_heads_ranking():
     import torch
 
     from polykv.adapters.rules.triattention import TriAttentionRule
-    from polykv.operators import SelectionContext
+    from polykv.contract.rules import SelectionContext
 
     g = torch.Generator().manual_seed(3)
     Hkv, d, T = 2, 8, 10

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
 
 

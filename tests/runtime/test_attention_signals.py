@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import polykv
-import polykv.operators as operators
-import polykv.attention_signals as attention_signals
+import polykv.contract.rules as operators
+import polykv.attention.signals as attention_signals
 import polykv.runtime.attention as attention
-from polykv.operators import SelectionContext, window_rows
+from polykv.contract.rules import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
-from polykv.rule_state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
-                               RuleState, SignalRequest, attention_column_sums, signal_request)
+from polykv.contract.state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
+                                   RuleState, SignalRequest, attention_column_sums, signal_request)
 from polykv.runtime.attention import sdpa
 from polykv.runtime.signals import attention_with_signals
 from polykv.runtime.cache import cache_keyword

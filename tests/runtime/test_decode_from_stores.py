@@ -1,6 +1,6 @@
 """Decode steps attend straight from the stores when the dense view would cost something.
 
-The runtime reads the stores (``polykv.online_softmax.decode_attention_from_stores``, per head for a
+The runtime reads the stores (``polykv.attention.online_softmax.decode_attention_from_stores``, per head for a
 ragged layer) in a decode forward of a full-attention layer whose stores read in token blocks, that no
 rule state observes every step, and that is quantized (the view would dequantize the whole layer) or
 ragged (the view would pad every head to the longest). Its logits equal the dense-view path's (bit for
@@ -15,7 +15,7 @@ import polykv
 from polykv.runtime.storage import LayerStorage
 from polykv.adapters.quantizers.kivi_keys import KiviKeyStore
 from polykv.adapters.quantizers.kivi_values import KiviValueStore
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from polykv.profiling.query_stats import compute_query_stats
+from polykv.models.query_stats import compute_query_stats
 from polykv.testing import tiny_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "runtime.md"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword, output_cache
 

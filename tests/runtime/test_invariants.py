@@ -8,7 +8,7 @@ import torch
 
 import polykv
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
 from polykv.runtime.signals import attention_column_sums

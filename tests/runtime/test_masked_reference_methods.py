@@ -18,11 +18,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import polykv
-from polykv.operators import SelectionContext
+from polykv.contract.rules import SelectionContext
 from polykv.plan import AllocationGroup, OpSpec
-from polykv.reference import record_run
+from polykv.models.reference import record_run
 from polykv.registry import get_registry
-from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow
+from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow
 from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4

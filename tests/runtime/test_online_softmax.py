@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polykv.online_softmax import OnlineSoftmax, blockwise_attention, combine_partials, token_blocks, visible
+from polykv.attention.online_softmax import OnlineSoftmax, blockwise_attention, combine_partials, token_blocks, visible
 
 
 def _data(seed=0, rows=5, T=37, dv=6):
@@ -98,7 +98,7 @@ def test_blockwise_attention_over_any_token_blocks_stream():
 
 
 def test_attend_stores_never_substitutes_a_backend():
-    from polykv.online_softmax import attend_stores
+    from polykv.attention.online_softmax import attend_stores
 
     g = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 1, 9, 8, generator=g), torch.randn(1, 1, 9, 8, generator=g)

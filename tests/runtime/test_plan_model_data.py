@@ -15,11 +15,11 @@ import torch
 import polykv
 from polykv.adapters.rules.triattention import STATS_KEY, TriAttentionRule
 from polykv.errors import PlanError
-from polykv.geometry import geometry_of_model
-from polykv.hookspecs import hookimpl
-from polykv.model_data import ModelDataError, ModelDataNeed, ModelDataNote, cached_file
+from polykv.models.geometry import geometry_of_model
+from polykv.contract.hookspecs import hookimpl
+from polykv.contract.model_data import ModelDataError, ModelDataNeed, ModelDataNote, cached_file
 from polykv.plan import OpSpec, load_plan, uniform_plan
-from polykv.profiling.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
+from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 from polykv.registry import Registry, get_registry
 from polykv.studies.runner import CharTokenizer
 from polykv.testing import tiny_model

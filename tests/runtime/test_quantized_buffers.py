@@ -6,10 +6,10 @@ import torch
 
 import polykv
 import polykv.registry
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
-from polykv.reserve import GROWTH_BLOCK
+from polykv.storage.reserve import GROWTH_BLOCK
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword
 

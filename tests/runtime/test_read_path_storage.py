@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from polykv.adapters.quantizers.kivi import KiviQuantizer
-from polykv.online_softmax import attend_stores, per_head_attention, token_blocks
+from polykv.attention.online_softmax import attend_stores, per_head_attention, token_blocks
 from polykv.runtime.storage import LayerStorage
 
 B, HKV, G, D = 1, 2, 3, 16

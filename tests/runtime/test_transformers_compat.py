@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import polykv
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.runtime.cache import cache_keyword, output_cache
 from polykv.testing import tiny_model
@@ -43,8 +43,8 @@ def test_the_cache_keyword_is_the_one_the_installed_forward_takes(model):
 def test_no_polykv_call_raises_a_future_warning(model):
     """generate, prefill, a manual forward on the session's cache, the recorded run and a vanilla decode
     loop (the families check) with every FutureWarning an error."""
-    from polykv.families import _vanilla
-    from polykv.reference import record_run
+    from polykv.models.families import _vanilla
+    from polykv.models.reference import record_run
 
     ids = torch.randint(1, 100, (1, 20), generator=torch.Generator().manual_seed(0))
     plan = _plan(model)

@@ -15,7 +15,7 @@ from transformers import LogitsProcessorList
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword
 

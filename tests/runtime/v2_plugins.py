@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 import polykv
-from polykv.allocators import AllocationRequest, Allocator
-from polykv.operators import ScoredRule, SelectionContext
-from polykv.rule_state import RuleState
-from polykv.selection import Merge, Selection, ragged_top_k, top_k_sorted
+from polykv.contract.allocators import AllocationRequest, Allocator
+from polykv.contract.rules import ScoredRule, SelectionContext
+from polykv.contract.state import RuleState
+from polykv.contract.selection import Merge, Selection, ragged_top_k, top_k_sorted
 
 
 class HeadwiseNorm(ScoredRule):

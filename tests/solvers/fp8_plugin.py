@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 import polykv
-from polykv.allocators import Allocator
-from polykv.operators import KVStore, Quantizer, ScoredRule
-from polykv.params import ParamSpec
+from polykv.contract.allocators import Allocator
+from polykv.contract.rules import KVStore, Quantizer, ScoredRule
+from polykv.contract.params import ParamSpec
 
 FP8 = torch.float8_e4m3fn
 

@@ -90,7 +90,7 @@ def test_missing_profile_file(tmp_path, capsys):
 def test_model_check_refuses_a_profile_from_another_model(tmp_path, capsys):
     import transformers
 
-    from polykv.geometry import geometry_from_config
+    from polykv.models.geometry import geometry_from_config
 
     def folder(name, layers):
         cfg = transformers.LlamaConfig(num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

@@ -12,7 +12,7 @@ from polykv.errors import SolverError
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, StatTable, moend_configs
 from polykv.solvers import solve
-from polykv.placements import distinct_placements
+from polykv.solvers.placements import distinct_placements
 from polykv.solvers.route import allocate, random_placements
 
 COS = [[0.9, 0.8, 0.7], [0.5, 0.95, 0.6], [0.2, 0.3, 0.99], [0.9, 0.91, 0.1]]  # columns tova, snapkv, h2o

@@ -39,7 +39,7 @@ def test_a_shipped_plan_holds_its_budget_on_its_basis(path):
 def test_shipped_plans_name_the_data_their_rules_read():
     """Every shipped plan with a rule that reads per-model data names the shipped file that holds it (as
     ``polykv solve`` records the profile's side file), and no other plan names any."""
-    from polykv.model_data import needs_of_rules
+    from polykv.contract.model_data import needs_of_rules
     from polykv.registry import get_registry
 
     registry = get_registry()

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.profiling.profile import CandidateConfig, Profile, StatTable, moend_configs
 from polykv.testing import tiny_model
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 import polykv
 from polykv.errors import StudyError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import full_plan, uniform_plan
 from polykv.studies.report import fidelity_rows, write_report
 from polykv.studies.results import Results, read_records

@@ -7,7 +7,7 @@ import torch
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, per_layer_plan, uniform_plan
 from polykv.runtime.fork import capture_prefill, forward, restore_prefill
 from polykv.studies.results import read_records

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import polykv
-from polykv.operators import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
-from polykv.params import ParamSpec
+from polykv.contract import PHASES, SIGNAL_NONE, ParamSpec, ScoredRule, SelectionContext, hookimpl
 
 
 class ValueNormRule(ScoredRule):
@@ -41,6 +39,6 @@ class ValueNormRule(ScoredRule):
         return int(self.params["sinks"]), 0
 
 
-@polykv.hookimpl
+@hookimpl
 def register_operators(register):
     register(ValueNormRule)

@@ -66,7 +66,7 @@ class Task:
     mode: ClassVar[str] = GENERATE
     defaults: ClassVar[Mapping[str, Any]] = {}
     param_specs: ClassVar[Mapping[str, Any]] = {}
-    """Parameter name -> :class:`polykv.params.ParamSpec`; values are checked before any model loads."""
+    """Parameter name -> :class:`polykv.contract.params.ParamSpec`; values are checked before any model loads."""
 
     def params(self, **overrides) -> dict[str, Any]:
         """The task's defaults updated with ``overrides``; an unknown parameter or a value outside its
@@ -75,7 +75,7 @@ class Task:
         if unknown:
             raise StudyError(f"task '{self.name}' has no parameter(s) {unknown}; its parameters are "
                              f"{dict(self.defaults)}")
-        from polykv.params import ParamError, check_params
+        from polykv.contract.params import ParamError, check_params
 
         try:
             check_params(self.param_specs, overrides, owner=f"task '{self.name}'")

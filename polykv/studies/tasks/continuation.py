@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from polykv.studies.tasks.base import (TEACHER_FORCED, Task, TaskItem, check_length, count_tokens, filler_units,
                                        fit_length, prompt_length)
 from polykv.studies.corpus import KINDS
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 
 
 CONTINUATION_SLACK = 16  # tokens a continuation may miss its requested length by (or 5%, whichever is more)

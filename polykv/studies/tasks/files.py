@@ -20,7 +20,7 @@ import random
 from typing import Any, Iterator, Mapping
 
 from polykv.errors import StudyError
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 from polykv.strict_json import JsonInputError, loads_strict
 from polykv.studies.tasks.base import Task, TaskItem
 from polykv.studies.tasks.metrics import METRICS

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 from polykv.studies.corpus import KINDS
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 
 ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
               "lively", "mellow", "noisy", "odd", "proud", "quiet", "rapid", "shy", "tidy", "upbeat", "vivid",

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 from polykv.studies.corpus import KINDS
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
                "Find it and memorize it. I will quiz you about it.\n\n")

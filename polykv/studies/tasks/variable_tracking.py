@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
 from polykv.studies.corpus import KINDS
-from polykv.params import ParamSpec
+from polykv.contract.params import ParamSpec
 
 INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
 QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. "

@@ -45,7 +45,7 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
 
 def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
     """The plan as JSON data; ``model_data`` paths relative to ``folder`` when given (the plan file's folder)."""
-    from polykv.plan_groups import groups_to_json
+    from polykv.plan.groups import groups_to_json
 
     out = {
         "schema_version": plan.schema_version,
@@ -133,7 +133,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
-    from polykv.plan_groups import check_groups, parse_groups
+    from polykv.plan.groups import check_groups, parse_groups
 
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
                 allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
@@ -304,12 +304,12 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
 
     Parameters of rules, quantizers and allocators are checked against their ``param_specs``; a
     given parameter its plugin declares no spec for is reported once per plugin as an
-    :class:`~polykv.params.UncheckedParamsWarning` (its value is checked only when the plugin runs).
+    :class:`~polykv.contract.params.UncheckedParamsWarning` (its value is checked only when the plugin runs).
     """
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
-    from polykv.plan_groups import check_groups
+    from polykv.plan.groups import check_groups
 
     unchecked: dict[str, set[str]] = {}
     check_groups(plan, source=source, registry=registry, unchecked=unchecked)
@@ -323,7 +323,7 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
 
 def _validate_model_data(plan: Plan, registry, source: str) -> None:
     """Every ``model_data`` key is data some rule of the plan reads (a misspelt key would go unused)."""
-    from polykv.model_data import needs_of_rules
+    from polykv.contract.model_data import needs_of_rules
 
     read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
     for key in sorted(plan.model_data):
@@ -337,7 +337,7 @@ def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, 
                     hint: str = "fix the value (see `polykv plugins`)"):
     """``cls(**params)`` for a plan's rule, quantizer or allocator: a refused value is one PlanError naming
     the parameter (``field.<name>``); given names without a spec are added to ``unchecked``."""
-    from polykv.params import unchecked_params
+    from polykv.contract.params import unchecked_params
 
     try:
         obj = cls(**params)
@@ -355,7 +355,7 @@ def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, 
 def _warn_unchecked(unchecked: dict[str, set[str]], source: str) -> None:
     import warnings
 
-    from polykv.params import UncheckedParamsWarning
+    from polykv.contract.params import UncheckedParamsWarning
 
     for owner, names in sorted(unchecked.items()):
         warnings.warn(f"{source}: {owner} declares no param_specs for {sorted(names)}: their values are not checked "
@@ -404,7 +404,7 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
-    from polykv.geometry import fingerprints_match
+    from polykv.models.geometry import fingerprints_match
 
     if plan.num_layers != geometry.num_layers:
         raise PlanError(f"the plan has {plan.num_layers} layers but the model has {geometry.num_layers}",

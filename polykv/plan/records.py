@@ -4,7 +4,7 @@ A plan is a plain JSON file (``schema_version`` 1), written deterministically so
 and round-trips byte for byte: top-level fields one per line, one line per layer. Load with
 :func:`load_plan`, save with :meth:`Plan.save` (atomic). Build plans in Python with
 :func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is documented
-in ``docs/plan-format.md``; :mod:`polykv.plan_io` parses and checks files strictly.
+in ``docs/plan-format.md``; :mod:`polykv.plan.io` parses and checks files strictly.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype")
 
 @attrs.define(frozen=True, kw_only=True)
 class AllocationGroup:
-    """Layers whose budgets an allocator decides at run time (see :mod:`polykv.allocators`).
+    """Layers whose budgets an allocator decides at run time (see :mod:`polykv.contract.allocators`).
 
     The group's total budget is the sum of its layers' prefill capacities as planned (resolved
     for the context); the allocator redistributes it after prefill. The allocated budget replaces
@@ -197,7 +197,7 @@ class Plan:
     allocation: tuple[AllocationGroup, ...] = attrs.field(default=(), converter=tuple)
     """Allocation groups (none in a plan whose capacities are all fixed)."""
     model_data: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
-    """Where the per-model data the plan's rules read comes from (:mod:`polykv.model_data`): data key
+    """Where the per-model data the plan's rules read comes from (:mod:`polykv.contract.model_data`): data key
     (e.g. ``"triattention"``) -> file. In a plan file the path is relative to the file's folder; a
     loaded plan holds it resolved, and :meth:`save` writes it relative to the new file's folder."""
 
@@ -230,19 +230,19 @@ class Plan:
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        from polykv.plan_io import dumps
+        from polykv.plan.io import dumps
 
         return dumps(self)
 
     def save(self, path: str) -> None:
         """Write the plan atomically (temp file + rename): an existing file is never half-written."""
-        from polykv.plan_io import save
+        from polykv.plan.io import save
 
         save(self, path)
 
     def validate(self, *, registry=None, geometry=None, source: str = "<plan>") -> "Plan":
         """Check names/params against the registry and shape against a model geometry; returns self."""
-        from polykv.plan_io import validate
+        from polykv.plan.io import validate
 
         validate(self, registry=registry, geometry=geometry, source=source)
         return self
@@ -250,7 +250,7 @@ class Plan:
 
 def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
     """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
-    from polykv.plan_io import load
+    from polykv.plan.io import load
 
     return load(path, registry=registry, geometry=geometry)
 

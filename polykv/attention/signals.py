@@ -1,6 +1,6 @@
 """Softmax attention rows of a forward, in query chunks, and the signals rule states read from them.
 
-The bottom of the signal machinery, shared by rule states (:mod:`polykv.rule_state`), calibration
+The bottom of the signal machinery, shared by rule states (:mod:`polykv.contract.state`), calibration
 and the runtime: :func:`attention_probabilities` yields the rows of the q new queries over their K
 keys a chunk at a time (no T x T matrix), and the helpers sum or slice them. A state names what it
 reads in ``needs`` (:data:`NEEDS`); :func:`signal_request` unions a layer's declarations into a

@@ -7,7 +7,7 @@ plus the minimum; per-channel key groups of G tokens, optionally through ``group
 value groups of G channels), taking the full-precision residual rows where a token is past the
 head's quantized part, and folds the tile into a running max / denominator / weighted sum. The
 splits' partial results are merged by a second small kernel (the same recurrence as
-:func:`polykv.online_softmax.combine_partials`), which writes the output in the query's dtype.
+:func:`polykv.attention.online_softmax.combine_partials`), which writes the output in the query's dtype.
 
 Ragged heads: every head reads its own quantized and residual counts, and a row sees token ``j``
 only if ``j <= L - q + i`` (L the head's length, i the query's index among the q new ones), so
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from polykv.online_softmax import check_lengths
-from polykv.adapters.quantizers.packed_stream import PackedStream
+from polykv.attention.online_softmax import check_lengths
+from polykv.storage.token_blocks import PackedStream
 
 try:
     import triton
@@ -213,7 +213,7 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         raise RuntimeError("the fused KIVI decode kernel needs Triton: pip install -e '.[kernels]'")
     if query.device.type != "cuda" and not interpreting():
         raise RuntimeError(f"the fused KIVI decode kernel runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); "
-                           f"the query is on {query.device}: use polykv.online_softmax.blockwise_attention instead, or "
+                           f"the query is on {query.device}: use polykv.attention.online_softmax.blockwise_attention instead, or "
                            f"set TRITON_INTERPRET=1 before this module is imported")
     if interpreting() and type(tl.zeros).__name__ != "InterpretedFunction":
         raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (a model forward imports it), so "

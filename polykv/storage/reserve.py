@@ -65,7 +65,7 @@ def reserved_stream_bytes(quantizer, stream: str, bits: int, *, tokens: int, res
                           head_dim: int, dtype_bytes: int) -> int:
     """Bytes of a fresh store that reserved ``reserved`` tokens and then received ``tokens`` (no eviction):
     a 16-bit store (``quantizer`` None) holds its buffer, ``capacity_after(tokens, reserved)`` rows;
-    a quantized one says so in :meth:`polykv.operators.Quantizer.predict_reserved_bytes`."""
+    a quantized one says so in :meth:`polykv.contract.stores.Quantizer.predict_reserved_bytes`."""
     if quantizer is None:
         return batch * kv_heads * capacity_after(tokens, reserved) * head_dim * dtype_bytes
     return int(quantizer.predict_reserved_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,

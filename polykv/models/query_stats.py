@@ -50,7 +50,7 @@ class QueryStats:
     attention_scaling: float = 1.0
     """RoPE attention scaling s_f of that model (1.0 for plain RoPE)."""
     fingerprint: str | None = None
-    """Model fingerprint (:func:`polykv.geometry.geometry_of_model`)."""
+    """Model fingerprint (:func:`polykv.models.geometry.geometry_of_model`)."""
     num_tokens: int = 0
     """Tokens averaged over."""
     pairing: str = PAIRING
@@ -92,7 +92,7 @@ class QueryStats:
         if not 0 <= layer_idx < self.num_layers:
             raise ProfileError(
                 f"query statistics cover layers 0..{self.num_layers - 1}, not layer {layer_idx}; "
-                f"recompute them on this model with polykv.profiling.query_stats.compute_query_stats"
+                f"recompute them on this model with polykv.models.query_stats.compute_query_stats"
             )
         return torch.complex(self.mu_real[layer_idx], self.mu_imag[layer_idx]), self.mean_abs[layer_idx]
 
@@ -104,12 +104,12 @@ class QueryStats:
             raise ProfileError(
                 f"query statistics were measured with other RoPE frequencies than the {where}'s "
                 f"({ours.numel()} vs {theirs.numel()} frequencies, or different values); recompute them on "
-                f"this model with polykv.profiling.query_stats.compute_query_stats"
+                f"this model with polykv.models.query_stats.compute_query_stats"
             )
 
     def check_model(self, model: Any) -> None:
         """Raise unless ``model`` has this shape, these RoPE frequencies and (when known) this fingerprint."""
-        from polykv.geometry import fingerprints_match, geometry_of_model
+        from polykv.models.geometry import fingerprints_match, geometry_of_model
 
         geo = geometry_of_model(model)
         if (geo.num_layers, geo.num_heads, geo.head_dim) != (self.num_layers, self.num_heads, self.head_dim):
@@ -120,7 +120,7 @@ class QueryStats:
         if not fingerprints_match(self.fingerprint, geo.fingerprint):
             raise ProfileError(
                 f"query statistics belong to model {self.fingerprint}, not {geo.fingerprint}: recompute them "
-                f"on this model with polykv.profiling.query_stats.compute_query_stats"
+                f"on this model with polykv.models.query_stats.compute_query_stats"
             )
         inv_freq, _ = _rope_of(model)
         self.check_inv_freq(inv_freq)
@@ -157,7 +157,7 @@ class QueryStats:
         kind = _kind_of(path)
         if not os.path.exists(path):
             raise ProfileError(f"{path}: no such query statistics file; create it with "
-                               f"polykv.profiling.query_stats.compute_query_stats(model, batches).save(path)")
+                               f"polykv.models.query_stats.compute_query_stats(model, batches).save(path)")
         try:
             if kind == "safetensors":
                 from safetensors import safe_open
@@ -226,7 +226,7 @@ def compute_query_stats(model: Any, token_batches: Iterable[torch.Tensor]) -> Qu
     QueryStats
         ``mu`` and ``mean_abs`` [L, H, d/2] averaged over every token of every batch.
     """
-    from polykv.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model
 
     geo = geometry_of_model(model)
     inv_freq, scaling = _rope_of(model)

@@ -14,7 +14,7 @@ the parameter's default, so a parameter is declared once; the older ``defaults``
 >>> spec.check("window", -3)
 Traceback (most recent call last):
 ...
-polykv.params.ParamError: parameter 'window' must be >= 1, got -3 (observation window)
+polykv.contract.params.ParamError: parameter 'window' must be >= 1, got -3 (observation window)
 """
 
 from __future__ import annotations

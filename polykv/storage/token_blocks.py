@@ -1,6 +1,6 @@
 """A stored stream (KIVI keys, KIVI values or passthrough) seen as the tensors that hold it.
 
-:class:`PackedStream` is the *token-blocks* view of :mod:`polykv.online_softmax`: attention reads
+:class:`PackedStream` is the *token-blocks* view of :mod:`polykv.attention.online_softmax`: attention reads
 it a block of tokens at a time (:meth:`PackedStream.read` dequantizes only that block, exactly as
 the store's ``dequantize`` would) or hands its codes, scales and residual to the fused decode
 kernel (:meth:`PackedStream.fused_decode`). Nothing is copied when a view is taken.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from polykv.adapters.quantizers import minmax
-from polykv.adapters.quantizers.storage import gather_tokens
+from polykv.storage import minmax
+from polykv.storage.store_checks import gather_tokens
 
 LAYOUTS = ("channel", "token", "none")
 
@@ -167,13 +167,13 @@ class PackedStream:
         """Whether :meth:`fused_decode` runs for ``query``: a CUDA query and Triton installed."""
         if query.device.type != "cuda":
             return False
-        from polykv.adapters.quantizers import kivi_triton
+        from polykv.attention import kivi_triton
 
         return kivi_triton.available()
 
     def fused_decode(self, query: torch.Tensor, values: "PackedStream", scaling: float) -> torch.Tensor:
         """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the Triton kernel."""
-        from polykv.adapters.quantizers.kivi_triton import decode_attention
+        from polykv.attention.kivi_triton import decode_attention
 
         return decode_attention(query, self, values, scaling=scaling)
 

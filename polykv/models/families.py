@@ -6,7 +6,7 @@ them) and sorts it into one of:
 
 * ``served``: the keep-everything plan reproduces vanilla transformers (prompt logits and greedy
   decoding, within :data:`TOL`), and a compressed plan (SnapKV prefill + H2O decode) equals the masked
-  full-cache reference of :mod:`polykv.reference`;
+  full-cache reference of :mod:`polykv.models.reference`;
 * ``refused``: :func:`polykv.apply` refuses it before anything is patched, with a one-line message
   naming the model type, the reason and what is served;
 * ``not a decoder``: encoder-decoder, composite (multimodal: its text model is listed on its own)
@@ -184,9 +184,9 @@ def check_family(model_type: str) -> FamilyResult:
     """Build ``model_type`` tiny and sort it (see the module docstring); exactness is measured, not assumed."""
     import polykv
     from polykv.errors import RuntimeConfigError
-    from polykv.geometry import geometry_from_config, geometry_of_model
+    from polykv.models.geometry import geometry_from_config, geometry_of_model
     from polykv.plan import OpSpec
-    from polykv.reference import masked_reference_logits, record_run
+    from polykv.models.reference import masked_reference_logits, record_run
 
     model, why = build(model_type)
     if model is None:

@@ -25,7 +25,7 @@ def register_solvers(register):
 @hookspec
 def register_allocators(register):
     """Register budget allocators: call ``register(AllocatorClass)`` once per Allocator subclass
-    (:mod:`polykv.allocators`); a plan's allocation group names one."""
+    (:mod:`polykv.contract.allocators`); a plan's allocation group names one."""
 
 
 @hookspec

@@ -52,7 +52,7 @@ def need_of(rule_class: Any) -> ModelDataNeed | None:
     need = getattr(rule_class, NEED_ATTRIBUTE, None)
     if need is not None and not isinstance(need, ModelDataNeed):
         raise TypeError(f"{getattr(rule_class, '__name__', rule_class)!r}.{NEED_ATTRIBUTE} must be a "
-                        f"polykv.model_data.ModelDataNeed or None, got {type(need).__name__}")
+                        f"polykv.contract.model_data.ModelDataNeed or None, got {type(need).__name__}")
     return need
 
 
@@ -110,7 +110,7 @@ MISSING_CHOICES = ("compute", "refuse")
 """What :func:`polykv.apply` does when a rule's data is neither given, nor in the plan's file, nor cached:
 ``compute`` it from the offline corpus (and cache it), or ``refuse`` in one line."""
 CORPUS_TEXTS = 4
-"""Offline-corpus texts (mixed prose and code, :mod:`polykv.corpus`, seed 0) the data is computed on."""
+"""Offline-corpus texts (mixed prose and code, :mod:`polykv.models.corpus`, seed 0) the data is computed on."""
 CORPUS_TOKENS = 512
 """Tokens taken from the start of each text."""
 
@@ -137,7 +137,7 @@ def corpus_batches(tokenizer: Any, device: Any) -> list:
     :data:`CORPUS_TOKENS` tokens of each, as LongTensor [1, T] on ``device``."""
     import torch
 
-    from polykv.corpus import corpus_texts
+    from polykv.models.corpus import corpus_texts
 
     return [torch.tensor([tokenizer.encode(t, add_special_tokens=False)[:CORPUS_TOKENS]], device=device)
             for t in corpus_texts("mixed", CORPUS_TEXTS, min_chars=4 * CORPUS_TOKENS, seed=0)]
@@ -226,7 +226,7 @@ def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside polykv above the caller (where the note points)."""
     import sys
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # polykv/, above contract/
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
         frame, level = frame.f_back, level + 1

@@ -38,7 +38,7 @@ class RecordedRun:
     """Per forward ``(stored, start, stop)``: ``stored`` a list of [B, Hkv, T] positions per layer before
     the forward (None for the prefill), the forward covering positions ``start .. stop - 1``."""
     geometry: Any
-    """:class:`polykv.geometry.ModelGeometry` of the model."""
+    """:class:`polykv.models.geometry.ModelGeometry` of the model."""
     allocations: dict = attrs.field(factory=dict)
     """``PlanCache.allocations()`` at the end of the run (allocated layers only)."""
     head_counts: list = attrs.field(factory=list)

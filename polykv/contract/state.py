@@ -6,7 +6,7 @@ The runtime keeps one per layer and op, and calls it in a fixed order:
 1. :meth:`RuleState.observe` after every attention forward of the layer, with an
    :class:`Observation` (the new post-RoPE queries, every key they attended, padding, positions);
 2. the rule reads it at selection time as ``ctx.state``;
-3. :meth:`RuleState.gather` with the layer's :class:`~polykv.selection.Selection` whenever tokens
+3. :meth:`RuleState.gather` with the layer's :class:`~polykv.contract.selection.Selection` whenever tokens
    are evicted, so per-token state stays aligned with storage (column ``j`` of a state tensor
    describes the token in storage column ``j``; new tokens are appended as the last columns);
 4. :meth:`RuleState.reset` when a new cache starts (a fresh state is built per cache, too);
@@ -32,10 +32,10 @@ from typing import Hashable, Iterator
 import attrs
 import torch
 
-from polykv.attention_signals import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS,  # noqa: F401
-                                     AttentionSignals, SignalRequest, attention_column_sums,
-                                     attention_column_sums_per_head, attention_last_rows, attention_probabilities,
-                                     lower_right_causal, signal_request)
+from polykv.attention.signals import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS,  # noqa: F401
+                                      AttentionSignals, SignalRequest, attention_column_sums,
+                                      attention_column_sums_per_head, attention_last_rows, attention_probabilities,
+                                      lower_right_causal, signal_request)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -176,7 +176,7 @@ class QueryWindow(RuleState):
 
     When every kept query came from this forward (the prompt, or the one query of a decode step for a
     window of 1) it also keeps their attention rows if the attention pass computed them
-    (:data:`LAST_ROWS`), so the rule's :meth:`~polykv.operators.SelectionContext.window_attention`
+    (:data:`LAST_ROWS`), so the rule's :meth:`~polykv.contract.rules.SelectionContext.window_attention`
     reads them instead of recomputing; they are dropped at the first eviction, after prefill and
     after every decode step.
     """

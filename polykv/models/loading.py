@@ -202,8 +202,8 @@ def default_model_config(*, cache_dir: str | os.PathLike | None = None):
 
 
 def default_geometry(*, cache_dir: str | os.PathLike | None = None):
-    """:class:`polykv.geometry.ModelGeometry` of the default model, with a config-only fingerprint."""
-    from polykv.geometry import geometry_from_config
+    """:class:`polykv.models.geometry.ModelGeometry` of the default model, with a config-only fingerprint."""
+    from polykv.models.geometry import geometry_from_config
 
     return geometry_from_config(default_model_config(cache_dir=cache_dir))
 
@@ -372,8 +372,8 @@ def model_config(name: str = "default", *, cache_dir: str | os.PathLike | None =
 
 
 def model_geometry(name: str = "default", *, cache_dir: str | os.PathLike | None = None):
-    """:class:`polykv.geometry.ModelGeometry` of a named model, with a config-only fingerprint."""
-    from polykv.geometry import geometry_from_config
+    """:class:`polykv.models.geometry.ModelGeometry` of a named model, with a config-only fingerprint."""
+    from polykv.models.geometry import geometry_from_config
 
     return geometry_from_config(model_config(name, cache_dir=cache_dir))
 

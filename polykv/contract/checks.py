@@ -14,7 +14,7 @@ allocator's budgets (shape, dtype, within its declared bound).
 *Expensive* (they read values or dequantize whole stores), on when the environment variable
 ``POLYKV_CHECK=1`` is set or ``polykv.apply(..., check=True)``: scores free of NaN where they decide
 (outside protected and padding columns), every store dequantized after each append, gather and write
-(shape and dtype), and a write's :class:`~polykv.operators.WriteCost` against its mask.
+(shape and dtype), and a write's :class:`~polykv.contract.stores.WriteCost` against its mask.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 
 from polykv.errors import PluginContractError
 from polykv.plan import PASSTHROUGH_BITS
-from polykv.reserve import reserved_stream_bytes
-from polykv.selection import Selection, as_selection
+from polykv.storage.reserve import reserved_stream_bytes
+from polykv.contract.selection import Selection, as_selection
 
 CHECK_ENV = "POLYKV_CHECK"
 """Environment variable that turns the expensive checks on (``1``) everywhere."""
@@ -85,7 +85,7 @@ def checked_selection(result, ctx, capacity: int, *, where: str) -> Selection:
     """
     if not isinstance(result, (torch.Tensor, Selection)):
         raise PluginContractError(f"{where} select() returned a {type(result).__name__}; expected a [B, Hkv, k] "
-                                  f"int64 tensor or a polykv.selection.Selection (fix the rule's select())")
+                                  f"int64 tensor or a polykv.contract.selection.Selection (fix the rule's select())")
     sel = as_selection(result)
     idx = sel.index
     B, Hkv, T = ctx.positions.shape
@@ -282,14 +282,14 @@ class StoreContract:
         return x
 
     def written(self, stream: str, store, mask: torch.Tensor, cost: Any) -> Any:
-        """A write's return value is a :class:`~polykv.operators.WriteCost`; with the expensive checks on, it
+        """A write's return value is a :class:`~polykv.contract.stores.WriteCost`; with the expensive checks on, it
         wrote exactly the masked tokens and its re-encode counts are not negative."""
-        from polykv.operators import WriteCost
+        from polykv.contract.stores import WriteCost
 
         head = self._head(stream, "decode")
         if not isinstance(cost, WriteCost):
             raise PluginContractError(f"{head} write() returned a {type(cost).__name__}; expected a "
-                                      f"polykv.operators.WriteCost (fix the store's write())")
+                                      f"polykv.contract.stores.WriteCost (fix the store's write())")
         if self.full:
             n = int(mask.sum())
             if cost.tokens_written != n or min(cost.tokens_requantized, cost.groups_requantized) < 0:
@@ -300,7 +300,7 @@ class StoreContract:
 
     def _check_bytes(self, storage) -> None:
         """Right after the prompt is stored each store is fresh: reserved, then appended once; its resident
-        bytes must equal :func:`polykv.reserve.reserved_stream_bytes` (the memory model's prediction)."""
+        bytes must equal :func:`polykv.storage.reserve.reserved_stream_bytes` (the memory model's prediction)."""
         held = self.storage_dtype or self.dtype
         for stream, store, n, B, H in self._stores(storage):
             spec = self.streams[stream]

@@ -1,14 +1,12 @@
-"""Operator adapter contracts (v2): retention rules and quantizers.
+"""The retention-rule contract (v2): what a rule plugin implements.
 
 A *retention rule* decides which stored tokens a layer keeps. It never touches the model or the
 cache storage: the runtime hands it a :class:`SelectionContext` and the rule returns a
-:class:`~polykv.selection.Selection` (kept columns per KV head, ragged counts allowed, an optional
+:class:`~polykv.contract.selection.Selection` (kept columns per KV head, ragged counts allowed, an optional
 merge of evicted tokens into kept ones), or simply an index tensor. A rule that remembers
-something between forwards owns a :class:`~polykv.rule_state.RuleState` (:meth:`RetentionRule.new_state`).
-A *quantizer* turns a layer's keys or values into a :class:`KVStore` (codes + scales) that supports
-append, gather-by-index without requantizing, a write path for merges (requantizing only the
-groups it touches), dequantization, and an exact byte count that :mod:`polykv.memory` predicts.
-Budgets decided at run time come from allocators (:mod:`polykv.allocators`).
+something between forwards owns a :class:`~polykv.contract.state.RuleState` (:meth:`RetentionRule.new_state`).
+Quantizers and their stores have their own contract (:mod:`polykv.contract.stores`).
+Budgets decided at run time come from allocators (:mod:`polykv.contract.allocators`).
 
 Shapes: B batch, H query heads, Hkv key/value heads, G = H // Hkv, T stored tokens, d head dim.
 """
@@ -21,10 +19,11 @@ from typing import Any, Callable, ClassVar, Mapping
 import attrs
 import torch
 
-from polykv.contract_checks import check_deciding_scores, checked_scores, checks_enabled
-from polykv.params import DeclaredParams
-from polykv.rule_state import AccumulatedAttention, QueryWindow, RuleState
-from polykv.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
+from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
+from polykv.contract.params import DeclaredParams
+from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
+from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
+from polykv.contract.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
 
 PHASES = ("prefill", "decode")
 
@@ -44,7 +43,7 @@ class SelectionContext:
     ``keys``, ``positions``, ``tokens_seen``, ``scaling`` and ``layer_idx``/``phase`` are always
     set; ``state`` is the rule's own state (:meth:`RetentionRule.new_state`); ``queries`` /
     ``query_positions`` and ``accumulated`` / ``query_counts`` are filled from the built-in helpers
-    :class:`~polykv.rule_state.QueryWindow` and :class:`~polykv.rule_state.AccumulatedAttention`
+    :class:`~polykv.contract.state.QueryWindow` and :class:`~polykv.contract.state.AccumulatedAttention`
     when the rule's state is (or contains) one. In a ragged layer storage is padded to the longest
     head: ``valid`` marks real tokens, and padding columns sit before each head's tokens.
     """
@@ -108,7 +107,7 @@ class SelectionContext:
 
         Causal: a query at position p sees only stored tokens with position <= p (padding never).
         The rows the prefill attention pass already computed for these queries over these keys
-        (kept by the state's :class:`~polykv.rule_state.QueryWindow`) are returned as they are;
+        (kept by the state's :class:`~polykv.contract.state.QueryWindow`) are returned as they are;
         otherwise they are computed in float32 from ``queries`` and ``keys``, the G query heads of a
         KV head folded into the row axis (keys are never repeated), in query chunks.
         """
@@ -162,8 +161,8 @@ class RetentionRule(DeclaredParams):
 
     Subclasses set the class attributes and implement :meth:`select` (or :meth:`score`, when
     deriving from :class:`ScoredRule`). Parameters are keyword arguments declared in
-    ``param_specs`` (:class:`polykv.params.ParamSpec` with the reference default; ``defaults`` is
-    derived from them, see :class:`polykv.params.DeclaredParams`); unknown parameters are an error.
+    ``param_specs`` (:class:`polykv.contract.params.ParamSpec` with the reference default; ``defaults`` is
+    derived from them, see :class:`polykv.contract.params.DeclaredParams`); unknown parameters are an error.
     Plan validation builds the rule (``cls(**params)``), so checks in ``__init__`` fail when a plan
     is loaded, naming the file, layer and field.
     """
@@ -190,8 +189,8 @@ class RetentionRule(DeclaredParams):
         """The state this rule keeps per layer, or None. Called once per layer per new cache.
 
         The default builds the built-in helper the class's ``signal`` names: a
-        :class:`~polykv.rule_state.QueryWindow` of :meth:`query_window` queries, or
-        :class:`~polykv.rule_state.AccumulatedAttention`.
+        :class:`~polykv.contract.state.QueryWindow` of :meth:`query_window` queries, or
+        :class:`~polykv.contract.state.AccumulatedAttention`.
         """
         if self.signal == SIGNAL_ACCUMULATED:
             return AccumulatedAttention()
@@ -199,7 +198,7 @@ class RetentionRule(DeclaredParams):
         return QueryWindow(w) if w else None
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
-        """The tokens to keep: a :class:`~polykv.selection.Selection`, or [B, Hkv, capacity] int64
+        """The tokens to keep: a :class:`~polykv.contract.selection.Selection`, or [B, Hkv, capacity] int64
         indices ascending along the last dim (every head keeps ``capacity``).
 
         A ragged Selection may give each head its own count; the layer's total (the sum of the
@@ -259,98 +258,6 @@ class ScoredRule(RetentionRule):
         if ctx.checks:
             check_deciding_scores(self, scores, ctx)
         return ragged_top_k(scores, counts)
-
-
-# -- quantizers ----------------------------------------------------------------------------------
-
-class KVStore:
-    """Storage of one tensor stream (keys or values) of one layer: [B, Hkv, T, d] logically."""
-
-    def append(self, x: torch.Tensor) -> None:
-        """Append [B, Hkv, t, d] new tokens."""
-        raise NotImplementedError
-
-    def gather(self, index: torch.Tensor) -> None:
-        """Keep only tokens ``index`` [B, Hkv, k] (ascending); survivors keep their codes and scales."""
-        raise NotImplementedError
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for ``tokens`` tokens per head, so that appends up to that many do not reallocate
-        (the runtime calls it when the prompt is stored and after each eviction, with the policy of
-        :mod:`polykv.reserve`). A store may also release room beyond ``max(tokens, len(self))``.
-        Optional: the default does nothing (a store that allocates as it goes)."""
-
-    def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":
-        """Overwrite the tokens where ``mask`` [B, Hkv, T] (bool, storage order) is True with the
-        same columns of ``x`` [B, Hkv, T, d]. A quantized store re-encodes only the quantization
-        groups holding written tokens and says how many in the returned :class:`WriteCost`.
-        Optional: stores without it cannot serve merging rules (the runtime says so)."""
-        raise NotImplementedError(f"{type(self).__name__} has no write path; merging rules need one")
-
-    def split_heads(self) -> list["KVStore"]:
-        """One store per (batch row, KV head), row-major, holding that head's tokens without
-        re-encoding them. Optional: needed when a layer turns ragged after its stores were filled."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be split per head")
-
-    def dequantize(self) -> torch.Tensor:
-        """[B, Hkv, T, d] tensor in the compute dtype."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def resident_bytes(self) -> int:
-        """Exact bytes held: codes + scales/zeros + full-precision residual (tensor storage only)."""
-        raise NotImplementedError
-
-
-@attrs.define(frozen=True)
-class WriteCost:
-    """What one :meth:`KVStore.write` cost: tokens written, and tokens/groups re-encoded because of it.
-
-    ``tokens_requantized`` counts every stored token whose codes were recomputed (written tokens and
-    the other members of the groups they share); 0 for a full-precision store or residual writes.
-    """
-
-    tokens_written: int = 0
-    tokens_requantized: int = 0
-    groups_requantized: int = 0
-
-    def __add__(self, other: "WriteCost") -> "WriteCost":
-        return WriteCost(self.tokens_written + other.tokens_written,
-                         self.tokens_requantized + other.tokens_requantized,
-                         self.groups_requantized + other.groups_requantized)
-
-
-class Quantizer(DeclaredParams):
-    """Base class of quantizers. ``bits`` are the widths it stores; 16 always means passthrough.
-
-    Parameters are declared in ``param_specs`` (see :class:`polykv.params.DeclaredParams`).
-    """
-
-    plugin_kind = "quantizer"
-    name: ClassVar[str]
-    bits: ClassVar[frozenset[int]]
-    paper: ClassVar[str] = ""
-
-    def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
-        """An empty store for ``stream`` ("key" or "value") at ``bits``."""
-        raise NotImplementedError
-
-    def predict_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
-                      tokens: int, dtype_bytes: int) -> int:
-        """Exact resident bytes of a fresh store after ``tokens`` tokens were appended (in any
-        chunking) with no eviction since; ``dtype_bytes`` is the compute dtype's element size."""
-        raise NotImplementedError
-
-    def predict_reserved_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
-                               tokens: int, reserved: int, dtype_bytes: int) -> int:
-        """Exact resident bytes of a fresh store that was asked to :meth:`KVStore.reserve` ``reserved``
-        tokens and then received ``tokens`` tokens with no eviction. The default is
-        :meth:`predict_bytes` (a store whose ``reserve`` does nothing); a store that preallocates
-        overrides both."""
-        return self.predict_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens,
-                                  dtype_bytes=dtype_bytes)
 
 
 Register = Callable[[type], None]

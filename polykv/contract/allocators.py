@@ -10,7 +10,7 @@ Flow in the runtime, for one group:
 1. each group layer's prefill runs attention on the raw prompt as usual; its allocator state
    (:meth:`Allocator.new_state`) observes every forward of that layer;
 2. after the layer's last prefill forward the runtime calls :meth:`Allocator.layer_statistic` with
-   the layer's :class:`~polykv.operators.SelectionContext` and keeps the result; the layer's raw
+   the layer's :class:`~polykv.contract.rules.SelectionContext` and keeps the result; the layer's raw
    K/V wait, unselected;
 3. a cascading allocator (``cascades = True``) is asked to :meth:`Allocator.allocate` after every
    group layer, over the layers prefilled so far, and each of those layers is re-selected at its
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Sequence
 import attrs
 import torch
 
-from polykv.params import DeclaredParams
+from polykv.contract.params import DeclaredParams
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -56,8 +56,8 @@ class AllocationRequest:
 class Allocator(DeclaredParams):
     """Base class of allocators. Subclasses set the class attributes and implement the two methods.
 
-    Parameters are declared in ``param_specs`` (:class:`polykv.params.ParamSpec` with a default;
-    see :class:`polykv.params.DeclaredParams`); unknown names and values outside their specs are
+    Parameters are declared in ``param_specs`` (:class:`polykv.contract.params.ParamSpec` with a default;
+    see :class:`polykv.contract.params.DeclaredParams`); unknown names and values outside their specs are
     an error, raised when a plan naming the allocator is validated.
     """
 
@@ -77,7 +77,7 @@ class Allocator(DeclaredParams):
         return None
 
     def new_state(self):
-        """A :class:`~polykv.rule_state.RuleState` observing one group layer's prefill, or None."""
+        """A :class:`~polykv.contract.state.RuleState` observing one group layer's prefill, or None."""
         return None
 
     def layer_statistic(self, ctx) -> Any:

@@ -1,7 +1,7 @@
 """Preallocated token buffers and the 16-bit store built on them.
 
 :class:`TokenBuffer` is a ``[B, H, C, *trail]`` tensor whose first ``n`` token rows are in use:
-appends copy into rows ``n..n+t`` (growing, by :func:`polykv.reserve.grown_capacity`, only when they
+appends copy into rows ``n..n+t`` (growing, by :func:`polykv.storage.reserve.grown_capacity`, only when they
 do not fit), :meth:`TokenBuffer.gather` compacts the kept rows to the front of the same buffer, and
 reads are views (no copy). The runtime keeps positions in one; :class:`PassthroughStore` (the
 16-bit store: keys or values unquantized) keeps its tokens in another.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from polykv.operators import KVStore, WriteCost
-from polykv.reserve import grown_capacity
-from polykv.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes
+from polykv.contract.stores import KVStore, WriteCost
+from polykv.storage.reserve import grown_capacity
+from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes
 
 
 class TokenBuffer:
@@ -51,7 +51,7 @@ class TokenBuffer:
 
     def append(self, x: torch.Tensor, *, exact: bool = False) -> None:
         """Copy ``x`` [B, H, t, *trail] into the next ``t`` rows, growing when they do not fit (``exact``:
-        to exactly the rows in use, else by :func:`polykv.reserve.grown_capacity`)."""
+        to exactly the rows in use, else by :func:`polykv.storage.reserve.grown_capacity`)."""
         t, n = x.shape[2], self.length
         if self.data is None:
             self._resize((*x.shape[:2], *x.shape[3:]), max(t, self.pending) if exact else grown_capacity(t, self.pending))
@@ -89,7 +89,7 @@ class TokenBuffer:
 
     def replace(self, x: torch.Tensor, *, exact: bool = False) -> None:
         """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer, growing when
-        ``k`` rows do not fit (``exact``: to exactly ``k`` rows, else by :func:`polykv.reserve.grown_capacity`).
+        ``k`` rows do not fit (``exact``: to exactly ``k`` rows, else by :func:`polykv.storage.reserve.grown_capacity`).
         ``x`` may be the buffer's own first ``k`` rows (no copy then)."""
         k = x.shape[2]
         if self.data is not None and k <= self.capacity:
@@ -111,7 +111,7 @@ class PassthroughStore(KVStore):
     """One unquantized stream of one layer: [B, Hkv, T, d] in ``dtype`` on ``device``, in a preallocated
     :class:`TokenBuffer`.
 
-    Appends copy into free rows (growing by :data:`polykv.reserve.GROWTH_BLOCK` rows when full);
+    Appends copy into free rows (growing by :data:`polykv.storage.reserve.GROWTH_BLOCK` rows when full);
     :meth:`reserve` sizes the buffer; :meth:`gather` compacts in place; :meth:`dequantize` is a view.
     :meth:`resident_bytes` is the whole buffer, ``B * Hkv * C * d * dtype_bytes`` (C = rows reserved).
 
@@ -169,7 +169,7 @@ class PassthroughStore(KVStore):
     def token_blocks(self):
         """The stored tokens as a token-blocks view (a ``PackedStream`` with no codes; no copy). The
         view type lives with the quantizers' packed layouts, imported only when a block reader asks."""
-        from polykv.adapters.quantizers.packed_stream import PackedStream
+        from polykv.storage.token_blocks import PackedStream
 
         return PackedStream(layout="none", residual=self._data())
 
@@ -207,7 +207,7 @@ class PassthroughStore(KVStore):
 def passthrough_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int, dtype_bytes: int,
                       reserved: int = 0) -> int:
     """Resident bytes of a :class:`PassthroughStore` that reserved ``reserved`` tokens (0: none) and then
-    received ``tokens`` tokens without eviction (:func:`polykv.reserve.capacity_after`)."""
-    from polykv.reserve import capacity_after
+    received ``tokens`` tokens without eviction (:func:`polykv.storage.reserve.capacity_after`)."""
+    from polykv.storage.reserve import capacity_after
 
     return batch * kv_heads * capacity_after(tokens, reserved) * head_dim * dtype_bytes

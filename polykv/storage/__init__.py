@@ -1,0 +1,14 @@
+"""How a layer's tokens are held: building blocks for the runtime's stores and for quantizer plugins.
+
+- :mod:`polykv.storage.token_buffer` — a preallocated token buffer and the 16-bit passthrough store;
+- :mod:`polykv.storage.reserve` — the reserve policy (how many token rows a store preallocates);
+- :mod:`polykv.storage.store_checks` — shape checks of a store's inputs and the exact byte count;
+- :mod:`polykv.storage.token_blocks` — the token-blocks view of a stored stream (codes, scales,
+  residual) that attention reads a block at a time;
+- :mod:`polykv.storage.minmax` and :mod:`polykv.storage.packing` — min-max codes and their bit packing.
+
+A bottom layer: it imports only the plugin contract's store base classes, never the runtime.
+Import the modules themselves (this package re-exports nothing, so that the contract, which
+imports the reserve policy, and the token buffer, which implements the contract's store, never
+wait on each other).
+"""
