@@ -16,7 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache
