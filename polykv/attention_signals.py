@@ -86,9 +86,11 @@ def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: flo
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
+    if prefix and (visible is not None or positions is not None):
+        raise ValueError("attention_probabilities: prefix chunks need lower-right causality in storage order; "
+                         "drop prefix=True when passing visible or positions")
     work = query.dtype if eager else dtype
     kt = key.to(work).transpose(-1, -2)                                       # (B, Hkv, d, K)
-    qg = query.view(B, Hkv, G, q, d)
     pad = None if valid is None else ~valid.view(B, Hkv, 1, 1, K)
     sink = None if sinks is None else sinks.view(1, Hkv, G, 1, 1)
     if positions is not None:
@@ -103,11 +105,17 @@ def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: flo
             stop = min(q, start + max(1, chunk_elements // max(1, B * H * K)))
             width = K
         c = stop - start
-        rows = qg[:, :, :, start:stop].reshape(B, Hkv, G * c, d)
-        if eager:
-            logits = torch.matmul(rows, kt[..., :width]).view(B, Hkv, G, c, width) * scaling
+        # (B, Hkv, G*c, d) rows against (B, Hkv, d, width) keys; a single chunk (a decode step) takes no copies.
+        if c == q:
+            rows = query.reshape(B, Hkv, G * q, d)
         else:
-            logits = torch.matmul(rows.to(work) * scaling, kt[..., :width]).view(B, Hkv, G, c, width)
+            rows = query.view(B, Hkv, G, q, d)[:, :, :, start:stop].reshape(B, Hkv, G * c, d)
+        keys = kt if width == K else kt[..., :width]
+        if eager:
+            logits = torch.matmul(rows, keys).view(B, Hkv, G, c, width) * scaling
+        else:
+            logits = torch.matmul((rows if rows.dtype == work else rows.to(work)) * scaling, keys)
+            logits = logits.view(B, Hkv, G, c, width)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if visible is not None:
@@ -127,7 +135,7 @@ def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: flo
             both = both - both.max(dim=-1, keepdim=True).values
             probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
         else:
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32 if eager else work)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32) if eager else torch.softmax(logits, dim=-1)
         del logits
         yield start, probs
         start = stop

@@ -126,3 +126,9 @@ def test_chunked_attention_equals_the_full_matrix_times_values(chunk):
     got = chunked_attention(query, key, value, 0.3, valid, softcap=0.9, chunk_elements=chunk)
     want = torch.matmul(_plain(query, key, 0.3, _causal(valid), softcap=0.9), value.double().repeat_interleave(G, 1))
     assert got.shape == (B, H, q, d) and (got - want).abs().max() < 1e-5
+
+
+def test_prefix_chunks_refuse_another_mask():
+    query, key, _, _ = _inputs()
+    with pytest.raises(ValueError, match="prefix chunks need lower-right causality"):
+        next(attention_probabilities(query, key, 0.3, prefix=True, visible=_causal()[0, 0]))
