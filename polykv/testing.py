@@ -184,8 +184,8 @@ def feed_random(cache, geo, q: int, gen: torch.Generator, dtype: torch.dtype, ba
     H, Hkv, d, B = geo.num_heads, geo.num_kv_heads, geo.head_dim, batch
     for i, layer in enumerate(cache.layers):
         k, v = (torch.randn(B, Hkv, q, d, generator=gen).to(dtype) for _ in range(2))
-        cache.update(k, v, i)
-        layer.after_attention(torch.randn(B, H, q, d, generator=gen).to(dtype), d ** -0.5)
+        step = cache.begin(k, v, i)
+        layer.after_attention(step, torch.randn(B, H, q, d, generator=gen).to(dtype), d ** -0.5)
 
 
 def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int = 1, model_data=None, seed: int = 0,

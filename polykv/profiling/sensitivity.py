@@ -80,24 +80,23 @@ class PrefixRun:
         lp = LayerPlan(layer=cap.layer_idx, prefill=op, decode=FULL_OP)
         rule = ctx.registry.operator(rule_name)(**params)
         inv = None if ctx.rope_inv_freq is None else ctx.rope_inv_freq.to(cap.key.device)
+        self.generator = torch.Generator(device=cap.key.device)
+        """Reseeded before each selection (:meth:`select`)."""
         self.cache = PlanCache(specs=[LayerSpec(plan=lp, prefill_rule=rule)], registry=ctx.registry, decode_slack=1,
                                rope_inv_freq=inv, rope_scaling=ctx.rope_scaling, model_data=ctx.model_data,
-                               generator=None)
-        self.cache.prefill_continues = True               # observe now, select per capacity later
+                               generator=self.generator)
         layer = self.layer = self.cache.layers[0]
-        layer.update(cap.key[:, :, :prefix], cap.value[:, :, :prefix])
-        layer.after_attention(cap.query[:, :, :prefix], cap.scaling)
-        self._raw, self._states = layer._raw, layer.states
+        step = layer.begin(cap.key[:, :, :prefix], cap.value[:, :, :prefix], ends_prompt=False)  # select later
+        layer.after_attention(step, cap.query[:, :, :prefix], cap.scaling)
+        self._prompt, self._states = layer.prompt, layer.states
 
     def select(self, capacity: int) -> StorageView:
         """The prefix as the runtime stores it after selecting ``capacity`` tokens per head (merges applied)."""
         layer = self.layer
-        layer._raw, layer.states = self._raw, copy.deepcopy(self._states)
-        gen = torch.Generator(device=self.cap.key.device)
-        gen.manual_seed(derived_seed(self.ctx.seed, self.cap.layer_idx, self.rule_name, capacity))
-        self.cache.generator = gen
+        layer.prompt, layer.states = self._prompt, copy.deepcopy(self._states)
+        self.generator.manual_seed(derived_seed(self.ctx.seed, self.cap.layer_idx, self.rule_name, capacity))
         layer.select_prompt(capacity)
-        return layer._raw
+        return layer.prompt
 
 
 def followup_through_storage(cap: LayerCapture, prefix: int, kept: StorageView, k_bits: int, v_bits: int,

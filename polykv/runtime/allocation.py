@@ -22,19 +22,23 @@ from polykv.operators import SelectionContext  # noqa: F401 (the type allocators
 class GroupRun:
     """The state of one allocation group in one cache."""
 
-    def __init__(self, group, allocator, cache):
-        self.group, self.allocator, self.cache = group, allocator, cache
+    def __init__(self, group, allocator):
+        self.group, self.allocator = group, allocator
         self.statistics: dict[int, Any] = {}
         self.report: dict[int, dict[str, Any]] = {}
-        self.states = {}
-        for layer in group.layers:
-            state = allocator.new_state()
-            self.states[layer] = state
-            if state is not None:
-                cache.layers[layer].extra_states.append(state)
+        self.states = {layer: allocator.new_state() for layer in group.layers}
+        """Group layer -> the allocator's state observing its prefill (None when the allocator keeps none)."""
+        self.layers: dict[int, Any] = {}
+        """Group layer -> its :class:`~polykv.runtime.layer_cache.LayerCache` (each joins when it is built)."""
+
+    def join(self, layer):
+        """``layer`` (a LayerCache of this group) is built: record it; return the state it must let observe
+        its prefill (None: none)."""
+        self.layers[layer.layer_idx] = layer
+        return self.states[layer.layer_idx]
 
     def _context(self, layer) -> SelectionContext:
-        return layer.context("prefill", layer._raw, self.states[layer.layer_idx], values=True)
+        return layer.context("prefill", layer.prompt, self.states[layer.layer_idx], values=True)
 
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""
@@ -51,7 +55,7 @@ class GroupRun:
         if not (self.allocator.cascades or final):
             return
         T = layer.tokens_seen
-        layers = self.cache.layers
+        layers = self.layers
         caps = tuple(int(layers[i].spec.plan.prefill.resolve_capacity(T)) for i in self.group.layers)
         request = AllocationRequest(group_layers=tuple(self.group.layers), layers=done,
                                     statistics=tuple(self.statistics[i] for i in done), total=sum(caps),

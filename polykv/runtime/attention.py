@@ -2,14 +2,22 @@
 
 transformers 5.x calls ``fn(module, query, key, value, attention_mask, scaling=..., **kw)`` after the
 cache update, with post-RoPE ``query`` [B, H, q, d] and the unrepeated ``key``/``value``
-[B, Hkv, K, d] that :meth:`LayerCache.update` returned. The model-wide mask is ignored (it would be
-sized from layer 0); each layer's mask is built here from its own storage:
+[B, Hkv, K, d] that :meth:`LayerCache.update` returned. It passes no cache (measured on 5.24: the
+keyword arguments are ``dropout``, ``scaling``, ``position_ids``, ``use_cache``, ``sliding_window``,
+``softcap``, ``s_aux`` and router flags, never the cache), so the function reaches the cache through
+the module: the session serving it is the module's :data:`SESSION_ATTRIBUTE` while the session is
+active (:func:`bind`), and the session hands over the layer's
+:class:`~polykv.runtime.layer_cache.ForwardStep` (:meth:`Session.step_for`), which says what to attend.
+The function attends, then returns the step to :meth:`LayerCache.after_attention`.
+
+The model-wide mask is ignored (it would be sized from layer 0); each layer's mask is built here from
+its own step:
 
 * full attention: every stored token precedes the q new ones, so one lower-right causal [q, K] mask
   serves every head, whatever each head retained (a ragged layer's padding columns, ``valid``, are
   masked too);
 * sliding-window and chunked layers (:data:`polykv.geometry.WINDOWED`): the mask is computed from the
-  original position of every stored token per head (``LayerCache.positions``), so a query sees exactly
+  original position of every attended token per head (``ForwardStep.positions``), so a query sees exactly
   the tokens of its window or chunk, as in the model's own mask.
 
 Plain softmax attention runs in :func:`torch.nn.functional.scaled_dot_product_attention`; logit
@@ -18,8 +26,6 @@ in query chunks. GQA keys are never repeated in storage.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -34,41 +40,47 @@ from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
 
-_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
-"""Attention module -> the Session that serves it (set on ``__enter__``, removed on exit)."""
+SESSION_ATTRIBUTE = "polykv_session"
+"""Attribute of an attention module naming the Session that serves it (set on ``__enter__``, removed on exit)."""
 
 
 def bind(module: torch.nn.Module, session) -> None:
-    _BOUND[module] = session
+    """Let ``session`` serve ``module``'s attention (until :func:`unbind`)."""
+    module.__dict__[SESSION_ATTRIBUTE] = session
 
 
 def unbind(module: torch.nn.Module) -> None:
-    _BOUND.pop(module, None)
+    module.__dict__.pop(SESSION_ATTRIBUTE, None)
+
+
+def serving_session(module: torch.nn.Module):
+    """The session :func:`bind` gave ``module``, or None."""
+    return module.__dict__.get(SESSION_ATTRIBUTE)
 
 
 _EAGER_CHUNK_ELEMENTS = 1 << 22
 """Logits per query chunk of :func:`eager_attention` (16 MiB in float32)."""
 
 
-def window_visibility(layer, q: int) -> torch.Tensor | None:
-    """Which keys the q new queries of a windowed layer may see; None for a full-attention layer.
+def window_visibility(step, q: int) -> torch.Tensor | None:
+    """Which keys the q new queries of a windowed layer's ``step`` may see; None for a full-attention layer.
 
     Returns [q, K] bool during prefill (every head holds the raw prompt) and [B, Hkv, q, K] after it
     (heads may hold different tokens), from the original positions of the K attended keys.
     """
-    spec = layer.spec
-    if spec.window is None:
+    if step.window is None:
         return None
-    keys = layer.attend_positions()
-    if not layer.prefilled:
+    keys = step.positions
+    if step.phase == "prefill":
         keys = keys[0, 0]
-    rows = torch.arange(layer.tokens_seen, layer.tokens_seen + q, device=keys.device).unsqueeze(1)   # (q, 1)
+    first = step.first_position
+    rows = torch.arange(first, first + q, device=keys.device).unsqueeze(1)                         # (q, 1)
     cols = keys.unsqueeze(-2)                                                                       # (..., 1, K)
     visible = cols <= rows
-    if spec.attention_type == CHUNKED:
-        return visible & (torch.div(cols, spec.window, rounding_mode="floor")
-                          == torch.div(rows, spec.window, rounding_mode="floor"))
-    return visible & (cols > rows - spec.window)
+    if step.attention_type == CHUNKED:
+        return visible & (torch.div(cols, step.window, rounding_mode="floor")
+                          == torch.div(rows, step.window, rounding_mode="floor"))
+    return visible & (cols > rows - step.window)
 
 
 def _group_mask(visible: torch.Tensor, G: int, q: int) -> torch.Tensor:
@@ -137,14 +149,15 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def polykv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention interface: attend, then let the layer cache record signals and evict."""
-    session = _BOUND.get(module)
+    """transformers attention interface: attend as the layer's step says, then hand the step back to the
+    layer cache (its states observe, it selects or evicts)."""
+    session = serving_session(module)
     layer_idx = getattr(module, "layer_idx", None)
     if session is None:
         raise RuntimeConfigError(
             f"attention layer {layer_idx} runs with attn_implementation '{NAME}' but no polykv session serves it; "
             f"call the model inside 'with polykv.apply(model, plan) as session:'")
-    layer = session._layer_for(layer_idx, key)
+    layer, step = session.step_for(layer_idx, key)
     if attention_mask is not None:
         raise RuntimeConfigError(
             f"layer {layer_idx}: the attention function received a 4D attention mask (one passed by the caller, or "
@@ -155,27 +168,27 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if dropout and module.training:
         raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves attention in eval mode; this model "
                                  f"asks for attention dropout in training mode (call model.eval())")
-    _check_window(layer, layer_idx, kwargs.get("sliding_window"))
+    _check_window(step, layer_idx, kwargs.get("sliding_window"))
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    visible = window_visibility(layer, query.shape[2])
-    valid = layer.attend_valid()
+    visible = window_visibility(step, query.shape[2])
+    valid = step.valid
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    plain = softcap is None and sinks is None
     signals = None
-    layer.plain_attention = softcap is None and sinks is None
-    if layer.from_stores:
-        if not layer.plain_attention:  # known from the prefill forward, so never reached in practice
+    if step.stores is not None:
+        if not plain:  # known from the prefill forward, so never reached in practice
             raise RuntimeConfigError(f"layer {layer_idx}: attention read from the stores has no softcap or sinks, "
                                      f"but this forward asks for them; set the layer's read_stores = False")
-        out = attend_stores_of(layer.storage, query, scaling)
-    elif visible is None and layer.plain_attention:
-        out, signals = attention_and_signals(layer, query, key, value, scaling, valid)
-    elif softcap is None and sinks is None:
+        out = attend_stores_of(step.stores, query, scaling)
+    elif visible is None and plain:
+        out, signals = attention_and_signals(step, query, key, value, scaling, valid)
+    elif plain:
         out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
-    layer.after_attention(query, scaling, signals=signals)
+    layer.after_attention(step, query, scaling, signals=signals, plain=plain)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -187,11 +200,11 @@ def attend_stores_of(storage, query: torch.Tensor, scaling: float) -> torch.Tens
     return decode_attention_from_stores(query, storage.key_store, storage.value_store, scaling=scaling)
 
 
-def attention_and_signals(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+def attention_and_signals(step, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                           valid: torch.Tensor | None) -> tuple[torch.Tensor, AttentionSignals | None]:
-    """A forward of a full-attention layer: the output [B, H, q, d] and the signals its states need.
+    """A forward (``step``) of a full-attention layer: the output [B, H, q, d] and the signals its states need.
 
-    The layer's observing states declare what they read (``RuleState.needs``).
+    The states observing the step declare what they read (``RuleState.needs``).
     :func:`~polykv.runtime.signals.attention_with_signals` computes the output and every declared
     signal in one pass when that saves work: in prefill when some state reads column sums (every
     query row contributes), and in every decode step whose states read anything (one query row: its
@@ -200,20 +213,19 @@ def attention_and_signals(layer, query: torch.Tensor, key: torch.Tensor, value: 
     layer waiting for its allocation group holds no rows meanwhile), and the keep-everything plan
     stays vanilla.
     """
-    request = signal_request(layer.observing_states())
-    if request.needs_every_row or (request and layer.prefilled):
+    request = signal_request(step.states)
+    if request.needs_every_row or (request and step.phase == "decode"):
         return attention_with_signals(query, key, value, scaling, request, valid)
     return sdpa(query, key, value, scaling, valid), None
 
 
-def _check_window(layer, layer_idx, model_window) -> None:
+def _check_window(step, layer_idx, model_window) -> None:
     """The model's own ``sliding_window`` argument must agree with the layer's recorded attention type."""
-    spec = layer.spec
-    if model_window is None or (spec.attention_type == SLIDING and spec.window == int(model_window)):
+    if model_window is None or (step.attention_type == SLIDING and step.window == int(model_window)):
         return
     raise RuntimeConfigError(
         f"layer {layer_idx}: the model attends with sliding window {model_window} but its geometry records "
-        f"'{spec.attention_type}' (window {spec.window}); the config's layer_types/sliding_window disagree with "
+        f"'{step.attention_type}' (window {step.window}); the config's layer_types/sliding_window disagree with "
         f"the attention modules, so the polykv runtime cannot serve this model")
 
 

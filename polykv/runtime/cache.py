@@ -1,7 +1,8 @@
 """The plan-driven KV cache: a transformers ``Cache`` holding one
 :class:`~polykv.runtime.layer_cache.LayerCache` per decoder layer, and the allocation runs of the plan's
 layer groups. Create it with ``session.new_cache()``; the flow of a forward through one layer is in
-:mod:`polykv.runtime.layer_cache`.
+:mod:`polykv.runtime.layer_cache`: ``update`` (the model's call) records each layer's
+:class:`~polykv.runtime.layer_cache.ForwardStep` in ``layers[i].pending`` for the attention function.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from polykv.errors import RuntimeConfigError
-from polykv.runtime.layer_cache import LayerCache, LayerSpec
+from polykv.runtime.layer_cache import CacheSettings, LayerCache, LayerSpec
 
 
 def cache_keyword(model) -> str:
@@ -36,22 +37,20 @@ class PlanCache(Cache):
                  groups: tuple = (), storage_dtype: torch.dtype | None = None, check: bool = False):
         from polykv.runtime.allocation import GroupRun
 
-        self.registry, self.decode_slack = registry, decode_slack
-        self.storage_dtype = storage_dtype
-        """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
-        self.check = check
-        """Run the expensive plugin contract checks (:mod:`polykv.contract_checks`)."""
-        self.rope_inv_freq, self.rope_scaling = rope_inv_freq, rope_scaling
-        self.model_data, self.generator = model_data, generator
+        self.settings = CacheSettings(registry=registry, decode_slack=decode_slack, storage_dtype=storage_dtype,
+                                      check=check, rope_inv_freq=rope_inv_freq, rope_scaling=rope_scaling,
+                                      model_data=model_data, generator=generator)
+        """What every layer reads from the session (one object, shared by the layers)."""
         self.prefill_continues = False
         """True between the chunks of a chunked prefill (selection waits for the last chunk)."""
-        super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, owner=self) for s in specs])
-        self.runs = [GroupRun(group, allocator, self) for group, allocator in groups]
-        self._run_of = {layer: run for run in self.runs for layer in run.group.layers}
+        self.runs = [GroupRun(group, allocator) for group, allocator in groups]
+        run_of = {layer: run for run in self.runs for layer in run.group.layers}
+        super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, settings=self.settings,
+                                            group=run_of.get(s.plan.layer)) for s in specs])
 
     def group_run(self, layer_idx: int):
         """The allocation run of the group ``layer_idx`` belongs to, or None."""
-        return self._run_of.get(layer_idx)
+        return self.layers[layer_idx].group
 
     def allocations(self) -> dict[int, dict[str, Any]]:
         """Per allocated layer: ``budget`` (tokens per head: an int, or a list per KV head) and
@@ -62,7 +61,13 @@ class PlanCache(Cache):
         return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states)
+        """The model's call after RoPE: the layer begins its forward (its step waits in ``layers[i].pending``)."""
+        return self.layers[layer_idx].update(key_states, value_states, ends_prompt=not self.prefill_continues)
+
+    def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """:meth:`update` without the model: the layer's :class:`~polykv.runtime.layer_cache.ForwardStep`,
+        to hand to ``layers[layer_idx].after_attention`` (nothing is recorded in ``pending``)."""
+        return self.layers[layer_idx].begin(key_states, value_states, ends_prompt=not self.prefill_continues)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (drives new position ids), not tokens stored."""

@@ -171,7 +171,7 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
             model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache}, **keep)
         layers = []
         for layer, module, have in zip(cache.layers, session._modules, states):
-            raw = layer._raw
+            raw = layer.prompt
             layers.append(LayerSnapshot(keys=raw.keys, values=raw.values, positions=raw.positions,
                                         tokens_seen=layer.tokens_seen, states=have,
                                         scaling=_scaling(module, raw.keys.shape[-1])))
@@ -219,13 +219,13 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
 
         layer.states = {phase: restored(st) for phase, st in layer.states.items()}
         layer.extra_states = [restored(st) for st in layer.extra_states]
-        run = cache.group_run(layer.layer_idx)
+        run = layer.group
         if run is not None:
             run.states[layer.layer_idx] = layer.extra_states[0] if layer.extra_states else None
         layer.lazy_initialization(snap.keys, snap.values)
         layer.tokens_seen = snap.tokens_seen
         layer.scaling = snap.scaling
-        layer._raw = StorageView(keys=snap.keys, values=snap.values, positions=snap.positions, valid=None)
+        layer.prompt = StorageView(keys=snap.keys, values=snap.values, positions=snap.positions, valid=None)
         layer.end_prefill()
     return cache
 

@@ -3,16 +3,19 @@ holds one per layer inside a transformers ``Cache``.
 
 Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
 original position of every stored token, uniform or ragged across KV heads), its rule objects and
-their states (:mod:`polykv.rule_state`). A forward runs in two halves: ``update`` (called by the
-model right after RoPE) hands the attention function the keys and values to attend (and, for a
-ragged layer, which columns are padding); :meth:`LayerCache.after_attention` (called by the
-attention function) lets every state observe the forward, then selects and stores (prefill) or
-evicts (decode).
+their states (:mod:`polykv.rule_state`). A forward runs in two halves joined by one
+:class:`ForwardStep`: :meth:`LayerCache.begin` (reached through ``update``, which the model calls
+right after RoPE) takes the new keys and values and returns the step, which says what this forward
+attends (the prompt, the dense view of the stores, or the stores themselves), its padding and
+positions, and which states observe it; the attention function (:mod:`polykv.runtime.attention`)
+attends as the step says and hands it back to :meth:`LayerCache.after_attention`, which lets every
+state observe the forward, then selects and stores (prefill) or evicts (decode). Between the two
+halves the step is recorded in one place, :attr:`LayerCache.pending`.
 
 Prefill (the first forward on an empty cache, or every chunk of :meth:`Session.prefill`): attention
-runs on the raw prompt K/V; after the last chunk the prefill rule selects (merging, when its
-selection says so, in full precision) and only the survivors are appended to the stores
-(quantization happens after eviction and merging). A layer in an allocation group waits for its
+runs on the raw prompt K/V (:attr:`LayerCache.prompt`); after the last chunk the prefill rule selects
+(merging, when its selection says so, in full precision) and only the survivors are appended to the
+stores (quantization happens after eviction and merging). A layer in an allocation group waits for its
 allocator (:mod:`polykv.runtime.allocation`). Decode (every later forward, one token or many):
 append to the stores, attend, then evict with the decode rule once some head stores more than its
 capacity + ``decode_slack``; a merge is written into the stores (:meth:`KVStore.write`) before the
@@ -23,7 +26,7 @@ Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, q new tokens, d h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import attrs
 import torch
@@ -38,9 +41,6 @@ from polykv.rule_state import AccumulatedAttention, Observation, QueryWindow, st
 from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.selection import Selection, ragged_top_k
 from polykv.runtime.stores import new_store
-
-if TYPE_CHECKING:
-    from polykv.runtime.cache import PlanCache
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -60,6 +60,71 @@ class LayerSpec:
     """Most tokens per head the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
 
 
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class CacheSettings:
+    """What every layer of one cache reads from the session, passed to each :class:`LayerCache` at construction."""
+
+    registry: Any
+    """The plugin registry (the quantizers of the stores, the contract checks)."""
+    decode_slack: int
+    """Tokens a head may exceed its decode capacity by before the decode rule evicts (the plan's trigger)."""
+    storage_dtype: torch.dtype | None = None
+    """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
+    check: bool = False
+    """Run the expensive plugin contract checks (:mod:`polykv.contract_checks`)."""
+    rope_inv_freq: torch.Tensor | None = None
+    """[d/2] the model's RoPE inverse frequencies (for rules that undo or redo RoPE), or None."""
+    rope_scaling: float = 1.0
+    """The model's RoPE attention scaling."""
+    model_data: Mapping[str, Any] = attrs.field(factory=dict)
+    """Per-model data the plan's rules read (``apply(model_data=...)``)."""
+    generator: torch.Generator | None = None
+    """The generator of sampling rules (seeded once per cache)."""
+
+
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class ForwardStep:
+    """One forward through one layer: what :meth:`LayerCache.begin` made ready for the attention function,
+    and what :meth:`LayerCache.after_attention` finishes. K is the number of keys attended
+    (stored + q new; during prefill the whole prompt so far)."""
+
+    layer_idx: int
+    phase: str
+    """``"prefill"`` (the prompt is not stored yet) or ``"decode"``."""
+    view: StorageView
+    """The keys [B, Hkv, K, d] and values to attend (the model gets them from ``update``), their original
+    positions [B, Hkv, K] and the padding mask ``valid`` [B, Hkv, K] of a ragged layer (None: no padding).
+    When :attr:`stores` is set it holds only the q new keys and values, and no positions."""
+    stores: LayerStorage | None
+    """The layer's storage when this forward attends straight from its stores (no dense view built)."""
+    first_position: int
+    """Position of the first new token: tokens seen before this forward."""
+    states: tuple
+    """The rule (and allocator) states that observe this forward (empty: nothing observes it)."""
+    ends_prompt: bool
+    """Prefill: whether the prompt is complete after this forward (the prefill rule selects then)."""
+    attention_type: str
+    """The layer's attention type (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
+    window: int | None
+    """Sliding window or chunk size (None for full attention); the attention function's mask reads it."""
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.view.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.view.values
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return self.view.positions
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self.view.valid
+
+
 def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
     """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
     pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
@@ -77,34 +142,42 @@ class LayerCache(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, *, layer_idx: int, spec: LayerSpec, owner: "PlanCache"):
+    def __init__(self, *, layer_idx: int, spec: LayerSpec, settings: CacheSettings, group=None):
         super().__init__()
-        self.layer_idx, self.spec, self.owner = layer_idx, spec, owner
+        self.layer_idx, self.spec, self.settings = layer_idx, spec, settings
+        self.group = group
+        """The :class:`~polykv.runtime.allocation.GroupRun` of the allocation group this layer belongs to, or None."""
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
         self.storage = LayerStorage(self._new_store, self.reserve_for,
                                     exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
-                                    contract=StoreContract.for_plan_layer(layer_idx, spec.plan, owner.registry,
-                                                                          storage_dtype=owner.storage_dtype,
-                                                                          full=owner.check))
+                                    contract=StoreContract.for_plan_layer(layer_idx, spec.plan, settings.registry,
+                                                                          storage_dtype=settings.storage_dtype,
+                                                                          full=settings.check))
         self.states = new_rule_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
         self.extra_states: list = []
         """More states observing this layer (an allocator's, a prefill capture's)."""
+        if group is not None:
+            state = group.join(self)
+            if state is not None:
+                self.extra_states.append(state)
         self.budget: int | torch.Tensor | None = None
         """Capacity an allocator gave this layer: tokens per head, or [Hkv] per head; None = the plan's."""
         self.scaling: float | None = None
-        self._raw: StorageView | None = None      # the prompt (or its selection) before storage
-        self._view: StorageView | None = None     # what ``update`` returned for this forward
+        self.prompt: StorageView | None = None
+        """The prompt's keys, values and positions while prefill runs, unstored (after the prefill rule ran:
+        its selection); None once :meth:`store_prompt` moved it into the stores."""
+        self.pending: ForwardStep | None = None
+        """The step of the forward in progress, from :meth:`update` (the model's call) until the attention
+        function hands it to :meth:`after_attention`; None between forwards."""
         self.read_stores = True
         """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
         build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
         self.plain_attention = True
-        """Whether the model's attention here is a plain softmax (no logit softcap, no sinks); the
-        attention function records it on every forward, so it is known before the first decode step."""
-        self.from_stores = False
-        """Whether this forward attends from the stores (set by :meth:`update`)."""
+        """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as the last
+        :meth:`after_attention` was told; so it is known from the prefill forward on."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.reserve.layer_hold`):
@@ -118,15 +191,15 @@ class LayerCache(CacheLayerMixin):
                 cap = int(self.budget.max()) if isinstance(self.budget, torch.Tensor) else int(self.budget)
             else:
                 cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
-        return layer_hold(capacity=cap, decode_slack=self.owner.decode_slack, bound=self.spec.token_bound)
+        return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
         """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.reserve.reserve_tokens`)."""
         return reserve_tokens(kept, self.hold_tokens(kept, ragged))
 
     def _new_store(self, stream: str):
-        return new_store(self.owner.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
-                         storage_dtype=self.owner.storage_dtype)
+        return new_store(self.settings.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
+                         storage_dtype=self.settings.storage_dtype)
 
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -138,22 +211,22 @@ class LayerCache(CacheLayerMixin):
 
     def num_stored(self) -> int:
         """Stored tokens of the longest head (the raw prompt during prefill)."""
-        if self._raw is not None:
-            return int(self._raw.positions.shape[-1])
+        if self.prompt is not None:
+            return int(self.prompt.positions.shape[-1])
         return 0 if self.storage.shape is None else self.storage.width()
 
     def head_counts(self) -> torch.Tensor:
         """[B, Hkv] int64 tokens stored per head."""
-        if self._raw is not None:
-            B, H, T = self._raw.positions.shape
-            return torch.full((B, H), T) if self._raw.valid is None else self._raw.valid.sum(-1).cpu()
+        if self.prompt is not None:
+            B, H, T = self.prompt.positions.shape
+            return torch.full((B, H), T) if self.prompt.valid is None else self.prompt.valid.sum(-1).cpu()
         return self.storage.counts()
 
     @property
     def positions(self) -> torch.Tensor | None:
         """[B, Hkv, T] int64 original positions of the stored tokens (-1 on ragged padding)."""
-        if self._raw is not None:
-            return self._raw.positions
+        if self.prompt is not None:
+            return self.prompt.positions
         if self.storage.shape is None:
             return None
         return self.storage.positions if not self.storage.ragged else self.storage.view().positions
@@ -179,48 +252,50 @@ class LayerCache(CacheLayerMixin):
         return self.get_max_length()
 
     def reset(self) -> None:
-        self.__init__(layer_idx=self.layer_idx, spec=self.spec, owner=self.owner)
+        self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group)
 
-    @property
-    def _attend_k(self):
-        return None if self._view is None else self._view.keys
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True, **kwargs):
+        """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
+        attention function, and return the keys and values it attends."""
+        step = self.pending = self.begin(key_states, value_states, ends_prompt=ends_prompt)
+        return step.keys, step.values
 
-    def attend_positions(self) -> torch.Tensor:
-        """[B, Hkv, K] original positions of this forward's keys (-1 on ragged padding)."""
-        return self._view.positions
+    def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, *, ends_prompt: bool = True) -> ForwardStep:
+        """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.
 
-    def attend_valid(self) -> torch.Tensor | None:
-        """[B, Hkv, K] bool padding mask of this forward's keys (None when no head is padded)."""
-        return None if self._view is None else self._view.valid
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Take the q new post-RoPE keys/values [B, Hkv, q, d]; return the K/V to attend."""
+        Prefill: they join the unstored prompt, which the step attends. Decode: they are appended to the stores,
+        and the step attends the stores (:meth:`reads_stores`) or their dense view. ``ends_prompt``: whether
+        the prompt is complete after this forward (False between the chunks of a chunked prefill)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, Hkv, q, _ = key_states.shape
-        have = self._raw.positions.shape[0] if self._raw is not None else (self.storage.shape or (B,))[0]
+        have = self.prompt.positions.shape[0] if self.prompt is not None else (self.storage.shape or (B,))[0]
         if have != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {have} "
                                      f"but this forward has {B}; start a new cache with session.new_cache()")
+        stores = None
         if not self.prefilled:
             pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
             pos = pos.view(1, 1, q).expand(B, Hkv, q)
-            raw = self._raw
+            raw = self.prompt
             if raw is None:
-                self._raw = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
+                self.prompt = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
             else:
-                self._raw = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
-                                        values=torch.cat([raw.values, value_states], dim=2),
-                                        positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
-            self._view = self._raw
+                self.prompt = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
+                                          values=torch.cat([raw.values, value_states], dim=2),
+                                          positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
+            view = self.prompt
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            self.from_stores = self.reads_stores()
-            if self.from_stores:  # attention reads the stores (polykv.online_softmax); no dense view is built
-                self._view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
+            if self.reads_stores():  # attention reads the stores (polykv.online_softmax); no dense view is built
+                stores = self.storage
+                view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
-                self._view = self.storage.view()
-        return self._view.keys, self._view.values
+                view = self.storage.view()
+        spec = self.spec
+        return ForwardStep(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", view=view,
+                           stores=stores, first_position=self.tokens_seen, states=tuple(self.observing_states()),
+                           ends_prompt=ends_prompt, attention_type=spec.attention_type, window=spec.window)
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
@@ -249,47 +324,51 @@ class LayerCache(CacheLayerMixin):
                 out.append(st)
         return out
 
-    def after_attention(self, query: torch.Tensor, scaling: float, signals=None) -> None:
-        """Let every state observe the q new queries [B, H, q, d], then select (prefill) or evict (decode).
+    def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None, *,
+                        plain: bool = True) -> None:
+        """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d], then
+        select (prefill) or evict (decode).
 
-        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any."""
-        view = self._view
-        states = self.observing_states()
+        ``signals``: the :class:`~polykv.rule_state.AttentionSignals` the attention pass computed, if any.
+        ``plain``: whether the model's attention was a plain softmax (no softcap, no sinks): a later decode
+        forward reads the stores only then."""
+        self.plain_attention = plain
+        view = step.view
+        states = step.states
         if states:
-            obs = Observation(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill",
+            obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
-                              first_position=self.tokens_seen, scaling=scaling, signals=signals)
+                              first_position=step.first_position, scaling=scaling, signals=signals)
             for st in states:
                 st.observe(obs)
         self.tokens_seen += query.shape[2]
         self.scaling = scaling
         try:
             if not self.prefilled:
-                if not self.owner.prefill_continues:
+                if step.ends_prompt:
                     self.end_prefill()
             else:
-                self._maybe_evict()
+                self._maybe_evict(step)
                 for st in states:
                     st.after_decode_step()
         finally:
-            self._view = None
-            self.from_stores = False
+            if self.pending is step:
+                self.pending = None
 
     def end_prefill(self) -> None:
         """The prompt is complete: select and store now, or hand the layer to its allocation group."""
         bound = self.spec.token_bound
-        if bound is not None and self._raw.positions.shape[-1] > bound:
-            self._raw = self._keep_newest(self._raw, bound)
-        run = self.owner.group_run(self.layer_idx)
-        if run is not None:
-            run.layer_done(self)
+        if bound is not None and self.prompt.positions.shape[-1] > bound:
+            self.prompt = self._keep_newest(self.prompt, bound)
+        if self.group is not None:
+            self.group.layer_done(self)
             return
         self.select_prompt(self.spec.plan.prefill.resolve_capacity(self.tokens_seen))
         self.store_prompt()
 
     def select_prompt(self, capacity: int | None, head_capacity: torch.Tensor | None = None) -> None:
         """Run the prefill rule on the (raw or already selected) prompt when some head exceeds its budget."""
-        rule, raw = self.spec.prefill_rule, self._raw
+        rule, raw = self.spec.prefill_rule, self.prompt
         if rule is None or capacity is None:
             return
         if not self._over_budget(capacity, head_capacity, 0):
@@ -305,14 +384,14 @@ class LayerCache(CacheLayerMixin):
         positions = raw.positions.gather(-1, idx)
         if valid is not None:
             positions = positions.masked_fill(~valid, -1)
-        self._raw = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
+        self.prompt = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
 
     def store_prompt(self) -> None:
         """Move the (selected) prompt into the stores; only the decode rule's state stays."""
-        raw = self._raw
+        raw = self.prompt
         counts = raw.valid.sum(-1) if raw.valid is not None else None
         self.storage.fill(raw.keys, raw.values, raw.positions, counts)
-        self._raw = None
+        self.prompt = None
         pre, dec = self.states["prefill"], self.states["decode"]
         if dec is not None:
             dec.after_prefill()
@@ -342,11 +421,11 @@ class LayerCache(CacheLayerMixin):
         self.storage.evict(sel, view)
         return self.storage.view()
 
-    def _maybe_evict(self) -> None:
+    def _maybe_evict(self, step: ForwardStep) -> None:
+        view = step.view
         bound = self.spec.token_bound
         if bound is not None and self.storage.width() > bound:
-            view = self._keep_newest(self._view, bound)
-            self._view = view if self.spec.decode_rule is not None else None
+            view = self._keep_newest(view, bound)
         rule = self.spec.decode_rule
         if rule is None:
             return
@@ -357,16 +436,17 @@ class LayerCache(CacheLayerMixin):
             cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
         if cap is None:
             return
-        if not self._over_budget(cap, head_cap, self.owner.decode_slack):
+        if not self._over_budget(cap, head_cap, self.settings.decode_slack):
             return
-        view = self.storage.view() if self.from_stores else self._view  # stores read: build the view to select
+        if step.stores is not None:  # the stores were read: build the view to select
+            view = self.storage.view()
         sel = self.select(rule, "decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 
     def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
         """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
         contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
-        owner = self.owner
+        settings = self.settings
         window = state.component(QueryWindow) if state is not None else None
         acc = state.component(AccumulatedAttention) if state is not None else None
         return SelectionContext(
@@ -377,15 +457,15 @@ class LayerCache(CacheLayerMixin):
             values=view.values if values else None,
             accumulated=acc.sums if acc is not None else None,
             query_counts=acc.query_counts(view.positions) if acc is not None else None,
-            rope_inv_freq=owner.rope_inv_freq, rope_scaling=owner.rope_scaling, model_data=owner.model_data,
-            generator=owner.generator, state=state, valid=view.valid, head_capacity=head_capacity,
-            checks=owner.check)
+            rope_inv_freq=settings.rope_inv_freq, rope_scaling=settings.rope_scaling, model_data=settings.model_data,
+            generator=settings.generator, state=state, valid=view.valid, head_capacity=head_capacity,
+            checks=settings.check)
 
     def _over_budget(self, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
         """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv``
         tokens over its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them).
         With every head holding the same count this is "some head holds more than capacity + slack"."""
-        if self._raw is None:
+        if self.prompt is None:
             n, Hkv = self.storage.uniform_count(), self.storage.shape[1]
             if n is not None and head_capacity is None:
                 return n > capacity + slack                      # the decode hot path: plain ints

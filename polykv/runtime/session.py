@@ -388,10 +388,10 @@ class Session:
         cache = self._cache
         if cache is None:
             return
-        missed = [layer.layer_idx for layer in cache.layers if layer._attend_k is not None]
+        missed = [layer.layer_idx for layer in cache.layers if layer.pending is not None]
         if missed:
             for layer in cache.layers:
-                layer._view = None
+                layer.pending = None
             raise RuntimeConfigError(
                 f"model type '{model_type(self.model)}': layers {missed} stored keys but computed attention without "
                 f"the polykv attention function; this model cannot be served (supported are {SERVED})")
@@ -440,19 +440,22 @@ class Session:
         """The live cache: the last one created by :meth:`new_cache`, ``generate`` or :meth:`prefill`."""
         return self._cache
 
-    def _layer_for(self, layer_idx: int, key: torch.Tensor):
+    def step_for(self, layer_idx: int, key: torch.Tensor):
+        """``(layer cache, step)`` of the forward the attention function serves at ``layer_idx``: the step the
+        live cache's ``update`` recorded (:attr:`LayerCache.pending`), checked to be where ``key`` came from."""
         cache = self._cache
         layer = cache.layers[layer_idx] if cache is not None else None
-        if layer is not None and layer._attend_k is not None and layer._attend_k is not key:
+        step = layer.pending if layer is not None else None
+        if step is not None and step.keys is not key:
             raise RuntimeConfigError(
                 f"model type '{model_type(self.model)}', layer {layer_idx}: the attention module changed the keys "
                 f"between the cache update and attention, so what polykv stores is not what it attends; this "
                 f"model cannot be served (supported are {SERVED})")
-        if layer is None or layer._attend_k is not key:
+        if step is None:
             raise RuntimeConfigError(
                 f"layer {layer_idx} attended keys that did not come from this session's cache: pass "
                 f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
-        return layer
+        return layer, step
 
     def note_context(self, context_tokens: int) -> None:
         """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
