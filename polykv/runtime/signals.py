@@ -18,7 +18,6 @@ keys), d head dim.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
