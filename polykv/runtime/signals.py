@@ -18,7 +18,6 @@ keys), d head dim.
 
 from __future__ import annotations
 
-
 import torch
 
 from polykv.attention_signals import (AttentionSignals, SignalRequest, attention_column_sums, attention_probabilities,
