@@ -54,6 +54,10 @@ def token_blocks(store) -> TokenBlocks | None:
 class OnlineSoftmax:
     """Running softmax state of ``rows`` query rows: maximum, denominator and weighted value sum.
 
+    Not a form of :func:`polykv.attention.signals.attention_probabilities`: the blocks here never
+    become probabilities (each is exponentiated against a running maximum and folded into the
+    value sum), so no block's softmax is ever normalised on its own.
+
     Parameters
     ----------
     shape : tuple of int

@@ -14,6 +14,7 @@ keys are never repeated.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import attrs
@@ -29,44 +30,127 @@ def lower_right_causal(q: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k, device=device).unsqueeze(0) <= rows
 
 
+def chunk_rows(prefix: int, budget_rows: int, remaining: int) -> int:
+    """Rows n with n * (prefix + n) <= budget_rows (at least 1, at most ``remaining``)."""
+    n = int((-prefix + math.sqrt(prefix * prefix + 4.0 * budget_rows)) / 2)
+    return max(1, min(remaining, n))
+
+
 def attention_probabilities(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                            valid: torch.Tensor | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+                            valid: torch.Tensor | None = None, *, positions: tuple | None = None,
+                            visible: torch.Tensor | None = None, softcap: float | None = None,
+                            sinks: torch.Tensor | None = None, eager: bool = False,
+                            dtype: torch.dtype = torch.float32, prefix: bool = False,
+                            chunk_elements: int = _CHUNK_ELEMENTS) -> Iterator[tuple[int, torch.Tensor]]:
     """Softmax attention of the q new queries over ``key``, one query chunk at a time.
+
+    The one place polykv turns attention logits into probabilities; no T x T matrix is formed.
 
     Parameters
     ----------
     query : [B, H, q, d]
-        Post-RoPE queries of the new tokens (the last q of the K keys).
+        Post-RoPE queries.
     key : [B, Hkv, K, d]
-        Keys they attend (stored + new), unrepeated.
+        Keys they attend, unrepeated: the G = H // Hkv query heads of a KV head are folded into
+        the query-row axis.
     valid : [B, Hkv, K] bool, optional
         False on padding columns of a ragged layer; they get probability 0.
+    positions : (query_positions [q], key_positions [B, Hkv, K]), optional
+        Causal by original positions: a query sees the keys at positions <= its own; key position
+        -1 marks padding. Without ``positions`` or ``visible`` the q queries are the last q of the
+        K keys in storage order (lower-right causal).
+    visible : [q, K] or [B, Hkv, q, K] bool, optional
+        Which keys each query may see (True), replacing causality: a sliding window or chunk, or a
+        recorded mask.
+    softcap : float, optional
+        Logits become ``softcap * tanh(logits / softcap)`` before masking (Gemma 2).
+    sinks : [H], optional
+        One extra logit per query head joins every softmax and is then dropped (gpt-oss).
+    eager : bool
+        Compute as transformers' eager kernels do: logits in the query's dtype, scaled after the
+        product, softmax in float32 (in the logits' dtype with sinks). Otherwise the queries are scaled and the logits and softmax are in ``dtype``.
+    dtype : torch.dtype
+        Logits and softmax dtype when not ``eager`` (float32 unless the caller works wider).
+    prefix : bool
+        Lower-right causal only: a chunk's rows attend just the keys they can see (the prefix up to
+        the chunk's last own key), so the yielded rows are ``K - q + stop`` keys wide, and chunks
+        are sized so that ``rows * prefix`` fits ``chunk_elements / (B * H)``.
+    chunk_elements : int
+        Logits per query chunk.
 
     Yields
     ------
-    (start, probs) with probs [B, Hkv, G, c, K] float32 for query rows ``start .. start + c``.
-    The G query heads of a KV head are folded into the query-row axis: keys are never repeated.
+    (start, probs) with probs [B, Hkv, G, c, K'] for query rows ``start .. start + c`` (K' = K, or
+    the chunk's prefix with ``prefix``), float32 or ``dtype``.
     """
     B, H, q, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
     G = H // Hkv
-    kt = key.float().transpose(-1, -2)                                      # (B, Hkv, d, K)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, B * H * K))
-    qg = query.view(B, Hkv, G, q, d)
-    pad = None if valid is None else ~valid.view(B, Hkv, 1, K)
-    for start in range(0, q, rows):
-        stop = min(q, start + rows)
+    if prefix and (visible is not None or positions is not None):
+        raise ValueError("attention_probabilities: prefix chunks need lower-right causality in storage order; "
+                         "drop prefix=True when passing visible or positions")
+    work = query.dtype if eager else dtype
+    kt = key.to(work).transpose(-1, -2)                                       # (B, Hkv, d, K)
+    pad = None if valid is None else ~valid.view(B, Hkv, 1, 1, K)
+    sink = None if sinks is None else sinks.view(1, Hkv, G, 1, 1)
+    if positions is not None:
+        qpos = positions[0].to(positions[1].device).view(1, 1, 1, q, 1)
+        kpos = positions[1].view(B, Hkv, 1, 1, K)
+    start = 0
+    while start < q:
+        if prefix:
+            stop = start + chunk_rows(K - q + start, max(1, chunk_elements // (B * H)), q - start)
+            width = K - q + stop                                               # keys these rows may see
+        else:
+            stop = min(q, start + max(1, chunk_elements // max(1, B * H * K)))
+            width = K
         c = stop - start
-        chunk = qg[:, :, :, start:stop].float().reshape(B, Hkv, G * c, d) * scaling
-        logits = torch.matmul(chunk, kt).view(B, Hkv, G, c, K)              # (B, Hkv, G, c, K)
-        after = q - start - 1                                               # keys after row `start`'s own
-        if after > 0:  # row start + i sees none of the last `after` keys but the first i of them
-            later = torch.ones(c, after, dtype=torch.bool, device=key.device).triu_()
-            logits[..., K - after:].masked_fill_(later, float("-inf"))
+        # (B, Hkv, G*c, d) rows against (B, Hkv, d, width) keys; a single chunk (a decode step) takes no copies.
+        if c == q:
+            rows = query.reshape(B, Hkv, G * q, d)
+        else:
+            rows = query.view(B, Hkv, G, q, d)[:, :, :, start:stop].reshape(B, Hkv, G * c, d)
+        keys = kt if width == K else kt[..., :width]
+        if eager:
+            logits = torch.matmul(rows, keys).view(B, Hkv, G, c, width) * scaling
+        else:
+            logits = torch.matmul((rows if rows.dtype == work else rows.to(work)) * scaling, keys)
+            logits = logits.view(B, Hkv, G, c, width)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if visible is not None:
+            seen = visible[start:stop] if visible.dim() == 2 else visible[:, :, None, start:stop]
+            logits.masked_fill_(~seen, float("-inf"))
+        elif positions is not None:
+            logits.masked_fill_((kpos > qpos[..., start:stop, :]) | (kpos < 0), float("-inf"))
+        else:
+            after = width - (K - q + start) - 1                                # keys after row `start`'s own
+            if after > 0:  # row start + i sees none of the last `after` keys but the first i of them
+                later = torch.ones(c, after, dtype=torch.bool, device=key.device).triu_()
+                logits[..., width - after:].masked_fill_(later, float("-inf"))
         if pad is not None:
-            logits.masked_fill_(pad.unsqueeze(2), float("-inf"))
-        yield start, torch.softmax(logits, dim=-1)
+            logits.masked_fill_(pad[..., :width], float("-inf"))
+        if sink is not None:
+            both = torch.cat([logits, sink.to(logits.dtype).expand(B, Hkv, G, c, 1)], dim=-1)
+            both = both - both.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32) if eager else torch.softmax(logits, dim=-1)
         del logits
+        yield start, probs
+        start = stop
+
+
+def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                      valid: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """Attention output [B, H, q, dv] from :func:`attention_probabilities` (same arguments): each
+    chunk's probabilities meet the values in the values' dtype as soon as they are computed."""
+    B, H, q, _ = query.shape
+    Hkv = key.shape[1]
+    outs = [torch.matmul(probs.to(value.dtype).flatten(2, 3), value[:, :, :probs.shape[-1]])   # (B, Hkv, G*c, dv)
+            .view(B, Hkv, H // Hkv, probs.shape[3], -1)
+            for _, probs in attention_probabilities(query, key, scaling, valid, **options)]
+    return torch.cat(outs, dim=3).reshape(B, H, q, -1)
 
 
 def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,

@@ -19,6 +19,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import attrs
 import torch
 
+from polykv.attention.signals import attention_probabilities
 from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.contract.params import DeclaredParams
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
@@ -135,24 +136,12 @@ def window_rows(queries: torch.Tensor, query_positions: torch.Tensor, keys: torc
     The G query heads of a KV head are folded into the row axis (no copy of the keys per head);
     query rows run in chunks of at most 8 MiB of logits.
     """
-    B, H, w, d = queries.shape
+    B, H, w, _ = queries.shape
     Hkv, T = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    kt = keys.float().transpose(-1, -2)                                       # (B, Hkv, d, T)
-    qg = queries.view(B, Hkv, G, w, d)
-    qpos = query_positions.to(positions.device).view(1, 1, 1, w, 1)
-    pos = positions.view(B, Hkv, 1, 1, T)
-    out = torch.empty(B, Hkv, G, w, T, dtype=torch.float32, device=keys.device)
-    rows = max(1, _WINDOW_CHUNK_ELEMENTS // max(1, B * H * T))
-    for start in range(0, w, rows):
-        stop = min(w, start + rows)
-        c = stop - start
-        chunk = qg[:, :, :, start:stop].float().reshape(B, Hkv, G * c, d) * scaling
-        logits = torch.matmul(chunk, kt).view(B, Hkv, G, c, T)
-        hidden = (pos > qpos[..., start:stop, :]) | (pos < 0)                 # (B, Hkv, 1, c, T)
-        logits.masked_fill_(hidden, float("-inf"))
-        out[:, :, :, start:stop] = torch.softmax(logits, dim=-1)
-        del logits
+    out = torch.empty(B, Hkv, H // Hkv, w, T, dtype=torch.float32, device=keys.device)
+    for start, probs in attention_probabilities(queries, keys, scaling, positions=(query_positions, positions),
+                                                chunk_elements=_WINDOW_CHUNK_ELEMENTS):
+        out[:, :, :, start:start + probs.shape[3]] = probs                  # (B, Hkv, G, c, T)
     return out.view(B, H, w, T)
 
 

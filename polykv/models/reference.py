@@ -22,6 +22,8 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from polykv.attention.signals import chunked_attention
+
 REFERENCE_ATTENTION = "polykv_reference_masked_cache"
 _MASKS: dict[int, torch.Tensor] = {}
 
@@ -101,21 +103,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     allowed = _MASKS[module.layer_idx]
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    G = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
-    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling
-    softcap = kwargs.get("softcap")
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~allowed.repeat_interleave(G, 1), float("-inf"))
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if sinks is not None:
-        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1).to(logits.dtype)
-        both = torch.cat([logits, sink], dim=-1)
-        probs = torch.softmax(both - both.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs.to(value.dtype), v).transpose(1, 2).contiguous(), None
+    out = chunked_attention(query, key, value, scaling, visible=allowed, softcap=kwargs.get("softcap"),
+                            sinks=kwargs.get("s_aux", kwargs.get("sinks")), eager=True)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:

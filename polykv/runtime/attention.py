@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import CHUNKED, SLIDING
-from polykv.attention.signals import AttentionSignals, signal_request
+from polykv.attention.signals import AttentionSignals, chunked_attention, signal_request
 from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
@@ -144,33 +144,8 @@ def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``sinks`` [H]: one extra logit per head joins every softmax and is then dropped (gpt-oss).
     Shapes as :func:`sdpa`; queries run in chunks of at most 4 Mi logits.
     """
-    B, H, q, d = query.shape
-    Hkv, K = key.shape[1], key.shape[2]
-    G = H // Hkv
-    visible = _mask(q, K, query.device, visible, valid)
-    if visible is None:
-        visible = lower_right_causal(q, K, query.device)
-    qg = query.reshape(B, Hkv, G, q, d)
-    kt = key.transpose(-1, -2).unsqueeze(2)                                       # (B, Hkv, 1, d, K)
-    vg = value.unsqueeze(2)                                                       # (B, Hkv, 1, K, d)
-    sink = None if sinks is None else sinks.to(query.dtype).view(1, Hkv, G, 1, 1)
-    rows = max(1, _EAGER_CHUNK_ELEMENTS // max(1, B * H * K))
-    outs = []
-    for start in range(0, q, rows):
-        stop = min(q, start + rows)
-        logits = torch.matmul(qg[:, :, :, start:stop], kt) * scaling             # (B, Hkv, G, c, K)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        seen = visible[start:stop] if visible.dim() == 2 else visible[:, :, None, start:stop]
-        logits = logits.masked_fill(~seen, float("-inf"))
-        if sink is None:
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(value.dtype)
-        else:
-            both = torch.cat([logits, sink.expand(B, Hkv, G, stop - start, 1)], dim=-1)
-            both = both - both.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(value.dtype)
-        outs.append(torch.matmul(probs, vg))                                      # (B, Hkv, G, c, d)
-    return torch.cat(outs, dim=3).reshape(B, H, q, -1)
+    return chunked_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks,
+                             eager=True, chunk_elements=_EAGER_CHUNK_ELEMENTS)
 
 
 def polykv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

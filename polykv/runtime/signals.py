@@ -18,8 +18,6 @@ keys), d head dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from polykv.attention.signals import (AttentionSignals, SignalRequest, attention_column_sums, attention_probabilities,
@@ -31,12 +29,6 @@ __all__ = ["attention_column_sums", "attention_probabilities", "attention_with_s
 SIGNAL_CHUNK_ELEMENTS = 1 << 19
 """Float32 logits per query chunk of :func:`attention_with_signals` (2 MiB, so a chunk's logits and
 probabilities stay in cache; 8 MiB chunks were measurably slower on CPU)."""
-
-
-def _chunk_rows(prefix: int, budget_rows: int, remaining: int) -> int:
-    """Rows n with n * (prefix + n) <= budget_rows (at least 1, at most ``remaining``)."""
-    n = int((-prefix + math.sqrt(prefix * prefix + 4.0 * budget_rows)) / 2)
-    return max(1, min(remaining, n))
 
 
 def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -70,66 +62,49 @@ def attention_with_signals(query: torch.Tensor, key: torch.Tensor, value: torch.
     if H % Hkv or K < q:
         raise ValueError(f"attention of {q} queries over {K} keys with {H} query heads and {Hkv} KV heads: the keys "
                          f"must include the queries' own and the heads must group evenly")
-    G, dv, offset = H // Hkv, value.shape[-1], K - q
+    G, dv = H // Hkv, value.shape[-1]
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    keys = key.to(work)                                                    # no copy for float32 models
     if q == 1:
-        return _one_query(query, keys, value, scaling, request, valid, work)
-    # Rows ordered (query, head in group): a chunk of queries is one contiguous [n * G, d] block per KV head.
-    same = work == query.dtype  # float32: scale once here; 16-bit: read each chunk in float32, then scale
-    rows_q = (query * scaling if same else query).view(B, Hkv, G, q, d).transpose(2, 3).reshape(B, Hkv, q * G, d)
+        return _one_query(query, key, value, scaling, request, valid, work)
     device = query.device
-    out = torch.empty(B, Hkv, q * G, dv, dtype=query.dtype, device=device)
+    out = torch.empty(B, Hkv, G, q, dv, dtype=query.dtype, device=device)
     cols = torch.zeros(B, Hkv, K, dtype=torch.float32, device=device) if request.column_sums else None
     per_head = torch.zeros(B, Hkv, G, K, dtype=torch.float32, device=device) if request.column_sums_per_head else None
     r = min(int(request.last_rows), q)
-    rows = torch.zeros(B, Hkv, r, G, K, dtype=torch.float32, device=device) if r else None
-    pad = None if valid is None else ~valid.view(B, Hkv, 1, K)
-    budget_rows = max(1, chunk_elements // (B * H))
-    start = 0
-    while start < q:
-        n = _chunk_rows(offset + start, budget_rows, q - start)
-        stop, prefix = start + n, offset + start + n                        # these rows see keys < prefix
-        chunk = rows_q[:, :, start * G:stop * G] if same else rows_q[:, :, start * G:stop * G].to(work) * scaling
-        logits = torch.matmul(chunk, keys[:, :, :prefix].transpose(-1, -2))
-        if n > 1:  # query start + i sees the first i + 1 of the chunk's own n keys
-            logits.view(B, Hkv, n, G, prefix)[..., prefix - n + 1:].masked_fill_(
-                torch.ones(n, n - 1, dtype=torch.bool, device=device).triu_().view(n, 1, n - 1), float("-inf"))
-        if pad is not None:
-            logits.masked_fill_(pad[..., :prefix], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)                               # (B, Hkv, n * G, prefix) float32
-        del logits
-        out[:, :, start * G:stop * G] = torch.matmul(probs.to(value.dtype), value[:, :, :prefix])
+    rows = torch.zeros(B, Hkv, G, r, K, dtype=torch.float32, device=device) if r else None
+    # Each chunk of queries attends only the causal prefix of the keys it may see (K - q + its last row).
+    for start, probs in attention_probabilities(query, key, scaling, valid, dtype=work, prefix=True,
+                                                chunk_elements=chunk_elements):
+        n, prefix = probs.shape[3], probs.shape[4]                           # (B, Hkv, G, n, prefix)
+        stop = start + n
+        out[:, :, :, start:stop] = torch.matmul(probs.to(value.dtype).view(B, Hkv, G * n, prefix),
+                                                value[:, :, :prefix]).view(B, Hkv, G, n, dv)
         if cols is not None:
-            cols[..., :prefix] += probs.sum(dim=2)
+            cols[..., :prefix] += probs.sum(dim=(2, 3))
         if per_head is not None:
-            per_head[..., :prefix] += probs.view(B, Hkv, n, G, prefix).sum(dim=2)
+            per_head[..., :prefix] += probs.sum(dim=3)
         if rows is not None and stop > q - r:
             first = max(start, q - r)
             slots = slice(first - (q - r), stop - (q - r))                  # this chunk's own newest rows
-            rows[:, :, slots, :, :prefix] = probs.view(B, Hkv, n, G, prefix)[:, :, first - start:]
+            rows[:, :, :, slots, :prefix] = probs[:, :, :, first - start:]
         del probs
-        start = stop
-    out = out.view(B, Hkv, q, G, dv).transpose(2, 3).reshape(B, H, q, dv)
     signals = AttentionSignals(
         column_sums=cols,
         column_sums_per_head=None if per_head is None else per_head.view(B, H, K),
-        last_rows=None if rows is None else rows.transpose(2, 3).reshape(B, H, r, K))
-    return out, signals
+        last_rows=None if rows is None else rows.view(B, H, r, K))
+    return out.view(B, H, q, dv), signals
 
 
-def _one_query(query: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, scaling: float,
+def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                request: SignalRequest, valid: torch.Tensor | None, work: torch.dtype
                ) -> tuple[torch.Tensor, AttentionSignals]:
     """:func:`attention_with_signals` for a decode step (q = 1): the same products as the chunked loop's
     single chunk, without its bookkeeping; every signal is a view or a sum of the one probability row."""
-    B, H, _, d = query.shape
-    Hkv, K = keys.shape[1], keys.shape[2]
-    rows = (query * scaling if work == query.dtype else query.to(work) * scaling).view(B, Hkv, H // Hkv, d)
-    logits = torch.matmul(rows, keys.transpose(-1, -2))                      # (B, Hkv, G, K)
-    if valid is not None:
-        logits.masked_fill_(~valid.view(B, Hkv, 1, K), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    B, H = query.shape[:2]
+    K = key.shape[2]
+    # One chunk: its probabilities are [B, Hkv, G, 1, K], the G heads of a KV head its rows.
+    _, probs = next(attention_probabilities(query, key, scaling, valid, dtype=work))
+    probs = probs.squeeze(3)                                                  # (B, Hkv, G, K)
     out = torch.matmul(probs.to(value.dtype), value).to(query.dtype).view(B, H, 1, -1)
     return out, AttentionSignals(
         column_sums=probs.sum(dim=2) if request.column_sums else None,
