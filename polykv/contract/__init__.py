@@ -10,6 +10,7 @@ else of polykv. The modules behind it:
   top-k helpers;
 - :mod:`polykv.contract.state` — what a rule remembers between forwards (:class:`RuleState` and the
   built-in states);
+- :mod:`polykv.contract.probe` — a model pass after prefill a rule declares (:class:`ProbeChunk`);
 - :mod:`polykv.contract.stores` — quantizers and their stores (:class:`Quantizer`, :class:`KVStore`);
 - :mod:`polykv.contract.allocators` — run-time budget allocators (:class:`Allocator`);
 - :mod:`polykv.contract.params` — parameter declarations (:class:`ParamSpec`);
@@ -25,6 +26,7 @@ it from them would wait on itself.
 from polykv.contract.allocators import AllocationRequest, Allocator
 from polykv.contract.hookspecs import PROJECT, hookimpl
 from polykv.contract.model_data import ModelDataNeed, need_of, side_file
+from polykv.contract.probe import ProbeChunk, probe_tokens
 from polykv.contract.params import (NO_DEFAULT, DeclaredParams, ParamError, ParamSpec, UncheckedParamsWarning,
                                     check_params, resolve_params, unchecked_params, with_defaults)
 from polykv.contract.rules import (PHASES, SIGNAL_ACCUMULATED, SIGNAL_LAST_QUERY, SIGNAL_NONE, SIGNAL_PREROPE_STATS,
@@ -33,7 +35,8 @@ from polykv.contract.rules import (PHASES, SIGNAL_ACCUMULATED, SIGNAL_LAST_QUERY
 from polykv.contract.selection import (STREAMS, Merge, Selection, as_selection, newest_tokens, ragged_top_k,
                                        top_k_sorted)
 from polykv.contract.state import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS, AccumulatedAttention,
-                                   CompositeState, Observation, QueryWindow, RuleState, state_bytes)
+                                   CompositeState, Observation, QueryWindow, RuleState, attention_probabilities,
+                                   state_bytes)
 from polykv.contract.stores import KVStore, Quantizer, WriteCost
 from polykv.memory.schedules import pyramid_capacities, trim_to
 from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
@@ -47,7 +50,9 @@ __all__ = [
     "Selection", "Merge", "as_selection", "top_k_sorted", "ragged_top_k", "newest_tokens", "STREAMS",
     # what a rule remembers
     "RuleState", "QueryWindow", "AccumulatedAttention", "Observation", "CompositeState", "state_bytes",
-    "NEEDS", "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS",
+    "NEEDS", "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS", "attention_probabilities",
+    # a model pass after prefill
+    "ProbeChunk", "probe_tokens",
     # quantizers and stores
     "Quantizer", "KVStore", "WriteCost",
     # allocators and their shared schedule

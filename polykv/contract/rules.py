@@ -22,6 +22,7 @@ import torch
 from polykv.attention.signals import attention_probabilities
 from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.contract.params import DeclaredParams
+from polykv.contract.probe import ProbeChunk  # noqa: F401 (the type probe_chunks returns)
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
 from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
 from polykv.contract.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
@@ -173,6 +174,21 @@ class RetentionRule(DeclaredParams):
         if cls.signal == SIGNAL_WINDOW:
             return int({**cls.defaults, **params}.get("window", 1))
         return 0
+
+    def probe_chunks(self, prompt_ids: torch.Tensor) -> "list[ProbeChunk] | None":
+        """The forwards of a model pass after prefill this rule needs (:mod:`polykv.contract.probe`), built
+        from the prompt's token ids [B, T]; None (the default): no probe.
+
+        A rule that returns chunks must serve the prefill op only, and its state must declare
+        ``observes_probe`` to see the probe's forwards. Raise ``ValueError`` (one line, naming the parameter)
+        when the probe cannot be built; the runtime reports it before the model runs.
+        """
+        return None
+
+    @classmethod
+    def declares_probe(cls) -> bool:
+        """Whether this rule class overrides :meth:`probe_chunks`."""
+        return cls.probe_chunks is not RetentionRule.probe_chunks
 
     def new_state(self) -> RuleState | None:
         """The state this rule keeps per layer, or None. Called once per layer per new cache.

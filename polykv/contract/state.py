@@ -27,7 +27,7 @@ attended by them (stored + new, padded across heads when the layer is ragged), d
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 import attrs
 import torch
@@ -44,7 +44,7 @@ class Observation:
 
     layer_idx: int
     phase: str
-    """``"prefill"`` or ``"decode"`` (the phase of the forward just run)."""
+    """``"prefill"``, ``"decode"`` or ``"probe"`` (the phase of the forward just run)."""
     query: torch.Tensor
     """[B, H, q, d] post-RoPE queries of the q new tokens."""
     keys: torch.Tensor
@@ -59,6 +59,10 @@ class Observation:
     """Attention scaling."""
     signals: AttentionSignals | None = None
     """What the attention pass already computed for the states of this layer (None: nothing)."""
+    probe: Any = None
+    """The :class:`~polykv.contract.probe.ProbeChunk` of a probe forward (``phase == "probe"``: ``query`` holds the
+    chunk's queries, ``keys`` the whole prompt's then the chunk's own, ``first_position`` the prompt length);
+    None for every prompt and decode forward."""
     _computed: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
     @property
@@ -122,6 +126,9 @@ class RuleState:
     that declares nothing still gets everything, computed when it asks."""
     needed_rows: int = 0
     """With :data:`LAST_ROWS` in ``needs``: how many of the newest attention rows ``observe`` reads."""
+    observes_probe: bool = False
+    """True: :meth:`observe` also sees the forwards of a probe (:mod:`polykv.contract.probe`); every other
+    state sees only the prompt's and decode forwards."""
 
     def observe(self, obs: Observation) -> None:
         """Record one attention forward; per-token tensors grow by ``obs.num_new`` columns."""
@@ -310,10 +317,12 @@ class CompositeState(RuleState):
         # (the runtime reads needs from leaves(); these are the union, for anyone asking the composite)
         self.needs = frozenset().union(*(p.needs for p in self.parts))
         self.needed_rows = max((p.needed_rows for p in self.parts), default=0)
+        self.observes_probe = any(p.observes_probe for p in self.parts)
 
     def observe(self, obs: Observation) -> None:
         for p in self.parts:
-            p.observe(obs)
+            if obs.probe is None or p.observes_probe:
+                p.observe(obs)
 
     def gather(self, selection) -> None:
         for p in self.parts:

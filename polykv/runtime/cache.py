@@ -43,6 +43,13 @@ class PlanCache(Cache):
         """What every layer reads from the session (one object, shared by the layers)."""
         self.prefill_continues = False
         """True between the chunks of a chunked prefill (selection waits for the last chunk)."""
+        self.probe = None
+        """The :class:`~polykv.contract.probe.ProbeChunk` whose forward runs now (None: a prompt or decode
+        forward); set by the session around each probe forward."""
+        self.prompt_ids: torch.Tensor | None = None
+        """[B, T] the prompt's token ids so far, while a plan with a probe prefills (the probe is built from them)."""
+        self.probe_tokens = 0
+        """Extra forward tokens per batch row the probe ran (0: no probe)."""
         self.runs = [GroupRun(group, allocator) for group, allocator in groups]
         run_of = {layer: run for run in self.runs for layer in run.group.layers}
         super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, settings=self.settings,
@@ -62,7 +69,8 @@ class PlanCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """The model's call after RoPE: the layer begins its forward (its step waits in ``layers[i].pending``)."""
-        return self.layers[layer_idx].update(key_states, value_states, ends_prompt=not self.prefill_continues)
+        return self.layers[layer_idx].update(key_states, value_states, ends_prompt=not self.prefill_continues,
+                                             probe=self.probe)
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """:meth:`update` without the model: the layer's :class:`~polykv.runtime.layer_cache.ForwardStep`,

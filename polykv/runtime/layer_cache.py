@@ -107,6 +107,9 @@ class ForwardStep:
     """The layer's attention type (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
     window: int | None
     """Sliding window or chunk size (None for full attention); the attention function's mask reads it."""
+    probe: Any = None
+    """The :class:`~polykv.contract.probe.ProbeChunk` of a probe forward (phase ``"probe"``: it attends the
+    unselected prompt and its own keys, which are discarded after it), else None."""
 
     @property
     def keys(self) -> torch.Tensor:
@@ -254,11 +257,37 @@ class LayerCache(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
+               probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
         attention function, and return the keys and values it attends."""
-        step = self.pending = self.begin(key_states, value_states, ends_prompt=ends_prompt)
+        if probe is not None:
+            step = self.pending = self.begin_probe(key_states, value_states, probe)
+        else:
+            step = self.pending = self.begin(key_states, value_states, ends_prompt=ends_prompt)
         return step.keys, step.values
+
+    def begin_probe(self, key_states: torch.Tensor, value_states: torch.Tensor, probe) -> ForwardStep:
+        """A forward of a probe (:mod:`polykv.contract.probe`): its n keys/values [B, Hkv, n, d] attend after the
+        whole unselected prompt; the step's view joins them to the prompt without storing them, and only the
+        states that declare ``observes_probe`` observe it."""
+        raw = self.prompt
+        if self.prefilled or raw is None:
+            raise RuntimeConfigError(f"layer {self.layer_idx}: a probe forward runs only between the prompt and its "
+                                     f"selection, but this layer holds no unselected prompt")
+        B, Hkv, n, _ = key_states.shape
+        if raw.positions.shape[0] != B:
+            raise RuntimeConfigError(f"layer {self.layer_idx}: the probe has a batch of {B} but the prompt "
+                                     f"{raw.positions.shape[0]}; build one probe row per prompt row")
+        pos = torch.arange(self.tokens_seen, self.tokens_seen + n, device=key_states.device).view(1, 1, n)
+        view = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),                     # (B, Hkv, T + n, d)
+                           values=torch.cat([raw.values, value_states], dim=2),
+                           positions=torch.cat([raw.positions, pos.expand(B, Hkv, n)], dim=-1), valid=None)
+        states = tuple(st for st in self.observing_states() if getattr(st, "observes_probe", False))
+        spec = self.spec
+        return ForwardStep(layer_idx=self.layer_idx, phase="probe", view=view, stores=None,
+                           first_position=self.tokens_seen, states=states, ends_prompt=False,
+                           attention_type=spec.attention_type, window=spec.window, probe=probe)
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, *, ends_prompt: bool = True) -> ForwardStep:
         """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.
@@ -338,9 +367,14 @@ class LayerCache(CacheLayerMixin):
         if states:
             obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
-                              first_position=step.first_position, scaling=scaling, signals=signals)
+                              first_position=step.first_position, scaling=scaling, signals=signals,
+                              probe=step.probe)
             for st in states:
                 st.observe(obs)
+        if step.probe is not None:  # the probe's keys and values go with its step; nothing is stored or counted
+            if self.pending is step:
+                self.pending = None
+            return
         self.tokens_seen += query.shape[2]
         self.scaling = scaling
         try:

@@ -1,0 +1,205 @@
+"""KVzip: query-agnostic eviction scored by how much a context-reconstruction pass attends each token.
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv:2505.23416.
+Reference code: https://github.com/snu-mllab/KVzip (attention/score.py ``_get_score``, model/wrapper.py);
+kvpress ``KVzipPress`` (https://github.com/NVIDIA/kvpress, kvzip_press.py ``prepare``, ``score_kvzip``).
+
+After the prompt (a ``prefix_tokens`` prefix, e.g. chat template + system prompt, then the context c),
+the rule runs a probe (:mod:`polykv.contract.probe`): c is cut into chunks of ``chunk_size`` tokens and
+chunk i runs as ``P_i + suffix + c_i`` against the uncompressed prompt cache, where
+``P_0 = "\\n\\nRepeat the previous context exactly."`` and, for i > 0,
+``P_i = "\\n\\nRepeat the part of the previous context exactly, starting with"`` + the last
+``carry_tokens`` ids of c_{i-1}; ``suffix`` is the assistant header of the chat template. The probe's
+keys and values are discarded; the rule keeps the top ``capacity`` tokens per KV head of the scores
+(the per-layer budget, the reference's ``pair-uniform`` level).
+
+The runtime is tokenizer-free, so the three fixed strings arrive as token ids in the parameters
+``repeat_ids``, ``continue_ids`` and ``suffix_ids``; :func:`prompt_params` builds them from a tokenizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polykv.contract import (SIGNAL_NONE, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
+                             attention_probabilities)
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+"""P_0, the reconstruction prompt of the first chunk (reference and kvpress)."""
+CONTINUE_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+"""The prompt of every later chunk, followed by the last ``carry_tokens`` ids of the previous chunk (kvpress's
+string; the reference code ends it with a space)."""
+SINKS = ("tokens", "prefix")
+
+
+def prompt_params(tokenizer) -> dict:
+    """``{"repeat_ids", "continue_ids", "suffix_ids"}`` for ``tokenizer``: the two prompts' ids and the chat
+    template's assistant header after a user turn (kvpress's construction; ``"\\n"`` without a template)."""
+    def ids(text: str) -> list[int]:
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+    suffix = "\n"
+    if getattr(tokenizer, "chat_template", None):
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        suffix = text.split(separator)[1]
+    return {"repeat_ids": ids(REPEAT_PROMPT), "continue_ids": ids(CONTINUE_PROMPT), "suffix_ids": ids(suffix)}
+
+
+def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[int, int], sink: int,
+                          scaling: float) -> torch.Tensor:
+    """KVzip's score of the context chunk ``span`` from one probe forward: [B, Hkv, end - start] float32.
+
+    Parameters
+    ----------
+    query : [B, H, n, d] post-RoPE queries of the probe chunk's n tokens.
+    keys : [B, Hkv, T + n, d] post-RoPE keys: the T prompt tokens, then the chunk's own n.
+    span : (start, end) prompt tokens of the context chunk scored.
+    sink : the first ``sink`` prompt keys join every softmax (attention sinks, or the whole prefix).
+
+    Each query attends only [sink | keys[start:end] | its own chunk's keys up to itself] (softmax over that
+    subset, float32); the score of token j is the largest probability any of the n queries and the G query
+    heads of its KV head gives it. Query rows run in chunks (no n x (T + n) matrix for all heads at once).
+    """
+    B, H, n, _ = query.shape
+    start, end = span
+    T = keys.shape[2] - n
+    subset = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, T:]], dim=2)    # (B, Hkv, S + C + n, d)
+    best = None
+    for _, probs in attention_probabilities(query, subset, scaling):                        # (B, Hkv, G, c, S + C + n)
+        got = probs[..., sink:sink + end - start].amax(dim=(2, 3))                          # (B, Hkv, C)
+        best = got if best is None else torch.maximum(best, got)
+    return best
+
+
+class ReconstructionScores(RuleState):
+    """The scores of every prompt token, filled chunk by chunk from the probe's forwards ([B, Hkv, T] float32)."""
+
+    observes_probe = True
+    metadata_name = "rule_state"
+
+    def __init__(self, *, sink: str, n_sink: int, prefix_tokens: int):
+        self.sink, self.n_sink, self.prefix_tokens = sink, int(n_sink), int(prefix_tokens)
+        self.reset()
+
+    def reset(self) -> None:
+        self.scores: torch.Tensor | None = None
+
+    def observe(self, obs) -> None:
+        if obs.probe is None:  # the prompt's own forwards: nothing to record
+            return
+        T = obs.first_position
+        B, Hkv = obs.keys.shape[0], obs.keys.shape[1]
+        if self.scores is None or self.scores.shape != (B, Hkv, T):
+            self.scores = torch.zeros(B, Hkv, T, dtype=torch.float32, device=obs.keys.device)
+            if self.sink == "tokens":  # kvpress: the first n_sink tokens score 1.0, other prefix tokens 0
+                self.scores[..., :self.n_sink] = 1.0
+            else:  # the reference: the whole prefix is the sink, never evicted
+                self.scores[..., :self.prefix_tokens] = float("inf")
+        start, end = obs.probe.span
+        sink = min(self.n_sink, start) if self.sink == "tokens" else min(self.prefix_tokens, start)
+        self.scores[..., start:end] = reconstruction_scores(obs.query, obs.keys, (start, end), sink, obs.scaling)
+
+    def gather(self, selection) -> None:
+        if self.scores is not None:
+            self.scores = self.scores.gather(-1, selection.index)
+
+    def nbytes(self) -> int:
+        return 0 if self.scores is None else self.scores.numel() * 4
+
+    def predict_bytes(self, **shape) -> int:
+        return 0  # dropped with the prefill rule's state once the prompt is stored
+
+
+def _ids(name: str, value) -> None:
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f"parameter '{name}' must be a list of token ids (integers >= 0), got {value!r}")
+
+
+class KVzipRule(ScoredRule):
+    """Keep, per KV head, the ``capacity`` prompt tokens a context-reconstruction probe attends most.
+
+    Parameters
+    ----------
+    chunk_size : int, default 2048
+        Context tokens per reconstruction chunk (kvpress 2048; the reference code uses 2000).
+    carry_tokens : int, default 8
+        Ids of the previous chunk's end repeated after the continuation prompt (reference ``prev_postfix_size``).
+    sink : {"tokens", "prefix"}, default "tokens"
+        ``"tokens"`` (kvpress, the default): the first ``n_sink`` tokens join every softmax and score 1.0,
+        other prefix tokens score 0. ``"prefix"`` (the reference code): the whole ``prefix_tokens`` prefix
+        joins every softmax and is always kept.
+    n_sink : int, default 4
+        Attention-sink tokens with ``sink="tokens"``.
+    prefix_tokens : int, default 0
+        Prompt tokens before the context (chat template, system prompt): not reconstructed.
+    repeat_ids, continue_ids, suffix_ids : list of int
+        Token ids of :data:`REPEAT_PROMPT`, :data:`CONTINUE_PROMPT` and the assistant header for the model's
+        tokenizer (:func:`prompt_params`); required when the rule runs.
+    """
+
+    name = "kvzip"
+    phases = frozenset({"prefill"})
+    signal = SIGNAL_NONE
+    shared_across_heads = False
+    param_specs = {
+        "chunk_size": ParamSpec(int, default=2048, low=1, high=1 << 20, description="context tokens per chunk"),
+        "carry_tokens": ParamSpec(int, default=8, low=0, high=1 << 12,
+                                  description="previous chunk's last ids repeated in the next prompt"),
+        "sink": ParamSpec(str, default="tokens", choices=SINKS, description="attention sinks: n_sink tokens or the prefix"),
+        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens"),
+        "prefix_tokens": ParamSpec(int, default=0, low=0, high=1 << 30, description="prompt tokens before the context"),
+        "repeat_ids": ParamSpec(list, default=None, nullable=True, description="token ids of the first chunk's prompt"),
+        "continue_ids": ParamSpec(list, default=None, nullable=True, description="token ids of later chunks' prompt"),
+        "suffix_ids": ParamSpec(list, default=None, nullable=True, description="token ids of the assistant header"),
+    }
+    paper = ("Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction "
+             "(arXiv:2505.23416)")
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        for name in ("repeat_ids", "continue_ids", "suffix_ids"):
+            _ids(name, self.params[name])
+
+    def new_state(self) -> ReconstructionScores:
+        p = self.params
+        return ReconstructionScores(sink=p["sink"], n_sink=p["n_sink"], prefix_tokens=p["prefix_tokens"])
+
+    def probe_chunks(self, prompt_ids: torch.Tensor) -> list[ProbeChunk]:
+        """``P_i + suffix + c_i`` for each context chunk c_i of ``prompt_ids`` [B, T] after the prefix."""
+        p = self.params
+        missing = [k for k in ("repeat_ids", "continue_ids", "suffix_ids") if p[k] is None]
+        if missing:
+            raise ValueError(f"parameters {missing} are not set: they hold the token ids of the reconstruction "
+                             f"prompts for this model's tokenizer; set them from "
+                             f"polykv.adapters.rules.kvzip.prompt_params(tokenizer)")
+        B, T = prompt_ids.shape
+        prefix, size, carry = int(p["prefix_tokens"]), int(p["chunk_size"]), int(p["carry_tokens"])
+        if prefix >= T:
+            raise ValueError(f"parameter 'prefix_tokens' is {prefix} but the prompt has {T} tokens: no context is left "
+                             f"to reconstruct")
+
+        def row(ids):
+            return torch.tensor(ids, dtype=torch.long, device=prompt_ids.device).view(1, -1).expand(B, -1)
+
+        repeat, cont, suffix = row(p["repeat_ids"]), row(p["continue_ids"]), row(p["suffix_ids"])
+        prompt_ids = prompt_ids.long()
+        out, prev = [], None
+        for i, start in enumerate(range(prefix, T, size)):
+            end = min(start + size, T)
+            chunk = prompt_ids[:, start:end]
+            head = repeat if prev is None else torch.cat([cont, prev[:, prev.shape[1] - min(carry, prev.shape[1]):]], 1)
+            out.append(ProbeChunk(ids=torch.cat([head, suffix, chunk], dim=1), span=(start, end), index=i))
+            prev = chunk
+        return out
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        """The reconstruction scores of the stored prompt tokens: [B, Hkv, T] float32."""
+        state = ctx.state.component(ReconstructionScores) if ctx.state is not None else None
+        if state is None or state.scores is None or state.scores.shape != ctx.positions.shape:
+            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'kvzip' has no reconstruction scores for "
+                             f"the {ctx.num_stored} stored tokens: its probe runs only after a prompt forward inside "
+                             f"polykv.apply")
+        return state.scores
