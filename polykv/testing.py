@@ -206,7 +206,18 @@ def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int =
                 if rule is not None and type(rule) in counted:
                     rule.select = _counting(rule.select, calls, phase)
         cache = session.new_cache()
-        for q in [prompt] + [1] * steps:
+        chunks = None
+        if session._probe_layers:  # a probe rule: the prompt waits, the probe's forwards run, then layers select
+            chunks = session.probe_of(torch.randint(1, int(model.config.vocab_size), (batch, prompt), generator=gen))
+            cache.prefill_continues = True
+        feed_random(cache, geo, prompt, gen, dtype, batch)
+        if chunks is not None:
+            cache.prefill_continues = False
+            for chunk in chunks:
+                cache.probe = chunk
+                feed_random(cache, geo, chunk.num_tokens, gen, dtype, batch)
+            cache.end_probe(chunks)
+        for q in [1] * steps:
             feed_random(cache, geo, q, gen, dtype, batch)
         bytes_after = session.resident_bytes()
     return session, calls, bytes_after

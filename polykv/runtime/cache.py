@@ -75,7 +75,19 @@ class PlanCache(Cache):
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """:meth:`update` without the model: the layer's :class:`~polykv.runtime.layer_cache.ForwardStep`,
         to hand to ``layers[layer_idx].after_attention`` (nothing is recorded in ``pending``)."""
+        if self.probe is not None:
+            return self.layers[layer_idx].begin_probe(key_states, value_states, self.probe)
         return self.layers[layer_idx].begin(key_states, value_states, ends_prompt=not self.prefill_continues)
+
+    def end_probe(self, chunks) -> None:
+        """The probe's ``chunks`` have run (the prompt's forwards held every layer's selection): every layer
+        selects and stores its prompt now, in layer order (allocation groups included)."""
+        self.probe = None
+        self.prompt_ids = None
+        self.probe_tokens = sum(c.num_tokens for c in chunks)
+        for layer in self.layers:
+            if not layer.prefilled:
+                layer.end_prefill()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (drives new position ids), not tokens stored."""

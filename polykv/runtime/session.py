@@ -503,10 +503,7 @@ class Session:
                 forward(chunk.ids.to(ids.device), use_cache=True, **{self._cache_kw: cache}, **keep)
         finally:
             cache.probe = None
-        cache.probe_tokens = sum(c.num_tokens for c in chunks)
-        cache.prompt_ids = None
-        for layer in cache.layers:
-            layer.end_prefill()
+        cache.end_probe(chunks)
         return out
 
     def _require_active(self) -> None:
