@@ -574,6 +574,8 @@ class Session:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.note_context(ids.shape[1])
+        if self._probe_layers and isinstance(ids, torch.Tensor):
+            self.probe_of(ids)  # a probe that cannot run is refused before the model runs
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)

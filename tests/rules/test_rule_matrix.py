@@ -9,6 +9,7 @@ from polykv.adapters.rules import RULES
 from polykv.contract.rules import PHASES, SIGNALS, RetentionRule
 from polykv.models.query_stats import QueryStats
 from polykv.registry import Registry
+from polykv.contract.probe import ProbeChunk
 from polykv.contract.state import Observation
 from polykv.contract.selection import as_selection
 
@@ -27,7 +28,7 @@ def stats(L=1, H=4, d=8):
 def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
         ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
-         "scissorhands", "adakv", "cam", "d2o"])
+         "scissorhands", "adakv", "cam", "d2o", "kvzip"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -44,6 +45,13 @@ def observed_state(rule, ctx):
         state.observe(Observation(layer_idx=ctx.layer_idx, phase=ctx.phase, query=ctx.queries, keys=ctx.keys,
                                   positions=ctx.positions, valid=None, first_position=int(ctx.query_positions[0]),
                                   scaling=ctx.scaling))
+    if state is not None and state.observes_probe:  # a probe rule: one probe forward of the queries over every key
+        T, w = ctx.num_stored, ctx.queries.shape[2]
+        state.observe(Observation(layer_idx=ctx.layer_idx, phase="probe", query=ctx.queries,
+                                  keys=torch.cat([ctx.keys, ctx.keys[:, :, T - w:]], dim=2),
+                                  positions=ctx.positions, valid=None, first_position=T, scaling=ctx.scaling,
+                                  probe=ProbeChunk(ids=torch.zeros(ctx.keys.shape[0], w, dtype=torch.long),
+                                                   span=(0, T))))
     return state
 
 
@@ -74,7 +82,7 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
         assert torch.equal(idx[:, 0], idx[:, 1])
 
 
-PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv")
+PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv", "kvzip")  # kvzip: its probe needs the prompt
 
 
 def test_observation_window_rules_are_prefill_only():

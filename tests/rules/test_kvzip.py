@@ -1,0 +1,148 @@
+"""KVzip (adapters/rules/kvzip.py): the probe it builds, its scores against a loop-by-loop reference of the
+reference code's scoring (snu-mllab/KVzip attention/score.py ``_get_score``; kvpress ``score_kvzip``) on a
+tiny model, and the tokens it keeps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import polykv
+from polykv.adapters.rules.kvzip import KVzipRule, prompt_params
+from polykv.plan import OpSpec
+from polykv.runtime.cache import cache_keyword
+from polykv.testing import check_rule, tiny_model, token_ids
+from polykv.models.geometry import geometry_of_model
+
+IDS = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10, 11]}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+
+
+def test_probe_chunks_follow_the_reference_prompts():
+    rule = KVzipRule(**IDS, chunk_size=4, carry_tokens=2, prefix_tokens=3)
+    ids = torch.arange(100, 113).view(1, 13)                       # prefix 100-102, context 103-112
+    chunks = rule.probe_chunks(ids)
+    assert [c.span for c in chunks] == [(3, 7), (7, 11), (11, 13)]
+    assert chunks[0].ids.tolist() == [[5, 6, 7, 10, 11, 103, 104, 105, 106]]
+    assert chunks[1].ids.tolist() == [[8, 9, 105, 106, 10, 11, 107, 108, 109, 110]]
+    assert chunks[2].ids.tolist() == [[8, 9, 109, 110, 10, 11, 111, 112]]
+    assert KVzipRule(**IDS, carry_tokens=0, chunk_size=4).probe_chunks(ids)[1].ids.tolist() == \
+        [[8, 9, 10, 11, 104, 105, 106, 107]]
+
+
+_CAPTURED: list = []
+
+
+def _capture(module, query, key, value, attention_mask, **kwargs):
+    _CAPTURED.append((module.layer_idx, query.detach().clone(), key.detach().clone()))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def reference_scores(model, ids, chunks, *, sink_of, init):
+    """The reference code's scoring, loop by loop: a vanilla prefill, then every repeat chunk on a copy of the
+    full cache; per layer, KV head, query head of its group and repeat query, a float64 softmax over
+    [sink | the chunk's keys | the repeat keys up to the query]; the max over heads and queries."""
+    AttentionInterface.register("kvzip-capture", _capture)
+    AttentionMaskInterface.register("kvzip-capture", sdpa_mask)
+    cfg = model.config
+    saved = cfg._attn_implementation
+    cfg._attn_implementation = "kvzip-capture"
+    try:
+        with torch.no_grad():
+            cache = DynamicCache(config=cfg)
+            kw = cache_keyword(model)
+            model(ids, use_cache=True, **{kw: cache})
+            T = ids.shape[1]
+            L, Hkv, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+            G, d = H // Hkv, cfg.head_dim
+            scores = init(torch.zeros(L, Hkv, T, dtype=torch.float64))
+            for start, end, rep in chunks:
+                _CAPTURED.clear()
+                model(rep, use_cache=True, **{kw: copy.deepcopy(cache)})
+                n = rep.shape[1]
+                for layer, query, key in _CAPTURED:
+                    sink = sink_of(start)
+                    for h in range(Hkv):
+                        keys = torch.cat([key[0, h, :sink], key[0, h, start:end], key[0, h, T:]]).double()
+                        best = torch.zeros(end - start, dtype=torch.float64)
+                        for g in range(G):
+                            for i in range(n):
+                                logits = keys @ query[0, h * G + g, i].double() / d ** 0.5
+                                logits[sink + end - start + i + 1:] = float("-inf")      # causal on the repeat block
+                                probs = torch.softmax(logits, dim=0)
+                                best = torch.maximum(best, probs[sink:sink + end - start])
+                        scores[layer, h, start:end] = best
+    finally:
+        cfg._attn_implementation = saved
+    return scores
+
+
+def runtime_scores(model, plan, ids, monkeypatch):
+    got = {}
+    original = KVzipRule.score
+
+    def recording(self, ctx):
+        out = original(self, ctx)
+        got[ctx.layer_idx] = out.clone()
+        return out
+
+    monkeypatch.setattr(KVzipRule, "score", recording)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        session.prefill(ids)
+        kept = [layer.storage.view().positions[0] for layer in session.cache.layers]
+    return torch.stack([got[i][0] for i in sorted(got)]).double(), kept
+
+
+@pytest.mark.parametrize("sink", ["tokens", "prefix"])
+def test_scores_and_kept_tokens_equal_the_reference(model, sink, monkeypatch):
+    geo = geometry_of_model(model)
+    ids = token_ids(1, 45, seed=3)
+    params = dict(IDS, chunk_size=16, carry_tokens=4, n_sink=3, prefix_tokens=5, sink=sink)
+    capacity = 14
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=capacity, params=params), decode="full")
+    chunks = [(c.span[0], c.span[1], c.ids) for c in KVzipRule(**params).probe_chunks(ids)]
+    if sink == "tokens":  # kvpress: min(n_sink, chunk start) sink keys; the first n_sink tokens score 1, others 0
+        def init(s):
+            s[..., :3] = 1.0
+            return s
+        want = reference_scores(model, ids, chunks, sink_of=lambda start: min(3, start), init=init)
+    else:  # the reference code: the whole prefix is the sink and is always kept
+        def init(s):
+            s[..., :5] = float("inf")
+            return s
+        want = reference_scores(model, ids, chunks, sink_of=lambda start: 5, init=init)
+    got, kept = runtime_scores(model, plan, ids, monkeypatch)
+    assert got.shape == want.shape == (2, 2, 45)
+    finite = torch.isfinite(want)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert torch.allclose(got[finite], want[finite], atol=1e-6, rtol=1e-5)
+    assert float(want[finite].max()) > 0.05  # the scores are attention probabilities, not all zero
+    ref_kept = want.topk(capacity, dim=-1).indices.sort(dim=-1).values   # top int(T * r) per layer and head
+    for layer in range(2):
+        assert torch.equal(kept[layer], ref_kept[layer])
+
+
+def test_prompt_params_builds_ids_from_a_tokenizer():
+    class Tok:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(ch) for ch in text]
+
+    got = prompt_params(Tok())
+    assert got["repeat_ids"] == [ord(c) for c in "\n\nRepeat the previous context exactly."]
+    assert got["continue_ids"][-4:] == [ord(c) for c in "with"]
+    assert got["suffix_ids"] == [10]
+
+
+def test_check_rule_runs_kvzip_through_its_probe():
+    assert check_rule(KVzipRule, dict(IDS, chunk_size=16))["prefill"] == 2
