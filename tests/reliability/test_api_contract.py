@@ -376,6 +376,7 @@ RULE_OPTIONS = {
     # d2o refuses ragged heads, and its merge reads super().select() as a rectangular index, which per-head
     # budgets do not give (the selection check then refuses its indices in one line)
     "d2o": {"ragged": False},
+    "kvzip": {"params": {"repeat_ids": [5, 6], "continue_ids": [7], "suffix_ids": [8], "chunk_size": 16}},  # ids for the tiny vocab
 }
 ALLOCATOR_PARAMS = {"cake": {"window": 4}}   # the default window (32) exceeds the checker's capacities
 
