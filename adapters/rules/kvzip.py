@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import (SIGNAL_NONE, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
+from polykv.contract import (SIGNAL_NONE, ParamError, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
                              attention_probabilities)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -115,7 +115,7 @@ class ReconstructionScores(RuleState):
 
 def _ids(name: str, value) -> None:
     if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ValueError(f"parameter '{name}' must be a list of token ids (integers >= 0), got {value!r}")
+        raise ParamError(name, f"parameter '{name}' must be a list of token ids (integers >= 0), got {value!r}")
 
 
 class KVzipRule(ScoredRule):

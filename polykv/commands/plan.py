@@ -163,6 +163,38 @@ def absolute_capacities(plan) -> int:
                if not op.keeps_everything and op.capacity is not None)
 
 
+def probe_cost(plan, context: int, registry=None) -> str:
+    """One line on the plan's probe (a model pass after the prompt, :mod:`polykv.contract.probe`): which rule on
+    which layers, and the extra forward tokens it costs per sequence at ``context`` prompt tokens; "" without one."""
+    import torch
+
+    from polykv.contract.probe import probe_tokens
+    from polykv.runtime.session import _spans
+
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    found = {}
+    for lp in plan.layers:
+        op = lp.prefill
+        if op.keeps_everything or not registry.has("operator", op.rule):
+            continue
+        cls = registry.operator(op.rule)
+        if cls.declares_probe():
+            found.setdefault((op.rule, repr(sorted(op.params.items()))), (cls, op.params, []))[2].append(lp.layer)
+    parts = []
+    for (name, _), (cls, params, layers) in found.items():
+        try:
+            cost = probe_tokens(cls(**params).probe_chunks(torch.zeros(1, int(context), dtype=torch.long)) or [])
+            what = f"{cost} extra forward tokens ({cost / max(int(context), 1):.2f}x the prompt)"
+        except ValueError as exc:
+            what = f"cannot run as given: {exc}"
+        parts.append(f"rule '{name}' (layers {_spans(layers)}) runs a model pass after the {context}-token prompt: "
+                     f"{what}")
+    return "; ".join(parts)
+
+
 def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None) -> str:
     """Header, provenance and one row per layer: ops with capacities resolved at ``context``.
 
@@ -190,6 +222,9 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
         lines.append(f"note     {prov.note}")
     lines.append(f"decode eviction fires past capacity + {plan.trigger.decode_slack} tokens")
     lines.append(f"context  {context} tokens{context_note}")
+    probe = probe_cost(plan, context)
+    if probe:
+        lines.append("probe    " + probe)
     windowed = geometry is not None and hasattr(geometry, "windowed_layers") and geometry.windowed_layers()
     rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("ATTENTION",) if windowed else ())]
     for lp in plan.layers:

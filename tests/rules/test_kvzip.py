@@ -146,3 +146,21 @@ def test_prompt_params_builds_ids_from_a_tokenizer():
 
 def test_check_rule_runs_kvzip_through_its_probe():
     assert check_rule(KVzipRule, dict(IDS, chunk_size=16))["prefill"] == 2
+
+
+def test_plan_show_states_the_probe_cost_and_the_plan_round_trips(model, tmp_path):
+    from polykv.commands.plan import format_plan
+    from polykv.plan.io import save
+
+    geo = geometry_of_model(model)
+    params = dict(IDS, chunk_size=1000)
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity_ratio=0.3, params=params), decode="full")
+    path = tmp_path / "kvzip.plan.json"
+    save(plan, str(path))
+    loaded = polykv.load_plan(str(path))
+    assert loaded.layers[0].prefill.params == params
+    line = next(x for x in format_plan(loaded, str(path), 2500).splitlines() if x.startswith("probe"))
+    # three chunks of 1000, 1000, 500 tokens: (3 + 2) + (2 + 8 + 2) + (2 + 8 + 2) prompt ids + 2500 context ids
+    assert "rule 'kvzip' (layers 0-1)" in line and "2529 extra forward tokens (1.01x the prompt)" in line
+    bare = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity_ratio=0.3), decode="full")
+    assert "cannot run as given: parameters ['repeat_ids'" in format_plan(bare, "b.json", 100)
