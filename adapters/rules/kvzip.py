@@ -82,6 +82,8 @@ class ReconstructionScores(RuleState):
 
     def __init__(self, *, sink: str, n_sink: int, prefix_tokens: int):
         self.sink, self.n_sink, self.prefix_tokens = sink, int(n_sink), int(prefix_tokens)
+        self.share_key = ("kvzip-reconstruction", sink, self.n_sink, self.prefix_tokens)  # (a prefill snapshot
+        # keeps one per probe: polykv.runtime.fork keys its prefills by the probe's ids)
         self.reset()
 
     def reset(self) -> None:

@@ -62,7 +62,8 @@ class PrefillSnapshot:
     True where the layer attends in the signal pass), one :class:`LayerSnapshot` per layer."""
 
     variants: dict
-    """Attention signature -> tuple of :class:`LayerSnapshot` (one per layer)."""
+    """(attention signature, probe key) -> tuple of :class:`LayerSnapshot` (one per layer); the probe key
+    (:func:`probe_key`) is None for plans without a probe (:mod:`polykv.contract.probe`)."""
     input_ids: torch.Tensor
     """[B, T] the prompt that was prefilled."""
 
@@ -109,18 +110,39 @@ def _union(per_plan: Sequence[list[list]]) -> list[dict]:
     return union
 
 
-def capture_groups(model, plans: Sequence[Plan], *, registry=None) -> dict[tuple[bool, ...], list[dict]]:
-    """Attention signature -> per layer, one fresh state per distinct ``share_key`` over the rules of the plans
-    of that signature (validates each plan)."""
+def probe_key(chunks) -> tuple | None:
+    """What identifies a probe (:mod:`polykv.contract.probe`) among a snapshot's prefills: its chunks' spans
+    and token ids; None without one."""
+    if not chunks:
+        return None
+    return tuple((c.span, tuple(c.ids.flatten().tolist())) for c in chunks)
+
+
+def _probe_of(session, input_ids: torch.Tensor) -> list:
+    """The probe ``session``'s plan runs after ``input_ids`` (checked as the session checks it), or []."""
+    return session.probe_of(input_ids) if session._probe_layers else []
+
+
+def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: torch.Tensor | None = None
+                   ) -> dict[tuple, tuple[list[dict], list]]:
+    """(attention signature, probe key) -> (per layer, one fresh state per distinct ``share_key`` over the rules
+    of the plans of that key; the probe's chunks). Validates each plan; a plan whose rules run a probe
+    (built from ``input_ids``) gets its own prefill per distinct probe, since the probe's forwards are
+    observed by its states."""
     from polykv.runtime.session import apply
 
-    groups: dict[tuple[bool, ...], list] = {}
+    groups: dict[tuple, list] = {}
+    probes: dict[tuple, list] = {}
     for plan in plans:
-        per_layer = _plan_states(apply(model, plan, registry=registry))
-        groups.setdefault(attention_signature(per_layer), []).append(per_layer)
+        session = apply(model, plan, registry=registry)
+        per_layer = _plan_states(session)
+        chunks = _probe_of(session, input_ids) if input_ids is not None else []
+        key = (attention_signature(per_layer), probe_key(chunks))
+        groups.setdefault(key, []).append(per_layer)
+        probes[key] = chunks
     if not groups:
         raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
-    return {sig: _union(per_plan) for sig, per_plan in groups.items()}
+    return {key: (_union(per_plan), probes[key]) for key, per_plan in groups.items()}
 
 
 def _scaling(module, head_dim: int) -> float:
@@ -148,18 +170,20 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     from polykv.models.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
-    groups = capture_groups(model, plans, registry=registry)
+    groups = capture_groups(model, plans, registry=registry, input_ids=input_ids)
     T = int(input_ids.shape[1])
     step = chunk_size or T
     if step < 1:
         raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     session = apply(model, full_plan(geometry_of_model(model)), registry=registry)
-    variants = {sig: _capture_one(model, session, input_ids, states, step) for sig, states in groups.items()}
+    variants = {key: _capture_one(model, session, input_ids, states, step, chunks)
+                for key, (states, chunks) in groups.items()}
     return PrefillSnapshot(variants=variants, input_ids=input_ids)
 
 
-def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], step: int) -> tuple:
-    """One prefill of ``input_ids`` observed by ``states`` (per layer); its layer snapshots."""
+def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], step: int, probe=()) -> tuple:
+    """One prefill of ``input_ids`` observed by ``states`` (per layer), then the ``probe``'s forwards (their
+    keys and values discarded, as in the runtime); its layer snapshots."""
     T = int(input_ids.shape[1])
     with torch.no_grad(), session:
         cache = session.new_cache()
@@ -169,6 +193,12 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
         for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position
             model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache}, **keep)
+        try:
+            for chunk in probe:
+                cache.probe = chunk
+                model(chunk.ids.to(input_ids.device), use_cache=True, **{session._cache_kw: cache}, **keep)
+        finally:
+            cache.probe = None
         layers = []
         for layer, module, have in zip(cache.layers, session._modules, states):
             raw = layer.prompt
@@ -196,10 +226,11 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
     if len(cache.layers) != len(some):
         raise RuntimeConfigError(f"the prefill snapshot has {len(some)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")
-    signature = attention_signature([layer.observing_states() for layer in cache.layers])
+    signature = (attention_signature([layer.observing_states() for layer in cache.layers]),
+                 probe_key(_probe_of(session, snapshot.input_ids)))
     if signature not in snapshot.variants:
         raise RuntimeConfigError("the prefill snapshot holds no prefill whose layers attend as this plan's do (its "
-                                 "rules' signal pass differs from every captured plan's); pass this plan to "
+                                 "rules' signal pass or probe differs from every captured plan's); pass this plan to "
                                  "capture_prefill(..., plans=[...])")
     for layer, snap in zip(cache.layers, snapshot.variants[signature]):
         copies: dict[int, object] = {}

@@ -149,3 +149,26 @@ def test_probe_runs_inside_generate_and_selects_before_decoding(llama, prompt):
         assert [layer.storage.view().positions.tolist() for layer in session.cache.layers] == \
             [k.tolist() for k in kept]
     assert generated.shape == (3,)
+
+
+def test_a_prefill_snapshot_restores_a_probe_plan_as_its_own_prefill(llama, prompt):
+    """Prefill reuse (polykv.runtime.fork): the snapshot runs each distinct probe once and a probe plan restored
+    from it keeps what its own prefill keeps; a plan without a probe restores from the plain prefill."""
+    from polykv.runtime.fork import capture_prefill, restore_prefill
+
+    model, geo = llama
+    ids = prompt(1, 40)
+    plans = [polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=10, params=KVZIP), decode="full"),
+             polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=10, params=dict(KVZIP, chunk_size=9)),
+                                 decode="full"),
+             polykv.uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=10, params={"window": 4}),
+                                 decode="full")]
+    snapshot = capture_prefill(model, ids, plans)
+    assert len(snapshot.variants) == 3
+    for plan in plans:
+        want = _kept(model, plan, ids)
+        with torch.no_grad(), polykv.apply(model, plan) as session:
+            cache = restore_prefill(session, snapshot)
+            got = [layer.storage.view().positions for layer in cache.layers]
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
