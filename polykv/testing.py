@@ -481,14 +481,15 @@ def _check_store(quantizer, stream, bits, T, d, g, fail, WriteCost) -> bool:
 
 
 def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt: int = 40, steps: int = 4,
-                    layers: int = 3, registry=None, seed: int = 0) -> dict:
+                    layers: int = 3, registry=None, seed: int = 0, rule=None, rule_params=None) -> dict:
     """Run allocator ``allocator_class`` (with ``params``) over every layer of a ``layers``-layer tiny model
     (a prefill and decode rule keeping the largest key norms at ``capacity`` on each, batch 1) with every
     contract check on:
     budgets of the right shape and dtype, within the allocator's ``bound()``, per-head budgets served; a
     group of all layers and of the odd layers. Also checks that ``bound()`` gives one positive bound per
     layer and that the final budgets sum to at most the group's total. Returns ``session.allocations()``
-    of the whole-model group.
+    of the whole-model group. ``rule`` (a rule class, with ``rule_params``) replaces the prefill rule for an
+    allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``).
     """
     import attrs as _attrs
 
@@ -503,8 +504,10 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     model = _contract_model(layers, 16)
     geo = geometry_of_model(model)
     keep = helpers["keep"].name
-    base = uniform_plan(geo, prefill=OpSpec(rule=keep, capacity=capacity), decode=OpSpec(rule=keep, capacity=capacity),
-                        decode_slack=1)
+    if rule is not None:
+        registry = _registry_with("operator", rule, registry)
+    prefill = OpSpec(rule=keep if rule is None else rule.name, capacity=capacity, params=dict(rule_params or {}))
+    base = uniform_plan(geo, prefill=prefill, decode=OpSpec(rule=keep, capacity=capacity), decode_slack=1)
     bound = allocator.bound([capacity] * layers, prompt)
     if len(bound) != layers or any(int(b) < 1 for b in bound):
         raise PluginContractError(f"layers {list(range(layers))}: allocator '{name}' bound() returned {list(bound)}; "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import (SIGNAL_NONE, ParamError, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
+from polykv.contract import (SIGNAL_NONE, AllocationRequest, Allocator, ParamError, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
                              attention_probabilities)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -205,3 +205,45 @@ class KVzipRule(ScoredRule):
                              f"the {ctx.num_stored} stored tokens: its probe runs only after a prompt forward inside "
                              f"polykv.apply")
         return state.scores
+
+
+class KVzipAllocator(Allocator):
+    """KVzip's global budget (the reference's ``pair`` level): one ranking of the reconstruction scores over
+    every (layer, KV head, token) of the group; each head keeps its tokens among the group's top
+    ``total x Hkv``, so heads and layers keep different counts (ragged storage: the memory is freed).
+
+    The group's total is the sum of its layers' planned capacities (tokens per KV head). Two departures from
+    the reference, both to keep the budget exact: it keeps exactly the top ``total x Hkv`` scores (the
+    reference keeps those strictly above the ``int(N r) - 1``-th largest, one fewer), and every head keeps at
+    least its best token (the runtime's budgets are at least 1). Reads the member layers' ``kvzip`` rule state.
+    """
+
+    name = "kvzip"
+    defaults = {}
+    paper = KVzipRule.paper
+    one_row = True
+    """Budgets from the prompt's scores: batches of one row only."""
+    reads_rule_state = True
+
+    def layer_statistic(self, ctx) -> torch.Tensor:
+        state = ctx.state.component(ReconstructionScores) if ctx.state is not None else None
+        if state is None or state.scores is None:
+            raise ValueError(f"layer {ctx.layer_idx}: allocator 'kvzip' ranks the reconstruction scores of rule "
+                             f"'kvzip', but this layer's prefill rule is not kvzip (route the group's layers to it)")
+        if ctx.valid is not None:
+            raise ValueError(f"layer {ctx.layer_idx}: allocator 'kvzip' cannot read a ragged layer")
+        return state.scores[0]                                                   # (Hkv, T)
+
+    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+        scores = torch.stack([s.float() for s in request.statistics])            # (n, Hkv, T)
+        n, Hkv, T = scores.shape
+        keep = min(int(request.total) * Hkv, n * Hkv * T)
+        counts = torch.ones(n, Hkv, dtype=torch.long)                           # every head keeps its best token
+        rest = scores.clone()
+        best = rest.argmax(dim=-1, keepdim=True)
+        rest.scatter_(-1, best, float("-inf"))
+        extra = max(keep - n * Hkv, 0)
+        if extra:
+            top = rest.flatten().topk(extra).indices
+            counts += torch.bincount(torch.div(top, T, rounding_mode="floor"), minlength=n * Hkv).view(n, Hkv)
+        return counts

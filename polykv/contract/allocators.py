@@ -71,6 +71,10 @@ class Allocator(DeclaredParams):
     batch row, so rows would change each other's budgets, and the runtime refuses a batch of more than
     one row (D2O, CAKE). False when they depend only on the group's shape and total (a pyramid)."""
 
+    reads_rule_state: ClassVar[bool] = False
+    """True: :meth:`layer_statistic` reads the layer's prefill rule's own state as ``ctx.state`` (the rule already
+    holds what the allocator ranks, e.g. KVzip's reconstruction scores) instead of a state of its own."""
+
     def check_op(self, op) -> tuple[str, str] | None:
         """Why this allocator cannot budget a member layer's op (a plan ``OpSpec`` of either phase), as
         ``(field under the op, reason)``, or None when it can. Plan validation refuses the plan with it."""
@@ -83,7 +87,8 @@ class Allocator(DeclaredParams):
     def layer_statistic(self, ctx) -> Any:
         """The statistic of one layer (any object), from its end-of-prefill SelectionContext.
 
-        ``ctx.state`` is this allocator's state for the layer (``new_state``).
+        ``ctx.state`` is this allocator's state for the layer (``new_state``), or the layer's prefill rule's
+        state when the allocator ``reads_rule_state``.
         """
         raise NotImplementedError
 

@@ -38,7 +38,10 @@ class GroupRun:
         return self.states[layer.layer_idx]
 
     def _context(self, layer) -> SelectionContext:
-        return layer.context("prefill", layer.prompt, self.states[layer.layer_idx], values=True)
+        state = self.states[layer.layer_idx]
+        if state is None and self.allocator.reads_rule_state:
+            state = layer.states["prefill"]
+        return layer.context("prefill", layer.prompt, state, values=True)
 
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""

@@ -164,3 +164,44 @@ def test_plan_show_states_the_probe_cost_and_the_plan_round_trips(model, tmp_pat
     assert "rule 'kvzip' (layers 0-1)" in line and "2529 extra forward tokens (1.01x the prompt)" in line
     bare = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity_ratio=0.3), decode="full")
     assert "cannot run as given: parameters ['repeat_ids'" in format_plan(bare, "b.json", 100)
+
+
+def test_global_budget_keeps_the_group_wide_top_scores_in_ragged_heads(model):
+    """Allocator 'kvzip' (the reference's ``pair`` level): one ranking over layers x heads x tokens; each head
+    stores exactly its tokens among the group's top total x Hkv (ragged storage, the rest freed)."""
+    import attrs
+
+    from polykv.plan import AllocationGroup
+
+    geo = geometry_of_model(model)
+    ids = token_ids(1, 45, seed=3)
+    params = dict(IDS, chunk_size=16, carry_tokens=4, n_sink=3, prefix_tokens=5)
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=12, params=params), decode="full")
+    plan = attrs.evolve(plan, allocation=(AllocationGroup(allocator="kvzip", layers=(0, 1)),))
+    chunks = [(c.span[0], c.span[1], c.ids) for c in KVzipRule(**params).probe_chunks(ids)]
+
+    def init(s):
+        s[..., :3] = 1.0
+        return s
+
+    want = reference_scores(model, ids, chunks, sink_of=lambda start: min(3, start), init=init)   # (L, Hkv, T)
+    keep = 12 * 2 * 2                                                  # total (12 per head x 2 layers) x Hkv
+    top = want.flatten().topk(keep).indices
+    ref = torch.zeros(want.numel(), dtype=torch.bool)
+    ref[top] = True
+    ref = ref.view_as(want)
+    assert bool(ref.any(-1).all())   # (every head holds a top score here, so the at-least-one rule does not bind)
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        session.prefill(ids)
+        cache = session.cache
+        counts = cache.head_counts()
+        got = [[sorted(int(p) for p in layer.storage.view().positions[0, h] if p >= 0) for h in range(2)]
+               for layer in cache.layers]
+        stored = session.resident_bytes().per_layer
+    assert sum(c for layer in counts for row in layer for c in row) == keep
+    assert [[c for c in row] for layer in counts for row in layer] == [ref[l].sum(-1).tolist() for l in range(2)]
+    assert counts[0][0] != counts[1][0] or counts[0][0][0] != counts[0][0][1]   # budgets differ across heads/layers
+    for layer in range(2):
+        for h in range(2):
+            assert got[layer][h] == ref[layer, h].nonzero().flatten().tolist()
+    assert sum(stored) > 0
