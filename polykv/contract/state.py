@@ -59,6 +59,8 @@ class Observation:
     """Attention scaling."""
     signals: AttentionSignals | None = None
     """What the attention pass already computed for the states of this layer (None: nothing)."""
+    rope_inv_freq: torch.Tensor | None = None
+    """[d/2] the model's RoPE inverse frequencies, for states that undo RoPE on ``query`` (None: unknown)."""
     _computed: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
     @property

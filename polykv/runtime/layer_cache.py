@@ -338,7 +338,8 @@ class LayerCache(CacheLayerMixin):
         if states:
             obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
-                              first_position=step.first_position, scaling=scaling, signals=signals)
+                              first_position=step.first_position, scaling=scaling, signals=signals,
+                              rope_inv_freq=self.settings.rope_inv_freq)
             for st in states:
                 st.observe(obs)
         self.tokens_seen += query.shape[2]
