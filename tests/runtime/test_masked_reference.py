@@ -38,6 +38,8 @@ PARAMS = {"snapkv": {"window": 4, "kernel_size": 3}, "pyramidkv": {"window": 4, 
 PREFILL_RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
                  "scissorhands"]
 DECODE_RULES = ["streamingllm", "h2o", "tova", "triattention", "random", "key-norm", "cake", "scissorhands"]
+PREFILL_RULES += ["keydiff"]
+DECODE_RULES += ["keydiff"]
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
