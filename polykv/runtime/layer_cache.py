@@ -38,9 +38,8 @@ from polykv.contract.rules import SelectionContext
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.reserve import layer_hold, reserve_tokens
 from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
-from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.runtime.storage import LayerStorage, StorageView, new_store
 from polykv.contract.selection import Selection, ragged_top_k
-from polykv.runtime.stores import new_store
 
 
 @attrs.define(frozen=True, kw_only=True)
