@@ -8,6 +8,7 @@ from polykv.adapters.rules.expected_attention import ExpectedAttentionRule
 from polykv.adapters.rules.full import FullRule
 from polykv.adapters.rules.h2o import H2ORule
 from polykv.adapters.rules.key_norm import KeyNormRule
+from polykv.adapters.rules.keydiff import KeyDiffRule
 from polykv.adapters.rules.pyramidkv import PyramidKVAllocator, PyramidKVRule
 from polykv.adapters.rules.random_rule import RandomRule
 from polykv.adapters.rules.scissorhands import ScissorhandsRule
@@ -19,7 +20,7 @@ from polykv.contract import hookimpl
 
 RULES: tuple = (FullRule, StreamingLLMRule, H2ORule, SnapKVRule, TOVARule, TriAttentionRule, RandomRule,
                 KeyNormRule, PyramidKVRule, CAKERule, ScissorhandsRule, AdaKVRule, CaMRule, D2ORule,
-                ExpectedAttentionRule)
+                ExpectedAttentionRule, KeyDiffRule)
 ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator)
 
 

@@ -28,7 +28,7 @@ def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
         ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
          "scissorhands", "adakv", "cam", "d2o",
-         "expected-attention"])
+         "expected-attention", "keydiff"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
