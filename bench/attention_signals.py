@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from polykv.attention.signals import SignalRequest, attention_column_sums
+from polykv.attention.signals import SignalRequest, attention_column_sums, attention_with_signals
 from polykv.runtime.attention import sdpa
-from polykv.runtime.signals import attention_with_signals
 
 
 def best(fn, repeats: int) -> tuple[float, float]:

@@ -202,7 +202,7 @@ def check_signals(device, small) -> str:
     on CUDA also the pass's time against SDPA over one layer of the timing model's shape."""
     from polykv.contract.state import SignalRequest, attention_column_sums, attention_last_rows
     from polykv.runtime import attention
-    from polykv.runtime.signals import attention_with_signals
+    from polykv.attention.signals import attention_with_signals
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5

@@ -51,6 +51,10 @@ MOVED = {
     # shared by calibration and studies, and by a solver and studies
     "polykv.stats": "polykv.profiling.stats",
     "polykv.placements": "polykv.solvers.placements",
+    # the runtime's store constructors joined the layer storage they fill (one module, not storage beside stores)
+    "polykv.runtime.stores": "polykv.runtime.storage",
+    # the one-pass attention and signals joined the rest of the attention math
+    "polykv.runtime.signals": "polykv.attention.signals",
 }
 """Old dotted module path -> the module it is now."""
 

@@ -105,6 +105,7 @@ class AdaKVRule(RetentionRule):
         p = self.params
         self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
         self.phases = frozenset({"prefill"}) & self.inner.phases
+        self.needs_values = self.inner.needs_values  # the runtime hands values to the rule it calls
         if not self.phases:
             raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' does not run in prefill, where Ada-KV "
                                      f"allocates")

@@ -29,7 +29,8 @@ from polykv.contract.selection import Merge, Selection, as_selection, ragged_top
 
 PHASES = ("prefill", "decode")
 
-# Signals a rule may declare; the runtime computes only what some layer's rule asks for.
+# What a rule declares it reads (its ``signal`` setting); the default new_state turns it into a built-in
+# state, whose ``needs`` name what it reads of each forward's attention (polykv.attention.signals).
 SIGNAL_NONE = "none"                      # positions / keys only
 SIGNAL_LAST_QUERY = "last_query"          # attention row(s) of the newest query
 SIGNAL_WINDOW = "observation_window"      # attention rows of the last `window` queries

@@ -59,6 +59,8 @@ class Observation:
     """Attention scaling."""
     signals: AttentionSignals | None = None
     """What the attention pass already computed for the states of this layer (None: nothing)."""
+    rope_inv_freq: torch.Tensor | None = None
+    """[d/2] the model's RoPE inverse frequencies, for states that undo RoPE on ``query`` (None: unknown)."""
     probe: Any = None
     """The :class:`~polykv.contract.probe.ProbeChunk` of a probe forward (``phase == "probe"``: ``query`` holds the
     chunk's queries, ``keys`` the whole prompt's then the chunk's own, ``first_position`` the prompt length);

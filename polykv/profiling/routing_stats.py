@@ -24,7 +24,7 @@ import torch
 
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.sensitivity import LayerContext, PrefixRun, followup_through_storage, full_reference
-from polykv.runtime.signals import lower_right_causal
+from polykv.attention.signals import lower_right_causal
 
 STAT_CAPACITY = 256
 """PolyKV's common calibration capacity (tokens)."""

@@ -41,8 +41,7 @@ from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.runtime.attention import sdpa
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.layer_cache import LayerSpec
-from polykv.runtime.storage import LayerStorage, StorageView
-from polykv.runtime.stores import new_store
+from polykv.runtime.storage import LayerStorage, StorageView, new_store
 
 @attrs.define(kw_only=True)
 class LayerContext:

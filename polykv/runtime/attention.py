@@ -34,9 +34,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import CHUNKED, SLIDING
-from polykv.attention.signals import AttentionSignals, chunked_attention, signal_request
+from polykv.attention.signals import (AttentionSignals, attention_with_signals, chunked_attention, lower_right_causal,
+                                      signal_request)
 from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
-from polykv.runtime.signals import attention_with_signals, lower_right_causal
 
 NAME = "polykv"
 
@@ -205,7 +205,7 @@ def attention_and_signals(step, query: torch.Tensor, key: torch.Tensor, value: t
     """A forward (``step``) of a full-attention layer: the output [B, H, q, d] and the signals its states need.
 
     The states observing the step declare what they read (``RuleState.needs``).
-    :func:`~polykv.runtime.signals.attention_with_signals` computes the output and every declared
+    :func:`~polykv.attention.signals.attention_with_signals` computes the output and every declared
     signal in one pass when that saves work: in prefill when some state reads column sums (every
     query row contributes), and in every decode step whose states read anything (one query row: its
     probabilities are the attention's own). Otherwise plain SDPA and no signals: in prefill the newest

@@ -38,9 +38,8 @@ from polykv.contract.rules import SelectionContext
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.reserve import layer_hold, reserve_tokens
 from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
-from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.runtime.storage import LayerStorage, StorageView, new_store
 from polykv.contract.selection import Selection, ragged_top_k
-from polykv.runtime.stores import new_store
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -368,7 +367,7 @@ class LayerCache(CacheLayerMixin):
             obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
                               first_position=step.first_position, scaling=scaling, signals=signals,
-                              probe=step.probe)
+                              rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe)
             for st in states:
                 st.observe(obs)
         if step.probe is not None:  # the probe's keys and values go with its step; nothing is stored or counted

@@ -30,7 +30,7 @@ from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.layer_cache import LayerSpec
-from polykv.runtime.stores import new_store
+from polykv.runtime.storage import new_store
 from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
 
 SUPPORTED_ATTN = ("sdpa", "eager")

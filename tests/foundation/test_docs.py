@@ -98,7 +98,7 @@ def test_every_documented_hook_exists():
 # -- links ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/concepts.md", "docs/plan-format.md",
-                                  "docs/plugins.md", "docs/cli.md", "docs/results.md",
+                                  "docs/plugins.md", "docs/cli.md", "docs/results.md", "docs/architecture.md",
                                   "CONTRIBUTING.md"])
 def test_relative_links_resolve(page):
     path = ROOT / page
@@ -141,3 +141,68 @@ def test_readme_tour_runs_as_shown(tmp_path, monkeypatch, capsys):
             printed = capsys.readouterr().out.strip()
             assert int(printed.rsplit(" ", 1)[1]) > 0                     # the run's resident bytes
     assert "triattention" in namespace["polykv"].load_plan("plans/smollm2-135m-instruct.exact.8x.plan.json").rules_used()
+
+
+# -- architecture map -----------------------------------------------------------------------------
+
+ARCHITECTURE = DOCS / "architecture.md"
+_MODULE_PATH = re.compile(r"\b((?:polykv|adapters)/[\w/]*\w\.py)\b")
+
+
+def _architecture_paths() -> set[str]:
+    return set(_MODULE_PATH.findall(ARCHITECTURE.read_text(encoding="utf-8")))
+
+
+def test_every_module_path_in_the_architecture_page_exists():
+    missing = sorted(p for p in _architecture_paths() if not (ROOT / p).is_file())
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_the_architecture_file_map_names_every_module():
+    real = {p.relative_to(ROOT).as_posix() for base in ("polykv", "adapters") for p in (ROOT / base).rglob("*.py")}
+    unmapped = sorted(real - _architecture_paths())
+    assert not unmapped, f"add a line for each to the file map of docs/architecture.md: {unmapped}"
+
+
+def test_the_path_check_catches_a_missing_module(tmp_path, monkeypatch):
+    page = tmp_path / "architecture.md"
+    page.write_text("| `polykv/runtime/session.py` | ... `polykv/runtime/no_such_module.py` |\n", encoding="utf-8")
+    monkeypatch.setitem(globals(), "ARCHITECTURE", page)
+    with pytest.raises(AssertionError, match="no_such_module"):
+        test_every_module_path_in_the_architecture_page_exists()
+
+
+def newcomer_path() -> list[tuple[str, int, int]]:
+    """(file, lines, code lines) of the newcomer-path table of docs/architecture.md, counted now: code
+    lines hold a token other than a comment, docstrings excluded."""
+    import ast
+    import io
+    import tokenize
+
+    text = ARCHITECTURE.read_text(encoding="utf-8").split("## The newcomer path", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for path in re.findall(r"^\| `([\w/]+\.py)` \|", text, flags=re.M):
+        source = (ROOT / path).read_text(encoding="utf-8")
+        docs = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                docs |= set(range(node.lineno, node.end_lineno + 1))
+        code = set()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                tokenize.ENDMARKER):
+                code |= set(range(tok.start[0], tok.end[0] + 1))
+        out.append((path, len(source.splitlines()), len(code - docs)))
+    return out
+
+
+def test_the_newcomer_path_table_lists_files():
+    rows = newcomer_path()
+    assert len(rows) >= 10 and all(lines >= code > 0 for _, lines, code in rows)
+
+
+if __name__ == "__main__":   # the counts the newcomer-path table of docs/architecture.md quotes
+    rows = newcomer_path()
+    for path, lines, code in rows:
+        print(f"{path:40s} {lines:6d} {code:6d}")
+    print(f"{len(rows)} files, {sum(r[1] for r in rows)} lines, {sum(r[2] for r in rows)} code lines")

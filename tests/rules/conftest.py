@@ -9,8 +9,8 @@ from polykv.contract.rules import SelectionContext
 
 
 def _context(*, B=2, H=4, Hkv=2, T=12, d=8, w=4, phase="prefill", seed=0, gaps=False, layer_idx=0,
-             model_data=None):
-    """A context with every signal filled: keys, positions, last ``w`` queries, accumulated sums.
+             model_data=None, rope_inv_freq=None):
+    """A context with every signal filled: keys, values, positions, last ``w`` queries, accumulated sums.
 
     With ``gaps`` the stored positions are a sorted random subset of a longer history (as after
     earlier evictions), identical for every head, and the queries sit at the newest stored positions.
@@ -29,17 +29,18 @@ def _context(*, B=2, H=4, Hkv=2, T=12, d=8, w=4, phase="prefill", seed=0, gaps=F
     queries = torch.randn(B, H, w, d, generator=g)
     acc = torch.rand(B, Hkv, T, generator=g) * 5
     counts = torch.randint(1, 20, (B, Hkv, T), generator=g)
+    values = torch.randn(B, Hkv, T, d, generator=g)  # drawn last: the draws above stay as they were
     return SelectionContext(
         layer_idx=layer_idx, phase=phase, keys=keys, positions=positions, tokens_seen=int(pos[-1]) + 1,
         scaling=d ** -0.5, queries=queries, query_positions=pos[-w:].clone(), accumulated=acc,
         query_counts=counts, generator=torch.Generator().manual_seed(seed + 1),
-        model_data=model_data or {},
+        model_data=model_data or {}, rope_inv_freq=rope_inv_freq, values=values,
     )
 
 
 @pytest.fixture
 def make_ctx():
-    """Factory: ``make_ctx(B=, H=, Hkv=, T=, d=, w=, phase=, seed=, gaps=)`` -> SelectionContext."""
+    """Factory: ``make_ctx(B=, H=, Hkv=, T=, d=, w=, phase=, seed=, gaps=, rope_inv_freq=)`` -> SelectionContext."""
     return _context
 
 

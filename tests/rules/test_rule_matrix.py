@@ -28,7 +28,8 @@ def stats(L=1, H=4, d=8):
 def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
         ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
-         "scissorhands", "adakv", "cam", "d2o", "kvzip"])
+         "scissorhands", "adakv", "cam", "d2o",
+         "expected-attention", "keydiff", "kvzip"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -60,7 +61,7 @@ def observed_state(rule, ctx):
 def test_selection_shape_and_order(make_ctx, name, phase, capacity):
     rule = REGISTRY.operator(name)()
     ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
-                   model_data={"triattention": stats()})
+                   model_data={"triattention": stats()}, rope_inv_freq=stats().inv_freq)
     if name == "full":
         with pytest.raises(ValueError, match="keeps every token"):
             rule.select(ctx, capacity)

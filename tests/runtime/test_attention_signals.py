@@ -14,13 +14,14 @@ import torch
 import polykv
 import polykv.contract.rules as operators
 import polykv.attention.signals as attention_signals
+import polykv.contract.state as rule_state
 import polykv.runtime.attention as attention
 from polykv.contract.rules import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.contract.state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
                                    RuleState, SignalRequest, attention_column_sums, signal_request)
 from polykv.runtime.attention import sdpa
-from polykv.runtime.signals import attention_with_signals
+from polykv.attention.signals import attention_with_signals
 from polykv.runtime.cache import cache_keyword
 
 EVERYTHING = SignalRequest(column_sums=True, column_sums_per_head=True, last_rows=5)
@@ -224,13 +225,20 @@ def test_signals_from_the_pass_select_what_the_generic_path_selects(llama, promp
     assert (got - want).abs().max() < 1e-4
 
 
+STATE_HELPERS = ("attention_column_sums", "attention_column_sums_per_head", "attention_last_rows",
+                 "attention_probabilities")
+"""The attention helpers :mod:`polykv.contract.state` calls when a state computes attention itself (the
+attention pass shares their module, so patching the module would catch the pass too)."""
+
+
 def test_h2o_prefill_reads_column_sums_from_the_pass_and_snapkv_its_rows(llama, prompt, monkeypatch):
     model, geo = llama
 
     def recompute(*a, **k):
         raise AssertionError("a state recomputed attention the pass had produced")
 
-    monkeypatch.setattr(attention_signals, "attention_probabilities", recompute)
+    for helper in STATE_HELPERS:   # what states call to compute attention themselves
+        monkeypatch.setattr(rule_state, helper, recompute)
     monkeypatch.setattr(operators, "window_rows", recompute)
     plan = polykv.uniform_plan(geo, **PLANS["snapkv+h2o"])
     with torch.no_grad(), polykv.apply(model, plan) as session:
@@ -252,7 +260,8 @@ def test_decode_states_read_their_signals_from_the_attention_pass(llama, prompt,
         def recompute(*a, **k):
             raise AssertionError("a decode state recomputed attention the pass had produced")
 
-        monkeypatch.setattr(attention_signals, "attention_probabilities", recompute)
+        for helper in STATE_HELPERS:   # what states call to compute attention themselves
+            monkeypatch.setattr(rule_state, helper, recompute)
         monkeypatch.setattr(operators, "window_rows", recompute)
         monkeypatch.setattr(attention, "attention_with_signals", lambda *a, **k: passes.append(1) or real(*a, **k))
         tok = out.logits[:, -1:].argmax(-1)

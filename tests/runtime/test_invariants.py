@@ -11,7 +11,7 @@ from polykv.errors import PlanError, RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
-from polykv.runtime.signals import attention_column_sums
+from polykv.attention.signals import attention_column_sums
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword
 

@@ -36,8 +36,9 @@ _LAST_SPECS: list = []
 PARAMS = {"snapkv": {"window": 4, "kernel_size": 3}, "pyramidkv": {"window": 4, "kernel_size": 3},
           "cake": {"window": 4, "kernel_size": 3}, "scissorhands": {"history": 16, "recent": 2}}
 PREFILL_RULES = ["streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
-                 "scissorhands"]
-DECODE_RULES = ["streamingllm", "h2o", "tova", "triattention", "random", "key-norm", "cake", "scissorhands"]
+                 "scissorhands", "expected-attention", "keydiff"]
+DECODE_RULES = ["streamingllm", "h2o", "tova", "triattention", "random", "key-norm", "cake", "scissorhands",
+                "expected-attention", "keydiff"]
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, **kw):
