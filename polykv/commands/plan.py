@@ -169,7 +169,7 @@ def probe_cost(plan, context: int, registry=None) -> str:
     import torch
 
     from polykv.contract.probe import probe_tokens
-    from polykv.runtime.session import _spans
+    from polykv.runtime.session import layer_spans
 
     if registry is None:
         from polykv.registry import get_registry
@@ -190,7 +190,7 @@ def probe_cost(plan, context: int, registry=None) -> str:
             what = f"{cost} extra forward tokens ({cost / max(int(context), 1):.2f}x the prompt)"
         except ValueError as exc:
             what = f"cannot run as given: {exc}"
-        parts.append(f"rule '{name}' (layers {_spans(layers)}) runs a model pass after the {context}-token prompt: "
+        parts.append(f"rule '{name}' (layers {layer_spans(layers)}) runs a model pass after the {context}-token prompt: "
                      f"{what}")
     return "; ".join(parts)
 

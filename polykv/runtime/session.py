@@ -191,14 +191,14 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
     for need in needs:
         names = [r for r in rules if getattr(registry.operator(r), "model_data_need", None) is need]
         layers = [lp.layer for lp in plan.layers if {lp.prefill.rule, lp.decode.rule} & set(names)]
-        used_by[need.key] = f"rule {', '.join(repr(n) for n in names)} (layers {_spans(layers)})"
+        used_by[need.key] = f"rule {', '.join(repr(n) for n in names)} (layers {layer_spans(layers)})"
     if tokenizer is None and missing == "compute":
         tokenizer = tokenizer_of(model)
     return find_model_data(model, needs, given=given, files=files, tokenizer=tokenizer, missing=missing,
                            fingerprint=geometry.fingerprint, used_by=used_by)
 
 
-def _spans(layers: list[int]) -> str:
+def layer_spans(layers: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     out, start = [], None
     for i, x in enumerate(layers):
