@@ -116,8 +116,13 @@ def model_data_for(profile_path: str, *, registry=None, model=None) -> dict[str,
 
 
 def default_rules(registry) -> tuple[str, ...]:
-    """Every registered retention rule except ``full``, by name."""
-    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE))
+    """Every registered retention rule except ``full`` and the rules that run a probe (a model pass after the
+    prompt, :mod:`polykv.contract.probe`, which calibration does not run), by name."""
+    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE and not _probes(registry, n)))
+
+
+def _probes(registry, name: str) -> bool:
+    return registry.has("operator", name) and registry.operator(name).declares_probe()
 
 
 def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, registry) -> list[CandidateConfig]:
@@ -203,6 +208,10 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                            f"got {settings.delta_ppl_sequences} (--delta-ppl)")
     geometry = geometry_of_model(model)
     rules = tuple(settings.rules) if settings.rules is not None else default_rules(registry)
+    probing = [r for r in rules if _probes(registry, r)]
+    if probing:
+        raise ProfileError(f"rule(s) {probing} run a probe (a model pass after the prompt) that calibration does not "
+                           f"run yet, so their profile rows would not measure them; leave them out of --rules")
     configs = candidate_configs(rules, settings, registry)
     quantizer = registry.quantizer(settings.quantizer)(**settings.quantizer_params)
     digest = run_digest({"model": geometry.fingerprint, "settings": attrs.asdict(settings), "rules": rules,

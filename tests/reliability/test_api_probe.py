@@ -76,3 +76,12 @@ def test_prefix_covering_the_whole_prompt_is_refused(model):
                                decode="full")
     with polykv.apply(model, plan) as session, pytest.raises(RuntimeConfigError, match="prefix_tokens' is 20"):
         session.prefill(token_ids(1, 20))
+
+
+def test_calibration_refuses_a_probe_rule_and_leaves_it_out_by_default(model):
+    from polykv.errors import ProfileError
+    from polykv.profiling.calibrate import CalibrationSettings, calibrate, default_rules
+
+    assert "kvzip" not in default_rules(polykv.get_registry())
+    with pytest.raises(ProfileError, match=r"\['kvzip'\] run a probe .* leave them out of --rules"):
+        calibrate(model, [token_ids(1, 40)[0]], CalibrationSettings(rules=("kvzip",), prefix=8))
