@@ -29,6 +29,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "..", "profiles", "smollm2-135m-instruct.profile.json")
 
 
+def probe_params(rule: str, registry) -> dict:
+    """The token-id parameters a probe rule needs for the default model's tokenizer (kvzip), else none."""
+    if rule != "kvzip":
+        return {}
+    from polykv.adapters.rules.kvzip import prompt_params
+    from polykv.models import load_default_model
+
+    return prompt_params(load_default_model()[1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=10)
@@ -54,8 +64,9 @@ def main() -> int:
     for rule in registry.names("operator"):
         if rule == "full" or "prefill" not in registry.operator(rule).phases:
             continue
+        params = probe_params(rule, registry)
         for ratio in args.ratios:
-            plan = polykv.uniform_plan(geo, prefill=rule, capacity_ratio=1.0 / ratio)
+            plan = polykv.uniform_plan(geo, prefill=OpSpec(rule=rule, capacity_ratio=1.0 / ratio, params=params))
             add(f"{rule}-{ratio:g}x", plan)
             if registry.has("allocator", rule):
                 add(f"{rule}+alloc-{ratio:g}x",
