@@ -197,3 +197,16 @@ def fingerprints_match(a: str | None, b: str | None) -> bool:
 
 def _weights_tag(fp: str) -> str:
     return fp.split("+", 1)[1].split("-", 1)[0]
+
+
+def rope_of_model(model: Any) -> tuple[Any, float]:
+    """The model's RoPE inverse frequencies ([d/2] float32, from its rotary embedding module) and its
+    attention scaling, or ``(None, 1.0)`` for a model without one; the runtime and calibration both
+    read them here, so a rule sees the same frequencies in both."""
+    import torch
+
+    for m in model.modules():
+        inv = getattr(m, "inv_freq", None)
+        if isinstance(inv, torch.Tensor) and type(m).__name__.endswith("RotaryEmbedding"):
+            return inv.detach().float(), float(getattr(m, "attention_scaling", 1.0) or 1.0)
+    return None, 1.0

@@ -143,14 +143,6 @@ def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, regis
     return out
 
 
-def _rope(model) -> tuple[torch.Tensor | None, float]:
-    for m in model.modules():
-        inv = getattr(m, "inv_freq", None)
-        if isinstance(inv, torch.Tensor) and type(m).__name__.endswith("RotaryEmbedding"):
-            return inv.detach().float(), float(getattr(m, "attention_scaling", 1.0) or 1.0)
-    return None, 1.0
-
-
 def _versions() -> dict[str, str]:
     import transformers
 
@@ -188,7 +180,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
     """
-    from polykv.models.geometry import geometry_of_model
+    from polykv.models.geometry import geometry_of_model, rope_of_model
 
     if registry is None:
         from polykv.registry import get_registry
@@ -223,7 +215,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     # models with per-layer-type RoPE, Gemma 3, calibrate the rules that need none).
     needs = tuple(needs_of_rules(registry, rules))
     model_data = {need.key: need.compute(model, [s.view(1, -1) for s in seqs]) for need in needs}
-    inv_freq, rope_scaling = _rope(model)
+    inv_freq, rope_scaling = rope_of_model(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
     L = geometry.num_layers

@@ -25,7 +25,7 @@ import torch
 
 from polykv.contract.checks import checks_enabled
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model
+from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model, rope_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
@@ -264,14 +264,6 @@ def _check_layer_shapes(model, modules, geometry) -> None:
                 f"in KV heads or head dim, and a plan has one shape for every layer; supported are {SERVED}")
 
 
-def _rope(model) -> tuple[torch.Tensor | None, float]:
-    for _, m in model.named_modules():
-        inv = getattr(m, "inv_freq", None)
-        if isinstance(inv, torch.Tensor) and type(m).__name__.endswith("RotaryEmbedding"):
-            return inv.detach().float(), float(getattr(m, "attention_scaling", 1.0) or 1.0)
-    return None, 1.0
-
-
 def _uses_cache(model, kwargs: Mapping[str, Any]) -> bool:
     """Whether ``generate(**kwargs)`` runs with a cache: its ``use_cache`` argument, else that of the
     ``generation_config`` it was given, else the model's ``generation_config``."""
@@ -335,7 +327,7 @@ class Session:
                               if s.prefill_rule is not None and s.prefill_rule.declares_probe()]
         """(layer, prefill rule) of every layer whose rule runs a probe after the prompt (:mod:`polykv.contract.probe`)."""
         self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
-        self.rope_inv_freq, self.rope_scaling = _rope(model)
+        self.rope_inv_freq, self.rope_scaling = rope_of_model(model)
         self._cache: PlanCache | None = None
         self._active = False
         self._saved_impl: list[tuple[Any, Any]] = []

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from polykv.models.geometry import geometry_of_model
+from polykv.models.geometry import geometry_of_model, rope_of_model
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.capture import capture_sequence
 from polykv.profiling.profile import CandidateConfig
@@ -145,7 +145,9 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
     reg = get_registry()
     seqs = sequences(1)
     stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
-    ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(), model_data={"triattention": stats})
+    inv_freq, rope_scaling = rope_of_model(model)
+    ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(), model_data={"triattention": stats},
+                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling)
     cap = _stack([capture_sequence(model, s) for s in seqs], 1)
     rules = [n for n in reg.names("operator") if n != "full" and "prefill" in reg.operator(n).phases
              and not reg.operator(n).declares_probe()]  # a probe rule needs its model pass (not calibrated yet)

@@ -19,7 +19,7 @@ from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.runtime import attention
-from polykv.runtime.cache import PlanCache
+from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.layer_cache import CacheSettings, ForwardStep, LayerCache
 from polykv.testing import tiny_model
 
@@ -103,7 +103,7 @@ def test_prefill_and_decode_steps_say_what_they_attend(model, monkeypatch):
     T, Hkv, d = 20, geo.num_kv_heads, geo.head_dim
     with torch.no_grad(), polykv.apply(model, plan) as session:
         session.prefill(_ids(T))
-        model(_ids(1, seed=1), past_key_values=session.cache, use_cache=True)
+        model(_ids(1, seed=1), **{cache_keyword(model): session.cache}, use_cache=True)
         assert all(layer.pending is None for layer in session.cache.layers)
     prefill, decode = steps[:geo.num_layers], steps[geo.num_layers:]
     for i, step in enumerate(prefill):
@@ -124,7 +124,7 @@ def test_a_quantized_decode_step_reads_the_stores_and_carries_only_the_new_keys(
     steps = _recorded_steps(monkeypatch)
     with torch.no_grad(), polykv.apply(model, plan) as session:
         session.prefill(_ids(24))
-        model(_ids(1, seed=2), past_key_values=session.cache, use_cache=True)
+        model(_ids(1, seed=2), **{cache_keyword(model): session.cache}, use_cache=True)
         storages = [layer.storage for layer in session.cache.layers]
     decode = steps[geo.num_layers:]
     assert [step.stores for step in decode] == storages
@@ -182,7 +182,7 @@ def test_keys_from_another_cache_are_refused(model):
         session.new_cache()
         with pytest.raises(RuntimeConfigError, match=r"^layer 0 attended keys that did not come from this session's "
                                                      r"cache: pass (cache|past_key_values)=session.new_cache\(\)"):
-            model(_ids(5), past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(_ids(5), **{cache_keyword(model): DynamicCache(config=model.config)}, use_cache=True)
 
 
 def test_keys_changed_between_the_update_and_attention_are_refused(model, monkeypatch):
@@ -192,7 +192,7 @@ def test_keys_changed_between_the_update_and_attention_are_refused(model, monkey
     with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
         with pytest.raises(RuntimeConfigError, match=r"^model type 'llama', layer 0: the attention module changed the "
                                                      r"keys between the cache update and attention"):
-            model(_ids(5), past_key_values=session.new_cache(), use_cache=True)
+            model(_ids(5), **{cache_keyword(model): session.new_cache()}, use_cache=True)
 
 
 def test_a_layer_whose_step_no_attention_took_is_refused_and_forgotten(model):
@@ -205,7 +205,7 @@ def test_a_layer_whose_step_no_attention_took_is_refused_and_forgotten(model):
             cache = session.new_cache()
             with pytest.raises(RuntimeConfigError, match=r"^model type 'llama': layers \[0, 1\] stored keys but "
                                                          r"computed attention without the polykv attention function"):
-                model(_ids(5), past_key_values=cache, use_cache=True)
+                model(_ids(5), **{cache_keyword(model): cache}, use_cache=True)
         finally:
             attention.register()
         assert all(layer.pending is None for layer in cache.layers)
