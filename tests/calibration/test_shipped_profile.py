@@ -64,6 +64,12 @@ def test_profile_covers_every_built_in_rule_and_notes_their_parameters():
     counts = {}
     for c in prof.configs:
         counts[c.rule] = counts.get(c.rule, 0) + 1
+    # Rules added after the shipped profile was calibrated: the next `bash scripts/regenerate_data.sh`
+    # covers them (and re-solves the shipped plans); then this set must be emptied, which the second
+    # assertion enforces (docs/calibration.md says which rules the shipped profile lacks).
+    newer_than_profile = {"keydiff", "expected-attention"}
+    assert newer_than_profile.isdisjoint(counts), sorted(newer_than_profile & set(counts))
+    wanted -= newer_than_profile
     assert wanted <= set(counts), sorted(wanted - set(counts))
     assert all(counts[r] == 45 for r in wanted) and counts["full"] == 9
     assert set(prof.stat("cosine").columns) == set(counts) - {"full"}
