@@ -192,13 +192,8 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
         cache.prefill_continues = True  # selection never runs: the raw K/V stay in each layer
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
         for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position
-            model(input_ids[:, start:start + step], use_cache=True, **{session._cache_kw: cache}, **keep)
-        try:
-            for chunk in probe:
-                cache.probe = chunk
-                model(chunk.ids.to(input_ids.device), use_cache=True, **{session._cache_kw: cache}, **keep)
-        finally:
-            cache.probe = None
+            model(input_ids[:, start:start + step], use_cache=True, **{session.cache_keyword: cache}, **keep)
+        session.run_probe_chunks(model, cache, probe, input_ids.device)
         layers = []
         for layer, module, have in zip(cache.layers, session._modules, states):
             raw = layer.prompt
@@ -265,4 +260,4 @@ def forward(session, input_ids: torch.Tensor):
     """Run ``input_ids`` [B, q] through the model with the session's live cache (decode phase)."""
     if session.cache is None:
         raise RuntimeConfigError("the session has no cache yet: restore_prefill() or session.prefill() first")
-    return session.model(input_ids, use_cache=True, **{session._cache_kw: session.cache})
+    return session.model(input_ids, use_cache=True, **{session.cache_keyword: session.cache})

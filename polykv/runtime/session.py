@@ -487,16 +487,21 @@ class Session:
             out = forward(*args, **kwargs)
         finally:
             cache.prefill_continues = False
+        self.run_probe_chunks(forward, cache, chunks, ids.device)
+        cache.end_probe(chunks)
+        return out
+
+    def run_probe_chunks(self, forward, cache, chunks, device) -> None:
+        """Run each probe chunk once through ``forward`` against ``cache``, which attends them to the held
+        prompt and stores nothing of them; only the last position's logits are computed."""
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(self.model).forward).parameters \
             else {}
         try:
             for chunk in chunks:
                 cache.probe = chunk
-                forward(chunk.ids.to(ids.device), use_cache=True, **{self._cache_kw: cache}, **keep)
+                forward(chunk.ids.to(device), use_cache=True, **{self._cache_kw: cache}, **keep)
         finally:
             cache.probe = None
-        cache.end_probe(chunks)
-        return out
 
     def _require_active(self) -> None:
         if not self._active:
