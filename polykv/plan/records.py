@@ -198,7 +198,7 @@ class Plan:
     """Allocation groups (none in a plan whose capacities are all fixed)."""
     model_data: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
     """Where the per-model data the plan's rules read comes from (:mod:`polykv.contract.model_data`): data key
-    (e.g. ``"triattention"``) -> file. In a plan file the path is relative to the file's folder; a
+    (the key a rule's model data declares) -> file. In a plan file the path is relative to the file's folder; a
     loaded plan holds it resolved, and :meth:`save` writes it relative to the new file's folder."""
 
     def group_of(self, layer: int) -> AllocationGroup | None:

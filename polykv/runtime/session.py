@@ -156,8 +156,9 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
     if model_data is None:
         return
     if not isinstance(model_data, Mapping) or not all(isinstance(k, str) for k in model_data):
-        raise RuntimeConfigError(f"apply(model_data=...) must be a dict from names to per-model data, e.g. "
-                                 f"{{'triattention': QueryStats.load(path)}}, got {type(model_data).__name__}")
+        raise RuntimeConfigError(f"apply(model_data=...) must be a dict from the data keys the plan's rules declare "
+                                 f"to their per-model data, e.g. {{key: QueryStats.load(path)}}, got "
+                                 f"{type(model_data).__name__}")
     from polykv.contract.model_data import needs_of_rules
 
     for need in needs_of_rules(registry, sorted(plan.rules_used())):
