@@ -295,6 +295,7 @@ class HeadSinks(RuleState):
 
     def __init__(self, *, sink: str, n_sink: int, prefix_tokens: int):
         self.limit = int(n_sink) if sink == "tokens" else int(prefix_tokens)
+        self.share_key = ("kvzip-head-sinks", self.limit)  # observes nothing: a prefill snapshot shares it
 
     def observe(self, obs) -> None:
         return None
