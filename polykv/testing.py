@@ -322,8 +322,13 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     second = dict(first)
     if "prefill" not in phases:
         second["prefill"] = OpSpec(rule=helpers["keep"].name, capacity=capacity)
-    plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
-    if ragged:
+    needed = getattr(rule_class, "needs_allocator", None)
+    if needed:  # budgets only from its own allocator, which already gives the heads unequal budgets
+        plan = _attrs.evolve(per_layer_plan(geo, [first, {}], decode_slack=1),
+                             allocation=(AllocationGroup(allocator=needed, layers=(0,)),))
+    else:
+        plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
+    if ragged and not needed:
         plan = _attrs.evolve(plan, allocation=(AllocationGroup(allocator=helpers["uneven"].name, layers=(1,)),))
     need = need_of(rule_class)
     if need is not None and model_data is None:
@@ -481,7 +486,8 @@ def _check_store(quantizer, stream, bits, T, d, g, fail, WriteCost) -> bool:
 
 
 def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt: int = 40, steps: int = 4,
-                    layers: int = 3, registry=None, seed: int = 0, rule=None, rule_params=None) -> dict:
+                    layers: int = 3, registry=None, seed: int = 0, rule=None, rule_params=None,
+                    model_data=None) -> dict:
     """Run allocator ``allocator_class`` (with ``params``) over every layer of a ``layers``-layer tiny model
     (a prefill and decode rule keeping the largest key norms at ``capacity`` on each, batch 1) with every
     contract check on:
@@ -489,7 +495,8 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     group of all layers and of the odd layers. Also checks that ``bound()`` gives one positive bound per
     layer and that the final budgets sum to at most the group's total. Returns ``session.allocations()``
     of the whole-model group. ``rule`` (a rule class, with ``rule_params``) replaces the prefill rule for an
-    allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``).
+    allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``); ``model_data``
+    is the per-model data that rule reads.
     """
     import attrs as _attrs
 
@@ -515,7 +522,12 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     report = None
     for group in (tuple(range(layers)), tuple(range(1, layers, 2))):
         plan = _attrs.evolve(base, allocation=(AllocationGroup(allocator=name, layers=group, params=params),))
-        session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed)
+        if getattr(rule, "needs_allocator", None):  # a rule with budgets only from a group keeps out of the others
+            plan = _attrs.evolve(plan, layers=tuple(
+                lp if lp.layer in group else _attrs.evolve(lp, prefill=OpSpec(rule=keep, capacity=capacity))
+                for lp in plan.layers))
+        session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed,
+                                     model_data=model_data)
         alloc = {i: a for i, a in session.allocations().items()}
         spent = sum(float(torch.tensor(a["budget"], dtype=torch.float64).mean()) for a in alloc.values())
         if sorted(alloc) != list(group) or spent > capacity * len(group):

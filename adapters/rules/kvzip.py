@@ -23,7 +23,7 @@ import torch
 
 from polykv.contract import (HEAD_SCORES_SUFFIX, SIGNAL_NONE, AllocationRequest, Allocator, HeadScores, ModelDataNeed,
                              ParamError, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
-                             attention_probabilities, run_probe, tokenizer_of)
+                             run_probe, tokenizer_of)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 """P_0, the reconstruction prompt of the first chunk (reference and kvpress)."""
@@ -49,6 +49,10 @@ def prompt_params(tokenizer) -> dict:
     return {"repeat_ids": ids(REPEAT_PROMPT), "continue_ids": ids(CONTINUE_PROMPT), "suffix_ids": ids(suffix)}
 
 
+SCORE_CHUNK_ELEMENTS = 1 << 21
+"""Logits per query-row chunk of :func:`reconstruction_scores` (8 MiB of float32)."""
+
+
 def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[int, int], sink: int,
                           scaling: float) -> torch.Tensor:
     """KVzip's score of the context chunk ``span`` from one probe forward: [B, Hkv, end - start] float32.
@@ -62,15 +66,27 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[i
 
     Each query attends only [sink | keys[start:end] | its own chunk's keys up to itself] (softmax over that
     subset, float32); the score of token j is the largest probability any of the n queries and the G query
-    heads of its KV head gives it. Query rows run in chunks (no n x (T + n) matrix for all heads at once).
+    heads of its KV head gives it. Query rows run in chunks of at most :data:`SCORE_CHUNK_ELEMENTS` logits;
+    the causal mask covers only the chunk's own keys (no mask over the prompt's keys is built).
     """
-    B, H, n, _ = query.shape
+    B, H, n, d = query.shape
+    Hkv = keys.shape[1]
+    G = H // Hkv
     start, end = span
-    T = keys.shape[2] - n
-    subset = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, T:]], dim=2)    # (B, Hkv, S + C + n, d)
+    T, C = keys.shape[2] - n, end - start
+    S = sink
+    subset = torch.cat([keys[:, :, :S], keys[:, :, start:end], keys[:, :, T:]], dim=2).float()  # (B, Hkv, S + C + n, d)
+    subset = subset.transpose(-1, -2)                                                            # (B, Hkv, d, S + C + n)
+    q = (query.float() * scaling).view(B, Hkv, G, n, d)                                          # (B, Hkv, G, n, d)
+    rows = max(1, SCORE_CHUNK_ELEMENTS // (B * H * (S + C + n)))
     best = None
-    for _, probs in attention_probabilities(query, subset, scaling):                        # (B, Hkv, G, c, S + C + n)
-        got = probs[..., sink:sink + end - start].amax(dim=(2, 3))                          # (B, Hkv, C)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        r, width = b - a, S + C + b                          # rows a..b see their own chunk's keys up to b at most
+        logits = (q[:, :, :, a:b].reshape(B, Hkv, G * r, d) @ subset[..., :width]).view(B, Hkv, G, r, width)
+        later = torch.arange(b, device=query.device).view(1, b) > torch.arange(a, b, device=query.device).view(-1, 1)
+        logits[..., S + C:].masked_fill_(later, float("-inf"))                                  # causal on own keys
+        got = torch.softmax(logits, dim=-1)[..., S:S + C].amax(dim=(2, 3))                      # (B, Hkv, C)
         best = got if best is None else torch.maximum(best, got)
     return best
 
