@@ -38,7 +38,7 @@ def _setup(T: int):
     from polykv.plan import OpSpec
 
     model, tok = load_default_model()
-    text = " ".join(corpus_texts("mixed", 64, min_chars=8 * T, seed=0))
+    text = " ".join(corpus_texts("mixed", 24, min_chars=4000, seed=0))
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)[:T]])
     if ids.shape[1] < T:
         raise SystemExit(f"the offline corpus gave {ids.shape[1]} tokens, fewer than {T}")
