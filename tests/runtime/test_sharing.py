@@ -242,3 +242,21 @@ def test_chunked_prefill_and_a_fresh_cache_share_the_same_way(model):
     torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
     for a, b in zip(views, again):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_plan_show_prints_the_pairs_and_the_file_round_trips(tmp_path, model):
+    from polykv.commands.plan import format_plan
+
+    geo = geometry_of_model(model)
+    plan = shared_plan(geo, interpolation=0.5)
+    path = tmp_path / "shared.plan.json"
+    plan.save(str(path))
+    text = path.read_text()
+    assert '"schema_version": 2' in text and '"share": 0' in text and '"share_params": {"interpolation": 0.5}' in text
+    loaded = polykv.load_plan(str(path), geometry=geo)
+    assert loaded.share_pairs() == [(0, 1), (2, 3)] and loaded.to_json() == plan.to_json()
+    shown = format_plan(loaded, str(path), 512)
+    assert "(schema 2, 4 layers)" in shown
+    assert "0-1 (t=0.5, 26 of 512 tokens per head unmerged), 2-3 (t=0.6, 26 of 512" in shown
+    assert shown.splitlines()[-1].split()[-1] == "2-3" and "SHARE" in shown
+    assert "SHARE" not in format_plan(polykv.full_plan(geo), "p", 512)
