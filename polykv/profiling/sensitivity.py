@@ -134,10 +134,11 @@ def _whole_prefix(cap: LayerCapture, prefix: int) -> StorageView:
 
 @torch.no_grad()
 def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig], ctx: LayerContext, *,
-             reference: torch.Tensor | None = None) -> list[float]:
+             reference: torch.Tensor | None = None, tick=None) -> list[float]:
     """Relative L2 error of every config on one captured layer (module docstring); one value per config.
 
     The capture may hold B sequences of one length (batch rows); the error is the mean over rows.
+    ``tick``, when given, is called after each config (a progress bar).
     """
     import json
 
@@ -164,6 +165,8 @@ def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig],
                 selections[key] = runs[rule_key].select(capacity)
         o = followup_through_storage(cap, prefix, selections[key], c.k_bits, c.v_bits, ctx)
         out[i] = relative_error(o, ref, ref_norm)
+        if tick is not None:
+            tick()
     return out
 
 

@@ -49,4 +49,22 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
 
     instance = registry.solver(solver)(registry=registry)
     instance.capacity_form = capacities
-    return solve_around_windows(instance, profile, budget, **params)
+    plan = solve_around_windows(instance, profile, budget, **params)
+    return with_metric_note(plan, profile, instance, params)
+
+
+def with_metric_note(plan, profile, solver, params: Mapping[str, Any]):
+    """``plan`` whose provenance note says which metric table ``solver`` routed on (for solvers with a
+    ``metric`` parameter): the one asked for, else the profile's routing metric."""
+    import attrs
+
+    if "metric" not in getattr(solver, "defaults", {}):
+        return plan
+    asked = params.get("metric")
+    metric = asked or profile.default_metric
+    why = "asked for" if asked else ("the profile's routing metric" if profile.routing_metric else
+                                     "the profile records no routing metric")
+    text = f"routed on metric '{metric}' ({why})"
+    prov = plan.provenance
+    note = f"{prov.note}; {text}" if prov.note else text
+    return attrs.evolve(plan, provenance=attrs.evolve(prov, note=note))
