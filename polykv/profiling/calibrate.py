@@ -72,6 +72,10 @@ class CalibrationSettings:
     or ``"all"``."""
     quantizer: str = DEFAULT_QUANTIZER
     quantizer_params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    rule_params: Mapping[str, Mapping[str, Any]] = attrs.field(
+        factory=dict, converter=lambda d: {str(k): dict(v) for k, v in dict(d or {}).items()})
+    """Parameters of rules by name (e.g. the token ids a probe rule's prompts need, :func:`tokenizer_params`):
+    written into those rules' configs (and so into the solved plans' ops)."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -122,9 +126,23 @@ def model_data_for(profile_path: str, *, registry=None, model=None) -> dict[str,
 
 
 def default_rules(registry) -> tuple[str, ...]:
-    """Every registered retention rule except ``full`` and the rules that run a probe (a model pass after the
-    prompt, :mod:`polykv.contract.probe`, which calibration does not run), by name."""
-    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE and not _probes(registry, n)))
+    """Every registered retention rule except ``full``, by name; the rules that run a probe (a model pass after
+    the prompt, :mod:`polykv.contract.probe`) included: calibration runs it in the runtime's prefill."""
+    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE))
+
+
+def tokenizer_params(registry, rules: Sequence[str], tokenizer) -> dict[str, dict]:
+    """``{rule: params}`` for the rules among ``rules`` whose module offers ``prompt_params(tokenizer)``: the
+    parameters (token ids of its probe's prompts) a probe rule needs for this tokenizer."""
+    import sys
+
+    out = {}
+    for rule in rules:
+        cls = registry.operator(rule)
+        build = getattr(sys.modules.get(cls.__module__), "prompt_params", None) if cls.declares_probe() else None
+        if callable(build):
+            out[rule] = dict(build(tokenizer))
+    return out
 
 
 def _probes(registry, name: str) -> bool:
@@ -145,7 +163,9 @@ def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, regis
         if settings.phase not in cls.phases and settings.phase != "both":
             raise ProfileError(f"rule '{rule}' does not run in phase '{settings.phase}' (it supports "
                                f"{sorted(cls.phases)}); leave it out with --rules")
-        out += moend_configs(rule, settings.phase, keeps=[k for k in keeps if k < 1.0], k_bits=bits, v_bits=bits)
+        params = settings.rule_params.get(rule, {})
+        out += [attrs.evolve(c, params=params) for c in
+                moend_configs(rule, settings.phase, keeps=[k for k in keeps if k < 1.0], k_bits=bits, v_bits=bits)]
     return out
 
 
@@ -223,9 +243,10 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     geometry = geometry_of_model(model)
     rules = tuple(settings.rules) if settings.rules is not None else default_rules(registry)
     probing = [r for r in rules if _probes(registry, r)]
-    if probing:
-        raise ProfileError(f"rule(s) {probing} run a probe (a model pass after the prompt) that calibration does not "
-                           f"run yet, so their profile rows would not measure them; leave them out of --rules")
+    unknown = sorted(set(settings.rule_params) - set(rules))
+    if unknown:
+        raise ProfileError(f"rule_params names rule(s) {unknown} that are not calibrated (rules: {list(rules)}); "
+                           f"drop them or add the rules")
     configs = candidate_configs(rules, settings, registry)
     quantizer = registry.quantizer(settings.quantizer)(**settings.quantizer_params)
     digest = run_digest({"model": geometry.fingerprint, "settings": attrs.asdict(settings), "rules": rules,
@@ -239,7 +260,8 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     model_data = {need.key: need.compute(model, [s.view(1, -1) for s in seqs]) for need in needs}
     inv_freq, rope_scaling = rope_of_model(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
-                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
+                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,
+                       rule_params=settings.rule_params)
     L = geometry.num_layers
     saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
         ("kl",) if held else ())
@@ -252,7 +274,10 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
-        snapshots = e2e.PrefixSnapshots(model, held, P, plans, registry=registry, model_data=model_data)
+        snapshots = e2e.PrefixSnapshots(model, [s.view(1, -1)[:, :P] for s in held], plans, registry=registry,
+                                        model_data=model_data)
+    if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
+        ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
     ppl_refs = [val.reference_logprobs(model, s, P) for s in ppl_seqs] if todo else []
 
@@ -272,6 +297,20 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     profile = _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, len(seqs), len(held),
                         int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     return CalibrationResult(profile=profile, model_data=model_data, needs=needs, seconds=time.perf_counter() - start)
+
+
+def _probe_prefills(model, geometry, layers, rules, seqs, P, settings, registry, model_data):
+    """``prefills(layer, rule, params)`` of :class:`~polykv.profiling.sensitivity.LayerContext`: the calibration
+    prefixes (one batch) prefilled through the runtime once per probe, the probe run as the session runs it."""
+    plans = {layer: [val.one_layer_plan(geometry, layer, rule=r, keep=0.5, params=settings.rule_params.get(r, {}))
+                     for r in rules] for layer in layers}
+    snaps = e2e.PrefixSnapshots(model, [torch.stack([s[:P] for s in seqs])], plans, registry=registry,
+                                model_data=model_data)
+
+    def prefills(layer: int, rule: str, params: dict):
+        return snaps.layer_snapshot(val.one_layer_plan(geometry, layer, rule=rule, keep=0.5, params=params), layer)
+
+    return prefills
 
 
 def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols, snapshots,

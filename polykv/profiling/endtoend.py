@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from polykv.errors import ProfileError
+from polykv.errors import PolykvError, ProfileError
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.profiling import validation as val
 
@@ -90,17 +90,19 @@ def _identity(c: CandidateConfig) -> bool:
 
 
 class PrefixSnapshots:
-    """Uncompressed prefills of the held-out prefixes, one per sequence and per prefill variant
+    """Uncompressed prefills of prompts ([B, P] token ids each; one per held-out sequence, or the calibration
+    sequences' prefixes as one batch), one per prompt and per prefill variant
     (attention signature, probe), captured when first needed. A variant that serves plans on several
     layers (the plain SDPA prefill, a probe) is kept for the whole run; one that serves a single layer
     (its rule attends in the signal pass) is dropped with :meth:`release`."""
 
-    def __init__(self, model, sequences: Sequence[torch.Tensor], prefix: int, plans_by_layer: Mapping[int, list],
+    def __init__(self, model, prompts: Sequence[torch.Tensor], plans_by_layer: Mapping[int, list],
                  *, registry, model_data=None):
         from polykv.runtime.fork import capture_groups
 
-        self.model, self.prefix, self.registry, self.model_data = model, prefix, registry, model_data
-        self.ids = [s.view(1, -1)[:, :prefix].to(next(model.parameters()).device) for s in sequences]
+        self.model, self.registry, self.model_data = model, registry, model_data
+        self.ids = [p.to(next(model.parameters()).device) for p in prompts]
+        self.prefix = int(self.ids[0].shape[1])
         self._key_of: dict[tuple, tuple] = {}
         self._plans: dict[tuple, list] = {}
         layers_of: dict[tuple, set] = {}
@@ -109,8 +111,14 @@ class PrefixSnapshots:
                 op = plan.layers[layer].prefill
                 ident = (layer, op.rule, json.dumps(op.params, sort_keys=True, default=str))
                 if ident not in self._key_of:  # the variant depends on the rule, not on its capacity or widths
-                    self._key_of[ident] = next(iter(capture_groups(model, [plan], registry=registry,
-                                                                   model_data=model_data, input_ids=self.ids[0])))
+                    try:
+                        groups = capture_groups(model, [plan], registry=registry, model_data=model_data,
+                                                input_ids=self.ids[0])
+                    except PolykvError as exc:
+                        raise ProfileError(f"calibrating rule '{op.rule}' on layer {layer} through the runtime: {exc} "
+                                           f"(give the rule's parameters with CalibrationSettings.rule_params, or "
+                                           f"leave it out of the rules)") from None
+                    self._key_of[ident] = next(iter(groups))
                 key = self._key_of[ident]
                 self._plans.setdefault(key, []).append(plan)
                 layers_of.setdefault(key, set()).add(layer)
@@ -130,6 +138,10 @@ class PrefixSnapshots:
             self._snaps[key] = [capture_prefill(self.model, ids, plans, registry=self.registry,
                                                    model_data=self.model_data) for ids in self.ids]
         return self._snaps[key]
+
+    def layer_snapshot(self, plan, layer: int, index: int = 0):
+        """The :class:`~polykv.runtime.fork.LayerSnapshot` of ``layer`` in prompt ``index``'s prefill for ``plan``."""
+        return self.get(self.key(plan, layer))[index].layers[layer]
 
     def release(self, layer_keys: set) -> None:
         """Drop the variants among ``layer_keys`` that no other layer needs."""
