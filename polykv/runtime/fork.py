@@ -123,18 +123,19 @@ def _probe_of(session, input_ids: torch.Tensor) -> list:
     return session.probe_of(input_ids) if session._probe_layers else []
 
 
-def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: torch.Tensor | None = None
-                   ) -> dict[tuple, tuple[list[dict], list]]:
+def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: torch.Tensor | None = None,
+                   model_data=None) -> dict[tuple, tuple[list[dict], list]]:
     """(attention signature, probe key) -> (per layer, one fresh state per distinct ``share_key`` over the rules
     of the plans of that key; the probe's chunks). Validates each plan; a plan whose rules run a probe
     (built from ``input_ids``) gets its own prefill per distinct probe, since the probe's forwards are
-    observed by its states."""
+    observed by its states. ``model_data`` is what :func:`polykv.apply` takes (the per-model data the plans'
+    rules read)."""
     from polykv.runtime.session import apply
 
     groups: dict[tuple, list] = {}
     probes: dict[tuple, list] = {}
     for plan in plans:
-        session = apply(model, plan, registry=registry)
+        session = apply(model, plan, registry=registry, model_data=model_data)
         per_layer = _plan_states(session)
         chunks = _probe_of(session, input_ids) if input_ids is not None else []
         key = (attention_signature(per_layer), probe_key(chunks))
@@ -150,7 +151,7 @@ def _scaling(module, head_dim: int) -> float:
 
 
 def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, registry=None,
-                    chunk_size: int | None = None) -> PrefillSnapshot:
+                    chunk_size: int | None = None, model_data=None) -> PrefillSnapshot:
     """Run the model over ``input_ids`` [B, T] and keep the raw K/V and signals of every layer: once per
     attention signature among ``plans`` (once when every plan's layers attend alike).
 
@@ -165,12 +166,14 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     chunk_size : int, optional
         Prefill in chunks of this many tokens (the same selection as one forward, like
         :meth:`Session.prefill`).
+    model_data : dict, optional
+        The per-model data the plans' rules read, as :func:`polykv.apply` takes it.
     """
     from polykv.plan import full_plan
     from polykv.models.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
-    groups = capture_groups(model, plans, registry=registry, input_ids=input_ids)
+    groups = capture_groups(model, plans, registry=registry, input_ids=input_ids, model_data=model_data)
     T = int(input_ids.shape[1])
     step = chunk_size or T
     if step < 1:
