@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 
 SCHEMA_VERSION = 1
+SHARE_SCHEMA_VERSION = 2
+"""The schema version of a plan file in which some layer uses ``share`` (files without it stay version 1)."""
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
@@ -93,6 +95,11 @@ class LayerPlan:
     """Registered quantizer used for widths below 16."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
     """Quantizer parameters; missing ones take its defaults."""
+    share: int | None = None
+    """The layer below (``layer - 1``) whose prompt K/V this layer merges with (MiniCache, see
+    ``docs/sharing.md``); set on the upper layer of the pair. None: no sharing."""
+    share_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """The merge's parameters (``interpolation``, ``retention_ratio``); missing ones take the defaults."""
 
     @property
     def quantized(self) -> bool:
@@ -100,7 +107,8 @@ class LayerPlan:
 
     @property
     def keeps_everything(self) -> bool:
-        return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+        return (self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+                and self.share is None)
 
 
 def _positive_slack(instance, attribute, value) -> None:
@@ -224,6 +232,15 @@ class Plan:
         layers = list(self.layers)
         layers[layer] = attrs.evolve(layers[layer], **changes)
         return attrs.evolve(self, layers=tuple(layers))
+
+    @property
+    def written_schema_version(self) -> int:
+        """The version a plan file of this plan carries: 2 when some layer shares, else 1."""
+        return SHARE_SCHEMA_VERSION if any(lp.share is not None for lp in self.layers) else SCHEMA_VERSION
+
+    def share_pairs(self) -> list[tuple[int, int]]:
+        """(lower, upper) of every shared layer pair, by upper layer."""
+        return [(lp.share, lp.layer) for lp in self.layers if lp.share is not None]
 
     def rules_used(self) -> set[str]:
         return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}

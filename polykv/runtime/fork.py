@@ -128,7 +128,8 @@ def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: to
     """(attention signature, probe key) -> (per layer, one fresh state per distinct ``share_key`` over the rules
     of the plans of that key; the probe's chunks). Validates each plan; a plan whose rules run a probe
     (built from ``input_ids``) gets its own prefill per distinct probe, since the probe's forwards are
-    observed by its states. ``model_data`` goes to :func:`polykv.apply` (the plans' per-model data)."""
+    observed by its states. ``model_data`` is what :func:`polykv.apply` takes (the per-model data the plans'
+    rules read)."""
     from polykv.runtime.session import apply
 
     groups: dict[tuple, list] = {}
@@ -166,7 +167,7 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
         Prefill in chunks of this many tokens (the same selection as one forward, like
         :meth:`Session.prefill`).
     model_data : dict, optional
-        The plans' per-model data, as for :func:`polykv.apply` (else found or computed as it does).
+        The per-model data the plans' rules read, as :func:`polykv.apply` takes it.
     """
     from polykv.plan import full_plan
     from polykv.models.geometry import geometry_of_model
