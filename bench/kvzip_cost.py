@@ -10,9 +10,10 @@ and reporting the process's peak resident memory (``resource.getrusage(RUSAGE_SE
 basis) and its resident memory right before the prefill; printed as the ratio of peaks and the ratio of
 the prefill's own increments (peak minus the resident memory before it, the stricter basis).
 
-Usage::
+The probe runs after the prompt, at positions T .. T + chunk + prompt ids, so on SmolLM2 (8192 positions)
+the longest prompt whose default 2048-token chunk fits is about 6100 tokens. Usage::
 
-    OMP_NUM_THREADS=2 python bench/kvzip_cost.py --time-tokens 4096 --memory-tokens 8192
+    OMP_NUM_THREADS=2 python bench/kvzip_cost.py --time-tokens 4096 --memory-tokens 6100
 """
 
 from __future__ import annotations
@@ -101,9 +102,11 @@ def time_run(T: int, repeats: int) -> None:
 def memory_run(T: int) -> None:
     got = {}
     for kind in ("vanilla", "kvzip"):
-        out = subprocess.run([sys.executable, __file__, "--child", kind, "--memory-tokens", str(T)], check=True,
-                             capture_output=True, text=True).stdout
-        got[kind] = json.loads(out.strip().splitlines()[-1])
+        run = subprocess.run([sys.executable, __file__, "--child", kind, "--memory-tokens", str(T)],
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"the {kind} run failed: {run.stderr.strip().splitlines()[-1]}")
+        got[kind] = json.loads(run.stdout.strip().splitlines()[-1])
     v, k = got["vanilla"], got["kvzip"]
     dv, dk = v["peak_kib"] - v["before_kib"], k["peak_kib"] - k["before_kib"]
     print(f"peak memory at {T} tokens (ru_maxrss of a fresh process each): vanilla {v['peak_kib'] / 1024:.0f} MiB, "

@@ -322,13 +322,8 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     second = dict(first)
     if "prefill" not in phases:
         second["prefill"] = OpSpec(rule=helpers["keep"].name, capacity=capacity)
-    needed = getattr(rule_class, "needs_allocator", None)
-    if needed:  # budgets only from its own allocator, which already gives the heads unequal budgets
-        plan = _attrs.evolve(per_layer_plan(geo, [first, {}], decode_slack=1),
-                             allocation=(AllocationGroup(allocator=needed, layers=(0,)),))
-    else:
-        plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
-    if ragged and not needed:
+    plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
+    if ragged:
         plan = _attrs.evolve(plan, allocation=(AllocationGroup(allocator=helpers["uneven"].name, layers=(1,)),))
     need = need_of(rule_class)
     if need is not None and model_data is None:
@@ -522,10 +517,6 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     report = None
     for group in (tuple(range(layers)), tuple(range(1, layers, 2))):
         plan = _attrs.evolve(base, allocation=(AllocationGroup(allocator=name, layers=group, params=params),))
-        if getattr(rule, "needs_allocator", None):  # a rule with budgets only from a group keeps out of the others
-            plan = _attrs.evolve(plan, layers=tuple(
-                lp if lp.layer in group else _attrs.evolve(lp, prefill=OpSpec(rule=keep, capacity=capacity))
-                for lp in plan.layers))
         session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed,
                                      model_data=model_data)
         alloc = {i: a for i, a in session.allocations().items()}

@@ -23,7 +23,7 @@ import torch
 
 from polykv.contract import (HEAD_SCORES_SUFFIX, SIGNAL_NONE, AllocationRequest, Allocator, HeadScores, ModelDataNeed,
                              ParamError, ParamSpec, ProbeChunk, RuleState, ScoredRule, SelectionContext,
-                             run_probe, tokenizer_of)
+                             ragged_top_k, run_probe, tokenizer_of)
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 """P_0, the reconstruction prompt of the first chunk (reference and kvpress)."""
@@ -327,10 +327,10 @@ class KVzipHeadRule(ScoredRule):
     """KVzip at head level: every context token of KV head (l, h) scores the head's offline score s[l, h].
 
     No probe runs: the scores come from ``ctx.model_data["kvzip-head"]`` (:class:`HeadScores`, one
-    calibration context, :func:`compute_head_scores`). The rule runs only inside an allocation group of
-    allocator ``kvzip-head``, which keeps or drops each head's whole context by one threshold over the
-    group's layers x heads; the sink tokens (``n_sink`` leading tokens, or the ``prefix_tokens`` prefix) are
-    kept in every head.
+    calibration context, :func:`compute_head_scores`). Each head keeps or drops its whole context: in an
+    allocation group of allocator ``kvzip-head`` by one threshold over the group's layers x heads (the
+    reference), alone by the layer's own threshold over its KV heads within ``capacity`` x Hkv tokens. The
+    sink tokens (``n_sink`` leading tokens, or the ``prefix_tokens`` prefix) are kept in every head.
 
     Parameters
     ----------
@@ -346,7 +346,6 @@ class KVzipHeadRule(ScoredRule):
     signal = SIGNAL_NONE
     shared_across_heads = False
     model_data_need = HEAD_SCORES
-    needs_allocator = "kvzip-head"
     param_specs = {
         "sink": ParamSpec(str, default="tokens", choices=SINKS, description="kept in every head: n_sink tokens or the prefix"),
         "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens"),
@@ -366,8 +365,36 @@ class KVzipHeadRule(ScoredRule):
                              f"(kvzip head scores of this model)")
         s = data.layer(ctx.layer_idx, ctx.num_kv_heads).to(ctx.keys.device, torch.float32)     # (Hkv,)
         scores = s.view(1, -1, 1).expand(ctx.positions.shape).clone()                           # (B, Hkv, T)
-        limit = ctx.state.component(HeadSinks).limit if ctx.state is not None else 0
-        return scores.masked_fill(ctx.positions < limit, float("inf"))
+        return scores.masked_fill(ctx.positions < self._sinks(ctx), float("inf"))
+
+    def _sinks(self, ctx) -> int:
+        return ctx.state.component(HeadSinks).limit if ctx.state is not None else 0
+
+    def select(self, ctx: SelectionContext, capacity: int):
+        """Within an allocation group (``ctx.head_capacity`` set) each head keeps its budget; alone, the layer's
+        own threshold over its KV heads keeps whole heads within ``capacity`` x Hkv tokens (:func:`whole_heads`)."""
+        if ctx.head_capacity is not None or ctx.valid is not None:
+            return super().select(ctx, capacity)
+        scores = self.score(ctx)                                                            # (B, Hkv, T)
+        B, Hkv, T = scores.shape
+        sinks = max(int((ctx.positions[0, 0] < self._sinks(ctx)).sum()), 1)
+        counts = whole_heads(ctx.model_data[HEAD_SCORES_KEY].layer(ctx.layer_idx, Hkv).float().cpu(),
+                             torch.full((Hkv,), min(sinks, T)), T, int(capacity) * Hkv)
+        return ragged_top_k(scores, counts.view(1, Hkv).expand(B, Hkv))
+
+
+def whole_heads(scores: torch.Tensor, floors: torch.Tensor, T: int, budget: int) -> torch.Tensor:
+    """Per head, T tokens or its ``floors`` [m] (sink) tokens: heads in descending ``scores`` [m] keep all T while
+    ``budget`` tokens in all hold them; from the first that does not fit on, every head keeps its floor."""
+    counts = floors.clone().long()
+    room = int(budget) - int(counts.sum())
+    for i in torch.argsort(scores, descending=True, stable=True).tolist():
+        extra = T - int(counts[i])
+        if extra > room:
+            break
+        counts[i] = T
+        room -= extra
+    return counts
 
 
 class KVzipHeadAllocator(Allocator):
@@ -402,15 +429,6 @@ class KVzipHeadAllocator(Allocator):
     def allocate(self, request: AllocationRequest) -> torch.Tensor:
         scores = torch.stack([s for s, _ in request.statistics])                 # (n, Hkv)
         floors = torch.tensor([max(k, 1) for _, k in request.statistics]).view(-1, 1).expand_as(scores)
-        T, Hkv = int(request.context_tokens), scores.shape[1]
-        counts = floors.clone().long()
-        room = int(request.total) * Hkv - int(counts.sum())
-        order = torch.argsort(scores.flatten(), descending=True, stable=True)
-        flat = counts.view(-1)
-        for i in order.tolist():
-            extra = T - int(flat[i])
-            if extra > room:
-                break
-            flat[i] = T
-            room -= extra
-        return counts
+        counts = whole_heads(scores.flatten(), floors.flatten(), int(request.context_tokens),
+                             int(request.total) * scores.shape[1])
+        return counts.view_as(scores)

@@ -165,9 +165,6 @@ class RetentionRule(DeclaredParams):
     needs_values: ClassVar[bool] = False
     shared_across_heads: ClassVar[bool] = False
     """True when one index set serves every KV head of the layer (e.g. TOVA)."""
-    needs_allocator: ClassVar[str | None] = None
-    """The allocator whose allocation group a layer running this rule in prefill must be in (its budgets
-    come only from there, e.g. ``kvzip-head``), or None."""
     paper: ClassVar[str] = ""
 
     @classmethod

@@ -76,25 +76,6 @@ def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = N
                                         unchecked={} if unchecked is None else unchecked,
                                         hint=f"fix the value; the group holds layers {list(g.layers)}")
             _check_members(plan, g, allocator, source=source, field=field)
-    if registry is not None:
-        _check_needed_groups(plan, registry, source=source)
-
-
-def _check_needed_groups(plan, registry, *, source: str) -> None:
-    """A layer whose prefill rule takes its budgets only from an allocator (``needs_allocator``) is in a group
-    of that allocator."""
-    for lp in plan.layers:
-        op = lp.prefill
-        if op.keeps_everything or not registry.has("operator", op.rule):
-            continue
-        needed = getattr(registry.operator(op.rule), "needs_allocator", None)
-        group = plan.group_of(lp.layer)
-        if needed and (group is None or group.allocator != needed):
-            got = "is in no allocation group" if group is None else f"is in a group of allocator '{group.allocator}'"
-            raise PlanError(f"rule '{op.rule}' takes its budgets from allocator '{needed}', but the layer {got}",
-                            source=source, layer=lp.layer, field=f"layers[{lp.layer}].prefill.rule",
-                            hint=f"add the layer to an allocation group {{\"allocator\": \"{needed}\", \"layers\": "
-                                 f"[...]}} with the other '{op.rule}' layers")
 
 
 def _check_members(plan, group, allocator, *, source: str, field: str) -> None:

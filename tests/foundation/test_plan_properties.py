@@ -19,8 +19,7 @@ from polykv.registry import get_registry
 
 REGISTRY = get_registry()
 OPERATORS = {e.name: e.obj for e in REGISTRY.entries("operator")}
-PREFILL_RULES = sorted(n for n, cls in OPERATORS.items() if "prefill" in cls.phases and n != "full"
-                       and not cls.needs_allocator)  # (a rule that needs its allocator group is not drawn alone)
+PREFILL_RULES = sorted(n for n, cls in OPERATORS.items() if "prefill" in cls.phases and n != "full")
 DECODE_RULES = sorted(n for n, cls in OPERATORS.items() if "decode" in cls.phases and n != "full")
 PREFILL_ONLY = sorted(n for n, cls in OPERATORS.items() if "decode" not in cls.phases)
 QUANTIZER = "kivi"

@@ -31,9 +31,6 @@ def _foreign_scores(d) -> str:
 HEAD_PLANS = [
     # decode has no prompt: kvzip-head ranks the prompt's heads once, in prefill
     ("kvzip-head-in-decode", mutate(_head_plan(), "layers.1.decode", dict(HEAD)), "layers[1].decode"),
-    # its budgets come only from its allocator
-    ("kvzip-head-without-group", mutate(mutate(plan_dict(), "layers.0.prefill", dict(HEAD)), "layers.1.prefill",
-                                        dict(HEAD)), "layers[0].prefill.rule"),
     ("kvzip-head-sink-unknown", mutate(_head_plan(), "layers.0.prefill.params", {"sink": "all"}),
      "layers[0].prefill.params.sink'"),
 ]

@@ -99,11 +99,3 @@ def test_a_file_that_is_not_head_scores_is_refused(model, forwards, tmp_path):
     with pytest.raises(ModelDataError, match=r"x.kvzip-heads.safetensors.*cannot be read.*ProfileError"):
         polykv.apply(model, _head_plan(model, model_data={"kvzip-head": str(path)}))
     assert forwards == []
-
-
-def test_kvzip_head_outside_its_group_is_refused_by_apply(model, forwards):
-    geo = geometry_of_model(model)
-    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip-head", capacity_ratio=0.5), decode="full")
-    with pytest.raises(PlanError, match=r"layer 0.*takes its budgets from allocator 'kvzip-head'"):
-        polykv.apply(model, plan)
-    assert forwards == []

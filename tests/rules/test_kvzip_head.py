@@ -9,7 +9,6 @@ import torch
 
 import polykv
 from polykv.adapters.rules.kvzip import CALIBRATION_SINK, KVzipRule, compute_head_scores, prompt_params
-from polykv.errors import PlanError
 from polykv.models.geometry import geometry_of_model
 from polykv.models.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
@@ -95,12 +94,17 @@ def test_prefix_sink_keeps_the_prefix_in_dropped_heads(model):
     assert [[int(c) for c in row] for layer in counts for row in layer] == [[6, 6], [40, 6], [6, 6]]
 
 
-def test_the_rule_outside_its_group_is_refused_when_the_plan_is_read(model):
+def test_alone_each_layer_keeps_whole_heads_by_its_own_threshold(model):
+    """Without the allocator a layer's budget (capacity x Hkv) goes to whole heads in its own score order."""
     geo = geometry_of_model(model)
-    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip-head", capacity_ratio=0.5), decode="full")
-    with pytest.raises(PlanError, match=r"layer 0.*'kvzip-head' takes its budgets from allocator 'kvzip-head'.*"
-                                        r"no allocation group"):
-        plan.validate(registry=polykv.get_registry(), geometry=geo)
+    data = HeadScores.measured(SCORES, model, num_tokens=10)
+    plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip-head", capacity=22, params={"n_sink": 3}),
+                               decode="full")
+    with torch.no_grad(), polykv.apply(model, plan, model_data={"kvzip-head": data}) as session:
+        session.prefill(token_ids(1, 40, seed=4))
+        counts = session.cache.head_counts()
+    # 22 x 2 = 44 tokens per layer: both heads keep 3 sinks (6), the better head adds 37 (43), the other cannot
+    assert [[int(c) for c in row] for layer in counts for row in layer] == [[40, 3], [40, 3], [3, 40]]
 
 
 def test_missing_scores_are_computed_through_the_probe_and_cached(model, monkeypatch):
