@@ -188,6 +188,24 @@ def _optimality(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _predicted_vs_measured(pvm: dict | None) -> list[str]:
+    """Spearman of the profile-predicted loss against the accuracy of the plans at one budget, and its rows."""
+    if pvm is None:
+        return []
+    n, sp = pvm["n"], pvm["spearman"]
+    few = (f" (n = {n} < {designs.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
+           f"evidence)" if n < designs.PREDICTED_VS_MEASURED_MIN else "")
+    head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
+            f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
+                          f"exactly as they score)" if sp is not None else f"undefined ({pvm['note']})") + few)
+    out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
+    for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
+        loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {r['source'] or 'not in the profile'} | "
+                   f"{r['accuracy']:.3f} |")
+    return out + [""]
+
+
 def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
@@ -216,6 +234,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
         if profile is not None:
             lines += _optimality(designs.loss_vs_exact(res, b, profile))
+        lines += _predicted_vs_measured(designs.predicted_vs_measured(res, task, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
