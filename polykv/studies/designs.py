@@ -318,7 +318,8 @@ def profile_loss(plan: Plan, profile, context_tokens: int, metric: str | None = 
                 ops = (FULL_OP, FULL_OP)
             else:
                 op = OpSpec(rule=c.rule, capacity_ratio=float(c.keep), params=c.params)
-                ops = (op if c.phase in ("prefill", "both") else FULL_OP, op if c.phase in ("decode", "both") else FULL_OP)
+                ops = (op if c.phase in ("prefill", "both") else FULL_OP,
+                       op if c.phase in ("decode", "both") else FULL_OP)
             if all(_same_op(a, b, context_tokens) for a, b in zip(ops, (lp.prefill, lp.decode))):
                 found = j
                 break

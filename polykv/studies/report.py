@@ -7,8 +7,9 @@ and rule state) stand beside every score, with the ratio against a 16-bit full c
 contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
 differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
-and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
-(``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
+the Spearman of profile-predicted loss against accuracy at each budget, and the fixed-route budget
+sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks (``continuation``) score the top-1
+agreement with the full cache and add a table of KL and perplexity.
 """
 
 from __future__ import annotations
