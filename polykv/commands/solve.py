@@ -114,7 +114,10 @@ def measuring_model(args, profile, params: dict):
     model, tokenizer = load_model(args.model, args.device)
     rules = sorted({c.rule for c in profile.configs if not c.keeps_everything})
     data = load_side_files(args.profile, needs_of_rules(registry, rules), model=model)
-    return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model)
+    import sys
+
+    return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def run(args) -> int:

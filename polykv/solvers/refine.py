@@ -56,6 +56,8 @@ class MeasureOn:
     nominal budget)."""
     name: str = ""
     """What the model is, for the provenance (e.g. ``default``)."""
+    progress: Any = None
+    """Called with one line of text after each measured plan (``polykv solve`` prints it to stderr), or None."""
 
 
 def _count(minimum: int, what: str) -> ParamSpec:
@@ -207,6 +209,9 @@ class Refine(Solver):
             key = tuple(ch)
             if key not in measured:
                 measured[key] = meter.measure(plan_of(ch))
+                if on.progress is not None:
+                    on.progress(f"refine: plan {len(measured)} measured, KL {measured[key]:.6g} nats "
+                                f"({meter.prefills} prefills, {time.perf_counter() - start:.0f} s)")
             return measured[key]
 
         exact_kl = current = kl(choice)
