@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from polykv.cli import main
-from polykv.errors import SolverError
 from polykv.plan import load_plan
 from polykv.profiling import validation as val
 from polykv.profiling.budget import Budget
@@ -160,11 +159,6 @@ def test_step_limit_and_no_steps(tiny, profile):
     assert none.layers == solve(profile, BUDGET, "exact").layers
     assert none.provenance.measured["steps"] == [] and none.provenance.measured["refine_kl"] == \
         none.provenance.measured["exact_kl"]
-
-
-def test_refine_without_a_model_says_how_to_give_one(profile):
-    with pytest.raises(SolverError, match=r"needs one: pass --model default"):
-        solve(profile, BUDGET, "refine", **PARAMS)
 
 
 def test_meter_with_reuse_equals_plan_logprobs(tiny, profile):
