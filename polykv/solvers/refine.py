@@ -166,7 +166,7 @@ class Refine(Solver):
     name = "refine"
     needs_model = True
     defaults = {"metric": None, "rules": None, "steps": 8, "tries": 6, "sequences": 4, "tokens": None,
-                "follow_up": None, "seed": 0, "corpus": "mixed"}
+                "follow_up": None, "seed": 0, "corpus": "mixed", "validate": 0}
     param_specs = {"metric": METRIC_SPEC,
                    "steps": _count(0, "moves accepted at most"),
                    "tries": _count(1, "moves measured per step at most"),
@@ -177,7 +177,8 @@ class Refine(Solver):
                                           description="follow-up tokens after the context (null: the profile's)"),
                    "seed": ParamSpec(int, low=0, description="seed of the held-out corpus draw"),
                    "corpus": ParamSpec(str, choices=("mixed", "prose", "code"),
-                                       description="corpus kind")}
+                                       description="corpus kind"),
+                   "validate": _count(0, "further held-out sequences the exact and final plans are measured on")}
     rule_lists = ("rules",)
     paper = "exact multiple-choice knapsack, refined by end-to-end KL on held-out sequences"
 
@@ -190,7 +191,7 @@ class Refine(Solver):
         start = time.perf_counter()
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
-        meter, desc, tokens, follow = self._meter(profile, budget, p, on, cols)
+        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols)
         choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
         bits = config_bits(profile, budget, self)
         cap = budget.to_bits(profile.model)
@@ -215,6 +216,7 @@ class Refine(Solver):
             return measured[key]
 
         exact_kl = current = kl(choice)
+        exact_choice = list(choice)
         steps, stopped, accepted = [], "step limit reached", 0
         while True:
             if accepted >= p["steps"]:
@@ -242,13 +244,19 @@ class Refine(Solver):
                 stopped = f"none of the {len(moves)} moves tried lowered the measured KL"
                 break
         plan = plan_of(choice)
+        validation = None
+        if check is not None:  # sequences the search never saw: does the measured gain carry over?
+            validation = {"sequences": len(check.sequences), "exact_kl": check.measure(plan_of(exact_choice)),
+                          "refine_kl": check.measure(plan)}
         record = {"metric": "kl", "model": on.name, "sequences": len(meter.sequences), "context_tokens": tokens,
                   "follow_up": follow, "corpus": desc, "storage_dtype": _dtype_name(meter.storage_dtype),
                   "exact_kl": exact_kl, "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
                   "prefills": meter.prefills, "stopped": stopped, "seconds": round(time.perf_counter() - start, 3),
-                  "steps": steps}
+                  "validation": validation, "steps": steps}
         note = (f"the exact plan refined by {accepted} measured move(s): held-out KL {exact_kl:.6g} (exact) -> "
-                f"{current:.6g} nats over {len(meter.sequences)} sequences; {stopped}")
+                f"{current:.6g} nats over {len(meter.sequences)} sequences; {stopped}"
+                + (f"; on {validation['sequences']} further sequences {validation['exact_kl']:.6g} -> "
+                   f"{validation['refine_kl']:.6g}" if validation else ""))
         return attrs.evolve(plan, provenance=attrs.evolve(plan.provenance, note=note, measured=record))
 
     def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols):
@@ -275,16 +283,17 @@ class Refine(Solver):
             known = draw is not None and prov.context_tokens is not None and draw.tokens > prov.context_tokens
             follow = draw.tokens - prov.context_tokens if known else 128
         tokenize = lambda text: on.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        seqs, desc = heldout_sequences(tokenize, p["sequences"], tokens + follow, seed=p["seed"], profile=profile,
+        n = p["sequences"]
+        seqs, desc = heldout_sequences(tokenize, n + p["validate"], tokens + follow, seed=p["seed"], profile=profile,
                                        kind=p["corpus"])
         dtype = on.storage_dtype
         if dtype is None and budget.resident:
             dtype = getattr(torch, budget.cache_dtype)
         menu = [self.config_layer(profile.configs[int(c)], f"config {profile.configs[int(c)].label}", profile=profile)
                 for c in cols]
-        meter = PlanMeter(on.model, seqs, tokens, model_data=on.model_data, registry=self.registry,
-                          storage_dtype=dtype, layer_menu=menu)
-        return meter, desc, tokens, follow
+        meters = [PlanMeter(on.model, part, tokens, model_data=on.model_data, registry=self.registry,
+                            storage_dtype=dtype, layer_menu=menu) if part else None for part in (seqs[:n], seqs[n:])]
+        return meters[0], meters[1], desc, tokens, follow
 
 
 def _apply(choice: list[int], move) -> list[int]:
