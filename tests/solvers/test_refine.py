@@ -161,6 +161,24 @@ def test_step_limit_and_no_steps(tiny, profile):
         none.provenance.measured["exact_kl"]
 
 
+def test_validation_sequences_are_apart_from_the_search_and_measured_as_recorded(tiny, profile):
+    import torch
+
+    on = MeasureOn(model=tiny[1], tokenizer=tiny[2])
+    plan = solve(profile, BUDGET, "refine", model=on, **{**PARAMS, "validate": 2})
+    m = plan.provenance.measured
+    assert m["sequences"] == 2 and m["validation"]["sequences"] == 2
+    seqs, _ = heldout_sequences(_tokenize(tiny[2]), 4, T + FOLLOW, seed=0, profile=profile)
+    search = PlanMeter(tiny[1], seqs[:2], T, storage_dtype=torch.bfloat16, reuse_prefill=False)
+    check = PlanMeter(tiny[1], seqs[2:], T, storage_dtype=torch.bfloat16, reuse_prefill=False)
+    exact = solve(profile, BUDGET, "exact")
+    assert search.measure(exact) == pytest.approx(m["exact_kl"], rel=1e-5)
+    assert search.measure(plan) == pytest.approx(m["refine_kl"], rel=1e-5)
+    assert check.measure(exact) == pytest.approx(m["validation"]["exact_kl"], rel=1e-5)
+    assert check.measure(plan) == pytest.approx(m["validation"]["refine_kl"], rel=1e-5)
+    assert "on 2 further sequences" in plan.provenance.note
+
+
 def test_meter_with_reuse_equals_plan_logprobs(tiny, profile):
     seqs, _ = heldout_sequences(_tokenize(tiny[2]), 2, T + FOLLOW, seed=3, profile=profile)
     from polykv.solvers.refine import Refine
