@@ -15,7 +15,8 @@ import attrs
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
 from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
-                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
+                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, RANK_SCHEMA_VERSION, SCHEMA_VERSION,
+                         SCHEMA_VERSIONS, LayerPlan, ModelInfo, OpSpec,
                          Plan, Provenance, TriggerSettings)
 from polykv.strict_json import FieldReader
 
@@ -40,7 +41,14 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
                            "k_bits": lp.k_bits, "v_bits": lp.v_bits, "quantizer": lp.quantizer}
     if lp.quantizer_params:
         out["quantizer_params"] = dict(sorted(lp.quantizer_params.items()))
+    for name in RANK_FIELDS:  # written only when set: a full-rank layer's line is what version 1 wrote
+        if getattr(lp, name) is not None:
+            out[name] = getattr(lp, name)
     return out
+
+
+RANK_FIELDS = ("k_rank", "v_rank")
+"""Layer fields of schema version 2: channels of the stored key and value codes (absent = full rank)."""
 
 
 def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
@@ -48,7 +56,7 @@ def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
     from polykv.plan.groups import groups_to_json
 
     out = {
-        "schema_version": plan.schema_version,
+        "schema_version": plan.file_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
         "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
@@ -121,8 +129,9 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail("missing required key", field="schema_version", hint=f"plans written by polykv carry "
                f"\"schema_version\": {SCHEMA_VERSION}")
     version = raw["schema_version"]
-    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
-        r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
+    if type(version) is not int or version not in SCHEMA_VERSIONS:  # 1.0 and true are not version 1
+        r.fail(f"unknown schema version {version!r}; this polykv reads versions "
+               f"{', '.join(map(str, SCHEMA_VERSIONS))}",
                field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", ["schema_version", "layers"], ["model", "trigger", "provenance", "allocation", "model_data"])
     model = _parse_model(r, raw.get("model"))
@@ -130,6 +139,7 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     prov = _parse_provenance(r, raw.get("provenance"))
     layers_raw = r.list_(raw["layers"], "layers", nonempty=True, what="a non-empty list of layer entries")
     layers = [_parse_layer(r, i, entry) for i, entry in enumerate(layers_raw)]
+    _check_rank_version(r, version, layers, model)
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
@@ -139,6 +149,23 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
                 allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
     check_groups(plan, source=source)
     return plan
+
+
+def _check_rank_version(r: FieldReader, version: int, layers: list[LayerPlan], model: ModelInfo | None) -> None:
+    """Ranks need schema version 2 and fit the plan's head dim."""
+    for lp in layers:
+        for name in RANK_FIELDS:
+            rank = getattr(lp, name)
+            if rank is None:
+                continue
+            field = f"layers[{lp.layer}].{name}"
+            if version < RANK_SCHEMA_VERSION:
+                r.fail(f"'{name}' is a schema version {RANK_SCHEMA_VERSION} field but the file says version {version}",
+                       layer=lp.layer, field=field, hint=f"set \"schema_version\": {RANK_SCHEMA_VERSION}, or remove "
+                       f"the rank (full rank)")
+            if model is not None and rank > model.head_dim:
+                r.fail(f"rank {rank} exceeds the head dim {model.head_dim}", layer=lp.layer, field=field,
+                       hint=f"use a rank in 1..{model.head_dim}, or remove it for full rank")
 
 
 def _parse_model(r: FieldReader, raw: Any) -> ModelInfo | None:
@@ -266,7 +293,8 @@ def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
 
 def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
     field = f"layers[{i}]"
-    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params"], layer=i)
+    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params",
+                                                       *RANK_FIELDS], layer=i)
     idx = r.int_(raw["layer"], field + ".layer", layer=i)
     if idx != i:
         r.fail(f"entry {i} says layer {idx}", layer=i, field=field + ".layer",
@@ -284,6 +312,7 @@ def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
         k_bits=kb, v_bits=vb,
         quantizer=r.str_(raw.get("quantizer", DEFAULT_QUANTIZER), field + ".quantizer", layer=i),
         quantizer_params=r.dict_(raw.get("quantizer_params", {}), field + ".quantizer_params", layer=i),
+        **{name: r.int_(raw[name], f"{field}.{name}", layer=i, minimum=1) for name in RANK_FIELDS if name in raw},
     )
 
 
@@ -318,6 +347,8 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
         _validate_model_data(plan, registry, source)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
+    elif plan.model is not None:
+        _check_ranks(plan, plan.model.head_dim, source)
     _warn_unchecked(unchecked, source)
 
 
@@ -403,6 +434,17 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
                             hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
 
 
+def _check_ranks(plan: Plan, head_dim: int, source: str) -> None:
+    """Every rank fits the model's head dim."""
+    for lp in plan.layers:
+        for name in RANK_FIELDS:
+            rank = getattr(lp, name)
+            if rank is not None and rank > head_dim:
+                raise PlanError(f"rank {rank} exceeds the model's head dim {head_dim}", source=source, layer=lp.layer,
+                                field=f"layers[{lp.layer}].{name}",
+                                hint=f"use a rank in 1..{head_dim}, or remove it for full rank")
+
+
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
     from polykv.models.geometry import fingerprints_match
 
@@ -411,6 +453,7 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
                         source=source, field="layers", hint="use a plan made for this model (polykv solve)")
     m = plan.model
     if m is None:
+        _check_ranks(plan, geometry.head_dim, source)
         return
     if m.num_kv_heads != geometry.num_kv_heads:
         raise PlanError(f"the plan was made for {m.num_kv_heads} KV heads but the model has "
@@ -423,3 +466,4 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
         raise PlanError(f"the plan was made for model {m.fingerprint} but this model is {geometry.fingerprint}",
                         source=source, field="model.fingerprint",
                         hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")
+    _check_ranks(plan, geometry.head_dim, source)

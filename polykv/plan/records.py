@@ -16,6 +16,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 
 SCHEMA_VERSION = 1
+"""The version a plan file carries when it uses only the token and bit axes (every plan before ranks)."""
+RANK_SCHEMA_VERSION = 2
+"""The version a plan file carries when some layer stores low-rank codes (``k_rank`` / ``v_rank``)."""
+SCHEMA_VERSIONS = (SCHEMA_VERSION, RANK_SCHEMA_VERSION)
+"""Versions this polykv reads; a version-1 file's layers are full rank."""
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
@@ -75,6 +80,17 @@ class OpSpec:
 FULL_OP = OpSpec()
 
 
+def _rank(instance, attribute, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        from polykv.errors import PlanError
+
+        raise PlanError(f"{attribute.name} must be a whole number of channels >= 1 (or None for full rank), got "
+                        f"{value!r}", layer=getattr(instance, "layer", None), field=attribute.name,
+                        hint="e.g. half the head dim; the rank may not exceed the head dim")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class LayerPlan:
     """One decoder layer: a prefill op, a decode op, and K/V bit widths."""
@@ -93,6 +109,21 @@ class LayerPlan:
     """Registered quantizer used for widths below 16."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
     """Quantizer parameters; missing ones take its defaults."""
+    k_rank: int | None = attrs.field(default=None, validator=_rank)
+    """Channels of each stored key code ``c = P^T k`` (P: the layer's offline key basis per KV head);
+    None stores full-width keys, exactly as without a basis."""
+    v_rank: int | None = attrs.field(default=None, validator=_rank)
+    """Channels of each stored value code ``e = U^T v``; None stores full-width values."""
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether either stream stores projected codes (a basis is needed)."""
+        return self.k_rank is not None or self.v_rank is not None
+
+    def rank_of(self, stream: str, head_dim: int) -> int:
+        """Channels stored per token of ``stream`` ("key" or "value"): its rank, or ``head_dim``."""
+        rank = self.k_rank if stream == "key" else self.v_rank
+        return head_dim if rank is None else int(rank)
 
     @property
     def quantized(self) -> bool:
@@ -224,6 +255,16 @@ class Plan:
         layers = list(self.layers)
         layers[layer] = attrs.evolve(layers[layer], **changes)
         return attrs.evolve(self, layers=tuple(layers))
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether some layer stores projected (low-rank) codes."""
+        return any(lp.low_rank for lp in self.layers)
+
+    @property
+    def file_version(self) -> int:
+        """The ``schema_version`` a file of this plan carries: 2 when a layer uses a rank, else the plan's own."""
+        return max(self.schema_version, RANK_SCHEMA_VERSION if self.low_rank else SCHEMA_VERSION)
 
     def rules_used(self) -> set[str]:
         return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}
