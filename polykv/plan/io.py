@@ -357,6 +357,10 @@ def _validate_model_data(plan: Plan, registry, source: str) -> None:
     from polykv.contract.model_data import needs_of_rules
 
     read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
+    if plan.low_rank:
+        from polykv.models.kv_bases import KV_BASES_KEY
+
+        read = sorted(read + [KV_BASES_KEY])
     for key in sorted(plan.model_data):
         if key not in read:
             raise PlanError(f"no rule of this plan reads per-model data '{key}' (they read {read or 'none'})",

@@ -171,6 +171,9 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     _check_window(step, layer_idx, kwargs.get("sliding_window"))
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    low_rank = layer.low_rank
+    if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling; the states see P^T q
+        query = low_rank.queries(query)
     visible = window_visibility(step, query.shape[2])
     valid = step.valid
     softcap = kwargs.get("softcap")
@@ -189,6 +192,8 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
     layer.after_attention(step, query, scaling, signals=signals, plain=plain)
+    if low_rank is not None:
+        out = low_rank.lift(out)                                                   # (B, H, q, d)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -57,6 +57,9 @@ class LayerSpec:
     """Sliding window or chunk size of a windowed layer (None for full attention)."""
     token_bound: int | None = None
     """Most tokens per head the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
+    low_rank: Any = None
+    """The layer's :class:`~polykv.attention.low_rank.LowRank` bases (CPU float32) when the plan gives it a
+    rank: keys and values are stored, scored and attended as codes; None: full width."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -127,6 +130,11 @@ class ForwardStep:
         return self.view.valid
 
 
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, Hkv, T, w] at token ``index`` [B, Hkv, n]: [B, Hkv, n, w] (keys and values may differ in w)."""
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
 def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
     """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
     pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
@@ -177,6 +185,8 @@ class LayerCache(CacheLayerMixin):
         self.read_stores = True
         """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
         build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
+        self.low_rank = None
+        """The spec's bases on the cache's device and dtype (set with the first forward), or None."""
         self.plain_attention = True
         """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as the last
         :meth:`after_attention` was told; so it is known from the prefill forward on."""
@@ -206,6 +216,8 @@ class LayerCache(CacheLayerMixin):
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
+        if self.spec.low_rank is not None:
+            self.low_rank = self.spec.low_rank.to(self.device, self.dtype)
         self.is_initialized = True
 
     def get_seq_length(self) -> int:
@@ -259,7 +271,12 @@ class LayerCache(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
-        attention function, and return the keys and values it attends."""
+        attention function, and return the keys and values it attends (a low-rank layer's codes: projected here,
+        right after RoPE, so nothing full width is stored)."""
+        if self.spec.low_rank is not None:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            key_states, value_states = self.low_rank.codes(key_states, value_states)
         if probe is not None:
             step = self.pending = self.begin_probe(key_states, value_states, probe)
         else:
@@ -412,12 +429,12 @@ class LayerCache(CacheLayerMixin):
             keys = sel.merge.apply(keys)[0] if "key" in sel.merge.streams else keys
             values = sel.merge.apply(values)[0] if "value" in sel.merge.streams else values
         idx = sel.index
-        at = idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1])
         valid = sel.kept_mask() if sel.ragged else None
         positions = raw.positions.gather(-1, idx)
         if valid is not None:
             positions = positions.masked_fill(~valid, -1)
-        self.prompt = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
+        self.prompt = StorageView(keys=_gather_tokens(keys, idx), values=_gather_tokens(values, idx),
+                                  positions=positions, valid=valid)
 
     def store_prompt(self) -> None:
         """Move the (selected) prompt into the stores; only the decode rule's state stays."""
@@ -448,8 +465,7 @@ class LayerCache(CacheLayerMixin):
         for st in self.observing_states():
             st.gather(sel)
         if not self.prefilled:
-            at = sel.index.unsqueeze(-1).expand(*sel.index.shape, view.keys.shape[-1])
-            return StorageView(keys=view.keys.gather(2, at), values=view.values.gather(2, at),
+            return StorageView(keys=_gather_tokens(view.keys, sel.index), values=_gather_tokens(view.values, sel.index),
                                positions=view.positions.gather(-1, sel.index), valid=None)
         self.storage.evict(sel, view)
         return self.storage.view()
