@@ -271,12 +271,7 @@ class LayerCache(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
-        attention function, and return the keys and values it attends (a low-rank layer's codes: projected here,
-        right after RoPE, so nothing full width is stored)."""
-        if self.spec.low_rank is not None:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            key_states, value_states = self.low_rank.codes(key_states, value_states)
+        attention function, and return the keys and values it attends (a low-rank layer's codes)."""
         if probe is not None:
             step = self.pending = self.begin_probe(key_states, value_states, probe)
         else:
@@ -291,6 +286,7 @@ class LayerCache(CacheLayerMixin):
         if self.prefilled or raw is None:
             raise RuntimeConfigError(f"layer {self.layer_idx}: a probe forward runs only between the prompt and its "
                                      f"selection, but this layer holds no unselected prompt")
+        key_states, value_states = self._codes(key_states, value_states)
         B, Hkv, n, _ = key_states.shape
         if raw.positions.shape[0] != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the probe has a batch of {B} but the prompt "
@@ -313,6 +309,7 @@ class LayerCache(CacheLayerMixin):
         the prompt is complete after this forward (False between the chunks of a chunked prefill)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        key_states, value_states = self._codes(key_states, value_states)
         B, Hkv, q, _ = key_states.shape
         have = self.prompt.positions.shape[0] if self.prompt is not None else (self.storage.shape or (B,))[0]
         if have != B:
@@ -341,6 +338,13 @@ class LayerCache(CacheLayerMixin):
         return ForwardStep(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", view=view,
                            stores=stores, first_position=self.tokens_seen, states=tuple(self.observing_states()),
                            ends_prompt=ends_prompt, attention_type=spec.attention_type, window=spec.window)
+
+    def _codes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A low-rank layer's codes ``P^T k``, ``U^T v`` of the new post-RoPE keys/values (projected as they
+        arrive, so nothing full width is stored or scored); the tensors themselves for a full-width layer."""
+        if self.low_rank is None:
+            return key_states, value_states
+        return self.low_rank.codes(key_states, value_states)
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
@@ -371,8 +375,8 @@ class LayerCache(CacheLayerMixin):
 
     def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None, *,
                         plain: bool = True) -> None:
-        """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d], then
-        select (prefill) or evict (decode).
+        """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d] (on a
+        low-rank layer as key codes [B, H, q, k_rank]), then select (prefill) or evict (decode).
 
         ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any.
         ``plain``: whether the model's attention was a plain softmax (no softcap, no sinks): a later decode
@@ -380,6 +384,8 @@ class LayerCache(CacheLayerMixin):
         self.plain_attention = plain
         view = step.view
         states = step.states
+        if states and self.low_rank is not None:  # the states read queries as the stored keys are: key codes
+            query = self.low_rank.queries(query)
         if states:
             obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
@@ -543,6 +549,11 @@ class LayerCache(CacheLayerMixin):
     def kv_bytes(self) -> int:
         """Key + value store bytes (codes, scales/zeros, full-precision residuals)."""
         return self.storage.kv_bytes()
+
+    def bases_bytes(self) -> int:
+        """Bytes of this layer's bases on the cache's device (0 for a full-width layer or before a forward)."""
+        lr = self.low_rank
+        return 0 if lr is None else sum(b.numel() * b.element_size() for b in (lr.key, lr.value) if b is not None)
 
     def metadata_bytes(self) -> dict[str, int]:
         """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``

@@ -52,6 +52,9 @@ class ResidentBytes:
     """Per layer: ``positions`` (int64, 8 bytes per stored token per KV head) and ``rule_state``
     (the bytes of every rule state the layer keeps, e.g. H2O's float32 accumulated attention or a
     query window)."""
+    bases: int = 0
+    """Bytes of the key/value bases the cache's low-rank layers project with (held once, whatever the
+    batch or context; not in :attr:`total`)."""
 
     @property
     def total(self) -> int:
@@ -700,7 +703,8 @@ class Session:
             raise RuntimeConfigError("no cache yet: run generate(), prefill() or a forward with session.new_cache()")
         layers = self._cache.layers
         return ResidentBytes(per_layer=tuple(layer.kv_bytes() for layer in layers),
-                             metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers))
+                             metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers),
+                             bases=sum(layer.bases_bytes() for layer in layers))
 
     def allocations(self) -> dict[int, dict[str, Any]]:
         """What the plan's allocators gave each layer of the live cache (see ``PlanCache.allocations``)."""
