@@ -124,7 +124,7 @@ class KVBases:
         path = os.fspath(path)
         if not path.endswith(".safetensors"):
             raise ProfileError(f"{path}: key/value bases files end in .safetensors")
-        arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous() for n in _ARRAYS}
+        arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).clone() for n in _ARRAYS}  # own memory each
         meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "fingerprint": self.fingerprint or "",
                 "num_tokens": str(int(self.num_tokens)), "positions": str(int(self.positions))}
         replace_with(path, lambda tmp: save_file(arrays, tmp, metadata=meta))
@@ -249,7 +249,10 @@ def compute_kv_bases(model: Any, token_batches: Iterable[torch.Tensor], *, posit
 def _check(data: Any, model: Any) -> None:
     if not isinstance(data, KVBases):
         raise TypeError(f"expected polykv.models.kv_bases.KVBases, got {type(data).__name__}")
-    data.check_model(model)
+    try:
+        data.check_model(model)
+    except ProfileError as exc:  # the model-data contract's check raises ValueError on data of another model
+        raise ValueError(str(exc)) from None
 
 
 KV_BASES_NEED = ModelDataNeed(key=KV_BASES_KEY, suffix=KV_BASES_SUFFIX, compute=compute_kv_bases, load=KVBases.load,

@@ -433,9 +433,24 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
                     raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
                                     f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
                                     field=f"{field}.{name}", hint="pick a supported width or 16")
-            plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
-                            field=field + ".quantizer_params", unchecked=unchecked,
-                            hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+            quantizer = plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                                        field=field + ".quantizer_params", unchecked=unchecked,
+                                        hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+            _check_code_widths(lp, quantizer, source)
+
+
+def _check_code_widths(lp: LayerPlan, quantizer, source: str) -> None:
+    """The layer's quantizer can code its ranks' widths (:meth:`~polykv.contract.stores.Quantizer.check_width`)."""
+    for stream, name, bits in (("key", "k_rank", lp.k_bits), ("value", "v_rank", lp.v_bits)):
+        rank = getattr(lp, name)
+        if rank is None or bits == PASSTHROUGH_BITS:
+            continue
+        try:
+            quantizer.check_width(stream, bits, rank)
+        except ValueError as exc:
+            raise PlanError(f"{name} {rank}: {exc}", source=source, layer=lp.layer, field=f"layers[{lp.layer}].{name}",
+                            hint="choose a rank the quantizer accepts (see docs/low-rank.md), or other "
+                                 "quantizer_params") from None
 
 
 def _check_ranks(plan: Plan, head_dim: int, source: str) -> None:
@@ -471,3 +486,18 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
                         source=source, field="model.fingerprint",
                         hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")
     _check_ranks(plan, geometry.head_dim, source)
+    _check_bases_file(plan, geometry, source)
+
+
+def _check_bases_file(plan: Plan, geometry, source: str) -> None:
+    """The key/value bases file a plan with ranks names (when it exists) was measured on this model."""
+    from polykv.errors import ProfileError
+    from polykv.models.kv_bases import KV_BASES_KEY, KVBases
+
+    path = plan.model_data.get(KV_BASES_KEY)
+    if not plan.low_rank or not path or not os.path.isfile(path):
+        return
+    try:
+        KVBases.load(path).check_geometry(geometry)
+    except ProfileError as exc:
+        raise PlanError(str(exc), source=source, field=f"model_data.{KV_BASES_KEY}") from None
