@@ -323,7 +323,7 @@ class StoreContract:
 class NoContract:
     """The store checks of a storage built outside a layer cache (tests): none."""
 
-    def after(self, call, storage, *, keys=None) -> None:
+    def after(self, call, storage, *, keys=None, values=None) -> None:
         pass
 
     def read(self, stream, x, tokens, batch, heads, **_):
