@@ -173,7 +173,8 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         else:
             reserved = [reserve_tokens(n, layer_hold(capacity=n if evicts else None, decode_slack=decode_slack,
                                                      bound=wbound)) for n in per_head]
-            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, lp.rank_of(stream, d), n, dtype_bytes, r)
+            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, lp.rank_of(stream, d), n,
+                                              dtype_bytes, r)
                                 for n, r in zip(per_head, reserved))
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         width = kept if per_head is None else max(per_head)
@@ -182,7 +183,8 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         meta["positions"] = 8 * (sum(reserved) if per_head is not None else batch * Hkv * reserved[0])
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
-            v_bits=lp.v_bits, k_rank=lp.k_rank, v_rank=lp.v_rank, window_bound=wbound, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
+            v_bits=lp.v_bits, k_rank=lp.k_rank, v_rank=lp.v_rank, window_bound=wbound,
+            kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
             value_bytes=stream_bytes[1], metadata=meta,
             full_bytes=2 * batch * Hkv * baseline * d * dtype_bytes,
             full_nominal_bytes=4 * Hkv * baseline * d, bound=bound))

@@ -124,7 +124,8 @@ class KVBases:
         path = os.fspath(path)
         if not path.endswith(".safetensors"):
             raise ProfileError(f"{path}: key/value bases files end in .safetensors")
-        arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous().clone() for n in _ARRAYS}  # own memory
+        # each tensor in its own contiguous memory (safetensors refuses views and shared storage)
+        arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous().clone() for n in _ARRAYS}
         meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "fingerprint": self.fingerprint or "",
                 "num_tokens": str(int(self.num_tokens)), "positions": str(int(self.positions))}
         replace_with(path, lambda tmp: save_file(arrays, tmp, metadata=meta))

@@ -251,3 +251,29 @@ def test_missing_bases_are_computed_from_the_corpus_and_cached(model):
     assert torch.equal(KVBases.load(cached).key, s.model_data[KV_BASES_KEY].key)
     again = polykv.apply(m, ranked(uniform_plan(geo), 4, 4), missing_model_data="refuse")
     assert torch.equal(again.model_data[KV_BASES_KEY].value, s.model_data[KV_BASES_KEY].value)
+
+
+def test_a_rank_plan_restored_from_a_shared_prefill_equals_its_own_prefill(model, bases):
+    """Plans of other ranks prefill differently (code-space attention): the snapshot keeps them apart."""
+    from polykv.runtime.fork import capture_prefill, restore_prefill
+
+    m, geo = model
+    base = uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=16, params={"window": 4}),
+                        decode=OpSpec(rule="tova", capacity=16), decode_slack=2)
+    plans = [base, ranked(base, 8, 8), ranked(base, 4, None, layers=[0])]
+    ids = token_ids(1, 40)
+    given = {KV_BASES_KEY: bases}
+    snapshot = capture_prefill(m, ids, plans, model_data=given)
+    assert len(snapshot.variants) == 3
+    for plan in plans:
+        with torch.no_grad(), polykv.apply(m, plan, model_data=given) as s:
+            want = s.prefill(ids)
+            want_keys = [layer.key_store.dequantize().clone() for layer in s.cache.layers]
+            cache = restore_prefill(s, snapshot)
+            got_keys = [layer.key_store.dequantize() for layer in cache.layers]
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got_keys, want_keys))
+            tok = want.logits[:, -1:].argmax(-1)
+            out = m(tok, use_cache=True, **{cache_keyword(m): cache})
+            s.prefill(ids)
+            again = m(tok, use_cache=True, **{cache_keyword(m): s.cache})
+            assert (out.logits - again.logits).abs().max() < 1e-5
