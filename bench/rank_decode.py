@@ -5,7 +5,8 @@ as codes of ``--rank`` channels (default d/2) on the model's offline bases and a
 After one prefill of ``--context`` tokens (filler prose from the offline corpus) each plan decodes
 ``--steps`` greedy tokens one forward at a time; the two are timed alternately, ``--rounds`` times each,
 and the best round counts. Printed: tokens/s of each, the ratio (rank / full; target >= 1.0: the codes
-are smaller), the resident K/V bytes of each, the bases' bytes, and how many greedy tokens agree.
+are smaller), the resident K/V bytes of each right after prefill with the memory model's prediction, the
+bases' bytes, and how many greedy tokens agree.
 
     OMP_NUM_THREADS=1 python bench/rank_decode.py              # SmolLM2-135M, 4k context, rank 32 of 64
 """
@@ -26,9 +27,15 @@ from polykv.models.kv_bases import KV_BASES_KEY
 
 
 def decode(model, plan, ids, steps: int, bases):
-    """(seconds for ``steps`` one-token forwards after the prefill, the greedy tokens, resident bytes)."""
+    """(seconds for ``steps`` one-token forwards after the prefill, the greedy tokens, resident bytes right after
+    prefill, and their prediction by the memory model)."""
+    from polykv.memory import predict_resident
+
     with torch.no_grad(), polykv.apply(model, plan, model_data={KV_BASES_KEY: bases}) as session:
         out = session.prefill(ids)
+        resident = session.resident_bytes()
+        predicted = sum(r.resident_bytes for r in predict_resident(plan, session.geometry, ids.shape[1],
+                                                                   dtype_bytes=out.logits.element_size()))
         kw = {session.cache_keyword: session.cache}
         tok, tokens = out.logits[:, -1:].argmax(-1), []
         start = time.perf_counter()
@@ -37,7 +44,7 @@ def decode(model, plan, ids, steps: int, bases):
             tok = out.logits[:, -1:].argmax(-1)
             tokens.append(int(tok))
         seconds = time.perf_counter() - start
-        return seconds, tokens, session.resident_bytes()
+        return seconds, tokens, resident, predicted
 
 
 def main() -> None:
@@ -65,13 +72,14 @@ def main() -> None:
     seen = {}
     for _ in range(args.rounds):
         for name, plan in (("full", full), ("rank", ranked)):
-            seconds, tokens, resident = decode(model, plan, ids, args.steps, bases)
+            seconds, tokens, resident, predicted = decode(model, plan, ids, args.steps, bases)
             best[name] = min(best[name], seconds)
-            seen[name] = (tokens, resident)
+            seen[name] = (tokens, resident, predicted)
     for name in ("full", "rank"):
-        tokens, resident = seen[name]
+        tokens, resident, predicted = seen[name]
         label = "full-rank plan" if name == "full" else f"rank-{rank} plan"
-        print(f"{label:>14}: {args.steps / best[name]:6.2f} tok/s decode   resident K/V {resident.total:,} B"
+        print(f"{label:>14}: {args.steps / best[name]:6.2f} tok/s decode   resident K/V after prefill "
+              f"{resident.total:,} B (predicted {predicted:,} B)"
               + (f"   bases {resident.bases:,} B (once per model)" if resident.bases else ""))
     agree = sum(a == b for a, b in zip(seen["full"][0], seen["rank"][0]))
     print(f"ratio rank / full decode speed: {best['full'] / best['rank']:.3f}x (target >= 1.0)   "
