@@ -188,7 +188,36 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             value_bytes=stream_bytes[1], metadata=meta,
             full_bytes=2 * batch * Hkv * baseline * d * dtype_bytes,
             full_nominal_bytes=4 * Hkv * baseline * d, bound=bound))
-    return rows
+    return _shared(plan, rows, context_tokens, batch=batch, Hkv=Hkv, d=d, dtype_bytes=dtype_bytes, phase=phase,
+                   new_tokens=new_tokens)
+
+
+def _shared(plan: Any, rows: list[MemoryRow], context_tokens: int, *, batch: int, Hkv: int, d: int,
+            dtype_bytes: int, phase: str, new_tokens: int | None) -> list[MemoryRow]:
+    """The rows of shared layer pairs (``LayerPlan.share``, :mod:`polykv.storage.layer_share`): per stream, the
+    lower layer holds the shared directions of the merged tokens, and each layer its magnitudes, its retained
+    tokens (``ceil(retention_ratio * T)`` per head, known in advance) and, in decode, its own unmerged decode
+    tokens (a buffer grown in blocks from empty); the upper layer's metadata counts the retained indices
+    (``share_index``, int64, key and value streams)."""
+    from polykv.storage.layer_share import DEFAULT_RETENTION_RATIO, retained_count, shared_pair_bytes
+
+    out = list(rows)
+    decode_rows = grown_capacity(int(new_tokens or 0), 0) if phase == "decode" else 0
+    for lp in plan.layers:
+        share = getattr(lp, "share", None)
+        if share is None:
+            continue
+        ratio = float(lp.share_params.get("retention_ratio", DEFAULT_RETENTION_RATIO))
+        for side, layer in enumerate((share, lp.layer)):
+            row = out[layer]
+            stream = shared_pair_bytes(batch=batch, kv_heads=Hkv, head_dim=d, tokens=context_tokens,
+                                       retention_ratio=ratio, dtype_bytes=dtype_bytes, side=side)
+            stream += batch * Hkv * decode_rows * d * dtype_bytes
+            meta = dict(row.metadata)
+            if side == 1:
+                meta["share_index"] = 2 * 8 * batch * Hkv * retained_count(context_tokens, ratio)
+            out[layer] = attrs.evolve(row, key_bytes=stream, value_bytes=stream, metadata=meta)
+    return out
 
 
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,

@@ -16,7 +16,7 @@ from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
 from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
                          MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, RANK_SCHEMA_VERSION, SCHEMA_VERSION,
-                         SCHEMA_VERSIONS, LayerPlan, ModelInfo, OpSpec,
+                         SHARE_SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
                          Plan, Provenance, TriggerSettings)
 from polykv.strict_json import FieldReader
 
@@ -41,6 +41,10 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
                            "k_bits": lp.k_bits, "v_bits": lp.v_bits, "quantizer": lp.quantizer}
     if lp.quantizer_params:
         out["quantizer_params"] = dict(sorted(lp.quantizer_params.items()))
+    if lp.share is not None:  # schema version 2 (polykv.plan.sharing)
+        out["share"] = lp.share
+    if lp.share_params:
+        out["share_params"] = dict(sorted(lp.share_params.items()))
     for name in RANK_FIELDS:  # written only when set: a full-rank layer's line is what version 1 wrote
         if getattr(lp, name) is not None:
             out[name] = getattr(lp, name)
@@ -56,7 +60,7 @@ def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
     from polykv.plan.groups import groups_to_json
 
     out = {
-        "schema_version": plan.file_version,
+        "schema_version": plan.written_schema_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
         "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
@@ -129,10 +133,9 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail("missing required key", field="schema_version", hint=f"plans written by polykv carry "
                f"\"schema_version\": {SCHEMA_VERSION}")
     version = raw["schema_version"]
-    if type(version) is not int or version not in SCHEMA_VERSIONS:  # 1.0 and true are not version 1
-        r.fail(f"unknown schema version {version!r}; this polykv reads versions "
-               f"{', '.join(map(str, SCHEMA_VERSIONS))}",
-               field="schema_version", hint="upgrade polykv or re-save the plan with this version")
+    if type(version) is not int or version not in (SCHEMA_VERSION, SHARE_SCHEMA_VERSION):  # 1.0, true: not 1
+        r.fail(f"unknown schema version {version!r}; this polykv reads versions {SCHEMA_VERSION} and "
+               f"{SHARE_SCHEMA_VERSION}", field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", ["schema_version", "layers"], ["model", "trigger", "provenance", "allocation", "model_data"])
     model = _parse_model(r, raw.get("model"))
     trigger = _parse_trigger(r, raw.get("trigger"))
@@ -148,6 +151,10 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
                 allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
     check_groups(plan, source=source)
+    _check_version_fields(r, plan)
+    from polykv.plan.sharing import check_shares
+
+    check_shares(plan, source=source)
     return plan
 
 
@@ -166,6 +173,14 @@ def _check_rank_version(r: FieldReader, version: int, layers: list[LayerPlan], m
             if model is not None and rank > model.head_dim:
                 r.fail(f"rank {rank} exceeds the head dim {model.head_dim}", layer=lp.layer, field=field,
                        hint=f"use a rank in 1..{model.head_dim}, or remove it for full rank")
+def _check_version_fields(r: FieldReader, plan: Plan) -> None:
+    """A version-1 file holds no field of version 2 (``share``)."""
+    if plan.schema_version == SCHEMA_VERSION:
+        for lp in plan.layers:
+            if lp.share is not None or lp.share_params:
+                r.fail(f"share needs schema_version {SHARE_SCHEMA_VERSION}, but the file says {SCHEMA_VERSION}",
+                       layer=lp.layer, field=f"layers[{lp.layer}].share",
+                       hint=f"set \"schema_version\": {SHARE_SCHEMA_VERSION} (polykv writes it for plans that share)")
 
 
 def _parse_model(r: FieldReader, raw: Any) -> ModelInfo | None:
@@ -293,8 +308,8 @@ def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
 
 def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
     field = f"layers[{i}]"
-    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params",
-                                                       *RANK_FIELDS], layer=i)
+    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params", "share",
+                                                       "share_params", *RANK_FIELDS], layer=i)
     idx = r.int_(raw["layer"], field + ".layer", layer=i)
     if idx != i:
         r.fail(f"entry {i} says layer {idx}", layer=i, field=field + ".layer",
@@ -312,6 +327,8 @@ def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
         k_bits=kb, v_bits=vb,
         quantizer=r.str_(raw.get("quantizer", DEFAULT_QUANTIZER), field + ".quantizer", layer=i),
         quantizer_params=r.dict_(raw.get("quantizer_params", {}), field + ".quantizer_params", layer=i),
+        share=r.int_(raw.get("share"), field + ".share", layer=i, minimum=0, optional=True),
+        share_params=r.dict_(raw.get("share_params", {}), field + ".share_params", layer=i),
         **{name: r.int_(raw[name], f"{field}.{name}", layer=i, minimum=1) for name in RANK_FIELDS if name in raw},
     )
 
@@ -342,6 +359,9 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
 
     unchecked: dict[str, set[str]] = {}
     check_groups(plan, source=source, registry=registry, unchecked=unchecked)
+    from polykv.plan.sharing import check_shares
+
+    check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
         _validate_model_data(plan, registry, source)

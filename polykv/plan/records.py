@@ -16,11 +16,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 
 SCHEMA_VERSION = 1
-"""The version a plan file carries when it uses only the token and bit axes (every plan before ranks)."""
+"""The version a plan file carries when it uses only the token and bit axes (every plan before ranks and sharing)."""
+SHARE_SCHEMA_VERSION = 2
+"""The schema version of a plan file in which some layer uses ``share`` (files without it stay version 1)."""
 RANK_SCHEMA_VERSION = 2
-"""The version a plan file carries when some layer stores low-rank codes (``k_rank`` / ``v_rank``)."""
-SCHEMA_VERSIONS = (SCHEMA_VERSION, RANK_SCHEMA_VERSION)
-"""Versions this polykv reads; a version-1 file's layers are full rank."""
+"""The schema version of a plan file in which some layer stores low-rank codes (``k_rank`` / ``v_rank``)."""
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SHARE_SCHEMA_VERSION)
+"""Versions this polykv reads; a version-1 file's layers are full rank and share nothing."""
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
@@ -109,6 +111,11 @@ class LayerPlan:
     """Registered quantizer used for widths below 16."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
     """Quantizer parameters; missing ones take its defaults."""
+    share: int | None = None
+    """The layer below (``layer - 1``) whose prompt K/V this layer merges with (MiniCache, see
+    ``docs/sharing.md``); set on the upper layer of the pair. None: no sharing."""
+    share_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """The merge's parameters (``interpolation``, ``retention_ratio``); missing ones take the defaults."""
     k_rank: int | None = attrs.field(default=None, validator=_rank)
     """Channels of each stored key code ``c = P^T k`` (P: the layer's offline key basis per KV head);
     None stores full-width keys, exactly as without a basis."""
@@ -131,7 +138,8 @@ class LayerPlan:
 
     @property
     def keeps_everything(self) -> bool:
-        return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+        return (self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+                and self.share is None and not self.low_rank)
 
 
 def _positive_slack(instance, attribute, value) -> None:
@@ -262,9 +270,15 @@ class Plan:
         return any(lp.low_rank for lp in self.layers)
 
     @property
-    def file_version(self) -> int:
-        """The ``schema_version`` a file of this plan carries: 2 when a layer uses a rank, else the plan's own."""
-        return max(self.schema_version, RANK_SCHEMA_VERSION if self.low_rank else SCHEMA_VERSION)
+    def written_schema_version(self) -> int:
+        """The version a plan file of this plan carries: 2 when some layer shares or stores low-rank codes, else 1."""
+        if self.low_rank or any(lp.share is not None for lp in self.layers):
+            return SHARE_SCHEMA_VERSION
+        return SCHEMA_VERSION
+
+    def share_pairs(self) -> list[tuple[int, int]]:
+        """(lower, upper) of every shared layer pair, by upper layer."""
+        return [(lp.share, lp.layer) for lp in self.layers if lp.share is not None]
 
     def rules_used(self) -> set[str]:
         return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}

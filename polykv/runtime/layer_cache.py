@@ -190,6 +190,9 @@ class LayerCache(CacheLayerMixin):
         self.plain_attention = True
         """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as the last
         :meth:`after_attention` was told; so it is known from the prefill forward on."""
+        self.share_lower: LayerCache | None = None
+        """The upper layer of a shared pair (the plan's ``share``): the lower layer's cache, whose stored prompt
+        this layer's prompt merges with when it is stored (set by the :class:`~polykv.runtime.cache.PlanCache`)."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
@@ -266,7 +269,9 @@ class LayerCache(CacheLayerMixin):
         return self.get_max_length()
 
     def reset(self) -> None:
+        lower = self.share_lower
         self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group)
+        self.share_lower = lower
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
@@ -447,6 +452,10 @@ class LayerCache(CacheLayerMixin):
         raw = self.prompt
         counts = raw.valid.sum(-1) if raw.valid is not None else None
         self.storage.fill(raw.keys, raw.values, raw.positions, counts)
+        if self.share_lower is not None:
+            plan = self.spec.plan
+            self.storage.share_prompt(self.share_lower.storage, held_dtype=self.settings.storage_dtype or self.dtype,
+                                      compute_dtype=self.dtype, **plan.share_params)
         self.prompt = None
         pre, dec = self.states["prefill"], self.states["decode"]
         if dec is not None:
@@ -558,4 +567,7 @@ class LayerCache(CacheLayerMixin):
     def metadata_bytes(self) -> dict[str, int]:
         """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
         (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
-        return {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
+        out = {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
+        if self.share_lower is not None and self.prefilled:
+            out["share_index"] = self.storage.share_index_bytes()
+        return out

@@ -27,6 +27,8 @@ from polykv.storage.reserve import reserve_tokens
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.token_buffer import PassthroughStore, TokenBuffer
+from polykv.errors import RuntimeConfigError
+from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO, SharedStore, merge_pair
 
 
 def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,
@@ -344,6 +346,34 @@ class LayerStorage:
             self.segments.append(Segment(key=k, value=v, pos=pos))
         self.key_store = self.value_store = None
         self._pos = None
+
+    # -- sharing ---------------------------------------------------------------------------------
+    def share_prompt(self, lower: "LayerStorage", *, held_dtype: torch.dtype, compute_dtype: torch.dtype,
+                     interpolation: float = DEFAULT_INTERPOLATION,
+                     retention_ratio: float = DEFAULT_RETENTION_RATIO) -> None:
+        """Merge this layer's just-stored prompt with ``lower``'s (the layer below, MiniCache): both layers'
+        stores become :class:`~polykv.storage.layer_share.SharedStore` views of one
+        :class:`~polykv.storage.layer_share.SharedPair` per stream, and their full-width prompt buffers are
+        released. Both layers hold the same prompt tokens, uniformly, and nothing else yet."""
+        n = self.uniform_count()
+        if self.ragged or lower.ragged or lower.shape is None or lower.uniform_count() != n \
+                or len(lower.key_store) != n or not torch.equal(lower.positions, self.positions):
+            raise RuntimeConfigError("a shared layer pair must hold the same prompt tokens in both layers when the "
+                                     "upper layer stores its prompt (both keep every token)")
+        for stream in ("key", "value"):
+            attr = f"{stream}_store"
+            pair = merge_pair(getattr(lower, attr).dequantize(), getattr(self, attr).dequantize(),
+                              interpolation=interpolation, retention_ratio=retention_ratio, dtype=held_dtype)
+            device = pair.direction.device
+            for side, storage in enumerate((lower, self)):
+                setattr(storage, attr, SharedStore(pair, side, compute_dtype=compute_dtype, held_dtype=held_dtype,
+                                                   device=device))
+        self.contract.after("append", self)
+        lower.contract.after("append", lower)
+
+    def share_index_bytes(self) -> int:
+        """Bytes of the retained-token indices of a shared pair's key and value streams (0 unless shared)."""
+        return sum(s.pair.index_bytes() for s in (self.key_store, self.value_store) if isinstance(s, SharedStore))
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:

@@ -327,7 +327,7 @@ for _name, _text in RAW_PROFILES.items():
 
 PROFILE_FIELDS = [
     ("no-schema", "schema_version", DELETE, "schema_version"),
-    ("schema-2", "schema_version", 2, "schema_version"),
+    ("schema-3", "schema_version", 3, "schema_version"),
     ("format-plan", "format", "polykv-plan", "format"),
     ("unknown-top", "colour", 1, "colour"),
     ("no-model", "model", DELETE, "model"),

@@ -133,3 +133,12 @@ def test_a_rule_that_reads_rope_is_fine_on_a_layer_of_value_codes_only(model):
     plan = _ranked(uniform_plan(geo, prefill=OpSpec(rule="expected-attention", capacity=8)), v_rank=8)
     with torch.no_grad(), polykv.apply(m, plan, model_data={KV_BASES_KEY: _bases(geo.fingerprint)}) as s:
         s.prefill(torch.randint(1, 100, (1, 20)))
+
+
+@pytest.mark.parametrize("member", [0, 1])
+def test_a_rank_on_a_layer_of_a_shared_pair(model, member):
+    m, geo = model
+    plan = uniform_plan(geo).with_layer(1, share=0).with_layer(member, k_rank=8)
+    with pytest.raises(PlanError, match=rf"layer {member}, field 'layers\[{member}\]\.k_rank': layer {member} of the "
+                                        r"pair 0-1 stores k_rank = 8; a shared pair merges full-width K/V"):
+        polykv.apply(m, plan, model_data={KV_BASES_KEY: _bases(geo.fingerprint)})
