@@ -290,8 +290,9 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
         lines.append("share    " + share_summary(plan, context))
     pair_of = {layer: f"{lo}-{hi}" for lo, hi in pairs for layer in (lo, hi)}
     windowed = geometry is not None and hasattr(geometry, "windowed_layers") and geometry.windowed_layers()
-    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("ATTENTION",) if windowed else ())
-            + (("SHARE",) if pairs else ())]
+    ranks = plan.low_rank
+    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("K_RANK", "V_RANK") if ranks else ())
+            + (("ATTENTION",) if windowed else ()) + (("SHARE",) if pairs else ())]
     for lp in plan.layers:
         ops = []
         for op in (lp.prefill, lp.decode):
@@ -302,11 +303,15 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
             kind = geometry.layer_types[lp.layer].replace("_attention", "")
             bound = geometry.token_bound(lp.layer)
             attention = (kind if bound is None else f"{kind}<={bound}",)
+        rank = tuple("full" if r is None else str(r) for r in (lp.k_rank, lp.v_rank)) if ranks else ()
         rows.append((str(lp.layer), ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
-                     lp.quantizer if lp.quantized else "-") + attention
+                     lp.quantizer if lp.quantized else "-") + rank + attention
                     + ((pair_of.get(lp.layer, "-"),) if pairs else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    if ranks:
+        lines.append("K_RANK/V_RANK: channels of the stored key/value codes on the layer's offline bases (full = the "
+                     "head dim, no basis)")
     if windowed:
         lines.append(f"{len(windowed)} window-bounded layers keep at most their model's window whatever the plan "
                      f"says; a plan may compress or quantize inside it")

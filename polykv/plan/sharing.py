@@ -71,6 +71,12 @@ def _check_member(plan, member, upper: int, source: str) -> None:
             raise PlanError(f"{where} stores {name} = {getattr(member, name)}; a shared pair is stored at 16 bits "
                             f"(quantized shared pairs are not supported)", source=source, layer=member.layer,
                             field=f"layers[{member.layer}].{name}", hint="set 16, or remove share")
+    for name in ("k_rank", "v_rank"):
+        if getattr(member, name) is not None:
+            raise PlanError(f"{where} stores {name} = {getattr(member, name)}; a shared pair merges full-width K/V "
+                            f"(low-rank codes of two layers lie on different bases)", source=source,
+                            layer=member.layer, field=f"layers[{member.layer}].{name}",
+                            hint="remove the rank, or remove share")
     if plan.group_of(member.layer) is not None:
         raise PlanError(f"{where} is in allocation group {plan.group_of(member.layer).describe()}; shared layers "
                         f"keep every token and take no allocated budget", source=source, layer=member.layer,

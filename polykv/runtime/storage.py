@@ -189,7 +189,7 @@ class LayerStorage:
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append(positions)
-            self.contract.after("fill", self, keys=keys)
+            self.contract.after("fill", self, keys=keys, values=values)
             return
         self.segments = []
         for b in range(B):
@@ -204,7 +204,7 @@ class LayerStorage:
                 seg.value.append(values[b:b + 1, h:h + 1, K - n:])
                 seg.pos.append(positions[b:b + 1, h:h + 1, K - n:])
                 self.segments.append(seg)
-        self.contract.after("fill", self, keys=keys)
+        self.contract.after("fill", self, keys=keys, values=values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
         """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""

@@ -7,15 +7,16 @@ and rule state) stand beside every score, with the ratio against a 16-bit full c
 contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
 differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
-and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
-(``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
+the Spearman of profile-predicted loss against accuracy at each budget, and the fixed-route budget
+sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks (``continuation``) score the top-1
+agreement with the full cache and add a table of KL and perplexity.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -188,6 +189,24 @@ def _optimality(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _predicted_vs_measured(pvm: dict | None) -> list[str]:
+    """Spearman of the profile-predicted loss against the accuracy of the plans at one budget, and its rows."""
+    if pvm is None:
+        return []
+    n, sp = pvm["n"], pvm["spearman"]
+    few = (f" (n = {n} < {designs.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
+           f"evidence)" if n < designs.PREDICTED_VS_MEASURED_MIN else "")
+    head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
+            f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
+                          f"exactly as they score)" if sp is not None else f"undefined ({pvm['note']})") + few)
+    out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
+    for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
+        loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {r['source'] or 'not in the profile'} | "
+                   f"{r['accuracy']:.3f} |")
+    return out + [""]
+
+
 def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
@@ -216,6 +235,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
         if profile is not None:
             lines += _optimality(designs.loss_vs_exact(res, b, profile))
+        lines += _predicted_vs_measured(designs.predicted_vs_measured(res, task, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
@@ -325,17 +345,24 @@ def check_report_folder(out_dir: str, option: str, inputs=()) -> None:
                  inputs=[p for p in inputs if p])
 
 
-def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None,
+def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_path: str | None = None,
                  option: str = "report folder") -> list[str]:
     """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written.
+
+    ``results_path`` may name several results files: parts of one experiment, reported together
+    (:func:`polykv.studies.combine.combine_results` says when parts combine).
 
     Nothing is written unless every output is safe to write: ``report.md`` and each figure is either
     absent or a file an earlier report wrote (``option`` names the folder's option in the message).
     """
     from polykv.atomic import write_text_atomic
 
-    check_report_folder(out_dir, option, inputs=[results_path, profile_path])
-    res = Results.load(results_path)
+    from polykv.studies.combine import combine_results
+
+    paths = [results_path] if isinstance(results_path, str) else list(results_path)
+    check_report_folder(out_dir, option, inputs=[*paths, profile_path])
+    res = combine_results(paths)
+    results_path = res.path
     spec = res.header["spec"]
     figures = Figures(out_dir)
     lines = [f"# Study `{spec.get('name')}`", "",
@@ -385,7 +412,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
             prof.table(), [c.label for c in prof.configs], path,
             title=f"profile {prof.fingerprint}: metric '{prof.default_metric}'", stat=stat))
         lines += ["## Profile", "", f"![sensitivity heatmap]({fig})", ""]
-    figures.check(option, inputs=[p for p in (results_path, profile_path) if p])
+    figures.check(option, inputs=[p for p in (*paths, profile_path) if p])
     os.makedirs(out_dir, exist_ok=True)
     drawn = figures.draw()
     md = os.path.join(out_dir, "report.md")
