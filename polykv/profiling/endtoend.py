@@ -30,10 +30,12 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Mapping, Sequence
 
+import attrs
 import numpy as np
 import torch
 
 from polykv.errors import PolykvError, ProfileError
+from polykv.plan import Plan
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.profiling import validation as val
 
@@ -98,36 +100,51 @@ class PrefixSnapshots:
 
     def __init__(self, model, prompts: Sequence[torch.Tensor], plans_by_layer: Mapping[int, list],
                  *, registry, model_data=None):
-        from polykv.runtime.fork import capture_groups
-
         self.model, self.registry, self.model_data = model, registry, model_data
         self.ids = [p.to(next(model.parameters()).device) for p in prompts]
         self.prefix = int(self.ids[0].shape[1])
-        self._key_of: dict[tuple, tuple] = {}
-        self._plans: dict[tuple, list] = {}
-        layers_of: dict[tuple, set] = {}
+        # The variant and the states a prefill records for a one-layer plan depend on its layer, rule and
+        # parameters, not on its capacity or widths; and a layer's states depend on that layer's op alone. So the
+        # plans of one (rule, params) on every layer are opened as ONE session (``merged``), which gives each
+        # layer's variant key and, restored into, the same prefill as the one-layer plans would.
+        by_rule: dict[tuple, dict[int, Plan]] = {}
         for layer, plans in plans_by_layer.items():
             for plan in plans:
                 op = plan.layers[layer].prefill
-                ident = (layer, op.rule, json.dumps(op.params, sort_keys=True, default=str))
-                if ident not in self._key_of:  # the variant depends on the rule, not on its capacity or widths
-                    try:
-                        groups = capture_groups(model, [plan], registry=registry, model_data=model_data,
-                                                input_ids=self.ids[0])
-                    except PolykvError as exc:
-                        raise ProfileError(f"calibrating rule '{op.rule}' on layer {layer} through the runtime: {exc} "
-                                           f"(give the rule's parameters with CalibrationSettings.rule_params, or "
-                                           f"leave it out of the rules)") from None
-                    self._key_of[ident] = next(iter(groups))
-                key = self._key_of[ident]
-                self._plans.setdefault(key, []).append(plan)
-                layers_of.setdefault(key, set()).add(layer)
-        self.shared = {key for key, layers in layers_of.items() if len(layers) > 1}
+                by_rule.setdefault((op.rule, _params_key(op.params)), {}).setdefault(layer, plan)
+        self._key_of: dict[tuple, tuple] = {}
+        members: dict[tuple, dict[tuple, dict[int, Plan]]] = {}
+        for (rule, params), per_layer in by_rule.items():
+            for layer, key in self._variant_keys(rule, per_layer).items():
+                self._key_of[(layer, rule, params)] = key
+                members.setdefault(key, {}).setdefault((rule, params), {})[layer] = per_layer[layer]
+        self._plans = {key: [_merge(per_layer) for per_layer in groups.values()] for key, groups in members.items()}
+        """Per variant, the merged plans its prefill is captured for (one per (rule, params))."""
+        self.shared = {key for key, groups in members.items() if len({l for g in groups.values() for l in g}) > 1}
         self._snaps: dict[tuple, list] = {}
+
+    def _variant_keys(self, rule: str, per_layer: Mapping[int, Plan]) -> dict[int, tuple]:
+        """``{layer: (attention signature, probe key)}`` of each one-layer plan of one (rule, params), read from one
+        session of their merged plan: a layer attends in the signal pass exactly when its own states ask for it."""
+        from polykv.runtime.fork import _plan_states, _probe_of, attention_signature, probe_key
+        from polykv.runtime.session import apply
+
+        layers = sorted(per_layer)
+        try:
+            session = apply(self.model, _merge(per_layer), registry=self.registry, model_data=self.model_data)
+            states = _plan_states(session)
+            probe = probe_key(_probe_of(session, self.ids[0]))
+        except PolykvError as exc:
+            where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]}"
+            raise ProfileError(f"calibrating rule '{rule}' on {where} through the runtime: {exc} (give the rule's "
+                               f"parameters with CalibrationSettings.rule_params, or leave it out of the "
+                               f"rules)") from None
+        return {layer: (attention_signature([states[i] if i == layer else [] for i in range(len(states))]), probe)
+                for layer in layers}
 
     def key(self, plan, layer: int) -> tuple:
         op = plan.layers[layer].prefill
-        return self._key_of[(layer, op.rule, json.dumps(op.params, sort_keys=True, default=str))]
+        return self._key_of[(layer, op.rule, _params_key(op.params))]
 
     def get(self, key: tuple) -> list:
         """One snapshot per sequence of the variant ``key``."""
@@ -147,6 +164,20 @@ class PrefixSnapshots:
         """Drop the variants among ``layer_keys`` that no other layer needs."""
         for key in layer_keys - self.shared:
             self._snaps.pop(key, None)
+
+
+def _params_key(params) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def _merge(per_layer: Mapping[int, Plan]) -> Plan:
+    """One plan whose layer ``l`` is ``per_layer[l]``'s (its one compressed layer), every other layer's as in the
+    first plan (full)."""
+    first = per_layer[min(per_layer)]
+    layers = list(first.layers)
+    for layer, plan in per_layer.items():
+        layers[layer] = plan.layers[layer]
+    return attrs.evolve(first, layers=tuple(layers))
 
 
 @torch.no_grad()
