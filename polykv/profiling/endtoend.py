@@ -27,6 +27,7 @@ what a 2,048-token calibration of a large menu affords) measures every rule x ke
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, Callable, Mapping, Sequence
 
@@ -156,6 +157,19 @@ class PrefixSnapshots:
                                                    model_data=self.model_data) for ids in self.ids]
         return self._snaps[key]
 
+    def plain(self) -> list:
+        """One snapshot per sequence of the plain prefill (every layer in SDPA, no probe), the full plan's: the
+        plans' own variant when one is plain, else captured for the full plan."""
+        from polykv.models.geometry import geometry_of_model
+        from polykv.plan import full_plan
+
+        layers = geometry_of_model(self.model).num_layers
+        key = ((False,) * layers, None)
+        if key not in self._plans:
+            self._plans[key] = [full_plan(geometry_of_model(self.model))]
+        self.shared.add(key)
+        return self.get(key)
+
     def layer_snapshot(self, plan, layer: int, index: int = 0):
         """The :class:`~polykv.runtime.fork.LayerSnapshot` of ``layer`` in prompt ``index``'s prefill for ``plan``."""
         return self.get(self.key(plan, layer))[index].layers[layer]
@@ -180,36 +194,124 @@ def _merge(per_layer: Mapping[int, Plan]) -> Plan:
     return attrs.evolve(first, layers=tuple(layers))
 
 
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layer (block) of every layer, in order: the module list whose i-th entry holds layer i's attention
+    module (:func:`polykv.runtime.session.apply` finds those)."""
+    from polykv.errors import RuntimeConfigError
+    from polykv.models.geometry import geometry_of_model
+    from polykv.runtime.session import _attention_modules
+
+    attn = _attention_modules(model, geometry_of_model(model).num_layers)
+    for _, blocks in model.named_modules():
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == len(attn) and all(
+                any(m is a for m in block.modules()) for block, a in zip(blocks, attn)):
+            return list(blocks)
+    raise RuntimeConfigError(f"{type(model).__name__}: no module list holds one decoder layer per attention module; "
+                             f"the kl metric cannot skip the layers below the compressed one on this model")
+
+
+class LayerOutputs:
+    """What each decoder layer outputs during the follow-up forward of the full plan (every layer uncompressed),
+    restored from an uncompressed prefill: in a one-layer plan on layer l, layers 0..l-1 keep every token at 16
+    bits, so they compute exactly this; the plan's follow-up forward starts from layer l-1's output and runs only
+    layers l..L-1 (:func:`followup_logprobs`)."""
+
+    def __init__(self, model, snapshot, ids: torch.Tensor, prefix: int, *, layers: Sequence[int], registry=None):
+        from polykv.models.geometry import geometry_of_model
+        from polykv.plan import full_plan
+        from polykv.runtime import apply
+        from polykv.runtime.fork import restore_prefill
+
+        want = {layer - 1 for layer in layers if layer > 0}
+        blocks = decoder_layers(model)
+        self.outputs: dict[int, Any] = {}
+        """Layer index -> its output (what the next layer takes), for the layers below a measured one."""
+        hooks = [blocks[i].register_forward_hook(lambda _m, _a, out, i=i: self.outputs.__setitem__(i, _detached(out)))
+                 for i in sorted(want)]
+        ids = ids.view(1, -1).to(next(model.parameters()).device)
+        try:
+            with torch.no_grad(), apply(model, full_plan(geometry_of_model(model)), registry=registry) as session:
+                cache = restore_prefill(session, snapshot)
+                keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters \
+                    else {}
+                model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}, **keep)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def entering(self, layer: int):
+        """What layer ``layer`` takes (None for layer 0: the whole stack runs)."""
+        return None if layer == 0 else self.outputs[layer - 1]
+
+
+def _detached(out):
+    return out.detach().clone() if isinstance(out, torch.Tensor) else out
+
+
+class _SkipBelow:
+    """Within the block, decoder layers 0..l-1 return ``output`` (what layer l-1 output in the full plan's run)
+    without computing anything; the layers from l on run as usual."""
+
+    def __init__(self, model, layer: int, output):
+        self.blocks = decoder_layers(model)[:layer] if output is not None else []
+        self.output = output
+        self.saved: list = []
+
+    def __enter__(self):
+        out = self.output
+        for block in self.blocks:
+            self.saved.append(block.__dict__.get("forward", _NONE))
+            block.forward = lambda *_a, **_k: out
+        return self
+
+    def __exit__(self, *exc):
+        for block, saved in zip(self.blocks, self.saved):
+            if saved is _NONE:
+                del block.forward
+            else:
+                block.forward = saved
+
+
+_NONE = object()
+
+
 @torch.no_grad()
 def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
-                      seed: int = 0) -> torch.Tensor:
+                      seed: int = 0, layer: int = 0, entering=None) -> torch.Tensor:
     """[F-1, V] float64 log-probabilities of tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
-    ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward."""
+    ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward.
+
+    With ``entering`` (:meth:`LayerOutputs.entering` of ``layer``, the plan's only compressed layer), layers below
+    ``layer`` are not run: they would compute exactly ``entering``; the forward runs layers ``layer`` .. L-1, the
+    compressed one served by the runtime's layer cache as in any session."""
     from polykv.runtime import apply
     from polykv.runtime.fork import restore_prefill
 
     ids = ids.view(1, -1).to(next(model.parameters()).device)
     with apply(model, plan, model_data=model_data, seed=seed, registry=registry) as session:
         cache = restore_prefill(session, snapshot)
-        logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
+        with _SkipBelow(model, layer, entering):
+            logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
     return torch.log_softmax(logits[0].double(), dim=-1)
 
 
 def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], columns: Sequence[int],
              sequences: Sequence[torch.Tensor], references: Sequence[torch.Tensor], snapshots: PrefixSnapshots,
              *, quantizer: str, quantizer_params: Mapping[str, Any], model_data=None, registry=None, seed: int = 0,
-             tick: Callable[[], None] | None = None) -> np.ndarray:
+             tick: Callable[[], None] | None = None, below: Sequence[LayerOutputs] | None = None) -> np.ndarray:
     """KL of each config in ``columns`` on ``layer`` (module docstring), one value per column; ``references``
-    are :func:`~polykv.profiling.validation.reference_logprobs` of each sequence (all F positions)."""
+    are :func:`~polykv.profiling.validation.reference_logprobs` of each sequence (all F positions). With ``below``
+    (one :class:`LayerOutputs` per sequence) the follow-up forwards run only layers ``layer`` .. L-1."""
     out = np.zeros(len(columns))
     used = set()
     for j, col in enumerate(columns):
         plan = val.config_plan(geometry, layer, configs[col], quantizer=quantizer, quantizer_params=quantizer_params)
         key = snapshots.key(plan, layer)
         used.add(key)
-        for s, ref, snap in zip(sequences, references, snapshots.get(key)):
+        for i, (s, ref, snap) in enumerate(zip(sequences, references, snapshots.get(key))):
+            entering = None if below is None else below[i].entering(layer)
             lp = followup_logprobs(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
-                                   seed=seed)
+                                   seed=seed, layer=layer, entering=entering)
             out[j] += val.kl_divergence(ref[1:], lp) / len(sequences)
         if tick is not None:
             tick()

@@ -91,3 +91,31 @@ def test_attention_source_is_read_once_per_forward(model, monkeypatch):
     for _ in range(3):
         apply(model, full_plan(geometry_of_model(model)))
     assert len(reads) == 1
+
+
+@pytest.mark.parametrize("rule", ["tova", "h2o", "kvzip", "full"])
+def test_a_unit_runs_only_the_layers_from_its_own_and_gives_the_whole_stacks_logprobs(model, sequences, menu, prefix,
+                                                                                     rule):
+    """Layers below the compressed one are skipped (their forwards never run) and the log-probabilities equal the
+    whole stack's bit for bit: those layers keep every token at 16 bits, as in the full plan's run."""
+    configs, cols, plans = menu
+    seq = sequences(1, seed=7)[0]
+    snaps = e2e.PrefixSnapshots(model, [seq.view(1, -1)[:, :prefix]], plans, registry=get_registry())
+    layers = model.config.num_hidden_layers
+    below = e2e.LayerOutputs(model, snaps.plain()[0], seq, prefix, layers=range(layers), registry=get_registry())
+    blocks = e2e.decoder_layers(model)
+    col = next(c for c in cols if configs[c].rule == rule and (rule != "full" or configs[c].k_bits == 4))
+    for layer in range(layers):
+        plan = plans[layer][cols.index(col)]
+        snap = snaps.get(snaps.key(plan, layer))[0]
+        whole = e2e.followup_logprobs(model, plan, snap, seq, prefix)
+        ran = []
+        hooks = [b.mlp.register_forward_pre_hook(lambda _m, _a, i=i: ran.append(i)) for i, b in enumerate(blocks)]
+        try:
+            part = e2e.followup_logprobs(model, plan, snap, seq, prefix, layer=layer, entering=below.entering(layer))
+        finally:
+            for h in hooks:
+                h.remove()
+        assert ran == list(range(layer, layers))
+        assert torch.equal(part, whole), (rule, layer, float((part - whole).abs().max()))
+    assert all("forward" not in b.__dict__ for b in blocks)      # the blocks are left as they were
