@@ -269,7 +269,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     todo = [layer for layer in range(L) if done[layer] is None]
     captures = [capture_sequence(model, s) for s in seqs] if todo else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
-    refs = [val.reference_logprobs(model, s, P) for s in held] if todo and held else []
+    refs = [e2e.KLReference.of(val.reference_logprobs(model, s, P)) for s in held] if todo and held else []
     snapshots = below = None
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,

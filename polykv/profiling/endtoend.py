@@ -276,9 +276,9 @@ _NONE = object()
 
 
 @torch.no_grad()
-def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
-                      seed: int = 0, layer: int = 0, entering=None) -> torch.Tensor:
-    """[F-1, V] float64 log-probabilities of tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
+def followup_logits(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
+                    seed: int = 0, layer: int = 0, entering=None) -> torch.Tensor:
+    """[F-1, V] logits (compute dtype) predicting tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
     ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward.
 
     With ``entering`` (:meth:`LayerOutputs.entering` of ``layer``, the plan's only compressed layer), layers below
@@ -292,7 +292,48 @@ def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, 
         cache = restore_prefill(session, snapshot)
         with _SkipBelow(model, layer, entering):
             logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
-    return torch.log_softmax(logits[0].double(), dim=-1)
+    return logits[0]
+
+
+def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, **kwargs) -> torch.Tensor:
+    """[F-1, V] float64 log-probabilities of :func:`followup_logits` (same arguments)."""
+    return torch.log_softmax(followup_logits(model, plan, snapshot, ids, prefix, **kwargs).double(), dim=-1)
+
+
+class KLReference:
+    """The full model's next-token distributions at the follow-up positions P+1 .. T-1 of one sequence, ready to
+    take ``KL(p_full || softmax(z))`` of many plans' logits ``z``:
+    ``sum_v p (log p - z) + logsumexp(z) sum_v p`` per position, in float64, a block of positions at a time.
+    Equal to :func:`~polykv.profiling.validation.kl_divergence` of the log-probabilities up to float64 rounding,
+    without a [F-1, V] float64 log-softmax and difference per plan (at 1,535 positions x 49,152 tokens those took
+    9 s of a 7 s forward)."""
+
+    ROWS = 128
+    """Positions per block."""
+
+    def __init__(self, logprobs: torch.Tensor):
+        """``logprobs``: [F-1, V] float64 log-probabilities of the full model (``reference_logprobs(...)[1:]``)."""
+        self.probs = logprobs.exp()
+        self.mass = self.probs.sum(-1)                                 # [F-1], 1 up to rounding
+        self.neg_entropy = (self.probs * logprobs).sum(-1)              # [F-1]
+
+    @classmethod
+    def of(cls, reference: torch.Tensor) -> "KLReference":
+        """From :func:`~polykv.profiling.validation.reference_logprobs` (all F positions; the first, predicted by
+        the prefill before any layer compresses, is left out)."""
+        return cls(reference[1:])
+
+    def kl(self, logits: torch.Tensor) -> float:
+        """Mean over positions of KL(p_full || softmax(``logits``)); ``logits`` [F-1, V]."""
+        if logits.shape != self.probs.shape:
+            raise ValueError(f"logits {list(logits.shape)} do not match the reference {list(self.probs.shape)}")
+        total = 0.0
+        for start in range(0, logits.shape[0], self.ROWS):
+            rows = slice(start, start + self.ROWS)
+            z = logits[rows].to(self.probs.device, torch.float64)
+            cross = (self.probs[rows] * z).sum(-1)
+            total += float((self.neg_entropy[rows] - cross + torch.logsumexp(z, -1) * self.mass[rows]).sum())
+        return total / logits.shape[0]
 
 
 def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], columns: Sequence[int],
@@ -300,8 +341,10 @@ def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], co
              *, quantizer: str, quantizer_params: Mapping[str, Any], model_data=None, registry=None, seed: int = 0,
              tick: Callable[[], None] | None = None, below: Sequence[LayerOutputs] | None = None) -> np.ndarray:
     """KL of each config in ``columns`` on ``layer`` (module docstring), one value per column; ``references``
-    are :func:`~polykv.profiling.validation.reference_logprobs` of each sequence (all F positions). With ``below``
-    (one :class:`LayerOutputs` per sequence) the follow-up forwards run only layers ``layer`` .. L-1."""
+    are a :class:`KLReference` of each sequence (or its :func:`~polykv.profiling.validation.reference_logprobs`, all F
+    positions). With ``below`` (one :class:`LayerOutputs` per sequence) the follow-up forwards run only layers
+    ``layer`` .. L-1."""
+    references = [r if isinstance(r, KLReference) else KLReference.of(r) for r in references]
     out = np.zeros(len(columns))
     used = set()
     for j, col in enumerate(columns):
@@ -310,9 +353,9 @@ def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], co
         used.add(key)
         for i, (s, ref, snap) in enumerate(zip(sequences, references, snapshots.get(key))):
             entering = None if below is None else below[i].entering(layer)
-            lp = followup_logprobs(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
-                                   seed=seed, layer=layer, entering=entering)
-            out[j] += val.kl_divergence(ref[1:], lp) / len(sequences)
+            logits = followup_logits(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
+                                     seed=seed, layer=layer, entering=entering)
+            out[j] += ref.kl(logits) / len(sequences)
         if tick is not None:
             tick()
     snapshots.release(used)

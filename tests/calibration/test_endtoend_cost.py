@@ -119,3 +119,20 @@ def test_a_unit_runs_only_the_layers_from_its_own_and_gives_the_whole_stacks_log
         assert ran == list(range(layer, layers))
         assert torch.equal(part, whole), (rule, layer, float((part - whole).abs().max()))
     assert all("forward" not in b.__dict__ for b in blocks)      # the blocks are left as they were
+
+
+def test_kl_from_logits_equals_the_kl_of_log_probabilities():
+    """KLReference.kl (blocks of positions, no log-softmax per plan) equals validation.kl_divergence, also for a
+    plan close to the reference (a small KL is a difference of nearly equal sums) and a block boundary."""
+    from polykv.profiling import validation as val
+
+    g = torch.Generator().manual_seed(0)
+    ref_logits = 3 * torch.randn(300, 97, generator=g)
+    ref = torch.log_softmax(ref_logits.double(), -1)
+    for scale in (1.0, 1e-3):
+        logits = (ref_logits + scale * torch.randn(300, 97, generator=g)).float()
+        want = val.kl_divergence(ref, torch.log_softmax(logits.double(), -1))
+        got = e2e.KLReference(ref).kl(logits)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-15), scale
+    with pytest.raises(ValueError, match="do not match"):
+        e2e.KLReference(ref).kl(logits[:10])
