@@ -27,12 +27,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--prefix", type=int, default=512)
-    ap.add_argument("--rules", default="snapkv")
+    ap.add_argument("--rules", default="snapkv", help="comma-separated, or 'all' (every registered rule)")
     ap.add_argument("--keeps", default="0.125,1.0")
     ap.add_argument("--bits", default="16,4")
     ap.add_argument("--sequences", type=int, default=1)
     ap.add_argument("--validate", type=int, default=1)
     ap.add_argument("--layers", default="0,15,29", help="layers measured (the others are skipped)")
+    ap.add_argument("--setup-only", action="store_true", help="stop when the first layer would be measured")
     args = ap.parse_args()
 
     import numpy as np
@@ -46,7 +47,7 @@ def main() -> int:
     torch.set_num_threads(1)
     model, tokenizer = load_default_model()
     registry = get_registry()
-    rules = [r for r in args.rules.split(",") if r]
+    rules = list(cal.default_rules(registry)) if args.rules == "all" else [r for r in args.rules.split(",") if r]
     settings = cal.CalibrationSettings(rules=rules, keeps=tuple(float(k) for k in args.keeps.split(",")),
                                        bits=tuple(int(b) for b in args.bits.split(",")), prefix=args.prefix)
     settings = cal.attrs.evolve(settings, rule_params=cal.tokenizer_params(registry, rules, tokenizer))
@@ -64,6 +65,8 @@ def main() -> int:
 
     def layer(model_, geometry, index, *a, **kw):
         marks.setdefault("setup", (time.perf_counter() - marks["start"], time.process_time() - marks["cpu"]))
+        if args.setup_only:
+            raise _Stop()
         if index not in wanted:
             return {"l2": np.zeros(len(a[2])), "cosine": np.zeros(len(rules)), "entropy": np.zeros(1),
                     "kl": np.zeros(len(e2e.kl_columns(a[2], settings.kl_configs)))}
@@ -87,6 +90,10 @@ def main() -> int:
         pass
     finally:
         cal._layer, e2e.layer_kl = real_layer, real_kl
+    if args.setup_only:
+        print(f"set-up {marks['setup'][0]:.1f} s wall, {marks['setup'][1]:.1f} s CPU; rules {args.rules} keeps "
+              f"{args.keeps} bits {args.bits}; tokens {args.tokens} prefix {args.prefix} held-out {args.validate}")
+        return 0
     wall = {layer_: round(s / n, 2) for layer_, s, n, _ in marks["kl"]}
     cpu = {layer_: round(c / n, 2) for layer_, _, n, c in marks["kl"]}
     print(f"set-up {marks['setup'][0]:.1f} s wall, {marks['setup'][1]:.1f} s CPU; kl s/unit by layer: wall {wall}, "
