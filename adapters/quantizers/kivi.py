@@ -19,6 +19,7 @@ from polykv.contract import KVStore, ParamError, ParamSpec, Quantizer
 from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
                                                   key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
+from polykv.storage.packing import packed_width
 from polykv.storage.token_buffer import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
@@ -52,6 +53,17 @@ class KiviQuantizer(Quantizer):
             raise ValueError(f"quantizer 'kivi': unknown stream {stream!r}; use one of {STREAMS}")
         if bits != 16 and bits not in self.bits:
             raise ValueError(f"quantizer 'kivi' stores {sorted(self.bits)} bits (or 16 = unquantized), not {bits}")
+
+    def check_width(self, stream: str, bits: int, width: int) -> None:
+        """Codes are packed into whole bytes (a width that ``8 / bits`` divides), and values are quantized per token
+        in groups of ``group_size`` channels (a multiple of it); keys are quantized per channel over tokens."""
+        self._check(stream, bits)
+        if bits != 16:
+            packed_width(width, bits)
+        G = self.params["group_size"]
+        if stream == "value" and bits != 16 and width % G:
+            raise ValueError(f"quantizer 'kivi' quantizes values in groups of group_size={G} channels, and {width} "
+                             f"channels are not a multiple of it")
 
     def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
         """An empty store: :class:`KiviKeyStore` / :class:`KiviValueStore`, or passthrough for 16 bits."""

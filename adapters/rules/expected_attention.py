@@ -185,6 +185,7 @@ class ExpectedAttentionRule(ScoredRule):
     name = "expected-attention"
     phases = frozenset(PHASES)
     needs_values = True
+    reads_rope = True
     param_specs = {
         "n_future_positions": ParamSpec(int, default=512, low=1, high=1 << 24,
                                         description="future positions the RoPE rotation is averaged over"),

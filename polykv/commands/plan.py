@@ -195,6 +195,19 @@ def probe_cost(plan, context: int, registry=None) -> str:
     return "; ".join(parts)
 
 
+def share_summary(plan, context: int) -> str:
+    """One line on the plan's shared layer pairs: the pairs, their merge parameters, the tokens kept unmerged."""
+    from polykv.storage.layer_share import SHARE_PARAMS, retained_count
+
+    parts = []
+    for lo, hi in plan.share_pairs():
+        params = dict(SHARE_PARAMS, **plan.layers[hi].share_params)
+        parts.append(f"{lo}-{hi} (t={params['interpolation']:g}, {retained_count(context, params['retention_ratio'])} "
+                     f"of {context} tokens per head unmerged)")
+    return (f"{len(parts)} layer pair(s) merged after prefill (MiniCache): " + ", ".join(parts)
+            + "; decode tokens are stored per layer, unmerged")
+
+
 def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None) -> str:
     """Header, provenance and one row per layer: ops with capacities resolved at ``context``.
 
@@ -202,7 +215,7 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
     them with their bound (``sliding<=511``): they keep at most that many tokens whatever the plan says.
     """
     prov = plan.provenance
-    lines = [f"plan {source}  (schema {plan.schema_version}, {plan.num_layers} layers)"]
+    lines = [f"plan {source}  (schema {plan.written_schema_version}, {plan.num_layers} layers)"]
     if plan.model is not None:
         m = plan.model
         lines.append(f"model    {m.name or '?'}  kv_heads={m.num_kv_heads} head_dim={m.head_dim} "
@@ -225,8 +238,14 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
     probe = probe_cost(plan, context)
     if probe:
         lines.append("probe    " + probe)
+    pairs = plan.share_pairs()
+    if pairs:
+        lines.append("share    " + share_summary(plan, context))
+    pair_of = {layer: f"{lo}-{hi}" for lo, hi in pairs for layer in (lo, hi)}
     windowed = geometry is not None and hasattr(geometry, "windowed_layers") and geometry.windowed_layers()
-    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("ATTENTION",) if windowed else ())]
+    ranks = plan.low_rank
+    rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("K_RANK", "V_RANK") if ranks else ())
+            + (("ATTENTION",) if windowed else ()) + (("SHARE",) if pairs else ())]
     for lp in plan.layers:
         ops = []
         for op in (lp.prefill, lp.decode):
@@ -237,10 +256,15 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
             kind = geometry.layer_types[lp.layer].replace("_attention", "")
             bound = geometry.token_bound(lp.layer)
             attention = (kind if bound is None else f"{kind}<={bound}",)
+        rank = tuple("full" if r is None else str(r) for r in (lp.k_rank, lp.v_rank)) if ranks else ()
         rows.append((str(lp.layer), ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
-                     lp.quantizer if lp.quantized else "-") + attention)
+                     lp.quantizer if lp.quantized else "-") + rank + attention
+                    + ((pair_of.get(lp.layer, "-"),) if pairs else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    if ranks:
+        lines.append("K_RANK/V_RANK: channels of the stored key/value codes on the layer's offline bases (full = the "
+                     "head dim, no basis)")
     if windowed:
         lines.append(f"{len(windowed)} window-bounded layers keep at most their model's window whatever the plan "
                      f"says; a plan may compress or quantize inside it")

@@ -218,6 +218,8 @@ class StoreContract:
         self.layer_idx, self.streams = layer_idx, streams
         self.storage_dtype, self.full = storage_dtype, full
         self.head_dim: int | None = None
+        self.widths: dict[str, int] = {}
+        """Channels per token of each stream (the head dim, or a low-rank layer's code width)."""
         self.dtype: torch.dtype | None = None
         """The compute dtype reads must come back in (recorded when the prompt is stored)."""
 
@@ -252,13 +254,15 @@ class StoreContract:
             yield "key", seg.key, seg.length, 1, 1
             yield "value", seg.value, seg.length, 1, 1
 
-    def after(self, call: str, storage, *, keys: torch.Tensor | None = None) -> None:
+    def after(self, call: str, storage, *, keys: torch.Tensor | None = None,
+              values: torch.Tensor | None = None) -> None:
         """After ``call`` ("fill", "append", "gather", "write"): every store's ``len`` equals the tokens the
         runtime stored; after "fill" its resident bytes equal the prediction; with the expensive checks on,
         every store dequantizes to [batch, heads, tokens, head_dim] in the compute dtype."""
         phase = "prefill" if call == "fill" else "decode"
         if keys is not None:
             self.head_dim, self.dtype = int(keys.shape[-1]), keys.dtype
+            self.widths = {"key": self.head_dim, "value": int((keys if values is None else values).shape[-1])}
         for stream, store, n, B, H in self._stores(storage):
             got = len(store)
             if got != n:
@@ -273,7 +277,7 @@ class StoreContract:
     def read(self, stream: str, x: torch.Tensor, tokens: int, batch: int, heads: int, *, phase: str = "decode",
              call: str = "read") -> torch.Tensor:
         """``store.dequantize()`` of ``tokens`` tokens must be [batch, heads, tokens, head_dim] in the compute dtype."""
-        want = (batch, heads, tokens, self.head_dim)
+        want = (batch, heads, tokens, self.widths.get(stream, self.head_dim))
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
         if shape != want or (self.dtype is not None and x.dtype != self.dtype):
             dtype = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
@@ -306,7 +310,8 @@ class StoreContract:
             spec = self.streams[stream]
             rows = storage.reserve_rows(n)
             predicted = reserved_stream_bytes(spec.quantizer, stream, spec.bits, tokens=n, reserved=rows, batch=B,
-                                              kv_heads=H, head_dim=self.head_dim, dtype_bytes=held.itemsize)
+                                              kv_heads=H, head_dim=self.widths.get(stream, self.head_dim),
+                                              dtype_bytes=held.itemsize)
             measured = int(store.resident_bytes())
             if measured != predicted:
                 raise PluginContractError(
@@ -318,7 +323,7 @@ class StoreContract:
 class NoContract:
     """The store checks of a storage built outside a layer cache (tests): none."""
 
-    def after(self, call, storage, *, keys=None) -> None:
+    def after(self, call, storage, *, keys=None, values=None) -> None:
         pass
 
     def read(self, stream, x, tokens, batch, heads, **_):

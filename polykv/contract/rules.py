@@ -165,6 +165,9 @@ class RetentionRule(DeclaredParams):
     needs_values: ClassVar[bool] = False
     shared_across_heads: ClassVar[bool] = False
     """True when one index set serves every KV head of the layer (e.g. TOVA)."""
+    reads_rope: ClassVar[bool] = False
+    """True when the rule undoes or redoes RoPE on the keys or queries it reads (``ctx.rope_inv_freq``): it
+    cannot score a layer that stores key codes (a plan's ``k_rank``), whose keys are not in RoPE coordinates."""
     paper: ClassVar[str] = ""
 
     @classmethod

@@ -93,6 +93,11 @@ class Quantizer(DeclaredParams):
         """An empty store for ``stream`` ("key" or "value") at ``bits``."""
         raise NotImplementedError
 
+    def check_width(self, stream: str, bits: int, width: int) -> None:
+        """Raise ValueError (saying why) when this quantizer cannot code ``width`` channels per token of ``stream``
+        at ``bits``: a low-rank layer stores codes narrower than the head dim (its ``k_rank`` / ``v_rank``). The
+        default accepts every width."""
+
     def predict_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
                       tokens: int, dtype_bytes: int) -> int:
         """Exact resident bytes of a fresh store after ``tokens`` tokens were appended (in any

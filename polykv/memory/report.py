@@ -21,6 +21,9 @@ class MemoryReport:
     phase: str
     group_bounds: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=tuple)
     """Per allocation group: (``allocator[first..last]``, most tokens per KV head over all its layers)."""
+    bases_bytes: int = 0
+    """Bytes of the key/value bases the low-rank layers project with (compute dtype), held once per model
+    whatever the batch and context: stated apart from the cache, in no total or ratio above."""
 
     @property
     def nominal_total(self) -> int:
@@ -62,9 +65,12 @@ class MemoryReport:
 
     def format_table(self) -> str:
         """A plain-text table: one line per layer, then totals and ratios."""
+        ranks = any(r.k_rank is not None or r.v_rank is not None for r in self.rows)
         head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
-        body = [(str(r.layer) + ("w" if r.window_bound is not None else ""), r.prefill, r.decode, str(r.k_bits),
-                 str(r.v_bits), ("<=" if r.bound else "") + f"{r.kept_tokens:,}",
+        body = [(str(r.layer) + ("w" if r.window_bound is not None else ""), r.prefill, r.decode,
+                 str(r.k_bits) + (f"r{r.k_rank}" if r.k_rank is not None else ""),
+                 str(r.v_bits) + (f"r{r.v_rank}" if r.v_rank is not None else ""),
+                 ("<=" if r.bound else "") + f"{r.kept_tokens:,}",
                  f"{r.nominal_bytes:,}", f"{r.resident_bytes:,}",
                  f"{r.metadata_bytes:,}" + ("" if None not in r.metadata.values() else "+?"))
                 for r in self.rows]
@@ -88,6 +94,9 @@ class MemoryReport:
         if any(r.bound for r in self.rows):
             lines.append("<= an allocator decides these layers' budgets after prefill: each row is that layer's own "
                          "bound, so the totals over-state the group (session.allocations() reports what was allocated)")
+        if ranks:
+            lines.append(f"rN = low-rank codes of N channels per token; their key/value bases take {self.bases_bytes:,} B "
+                         f"once per model (not in the totals)")
         for name, tokens in self.group_bounds:
             lines.append(f"allocation group {name}: at most {tokens:,} tokens per KV head over all its layers")
         return "\n".join(lines)
@@ -120,5 +129,15 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
         caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
         groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
-                        group_bounds=groups)
+                        group_bounds=groups, bases_bytes=bases_bytes(plan, geometry, dtype_bytes))
+
+
+def bases_bytes(plan: Any, geometry: Any, dtype_bytes: int) -> int:
+    """Bytes of the basis slices a run of ``plan`` holds (:func:`polykv.models.kv_bases.bytes_of_bases`)."""
+    from polykv.memory.tokens import plan_geometry
+    from polykv.models.kv_bases import bytes_of_bases
+
+    geo = plan_geometry(plan, geometry)
+    return bytes_of_bases([(lp.k_rank, lp.v_rank) for lp in plan.layers], num_kv_heads=int(geo.num_kv_heads),
+                          head_dim=int(geo.head_dim), dtype_bytes=dtype_bytes)
 

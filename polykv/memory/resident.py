@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from polykv.errors import PlanError
-from polykv.memory.tokens import (check_context, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
+from polykv.memory.tokens import (check_context, code_bits, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
                                   op_kept_tokens, plan_geometry)
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
@@ -45,6 +45,10 @@ class MemoryRow:
     """Nominal bytes of that uncompressed cache at 16-bit K and V: ``tokens * Hkv * d * 4``."""
     bound: bool = False
     """True when an allocator decides this layer's budget at run time and the row reports its bound."""
+    k_rank: int | None = None
+    """Channels of the layer's key codes (None: full width)."""
+    v_rank: int | None = None
+    """Channels of the layer's value codes (None: full width)."""
 
     @property
     def resident_bytes(self) -> int:
@@ -147,7 +151,7 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         bound = lp.layer in bounds
         if bound or (allocations and lp.layer in allocations):
             kept = bounds.get(lp.layer) or _allocated(allocations[lp.layer], context_tokens)
-            nom = -(-kept * Hkv * d * (lp.k_bits + lp.v_bits) // 8)
+            nom = -(-kept * Hkv * code_bits(lp, d) // 8)
             after_prefill = kept
         per_head = _per_head(head_counts, lp.layer, batch, Hkv) if phase == "prefill" else None
         evicts = not lp.decode.keeps_everything
@@ -163,24 +167,57 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             reserved = [most_rows]
         elif per_head is None:
             reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound))]
-            stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, d, kept, dtype_bytes, reserved[0])
+            stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, lp.rank_of(stream, d), kept,
+                                          dtype_bytes, reserved[0])
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         else:
             reserved = [reserve_tokens(n, layer_hold(capacity=n if evicts else None, decode_slack=decode_slack,
                                                      bound=wbound)) for n in per_head]
-            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, d, n, dtype_bytes, r)
+            stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, lp.rank_of(stream, d), n,
+                                              dtype_bytes, r)
                                 for n, r in zip(per_head, reserved))
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         width = kept if per_head is None else max(per_head)
-        meta = _metadata(lp, registry, batch, Hkv, d, heads, width, context_tokens, dtype_bytes)
+        # states hold what the rules read: a low-rank layer's queries and keys are key codes (k_rank wide)
+        meta = _metadata(lp, registry, batch, Hkv, lp.rank_of("key", d), heads, width, context_tokens, dtype_bytes)
         meta["positions"] = 8 * (sum(reserved) if per_head is not None else batch * Hkv * reserved[0])
         rows.append(MemoryRow(
             layer=lp.layer, prefill=lp.prefill.describe(), decode=lp.decode.describe(), k_bits=lp.k_bits,
-            v_bits=lp.v_bits, window_bound=wbound, kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
+            v_bits=lp.v_bits, k_rank=lp.k_rank, v_rank=lp.v_rank, window_bound=wbound,
+            kept_tokens=kept, nominal_bytes=nom, key_bytes=stream_bytes[0],
             value_bytes=stream_bytes[1], metadata=meta,
             full_bytes=2 * batch * Hkv * baseline * d * dtype_bytes,
             full_nominal_bytes=4 * Hkv * baseline * d, bound=bound))
-    return rows
+    return _shared(plan, rows, context_tokens, batch=batch, Hkv=Hkv, d=d, dtype_bytes=dtype_bytes, phase=phase,
+                   new_tokens=new_tokens)
+
+
+def _shared(plan: Any, rows: list[MemoryRow], context_tokens: int, *, batch: int, Hkv: int, d: int,
+            dtype_bytes: int, phase: str, new_tokens: int | None) -> list[MemoryRow]:
+    """The rows of shared layer pairs (``LayerPlan.share``, :mod:`polykv.storage.layer_share`): per stream, the
+    lower layer holds the shared directions of the merged tokens, and each layer its magnitudes, its retained
+    tokens (``ceil(retention_ratio * T)`` per head, known in advance) and, in decode, its own unmerged decode
+    tokens (a buffer grown in blocks from empty); the upper layer's metadata counts the retained indices
+    (``share_index``, int64, key and value streams)."""
+    from polykv.storage.layer_share import DEFAULT_RETENTION_RATIO, retained_count, shared_pair_bytes
+
+    out = list(rows)
+    decode_rows = grown_capacity(int(new_tokens or 0), 0) if phase == "decode" else 0
+    for lp in plan.layers:
+        share = getattr(lp, "share", None)
+        if share is None:
+            continue
+        ratio = float(lp.share_params.get("retention_ratio", DEFAULT_RETENTION_RATIO))
+        for side, layer in enumerate((share, lp.layer)):
+            row = out[layer]
+            stream = shared_pair_bytes(batch=batch, kv_heads=Hkv, head_dim=d, tokens=context_tokens,
+                                       retention_ratio=ratio, dtype_bytes=dtype_bytes, side=side)
+            stream += batch * Hkv * decode_rows * d * dtype_bytes
+            meta = dict(row.metadata)
+            if side == 1:
+                meta["share_index"] = 2 * 8 * batch * Hkv * retained_count(context_tokens, ratio)
+            out[layer] = attrs.evolve(row, key_bytes=stream, value_bytes=stream, metadata=meta)
+    return out
 
 
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
@@ -208,16 +245,16 @@ def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], ba
     """[key, value] bytes bounding a layer's stores over decoding (see :func:`stream_bound_bytes`); a 16-bit
     stream holds its buffer of ``rows`` token rows, a quantized one was asked to reserve ``reserved``."""
     evicts = not lp.decode.keeps_everything
-    per_stream = []
-    for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits)):
+    per_stream, widths = [], (lp.rank_of("key", d), lp.rank_of("value", d))
+    for (stream, bits), width in zip((("key", lp.k_bits), ("value", lp.v_bits)), widths):
         with _quantizer_errors(lp):
             quantizer = None if bits == PASSTHROUGH_BITS else registry.quantizer(lp.quantizer)(**lp.quantizer_params)
             per_stream.append(stream_bound_bytes(quantizer, stream, bits, held=held, evicts=evicts, batch=batch,
-                                                 kv_heads=Hkv, head_dim=d, dtype_bytes=dtype_bytes,
+                                                 kv_heads=Hkv, head_dim=width, dtype_bytes=dtype_bytes,
                                                  reserved=reserved))
     # the largest K+V total over the token counts (one count when evicting: both bounds at the most)
     at = max(range(len(per_stream[0])), key=lambda i: per_stream[0][i] + per_stream[1][i])
-    return [batch * Hkv * rows * d * dtype_bytes if bits == PASSTHROUGH_BITS else per_stream[i][at]
+    return [batch * Hkv * rows * widths[i] * dtype_bytes if bits == PASSTHROUGH_BITS else per_stream[i][at]
             for i, bits in enumerate((lp.k_bits, lp.v_bits))]
 
 

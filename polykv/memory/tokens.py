@@ -62,15 +62,21 @@ def layer_bounds(geometry: Any, num_layers: int) -> list[int | None]:
 
 
 def nominal_bytes(plan: Any, geometry: Any, context_tokens: int, *, phase: str = "prefill") -> list[int]:
-    """MoE-nD nominal bytes per layer: ``kept * Hkv * d * (k_bits + v_bits) / 8`` (rounded up to a byte).
+    """MoE-nD nominal bytes per layer: ``kept * Hkv * (d_k * k_bits + d_v * v_bits) / 8`` (rounded up to a
+    byte), ``d_k``, ``d_v`` the stored channels (the head dim, or a low-rank layer's ``k_rank``, ``v_rank``).
 
     ``geometry`` needs ``num_layers``, ``num_kv_heads``, ``head_dim``; None uses ``plan.model``.
     """
     geo = plan_geometry(plan, geometry)
-    slot = int(geo.num_kv_heads) * int(geo.head_dim)
+    Hkv, d = int(geo.num_kv_heads), int(geo.head_dim)
     bounds = layer_bounds(geo, len(plan.layers))
-    return [-(-kept_tokens(lp, context_tokens, phase, bound=b) * slot * (lp.k_bits + lp.v_bits) // 8)
+    return [-(-kept_tokens(lp, context_tokens, phase, bound=b) * Hkv * code_bits(lp, d) // 8)
             for lp, b in zip(plan.layers, bounds)]
+
+
+def code_bits(lp: LayerPlan, head_dim: int) -> int:
+    """Bits of one token's key and value codes per KV head: ``d_k * k_bits + d_v * v_bits``."""
+    return lp.rank_of("key", head_dim) * lp.k_bits + lp.rank_of("value", head_dim) * lp.v_bits
 
 
 

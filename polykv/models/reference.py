@@ -26,6 +26,7 @@ from polykv.attention.signals import chunked_attention
 
 REFERENCE_ATTENTION = "polykv_reference_masked_cache"
 _MASKS: dict[int, torch.Tensor] = {}
+_LOW_RANK: dict[int, object] = {}
 
 
 @attrs.define(frozen=True)
@@ -45,6 +46,9 @@ class RecordedRun:
     """``PlanCache.allocations()`` at the end of the run (allocated layers only)."""
     head_counts: list = attrs.field(factory=list)
     """``PlanCache.head_counts()`` at the end of the run: tokens stored per layer, batch row and KV head."""
+    low_rank: dict = attrs.field(factory=dict)
+    """Per layer with a rank, its :class:`~polykv.attention.low_rank.LowRank` bases: the reference attends the
+    reconstructions ``P P^T k`` and ``U U^T v`` (what code-space attention computes)."""
 
 
 def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor | None = None, steps: int = 8,
@@ -69,8 +73,9 @@ def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor 
             fed.append(chunk)
         geometry = session.geometry
         allocations, head_counts = cache.allocations(), cache.head_counts()
+        low_rank = {i: layer.spec.low_rank for i, layer in enumerate(cache.layers) if layer.spec.low_rank is not None}
     return RecordedRun(tokens=torch.cat(fed, dim=1), logits=torch.cat(logits, dim=1), forwards=tuple(forwards),
-                       geometry=geometry, allocations=allocations, head_counts=head_counts)
+                       geometry=geometry, allocations=allocations, head_counts=head_counts, low_rank=low_rank)
 
 
 def visibility_masks(run: RecordedRun) -> dict[int, torch.Tensor]:
@@ -103,6 +108,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     allowed = _MASKS[module.layer_idx]
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    low_rank = _LOW_RANK.get(module.layer_idx)
+    if low_rank is not None:  # reconstruct, then attend: what attention over the codes must equal
+        key, value = low_rank.to(key.device, key.dtype).reconstruct(key, value)
     out = chunked_attention(query, key, value, scaling, visible=allowed, softcap=kwargs.get("softcap"),
                             sinks=kwargs.get("s_aux", kwargs.get("sinks")), eager=True)
     return out.transpose(1, 2).contiguous(), None
@@ -123,6 +131,7 @@ def masked_reference_logits(model, run: RecordedRun) -> torch.Tensor:
                if c is not None and hasattr(c, "_attn_implementation_internal")}
     saved = [(c, c._attn_implementation_internal) for c in configs.values()]
     _MASKS.update(visibility_masks(run))
+    _LOW_RANK.update(run.low_rank)
     try:
         for c in configs.values():
             c._attn_implementation_internal = REFERENCE_ATTENTION
@@ -132,3 +141,4 @@ def masked_reference_logits(model, run: RecordedRun) -> torch.Tensor:
         for c, impl in saved:
             c._attn_implementation_internal = impl
         _MASKS.clear()
+        _LOW_RANK.clear()

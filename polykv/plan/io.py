@@ -15,7 +15,8 @@ import attrs
 from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError, RegistryError
 from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
-                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
+                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, RANK_SCHEMA_VERSION, SCHEMA_VERSION,
+                         SHARE_SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
                          Plan, Provenance, TriggerSettings)
 from polykv.strict_json import FieldReader
 
@@ -40,7 +41,18 @@ def layer_dict(lp: LayerPlan) -> dict[str, Any]:
                            "k_bits": lp.k_bits, "v_bits": lp.v_bits, "quantizer": lp.quantizer}
     if lp.quantizer_params:
         out["quantizer_params"] = dict(sorted(lp.quantizer_params.items()))
+    if lp.share is not None:  # schema version 2 (polykv.plan.sharing)
+        out["share"] = lp.share
+    if lp.share_params:
+        out["share_params"] = dict(sorted(lp.share_params.items()))
+    for name in RANK_FIELDS:  # written only when set: a full-rank layer's line is what version 1 wrote
+        if getattr(lp, name) is not None:
+            out[name] = getattr(lp, name)
     return out
+
+
+RANK_FIELDS = ("k_rank", "v_rank")
+"""Layer fields of schema version 2: channels of the stored key and value codes (absent = full rank)."""
 
 
 def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
@@ -48,7 +60,7 @@ def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
     from polykv.plan.groups import groups_to_json
 
     out = {
-        "schema_version": plan.schema_version,
+        "schema_version": plan.written_schema_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
         "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
@@ -121,15 +133,16 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
         r.fail("missing required key", field="schema_version", hint=f"plans written by polykv carry "
                f"\"schema_version\": {SCHEMA_VERSION}")
     version = raw["schema_version"]
-    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
-        r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
-               field="schema_version", hint="upgrade polykv or re-save the plan with this version")
+    if type(version) is not int or version not in (SCHEMA_VERSION, SHARE_SCHEMA_VERSION):  # 1.0, true: not 1
+        r.fail(f"unknown schema version {version!r}; this polykv reads versions {SCHEMA_VERSION} and "
+               f"{SHARE_SCHEMA_VERSION}", field="schema_version", hint="upgrade polykv or re-save the plan with this version")
     r.obj(raw, "", ["schema_version", "layers"], ["model", "trigger", "provenance", "allocation", "model_data"])
     model = _parse_model(r, raw.get("model"))
     trigger = _parse_trigger(r, raw.get("trigger"))
     prov = _parse_provenance(r, raw.get("provenance"))
     layers_raw = r.list_(raw["layers"], "layers", nonempty=True, what="a non-empty list of layer entries")
     layers = [_parse_layer(r, i, entry) for i, entry in enumerate(layers_raw)]
+    _check_rank_version(r, version, layers, model)
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
@@ -138,7 +151,36 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
                 allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
     check_groups(plan, source=source)
+    _check_version_fields(r, plan)
+    from polykv.plan.sharing import check_shares
+
+    check_shares(plan, source=source)
     return plan
+
+
+def _check_rank_version(r: FieldReader, version: int, layers: list[LayerPlan], model: ModelInfo | None) -> None:
+    """Ranks need schema version 2 and fit the plan's head dim."""
+    for lp in layers:
+        for name in RANK_FIELDS:
+            rank = getattr(lp, name)
+            if rank is None:
+                continue
+            field = f"layers[{lp.layer}].{name}"
+            if version < RANK_SCHEMA_VERSION:
+                r.fail(f"'{name}' is a schema version {RANK_SCHEMA_VERSION} field but the file says version {version}",
+                       layer=lp.layer, field=field, hint=f"set \"schema_version\": {RANK_SCHEMA_VERSION}, or remove "
+                       f"the rank (full rank)")
+            if model is not None and rank > model.head_dim:
+                r.fail(f"rank {rank} exceeds the head dim {model.head_dim}", layer=lp.layer, field=field,
+                       hint=f"use a rank in 1..{model.head_dim}, or remove it for full rank")
+def _check_version_fields(r: FieldReader, plan: Plan) -> None:
+    """A version-1 file holds no field of version 2 (``share``)."""
+    if plan.schema_version == SCHEMA_VERSION:
+        for lp in plan.layers:
+            if lp.share is not None or lp.share_params:
+                r.fail(f"share needs schema_version {SHARE_SCHEMA_VERSION}, but the file says {SCHEMA_VERSION}",
+                       layer=lp.layer, field=f"layers[{lp.layer}].share",
+                       hint=f"set \"schema_version\": {SHARE_SCHEMA_VERSION} (polykv writes it for plans that share)")
 
 
 def _parse_model(r: FieldReader, raw: Any) -> ModelInfo | None:
@@ -266,7 +308,8 @@ def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
 
 def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
     field = f"layers[{i}]"
-    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params"], layer=i)
+    r.obj(raw, field, ["layer", "prefill", "decode"], ["k_bits", "v_bits", "quantizer", "quantizer_params", "share",
+                                                       "share_params", *RANK_FIELDS], layer=i)
     idx = r.int_(raw["layer"], field + ".layer", layer=i)
     if idx != i:
         r.fail(f"entry {i} says layer {idx}", layer=i, field=field + ".layer",
@@ -284,6 +327,9 @@ def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
         k_bits=kb, v_bits=vb,
         quantizer=r.str_(raw.get("quantizer", DEFAULT_QUANTIZER), field + ".quantizer", layer=i),
         quantizer_params=r.dict_(raw.get("quantizer_params", {}), field + ".quantizer_params", layer=i),
+        share=r.int_(raw.get("share"), field + ".share", layer=i, minimum=0, optional=True),
+        share_params=r.dict_(raw.get("share_params", {}), field + ".share_params", layer=i),
+        **{name: r.int_(raw[name], f"{field}.{name}", layer=i, minimum=1) for name in RANK_FIELDS if name in raw},
     )
 
 
@@ -313,11 +359,16 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
 
     unchecked: dict[str, set[str]] = {}
     check_groups(plan, source=source, registry=registry, unchecked=unchecked)
+    from polykv.plan.sharing import check_shares
+
+    check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
         _validate_model_data(plan, registry, source)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
+    elif plan.model is not None:
+        _check_ranks(plan, plan.model.head_dim, source)
     _warn_unchecked(unchecked, source)
 
 
@@ -326,6 +377,10 @@ def _validate_model_data(plan: Plan, registry, source: str) -> None:
     from polykv.contract.model_data import needs_of_rules
 
     read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
+    if plan.low_rank:
+        from polykv.models.kv_bases import KV_BASES_KEY
+
+        read = sorted(read + [KV_BASES_KEY])
     for key in sorted(plan.model_data):
         if key not in read:
             raise PlanError(f"no rule of this plan reads per-model data '{key}' (they read {read or 'none'})",
@@ -398,9 +453,35 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
                     raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
                                     f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
                                     field=f"{field}.{name}", hint="pick a supported width or 16")
-            plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
-                            field=field + ".quantizer_params", unchecked=unchecked,
-                            hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+            quantizer = plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                                        field=field + ".quantizer_params", unchecked=unchecked,
+                                        hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+            _check_code_widths(lp, quantizer, source)
+
+
+def _check_code_widths(lp: LayerPlan, quantizer, source: str) -> None:
+    """The layer's quantizer can code its ranks' widths (:meth:`~polykv.contract.stores.Quantizer.check_width`)."""
+    for stream, name, bits in (("key", "k_rank", lp.k_bits), ("value", "v_rank", lp.v_bits)):
+        rank = getattr(lp, name)
+        if rank is None or bits == PASSTHROUGH_BITS:
+            continue
+        try:
+            quantizer.check_width(stream, bits, rank)
+        except ValueError as exc:
+            raise PlanError(f"{name} {rank}: {exc}", source=source, layer=lp.layer, field=f"layers[{lp.layer}].{name}",
+                            hint="choose a rank the quantizer accepts (see docs/low-rank.md), or other "
+                                 "quantizer_params") from None
+
+
+def _check_ranks(plan: Plan, head_dim: int, source: str) -> None:
+    """Every rank fits the model's head dim."""
+    for lp in plan.layers:
+        for name in RANK_FIELDS:
+            rank = getattr(lp, name)
+            if rank is not None and rank > head_dim:
+                raise PlanError(f"rank {rank} exceeds the model's head dim {head_dim}", source=source, layer=lp.layer,
+                                field=f"layers[{lp.layer}].{name}",
+                                hint=f"use a rank in 1..{head_dim}, or remove it for full rank")
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
@@ -411,6 +492,7 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
                         source=source, field="layers", hint="use a plan made for this model (polykv solve)")
     m = plan.model
     if m is None:
+        _check_ranks(plan, geometry.head_dim, source)
         return
     if m.num_kv_heads != geometry.num_kv_heads:
         raise PlanError(f"the plan was made for {m.num_kv_heads} KV heads but the model has "
@@ -423,3 +505,19 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
         raise PlanError(f"the plan was made for model {m.fingerprint} but this model is {geometry.fingerprint}",
                         source=source, field="model.fingerprint",
                         hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")
+    _check_ranks(plan, geometry.head_dim, source)
+    _check_bases_file(plan, geometry, source)
+
+
+def _check_bases_file(plan: Plan, geometry, source: str) -> None:
+    """The key/value bases file a plan with ranks names (when it exists) was measured on this model."""
+    from polykv.errors import ProfileError
+    from polykv.models.kv_bases import KV_BASES_KEY, KVBases
+
+    path = plan.model_data.get(KV_BASES_KEY)
+    if not plan.low_rank or not path or not os.path.isfile(path):
+        return
+    try:
+        KVBases.load(path).check_geometry(geometry)
+    except ProfileError as exc:
+        raise PlanError(str(exc), source=source, field=f"model_data.{KV_BASES_KEY}") from None

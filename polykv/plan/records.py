@@ -16,6 +16,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 
 SCHEMA_VERSION = 1
+"""The version a plan file carries when it uses only the token and bit axes (every plan before ranks and sharing)."""
+SHARE_SCHEMA_VERSION = 2
+"""The schema version of a plan file in which some layer uses ``share`` (files without it stay version 1)."""
+RANK_SCHEMA_VERSION = 2
+"""The schema version of a plan file in which some layer stores low-rank codes (``k_rank`` / ``v_rank``)."""
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SHARE_SCHEMA_VERSION)
+"""Versions this polykv reads; a version-1 file's layers are full rank and share nothing."""
 FULL_RULE = "full"
 DEFAULT_QUANTIZER = "kivi"
 PASSTHROUGH_BITS = 16
@@ -75,6 +82,17 @@ class OpSpec:
 FULL_OP = OpSpec()
 
 
+def _rank(instance, attribute, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        from polykv.errors import PlanError
+
+        raise PlanError(f"{attribute.name} must be a whole number of channels >= 1 (or None for full rank), got "
+                        f"{value!r}", layer=getattr(instance, "layer", None), field=attribute.name,
+                        hint="e.g. half the head dim; the rank may not exceed the head dim")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class LayerPlan:
     """One decoder layer: a prefill op, a decode op, and K/V bit widths."""
@@ -93,6 +111,26 @@ class LayerPlan:
     """Registered quantizer used for widths below 16."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
     """Quantizer parameters; missing ones take its defaults."""
+    share: int | None = None
+    """The layer below (``layer - 1``) whose prompt K/V this layer merges with (MiniCache, see
+    ``docs/sharing.md``); set on the upper layer of the pair. None: no sharing."""
+    share_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    """The merge's parameters (``interpolation``, ``retention_ratio``); missing ones take the defaults."""
+    k_rank: int | None = attrs.field(default=None, validator=_rank)
+    """Channels of each stored key code ``c = P^T k`` (P: the layer's offline key basis per KV head);
+    None stores full-width keys, exactly as without a basis."""
+    v_rank: int | None = attrs.field(default=None, validator=_rank)
+    """Channels of each stored value code ``e = U^T v``; None stores full-width values."""
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether either stream stores projected codes (a basis is needed)."""
+        return self.k_rank is not None or self.v_rank is not None
+
+    def rank_of(self, stream: str, head_dim: int) -> int:
+        """Channels stored per token of ``stream`` ("key" or "value"): its rank, or ``head_dim``."""
+        rank = self.k_rank if stream == "key" else self.v_rank
+        return head_dim if rank is None else int(rank)
 
     @property
     def quantized(self) -> bool:
@@ -100,7 +138,8 @@ class LayerPlan:
 
     @property
     def keeps_everything(self) -> bool:
-        return self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+        return (self.prefill.keeps_everything and self.decode.keeps_everything and not self.quantized
+                and self.share is None and not self.low_rank)
 
 
 def _positive_slack(instance, attribute, value) -> None:
@@ -224,6 +263,22 @@ class Plan:
         layers = list(self.layers)
         layers[layer] = attrs.evolve(layers[layer], **changes)
         return attrs.evolve(self, layers=tuple(layers))
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether some layer stores projected (low-rank) codes."""
+        return any(lp.low_rank for lp in self.layers)
+
+    @property
+    def written_schema_version(self) -> int:
+        """The version a plan file of this plan carries: 2 when some layer shares or stores low-rank codes, else 1."""
+        if self.low_rank or any(lp.share is not None for lp in self.layers):
+            return SHARE_SCHEMA_VERSION
+        return SCHEMA_VERSION
+
+    def share_pairs(self) -> list[tuple[int, int]]:
+        """(lower, upper) of every shared layer pair, by upper layer."""
+        return [(lp.share, lp.layer) for lp in self.layers if lp.share is not None]
 
     def rules_used(self) -> set[str]:
         return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}

@@ -171,6 +171,9 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     _check_window(step, layer_idx, kwargs.get("sliding_window"))
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    low_rank, full_query = layer.low_rank, query
+    if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling
+        query = low_rank.queries(query)
     visible = window_visibility(step, query.shape[2])
     valid = step.valid
     softcap = kwargs.get("softcap")
@@ -188,7 +191,9 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = sdpa(query, key, value, scaling, valid, visible=visible)
     else:
         out = eager_attention(query, key, value, scaling, valid, visible=visible, softcap=softcap, sinks=sinks)
-    layer.after_attention(step, query, scaling, signals=signals, plain=plain)
+    layer.after_attention(step, full_query, scaling, signals=signals, plain=plain)
+    if low_rank is not None:
+        out = low_rank.lift(out)                                                   # (B, H, q, d)
     return out.transpose(1, 2).contiguous(), None
 
 

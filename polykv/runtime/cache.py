@@ -54,6 +54,9 @@ class PlanCache(Cache):
         run_of = {layer: run for run in self.runs for layer in run.group.layers}
         super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, settings=self.settings,
                                             group=run_of.get(s.plan.layer)) for s in specs])
+        for layer in self.layers:  # a shared pair's upper layer merges with its lower layer's stored prompt
+            if layer.spec.plan.share is not None:
+                layer.share_lower = self.layers[layer.spec.plan.share]
 
     def group_run(self, layer_idx: int):
         """The allocation run of the group ``layer_idx`` belongs to, or None."""

@@ -62,8 +62,10 @@ class PrefillSnapshot:
     True where the layer attends in the signal pass), one :class:`LayerSnapshot` per layer."""
 
     variants: dict
-    """(attention signature, probe key) -> tuple of :class:`LayerSnapshot` (one per layer); the probe key
-    (:func:`probe_key`) is None for plans without a probe (:mod:`polykv.contract.probe`)."""
+    """(attention signature, probe key, ranks) -> tuple of :class:`LayerSnapshot` (one per layer); the probe key
+    (:func:`probe_key`) is None for plans without a probe (:mod:`polykv.contract.probe`), the ranks
+    (:func:`plan_ranks`) None for plans without low-rank layers (whose prefill attends in code space, so
+    plans of other ranks prefill differently and keep apart; their snapshots hold the codes)."""
     input_ids: torch.Tensor
     """[B, T] the prompt that was prefilled."""
 
@@ -110,6 +112,11 @@ def _union(per_plan: Sequence[list[list]]) -> list[dict]:
     return union
 
 
+def plan_ranks(plan: Plan) -> tuple | None:
+    """Per layer ``(k_rank, v_rank)`` of a plan with low-rank layers, else None."""
+    return tuple((lp.k_rank, lp.v_rank) for lp in plan.layers) if plan.low_rank else None
+
+
 def probe_key(chunks) -> tuple | None:
     """What identifies a probe (:mod:`polykv.contract.probe`) among a snapshot's prefills: its chunks' spans
     and token ids; None without one."""
@@ -124,26 +131,27 @@ def _probe_of(session, input_ids: torch.Tensor) -> list:
 
 
 def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: torch.Tensor | None = None,
-                   model_data=None) -> dict[tuple, tuple[list[dict], list]]:
+                   model_data=None) -> dict[tuple, tuple[list[dict], list, dict]]:
     """(attention signature, probe key) -> (per layer, one fresh state per distinct ``share_key`` over the rules
     of the plans of that key; the probe's chunks). Validates each plan; a plan whose rules run a probe
     (built from ``input_ids``) gets its own prefill per distinct probe, since the probe's forwards are
-    observed by its states. ``model_data`` is what :func:`polykv.apply` takes (the per-model data the plans'
-    rules read)."""
+    observed by its states. Also each key's per-model data (``model_data`` as :func:`polykv.apply` takes it)."""
     from polykv.runtime.session import apply
 
     groups: dict[tuple, list] = {}
     probes: dict[tuple, list] = {}
+    data: dict[tuple, dict] = {}
     for plan in plans:
         session = apply(model, plan, registry=registry, model_data=model_data)
         per_layer = _plan_states(session)
         chunks = _probe_of(session, input_ids) if input_ids is not None else []
-        key = (attention_signature(per_layer), probe_key(chunks))
+        key = (attention_signature(per_layer), probe_key(chunks), plan_ranks(plan))
         groups.setdefault(key, []).append(per_layer)
         probes[key] = chunks
+        data.setdefault(key, session.model_data)
     if not groups:
         raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
-    return {key: (_union(per_plan), probes[key]) for key, per_plan in groups.items()}
+    return {key: (_union(per_plan), probes[key], data[key]) for key, per_plan in groups.items()}
 
 
 def _scaling(module, head_dim: int) -> float:
@@ -166,8 +174,9 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     chunk_size : int, optional
         Prefill in chunks of this many tokens (the same selection as one forward, like
         :meth:`Session.prefill`).
-    model_data : dict, optional
-        The per-model data the plans' rules read, as :func:`polykv.apply` takes it.
+    model_data : mapping, optional
+        Per-model data the plans read, as :func:`polykv.apply` takes it (e.g. the key/value bases of
+        plans with ranks); what is not given is found or computed as ``apply`` does.
     """
     from polykv.plan import full_plan
     from polykv.models.geometry import geometry_of_model
@@ -178,9 +187,15 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     step = chunk_size or T
     if step < 1:
         raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-    session = apply(model, full_plan(geometry_of_model(model)), registry=registry)
-    variants = {key: _capture_one(model, session, input_ids, states, step, chunks)
-                for key, (states, chunks) in groups.items()}
+    full = full_plan(geometry_of_model(model))
+    session = apply(model, full, registry=registry)
+    variants = {}
+    for key, (states, chunks, data) in groups.items():
+        ranks = key[2]
+        run = session if ranks is None else apply(  # the plan's ranks: its prefill attends in code space
+            model, attrs.evolve(full, layers=[attrs.evolve(lp, k_rank=k, v_rank=v) for lp, (k, v) in
+                                              zip(full.layers, ranks)]), registry=registry, model_data=data)
+        variants[key] = _capture_one(model, run, input_ids, states, step, chunks)
     return PrefillSnapshot(variants=variants, input_ids=input_ids)
 
 
@@ -225,10 +240,11 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
         raise RuntimeConfigError(f"the prefill snapshot has {len(some)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")
     signature = (attention_signature([layer.observing_states() for layer in cache.layers]),
-                 probe_key(_probe_of(session, snapshot.input_ids)))
+                 probe_key(_probe_of(session, snapshot.input_ids)), plan_ranks(session.plan))
     if signature not in snapshot.variants:
         raise RuntimeConfigError("the prefill snapshot holds no prefill whose layers attend as this plan's do (its "
-                                 "rules' signal pass or probe differs from every captured plan's); pass this plan to "
+                                 "rules' signal pass, probe or ranks differ from every captured plan's); pass this "
+                                 "plan to "
                                  "capture_prefill(..., plans=[...])")
     for layer, snap in zip(cache.layers, snapshot.variants[signature]):
         copies: dict[int, object] = {}

@@ -57,6 +57,9 @@ class LayerSpec:
     """Sliding window or chunk size of a windowed layer (None for full attention)."""
     token_bound: int | None = None
     """Most tokens per head the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
+    low_rank: Any = None
+    """The layer's :class:`~polykv.attention.low_rank.LowRank` bases (CPU float32) when the plan gives it a
+    rank: keys and values are stored, scored and attended as codes; None: full width."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -127,6 +130,11 @@ class ForwardStep:
         return self.view.valid
 
 
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, Hkv, T, w] at token ``index`` [B, Hkv, n]: [B, Hkv, n, w] (keys and values may differ in w)."""
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
 def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
     """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
     pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
@@ -177,9 +185,14 @@ class LayerCache(CacheLayerMixin):
         self.read_stores = True
         """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
         build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
+        self.low_rank = None
+        """The spec's bases on the cache's device and dtype (set with the first forward), or None."""
         self.plain_attention = True
         """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as the last
         :meth:`after_attention` was told; so it is known from the prefill forward on."""
+        self.share_lower: LayerCache | None = None
+        """The upper layer of a shared pair (the plan's ``share``): the lower layer's cache, whose stored prompt
+        this layer's prompt merges with when it is stored (set by the :class:`~polykv.runtime.cache.PlanCache`)."""
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
@@ -206,6 +219,8 @@ class LayerCache(CacheLayerMixin):
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
+        if self.spec.low_rank is not None:
+            self.low_rank = self.spec.low_rank.to(self.device, self.dtype)
         self.is_initialized = True
 
     def get_seq_length(self) -> int:
@@ -254,12 +269,14 @@ class LayerCache(CacheLayerMixin):
         return self.get_max_length()
 
     def reset(self) -> None:
+        lower = self.share_lower
         self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group)
+        self.share_lower = lower
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
-        attention function, and return the keys and values it attends."""
+        attention function, and return the keys and values it attends (a low-rank layer's codes)."""
         if probe is not None:
             step = self.pending = self.begin_probe(key_states, value_states, probe)
         else:
@@ -274,6 +291,7 @@ class LayerCache(CacheLayerMixin):
         if self.prefilled or raw is None:
             raise RuntimeConfigError(f"layer {self.layer_idx}: a probe forward runs only between the prompt and its "
                                      f"selection, but this layer holds no unselected prompt")
+        key_states, value_states = self._codes(key_states, value_states)
         B, Hkv, n, _ = key_states.shape
         if raw.positions.shape[0] != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the probe has a batch of {B} but the prompt "
@@ -296,6 +314,7 @@ class LayerCache(CacheLayerMixin):
         the prompt is complete after this forward (False between the chunks of a chunked prefill)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        key_states, value_states = self._codes(key_states, value_states)
         B, Hkv, q, _ = key_states.shape
         have = self.prompt.positions.shape[0] if self.prompt is not None else (self.storage.shape or (B,))[0]
         if have != B:
@@ -324,6 +343,13 @@ class LayerCache(CacheLayerMixin):
         return ForwardStep(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", view=view,
                            stores=stores, first_position=self.tokens_seen, states=tuple(self.observing_states()),
                            ends_prompt=ends_prompt, attention_type=spec.attention_type, window=spec.window)
+
+    def _codes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A low-rank layer's codes ``P^T k``, ``U^T v`` of the new post-RoPE keys/values (projected as they
+        arrive, so nothing full width is stored or scored); the tensors themselves for a full-width layer."""
+        if self.low_rank is None:
+            return key_states, value_states
+        return self.low_rank.codes(key_states, value_states)
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
@@ -354,8 +380,8 @@ class LayerCache(CacheLayerMixin):
 
     def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None, *,
                         plain: bool = True) -> None:
-        """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d], then
-        select (prefill) or evict (decode).
+        """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d] (on a
+        low-rank layer as key codes [B, H, q, k_rank]), then select (prefill) or evict (decode).
 
         ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any.
         ``plain``: whether the model's attention was a plain softmax (no softcap, no sinks): a later decode
@@ -363,6 +389,8 @@ class LayerCache(CacheLayerMixin):
         self.plain_attention = plain
         view = step.view
         states = step.states
+        if states and self.low_rank is not None:  # the states read queries as the stored keys are: key codes
+            query = self.low_rank.queries(query)
         if states:
             obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
                               query=query, keys=view.keys, positions=view.positions, valid=view.valid,
@@ -412,18 +440,22 @@ class LayerCache(CacheLayerMixin):
             keys = sel.merge.apply(keys)[0] if "key" in sel.merge.streams else keys
             values = sel.merge.apply(values)[0] if "value" in sel.merge.streams else values
         idx = sel.index
-        at = idx.unsqueeze(-1).expand(*idx.shape, keys.shape[-1])
         valid = sel.kept_mask() if sel.ragged else None
         positions = raw.positions.gather(-1, idx)
         if valid is not None:
             positions = positions.masked_fill(~valid, -1)
-        self.prompt = StorageView(keys=keys.gather(2, at), values=values.gather(2, at), positions=positions, valid=valid)
+        self.prompt = StorageView(keys=_gather_tokens(keys, idx), values=_gather_tokens(values, idx),
+                                  positions=positions, valid=valid)
 
     def store_prompt(self) -> None:
         """Move the (selected) prompt into the stores; only the decode rule's state stays."""
         raw = self.prompt
         counts = raw.valid.sum(-1) if raw.valid is not None else None
         self.storage.fill(raw.keys, raw.values, raw.positions, counts)
+        if self.share_lower is not None:
+            plan = self.spec.plan
+            self.storage.share_prompt(self.share_lower.storage, held_dtype=self.settings.storage_dtype or self.dtype,
+                                      compute_dtype=self.dtype, **plan.share_params)
         self.prompt = None
         pre, dec = self.states["prefill"], self.states["decode"]
         if dec is not None:
@@ -448,8 +480,7 @@ class LayerCache(CacheLayerMixin):
         for st in self.observing_states():
             st.gather(sel)
         if not self.prefilled:
-            at = sel.index.unsqueeze(-1).expand(*sel.index.shape, view.keys.shape[-1])
-            return StorageView(keys=view.keys.gather(2, at), values=view.values.gather(2, at),
+            return StorageView(keys=_gather_tokens(view.keys, sel.index), values=_gather_tokens(view.values, sel.index),
                                positions=view.positions.gather(-1, sel.index), valid=None)
         self.storage.evict(sel, view)
         return self.storage.view()
@@ -528,7 +559,15 @@ class LayerCache(CacheLayerMixin):
         """Key + value store bytes (codes, scales/zeros, full-precision residuals)."""
         return self.storage.kv_bytes()
 
+    def bases_bytes(self) -> int:
+        """Bytes of this layer's bases on the cache's device (0 for a full-width layer or before a forward)."""
+        lr = self.low_rank
+        return 0 if lr is None else sum(b.numel() * b.element_size() for b in (lr.key, lr.value) if b is not None)
+
     def metadata_bytes(self) -> dict[str, int]:
         """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
         (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
-        return {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
+        out = {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
+        if self.share_lower is not None and self.prefilled:
+            out["share_index"] = self.storage.share_index_bytes()
+        return out

@@ -52,6 +52,9 @@ class ResidentBytes:
     """Per layer: ``positions`` (int64, 8 bytes per stored token per KV head) and ``rule_state``
     (the bytes of every rule state the layer keeps, e.g. H2O's float32 accumulated attention or a
     query window)."""
+    bases: int = 0
+    """Bytes of the key/value bases the cache's low-rank layers project with (held once, whatever the
+    batch or context; not in :attr:`total`)."""
 
     @property
     def total(self) -> int:
@@ -112,6 +115,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
     _check_probe_phases(plan, registry)
+    _check_rank_rules(plan, registry)
     if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point):
         raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
                                  f"torch.float32), got {storage_dtype!r}")
@@ -141,6 +145,26 @@ def _check_probe_phases(plan: Plan, registry) -> None:
                             hint="use it in the prefill op and give decode another rule (or full)")
 
 
+def _check_rank_rules(plan: Plan, registry) -> None:
+    """A layer storing key codes (``k_rank``) holds no post-RoPE keys: a rule that undoes or redoes RoPE on them
+    (its ``reads_rope``, or pre-RoPE key statistics) cannot score it."""
+    from polykv.contract.rules import SIGNAL_PREROPE_STATS
+
+    for lp in plan.layers:
+        if lp.k_rank is None:
+            continue
+        for phase in ("prefill", "decode"):
+            op = getattr(lp, phase)
+            if op.keeps_everything or not registry.has("operator", op.rule):
+                continue
+            cls = registry.operator(op.rule)
+            if getattr(cls, "reads_rope", False) or cls.signal == SIGNAL_PREROPE_STATS:
+                raise PlanError(f"rule '{op.rule}' reads keys in RoPE coordinates, but this layer stores key codes "
+                                f"(k_rank {lp.k_rank})", layer=lp.layer, field=f"layers[{lp.layer}].k_rank",
+                                hint="remove the layer's k_rank, or choose a rule that scores keys by attention, "
+                                     "norms or similarity")
+
+
 SEED_RANGE = (0, 2 ** 64 - 1)
 """Seeds a torch generator accepts (both ends included)."""
 
@@ -161,7 +185,7 @@ def _check_model_data(model_data, plan: Plan, registry, model) -> None:
                                  f"{type(model_data).__name__}")
     from polykv.contract.model_data import needs_of_rules
 
-    for need in needs_of_rules(registry, sorted(plan.rules_used())):
+    for need in plan_needs(plan, registry):
         data = model_data.get(need.key)
         if data is None or need.check is None:
             continue
@@ -182,14 +206,19 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
     """The per-model data ``plan``'s rules read (see :func:`apply`), by key."""
     from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
 
+    from polykv.models.kv_bases import KV_BASES_KEY
+
     rules = sorted(plan.rules_used())
     given = {k: v for k, v in (given or {}).items() if v is not None}
-    needs = [n for n in needs_of_rules(registry, rules) if n.key not in given]
+    needs = [n for n in plan_needs(plan, registry) if n.key not in given]
     if not needs:
         return given
     files = {k: [(path, f"plan field model_data.{k}")] for k, path in plan.model_data.items()}
     used_by = {}
     for need in needs:
+        if need.key == KV_BASES_KEY:
+            used_by[need.key] = f"the ranks of layers {layer_spans([lp.layer for lp in plan.layers if lp.low_rank])}"
+            continue
         names = [r for r in rules if getattr(registry.operator(r), "model_data_need", None) is need]
         layers = [lp.layer for lp in plan.layers if {lp.prefill.rule, lp.decode.rule} & set(names)]
         used_by[need.key] = f"rule {', '.join(repr(n) for n in names)} (layers {layer_spans(layers)})"
@@ -197,6 +226,16 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
         tokenizer = tokenizer_of(model)
     return find_model_data(model, needs, given=given, files=files, tokenizer=tokenizer, missing=missing,
                            fingerprint=geometry.fingerprint, used_by=used_by)
+
+
+def plan_needs(plan: Plan, registry) -> list:
+    """The per-model data ``plan`` reads: its rules' (:func:`polykv.contract.model_data.needs_of_rules`), and the
+    key/value bases when a layer has a rank (:data:`polykv.models.kv_bases.KV_BASES_NEED`)."""
+    from polykv.contract.model_data import needs_of_rules
+    from polykv.models.kv_bases import KV_BASES_NEED
+
+    needs = needs_of_rules(registry, sorted(plan.rules_used()))
+    return needs + [KV_BASES_NEED] if plan.low_rank else needs
 
 
 def layer_spans(layers: list[int]) -> str:
@@ -214,19 +253,26 @@ def layer_spans(layers: list[int]) -> str:
 def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
     """Build every quantized layer's stores on an empty [1, Hkv, 0, d] chunk, so that a quantizer that
     cannot serve this head dim fails here, naming the layer, rather than in the middle of a forward."""
-    empty = torch.zeros(1, geometry.num_kv_heads, 0, geometry.head_dim, dtype=dtype)
     seen = set()
     for lp in plan.layers:
         if not lp.quantized:
             continue
-        key = (lp.quantizer, repr(sorted(lp.quantizer_params.items())), lp.k_bits, lp.v_bits)
+        key = (lp.quantizer, repr(sorted(lp.quantizer_params.items())), lp.k_bits, lp.v_bits, lp.k_rank, lp.v_rank)
         if key in seen:
             continue
         seen.add(key)
         for stream in ("key", "value"):
+            width = lp.rank_of(stream, geometry.head_dim)  # a low-rank stream's quantizer codes r-wide codes
+            empty = torch.zeros(1, geometry.num_kv_heads, 0, width, dtype=dtype)
+            rank = "k_rank" if stream == "key" else "v_rank"
             try:
                 new_store(registry, lp, stream, dtype=dtype, device=empty.device).append(empty)
             except ValueError as exc:
+                if width != geometry.head_dim:
+                    raise PlanError(f"{stream} store of {width}-channel codes: {exc}", layer=lp.layer,
+                                    field=f"layers[{lp.layer}].{rank}",
+                                    hint=f"choose a {rank} the quantizer's groups divide, or other quantizer_params")\
+                        from None
                 raise PlanError(f"{stream} store: {exc}", layer=lp.layer, field=f"layers[{lp.layer}].quantizer_params",
                                 hint=f"choose parameters that fit head_dim {geometry.head_dim}") from None
 
@@ -349,7 +395,19 @@ class Session:
         windowed = geo.is_windowed(i)
         return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
                          attention_type=geo.layer_types[i] if windowed else FULL,
-                         window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i))
+                         window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i),
+                         low_rank=self._low_rank(lp))
+
+    def _low_rank(self, lp):
+        """The layer's bases (:class:`~polykv.attention.low_rank.LowRank`) when the plan gives it a rank, else None."""
+        if not lp.low_rank:
+            return None
+        from polykv.attention.low_rank import LowRank
+        from polykv.models.kv_bases import KV_BASES_KEY
+
+        bases = self.model_data[KV_BASES_KEY]
+        return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
+                       None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -645,7 +703,8 @@ class Session:
             raise RuntimeConfigError("no cache yet: run generate(), prefill() or a forward with session.new_cache()")
         layers = self._cache.layers
         return ResidentBytes(per_layer=tuple(layer.kv_bytes() for layer in layers),
-                             metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers))
+                             metadata_per_layer=tuple(layer.metadata_bytes() for layer in layers),
+                             bases=sum(layer.bases_bytes() for layer in layers))
 
     def allocations(self) -> dict[int, dict[str, Any]]:
         """What the plan's allocators gave each layer of the live cache (see ``PlanCache.allocations``)."""

@@ -27,6 +27,8 @@ from polykv.storage.reserve import reserve_tokens
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.token_buffer import PassthroughStore, TokenBuffer
+from polykv.errors import RuntimeConfigError
+from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO, SharedStore, merge_pair
 
 
 def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,
@@ -187,7 +189,7 @@ class LayerStorage:
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append(positions)
-            self.contract.after("fill", self, keys=keys)
+            self.contract.after("fill", self, keys=keys, values=values)
             return
         self.segments = []
         for b in range(B):
@@ -202,7 +204,7 @@ class LayerStorage:
                 seg.value.append(values[b:b + 1, h:h + 1, K - n:])
                 seg.pos.append(positions[b:b + 1, h:h + 1, K - n:])
                 self.segments.append(seg)
-        self.contract.after("fill", self, keys=keys)
+        self.contract.after("fill", self, keys=keys, values=values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
         """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""
@@ -344,6 +346,34 @@ class LayerStorage:
             self.segments.append(Segment(key=k, value=v, pos=pos))
         self.key_store = self.value_store = None
         self._pos = None
+
+    # -- sharing ---------------------------------------------------------------------------------
+    def share_prompt(self, lower: "LayerStorage", *, held_dtype: torch.dtype, compute_dtype: torch.dtype,
+                     interpolation: float = DEFAULT_INTERPOLATION,
+                     retention_ratio: float = DEFAULT_RETENTION_RATIO) -> None:
+        """Merge this layer's just-stored prompt with ``lower``'s (the layer below, MiniCache): both layers'
+        stores become :class:`~polykv.storage.layer_share.SharedStore` views of one
+        :class:`~polykv.storage.layer_share.SharedPair` per stream, and their full-width prompt buffers are
+        released. Both layers hold the same prompt tokens, uniformly, and nothing else yet."""
+        n = self.uniform_count()
+        if self.ragged or lower.ragged or lower.shape is None or lower.uniform_count() != n \
+                or len(lower.key_store) != n or not torch.equal(lower.positions, self.positions):
+            raise RuntimeConfigError("a shared layer pair must hold the same prompt tokens in both layers when the "
+                                     "upper layer stores its prompt (both keep every token)")
+        for stream in ("key", "value"):
+            attr = f"{stream}_store"
+            pair = merge_pair(getattr(lower, attr).dequantize(), getattr(self, attr).dequantize(),
+                              interpolation=interpolation, retention_ratio=retention_ratio, dtype=held_dtype)
+            device = pair.direction.device
+            for side, storage in enumerate((lower, self)):
+                setattr(storage, attr, SharedStore(pair, side, compute_dtype=compute_dtype, held_dtype=held_dtype,
+                                                   device=device))
+        self.contract.after("append", self)
+        lower.contract.after("append", lower)
+
+    def share_index_bytes(self) -> int:
+        """Bytes of the retained-token indices of a shared pair's key and value streams (0 unless shared)."""
+        return sum(s.pair.index_bytes() for s in (self.key_store, self.value_store) if isinstance(s, SharedStore))
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:

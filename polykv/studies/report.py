@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -325,17 +325,24 @@ def check_report_folder(out_dir: str, option: str, inputs=()) -> None:
                  inputs=[p for p in inputs if p])
 
 
-def write_report(results_path: str, out_dir: str, *, profile_path: str | None = None,
+def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_path: str | None = None,
                  option: str = "report folder") -> list[str]:
     """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written.
+
+    ``results_path`` may name several results files: parts of one experiment, reported together
+    (:func:`polykv.studies.combine.combine_results` says when parts combine).
 
     Nothing is written unless every output is safe to write: ``report.md`` and each figure is either
     absent or a file an earlier report wrote (``option`` names the folder's option in the message).
     """
     from polykv.atomic import write_text_atomic
 
-    check_report_folder(out_dir, option, inputs=[results_path, profile_path])
-    res = Results.load(results_path)
+    from polykv.studies.combine import combine_results
+
+    paths = [results_path] if isinstance(results_path, str) else list(results_path)
+    check_report_folder(out_dir, option, inputs=[*paths, profile_path])
+    res = combine_results(paths)
+    results_path = res.path
     spec = res.header["spec"]
     figures = Figures(out_dir)
     lines = [f"# Study `{spec.get('name')}`", "",
@@ -385,7 +392,7 @@ def write_report(results_path: str, out_dir: str, *, profile_path: str | None = 
             prof.table(), [c.label for c in prof.configs], path,
             title=f"profile {prof.fingerprint}: metric '{prof.default_metric}'", stat=stat))
         lines += ["## Profile", "", f"![sensitivity heatmap]({fig})", ""]
-    figures.check(option, inputs=[p for p in (results_path, profile_path) if p])
+    figures.check(option, inputs=[p for p in (*paths, profile_path) if p])
     os.makedirs(out_dir, exist_ok=True)
     drawn = figures.draw()
     md = os.path.join(out_dir, "report.md")

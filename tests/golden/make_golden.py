@@ -73,7 +73,7 @@ def invalid_cases(base_text: str):
            base_text.replace('"trigger": {"decode_slack": 16},', '"trigger": {"decode_slack": 16}', 1))
     yield ("nan-number", None, "NaN is not a number", base_text.replace('"predicted_loss": null', '"predicted_loss": NaN'))
     cases = [
-        ("schema-version-2", "schema_version", "unknown schema version 2", lambda d: d.update(schema_version=2)),
+        ("schema-version-3", "schema_version", "unknown schema version 3", lambda d: d.update(schema_version=3)),
         ("unknown-rule", "layers[1].decode.rule", "unknown operator 'h2o-typo'", op(1, "decode", rule="h2o-typo")),
         ("unknown-quantizer", "layers[0].quantizer", "unknown quantizer 'kiwi'", layer(0, quantizer="kiwi")),
         ("layer-count-for-model", "layers", "the plan has 3 layers but the model has 2", extra_layer),

@@ -156,7 +156,7 @@ for _name, _text in RAW_PLANS.items():
 # plan files: one field wrong ------------------------------------------------------------------------------
 PLAN_FIELDS = [
     ("no-schema", "schema_version", DELETE, "schema_version"),
-    ("schema-2", "schema_version", 2, "schema_version"),
+    ("schema-3", "schema_version", 3, "schema_version"),
     ("schema-str", "schema_version", "1", "schema_version"),
     ("schema-float", "schema_version", 1.0, "schema_version"),
     ("schema-bool", "schema_version", True, "schema_version"),
@@ -327,7 +327,7 @@ for _name, _text in RAW_PROFILES.items():
 
 PROFILE_FIELDS = [
     ("no-schema", "schema_version", DELETE, "schema_version"),
-    ("schema-2", "schema_version", 2, "schema_version"),
+    ("schema-3", "schema_version", 3, "schema_version"),
     ("format-plan", "format", "polykv-plan", "format"),
     ("unknown-top", "colour", 1, "colour"),
     ("no-model", "model", DELETE, "model"),

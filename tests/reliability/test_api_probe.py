@@ -78,10 +78,9 @@ def test_prefix_covering_the_whole_prompt_is_refused(model):
         session.prefill(token_ids(1, 20))
 
 
-def test_calibration_refuses_a_probe_rule_and_leaves_it_out_by_default(model):
-    from polykv.errors import ProfileError
-    from polykv.profiling.calibrate import CalibrationSettings, calibrate, default_rules
+def test_calibration_measures_a_probe_rule_by_default(model):
+    """Calibration runs a probe rule's probe through the runtime (tests/calibration/test_endtoend.py checks its rows
+    against a direct run), so the default rule list includes it."""
+    from polykv.profiling.calibrate import default_rules
 
-    assert "kvzip" not in default_rules(polykv.get_registry())
-    with pytest.raises(ProfileError, match=r"\['kvzip'\] run a probe .* leave them out of --rules"):
-        calibrate(model, [token_ids(1, 40)[0]], CalibrationSettings(rules=("kvzip",), prefix=8))
+    assert "kvzip" in default_rules(polykv.get_registry())
