@@ -108,26 +108,29 @@ class PrefixSnapshots:
         # parameters, not on its capacity or widths; and a layer's states depend on that layer's op alone. So the
         # plans of one (rule, params) on every layer are opened as ONE session (``merged``), which gives each
         # layer's variant key and, restored into, the same prefill as the one-layer plans would.
+        # A plan with low-rank or shared layers prefills differently from the full plan below its layer: never merged.
         by_rule: dict[tuple, dict[int, Plan]] = {}
         for layer, plans in plans_by_layer.items():
             for plan in plans:
                 op = plan.layers[layer].prefill
-                by_rule.setdefault((op.rule, _params_key(op.params)), {}).setdefault(layer, plan)
+                alone = None if _mergeable(plan) else layer
+                by_rule.setdefault((op.rule, _params_key(op.params), alone), {}).setdefault(layer, plan)
         self._key_of: dict[tuple, tuple] = {}
         members: dict[tuple, dict[tuple, dict[int, Plan]]] = {}
-        for (rule, params), per_layer in by_rule.items():
+        for group, per_layer in by_rule.items():
+            rule, params = group[:2]
             for layer, key in self._variant_keys(rule, per_layer).items():
                 self._key_of[(layer, rule, params)] = key
-                members.setdefault(key, {}).setdefault((rule, params), {})[layer] = per_layer[layer]
+                members.setdefault(key, {}).setdefault(group, {})[layer] = per_layer[layer]
         self._plans = {key: [_merge(per_layer) for per_layer in groups.values()] for key, groups in members.items()}
         """Per variant, the merged plans its prefill is captured for (one per (rule, params))."""
         self.shared = {key for key, groups in members.items() if len({l for g in groups.values() for l in g}) > 1}
         self._snaps: dict[tuple, list] = {}
 
     def _variant_keys(self, rule: str, per_layer: Mapping[int, Plan]) -> dict[int, tuple]:
-        """``{layer: (attention signature, probe key)}`` of each one-layer plan of one (rule, params), read from one
+        """``{layer: (attention signature, probe key, ranks)}`` of each one-layer plan of one (rule, params), read from one
         session of their merged plan: a layer attends in the signal pass exactly when its own states ask for it."""
-        from polykv.runtime.fork import _plan_states, _probe_of, attention_signature, probe_key
+        from polykv.runtime.fork import _plan_states, _probe_of, attention_signature, plan_ranks, probe_key
         from polykv.runtime.session import apply
 
         layers = sorted(per_layer)
@@ -140,8 +143,8 @@ class PrefixSnapshots:
             raise ProfileError(f"calibrating rule '{rule}' on {where} through the runtime: {exc} (give the rule's "
                                f"parameters with CalibrationSettings.rule_params, or leave it out of the "
                                f"rules)") from None
-        return {layer: (attention_signature([states[i] if i == layer else [] for i in range(len(states))]), probe)
-                for layer in layers}
+        return {layer: (attention_signature([states[i] if i == layer else [] for i in range(len(states))]), probe,
+                        plan_ranks(per_layer[layer])) for layer in layers}
 
     def key(self, plan, layer: int) -> tuple:
         op = plan.layers[layer].prefill
@@ -164,7 +167,7 @@ class PrefixSnapshots:
         from polykv.plan import full_plan
 
         layers = geometry_of_model(self.model).num_layers
-        key = ((False,) * layers, None)
+        key = ((False,) * layers, None, None)
         if key not in self._plans:
             self._plans[key] = [full_plan(geometry_of_model(self.model))]
         self.shared.add(key)
@@ -182,6 +185,10 @@ class PrefixSnapshots:
 
 def _params_key(params) -> str:
     return json.dumps(params, sort_keys=True, default=str)
+
+
+def _mergeable(plan: Plan) -> bool:
+    return not plan.low_rank and all(lp.share is None for lp in plan.layers)
 
 
 def _merge(per_layer: Mapping[int, Plan]) -> Plan:
