@@ -166,6 +166,10 @@ def check_args(args) -> dict:
     if args.tokens <= args.prefix:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}): the tokens after the "
                            "prefix are the queries whose attention output is compared")
+    if args.tokens == args.prefix + 1:
+        raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}) by at least 2: the first "
+                           "token after the prefix is predicted before anything is compressed, so one follow-up token "
+                           "leaves nothing to measure; raise --tokens or lower --prefix")
     if args.delta_ppl > args.sequences:
         raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
                            "the first N calibration sequences")

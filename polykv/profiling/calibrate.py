@@ -274,13 +274,15 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     todo = [layer for layer in range(L) if done[layer] is None]
     captures = [capture_sequence(model, s) for s in seqs] if todo else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
-    refs = [val.reference_logprobs(model, s, P) for s in held] if todo and held else []
-    snapshots = None
+    refs = [e2e.KLReference.of(val.reference_logprobs(model, s, P)) for s in held] if todo and held else []
+    snapshots = below = None
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
         snapshots = e2e.PrefixSnapshots(model, [s.view(1, -1)[:, :P] for s in held], plans, registry=registry,
                                         model_data=model_data)
+        below = [e2e.LayerOutputs(model, snap, s, P, layers=todo, registry=registry)
+                 for snap, s in zip(snapshots.plain(), held)]
     if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
         ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
@@ -291,7 +293,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         for layer in todo:
             units.layer(layer)
             arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols,
-                            snapshots, ppl_seqs, ppl_refs, units.tick)
+                            snapshots, ppl_seqs, ppl_refs, units.tick, below)
             ckpt.save(layer, arrays)
             done[layer] = arrays
             if on_layer is not None:
@@ -319,7 +321,7 @@ def _probe_prefills(model, geometry, layers, rules, seqs, P, settings, registry,
 
 
 def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols, snapshots,
-           ppl_seqs, ppl_refs, tick) -> dict[str, np.ndarray]:
+           ppl_seqs, ppl_refs, tick, below=None) -> dict[str, np.ndarray]:
     """Every table row of one layer."""
     cap = stack_layer(captures, layer)                  # every sequence as one batch row
     ref = full_reference(cap, P)
@@ -331,7 +333,8 @@ def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, h
     if held:
         arrays["kl"] = e2e.layer_kl(model, geometry, layer, configs, kl_cols, held, refs, snapshots,
                                     quantizer=settings.quantizer, quantizer_params=settings.quantizer_params,
-                                    model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick)
+                                    model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick,
+                                    below=below)
     return arrays
 
 

@@ -34,8 +34,8 @@ costs its F - 1 follow-up tokens.
 
 from __future__ import annotations
 
+import inspect
 import json
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from polykv.errors import PolykvError, ProfileError, RuntimeConfigError
+from polykv.plan import Plan
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.profiling import validation as val
 
@@ -107,36 +108,54 @@ class PrefixSnapshots:
 
     def __init__(self, model, prompts: Sequence[torch.Tensor], plans_by_layer: Mapping[int, list],
                  *, registry, model_data=None):
-        from polykv.runtime.fork import capture_groups
-
         self.model, self.registry, self.model_data = model, registry, model_data
         self.ids = [p.to(next(model.parameters()).device) for p in prompts]
         self.prefix = int(self.ids[0].shape[1])
-        self._key_of: dict[tuple, tuple] = {}
-        self._plans: dict[tuple, list] = {}
-        layers_of: dict[tuple, set] = {}
+        # The variant and the states a prefill records for a one-layer plan depend on its layer, rule and
+        # parameters, not on its capacity or widths; and a layer's states depend on that layer's op alone. So the
+        # plans of one (rule, params) on every layer are opened as ONE session (``merged``), which gives each
+        # layer's variant key and, restored into, the same prefill as the one-layer plans would.
+        # A plan with low-rank or shared layers prefills differently from the full plan below its layer: never merged.
+        by_rule: dict[tuple, dict[int, Plan]] = {}
         for layer, plans in plans_by_layer.items():
             for plan in plans:
                 op = plan.layers[layer].prefill
-                ident = (layer, op.rule, json.dumps(op.params, sort_keys=True, default=str))
-                if ident not in self._key_of:  # the variant depends on the rule, not on its capacity or widths
-                    try:
-                        groups = capture_groups(model, [plan], registry=registry, model_data=model_data,
-                                                input_ids=self.ids[0])
-                    except PolykvError as exc:
-                        raise ProfileError(f"calibrating rule '{op.rule}' on layer {layer} through the runtime: {exc} "
-                                           f"(give the rule's parameters with CalibrationSettings.rule_params, or "
-                                           f"leave it out of the rules)") from None
-                    self._key_of[ident] = next(iter(groups))
-                key = self._key_of[ident]
-                self._plans.setdefault(key, []).append(plan)
-                layers_of.setdefault(key, set()).add(layer)
-        self.shared = {key for key, layers in layers_of.items() if len(layers) > 1}
+                alone = None if _mergeable(plan) else layer
+                by_rule.setdefault((op.rule, _params_key(op.params), alone), {}).setdefault(layer, plan)
+        self._key_of: dict[tuple, tuple] = {}
+        members: dict[tuple, dict[tuple, dict[int, Plan]]] = {}
+        for group, per_layer in by_rule.items():
+            rule, params = group[:2]
+            for layer, key in self._variant_keys(rule, per_layer).items():
+                self._key_of[(layer, rule, params)] = key
+                members.setdefault(key, {}).setdefault(group, {})[layer] = per_layer[layer]
+        self._plans = {key: [_merge(per_layer) for per_layer in groups.values()] for key, groups in members.items()}
+        """Per variant, the merged plans its prefill is captured for (one per (rule, params))."""
+        self.shared = {key for key, groups in members.items() if len({l for g in groups.values() for l in g}) > 1}
         self._snaps: dict[tuple, list] = {}
+
+    def _variant_keys(self, rule: str, per_layer: Mapping[int, Plan]) -> dict[int, tuple]:
+        """``{layer: (attention signature, probe key, ranks)}`` of each one-layer plan of one (rule, params), read from one
+        session of their merged plan: a layer attends in the signal pass exactly when its own states ask for it."""
+        from polykv.runtime.fork import plan_states, session_probe, attention_signature, plan_ranks, probe_key
+        from polykv.runtime.session import apply
+
+        layers = sorted(per_layer)
+        try:
+            session = apply(self.model, _merge(per_layer), registry=self.registry, model_data=self.model_data)
+            states = plan_states(session)
+            probe = probe_key(session_probe(session, self.ids[0]))
+        except PolykvError as exc:
+            where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]}"
+            raise ProfileError(f"calibrating rule '{rule}' on {where} through the runtime: {exc} (give the rule's "
+                               f"parameters with CalibrationSettings.rule_params, or leave it out of the "
+                               f"rules)") from None
+        return {layer: (attention_signature([states[i] if i == layer else [] for i in range(len(states))]), probe,
+                        plan_ranks(per_layer[layer])) for layer in layers}
 
     def key(self, plan, layer: int) -> tuple:
         op = plan.layers[layer].prefill
-        return self._key_of[(layer, op.rule, json.dumps(op.params, sort_keys=True, default=str))]
+        return self._key_of[(layer, op.rule, _params_key(op.params))]
 
     def get(self, key: tuple) -> list:
         """One snapshot per sequence of the variant ``key``."""
@@ -148,6 +167,19 @@ class PrefixSnapshots:
                                                    model_data=self.model_data) for ids in self.ids]
         return self._snaps[key]
 
+    def plain(self) -> list:
+        """One snapshot per sequence of the plain prefill (every layer in SDPA, no probe), the full plan's: the
+        plans' own variant when one is plain, else captured for the full plan."""
+        from polykv.models.geometry import geometry_of_model
+        from polykv.plan import full_plan
+
+        layers = geometry_of_model(self.model).num_layers
+        key = ((False,) * layers, None, None)
+        if key not in self._plans:
+            self._plans[key] = [full_plan(geometry_of_model(self.model))]
+        self.shared.add(key)
+        return self.get(key)
+
     def layer_snapshot(self, plan, layer: int, index: int = 0):
         """The :class:`~polykv.runtime.fork.LayerSnapshot` of ``layer`` in prompt ``index``'s prefill for ``plan``."""
         return self.get(self.key(plan, layer))[index].layers[layer]
@@ -158,12 +190,115 @@ class PrefixSnapshots:
             self._snaps.pop(key, None)
 
 
+def _params_key(params) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def _mergeable(plan: Plan) -> bool:
+    return not plan.low_rank and all(lp.share is None for lp in plan.layers)
+
+
+def _merge(per_layer: Mapping[int, Plan]) -> Plan:
+    """One plan whose layer ``l`` is ``per_layer[l]``'s (its one compressed layer), every other layer's as in the
+    first plan (full)."""
+    first = per_layer[min(per_layer)]
+    layers = list(first.layers)
+    for layer, plan in per_layer.items():
+        layers[layer] = plan.layers[layer]
+    return attrs.evolve(first, layers=tuple(layers))
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layer (block) of every layer, in order: the module list whose i-th entry holds layer i's attention
+    module (:func:`polykv.runtime.session.apply` finds those)."""
+    from polykv.errors import RuntimeConfigError
+    from polykv.models.geometry import geometry_of_model
+    from polykv.runtime.session import attention_modules
+
+    attn = attention_modules(model, geometry_of_model(model).num_layers)
+    for _, blocks in model.named_modules():
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == len(attn) and all(
+                any(m is a for m in block.modules()) for block, a in zip(blocks, attn)):
+            return list(blocks)
+    raise RuntimeConfigError(f"{type(model).__name__}: no module list holds one decoder layer per attention module; "
+                             f"the kl metric cannot skip the layers below the compressed one on this model")
+
+
+class LayerOutputs:
+    """What each decoder layer outputs during the follow-up forward of the full plan (every layer uncompressed),
+    restored from an uncompressed prefill: in a one-layer plan on layer l, layers 0..l-1 keep every token at 16
+    bits, so they compute exactly this; the plan's follow-up forward starts from layer l-1's output and runs only
+    layers l..L-1 (:func:`followup_logprobs`)."""
+
+    def __init__(self, model, snapshot, ids: torch.Tensor, prefix: int, *, layers: Sequence[int], registry=None):
+        from polykv.models.geometry import geometry_of_model
+        from polykv.plan import full_plan
+        from polykv.runtime import apply
+        from polykv.runtime.fork import restore_prefill
+
+        want = {layer - 1 for layer in layers if layer > 0}
+        blocks = decoder_layers(model)
+        self.outputs: dict[int, Any] = {}
+        """Layer index -> its output (what the next layer takes), for the layers below a measured one."""
+        hooks = [blocks[i].register_forward_hook(lambda _m, _a, out, i=i: self.outputs.__setitem__(i, _detached(out)))
+                 for i in sorted(want)]
+        ids = ids.view(1, -1).to(next(model.parameters()).device)
+        try:
+            with torch.no_grad(), apply(model, full_plan(geometry_of_model(model)), registry=registry) as session:
+                cache = restore_prefill(session, snapshot)
+                keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters \
+                    else {}
+                model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}, **keep)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def entering(self, layer: int):
+        """What layer ``layer`` takes (None for layer 0: the whole stack runs)."""
+        return None if layer == 0 else self.outputs[layer - 1]
+
+
+def _detached(out):
+    return out.detach().clone() if isinstance(out, torch.Tensor) else out
+
+
+class _SkipBelow:
+    """Within the block, decoder layers 0..l-1 return ``output`` (what layer l-1 output in the full plan's run)
+    without computing anything; the layers from l on run as usual."""
+
+    def __init__(self, model, layer: int, output):
+        self.blocks = decoder_layers(model)[:layer] if output is not None else []
+        self.output = output
+        self.saved: list = []
+
+    def __enter__(self):
+        out = self.output
+        for block in self.blocks:
+            self.saved.append(block.__dict__.get("forward", _NONE))
+            block.forward = lambda *_a, **_k: out
+        return self
+
+    def __exit__(self, *exc):
+        for block, saved in zip(self.blocks, self.saved):
+            if saved is _NONE:
+                del block.forward
+            else:
+                block.forward = saved
+
+
+_NONE = object()
+
+
 @torch.no_grad()
-def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
-                      seed: int = 0, storage_dtype=None) -> torch.Tensor:
-    """[F-1, V] float64 log-probabilities of tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
+def followup_logits(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
+                    seed: int = 0, layer: int = 0, entering=None, storage_dtype=None) -> torch.Tensor:
+    """[F-1, V] logits (compute dtype) predicting tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
     ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward
-    (``storage_dtype``: the cache's, as :func:`polykv.apply` takes it)."""
+    (``storage_dtype``: the cache's, as :func:`polykv.apply` takes it).
+
+    With ``entering`` (:meth:`LayerOutputs.entering` of ``layer``, the plan's only compressed layer), layers below
+    ``layer`` are not run: they would compute exactly ``entering``; the forward runs layers ``layer`` .. L-1, the
+    compressed one served by the runtime's layer cache as in any session."""
     from polykv.runtime import apply
     from polykv.runtime.fork import restore_prefill
 
@@ -171,26 +306,72 @@ def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, 
     with apply(model, plan, model_data=model_data, seed=seed, registry=registry,
                storage_dtype=storage_dtype) as session:
         cache = restore_prefill(session, snapshot)
-        logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
-    return torch.log_softmax(logits[0].double(), dim=-1)
+        with _SkipBelow(model, layer, entering):
+            logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
+    return logits[0]
+
+
+def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, **kwargs) -> torch.Tensor:
+    """[F-1, V] float64 log-probabilities of :func:`followup_logits` (same arguments)."""
+    return torch.log_softmax(followup_logits(model, plan, snapshot, ids, prefix, **kwargs).double(), dim=-1)
+
+
+class KLReference:
+    """The full model's next-token distributions at the follow-up positions P+1 .. T-1 of one sequence, ready to
+    take ``KL(p_full || softmax(z))`` of many plans' logits ``z``:
+    ``sum_v p (log p - z) + logsumexp(z) sum_v p`` per position, in float64, a block of positions at a time.
+    Equal to :func:`~polykv.profiling.validation.kl_divergence` of the log-probabilities up to float64 rounding,
+    without a [F-1, V] float64 log-softmax and difference per plan (at 1,535 positions x 49,152 tokens those took
+    9 s of a 7 s forward)."""
+
+    ROWS = 128
+    """Positions per block."""
+
+    def __init__(self, logprobs: torch.Tensor):
+        """``logprobs``: [F-1, V] float64 log-probabilities of the full model (``reference_logprobs(...)[1:]``)."""
+        self.probs = logprobs.exp()
+        self.mass = self.probs.sum(-1)                                 # [F-1], 1 up to rounding
+        self.neg_entropy = (self.probs * logprobs).sum(-1)              # [F-1]
+
+    @classmethod
+    def of(cls, reference: torch.Tensor) -> "KLReference":
+        """From :func:`~polykv.profiling.validation.reference_logprobs` (all F positions; the first, predicted by
+        the prefill before any layer compresses, is left out)."""
+        return cls(reference[1:])
+
+    def kl(self, logits: torch.Tensor) -> float:
+        """Mean over positions of KL(p_full || softmax(``logits``)); ``logits`` [F-1, V]."""
+        if logits.shape != self.probs.shape:
+            raise ValueError(f"logits {list(logits.shape)} do not match the reference {list(self.probs.shape)}")
+        total = 0.0
+        for start in range(0, logits.shape[0], self.ROWS):
+            rows = slice(start, start + self.ROWS)
+            z = logits[rows].to(self.probs.device, torch.float64)
+            cross = (self.probs[rows] * z).sum(-1)
+            total += float((self.neg_entropy[rows] - cross + torch.logsumexp(z, -1) * self.mass[rows]).sum())
+        return total / logits.shape[0]
 
 
 def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], columns: Sequence[int],
              sequences: Sequence[torch.Tensor], references: Sequence[torch.Tensor], snapshots: PrefixSnapshots,
              *, quantizer: str, quantizer_params: Mapping[str, Any], model_data=None, registry=None, seed: int = 0,
-             tick: Callable[[], None] | None = None) -> np.ndarray:
+             tick: Callable[[], None] | None = None, below: Sequence[LayerOutputs] | None = None) -> np.ndarray:
     """KL of each config in ``columns`` on ``layer`` (module docstring), one value per column; ``references``
-    are :func:`~polykv.profiling.validation.reference_logprobs` of each sequence (all F positions)."""
+    are a :class:`KLReference` of each sequence (or its :func:`~polykv.profiling.validation.reference_logprobs`, all F
+    positions). With ``below`` (one :class:`LayerOutputs` per sequence) the follow-up forwards run only layers
+    ``layer`` .. L-1."""
+    references = [r if isinstance(r, KLReference) else KLReference.of(r) for r in references]
     out = np.zeros(len(columns))
     used = set()
     for j, col in enumerate(columns):
         plan = val.config_plan(geometry, layer, configs[col], quantizer=quantizer, quantizer_params=quantizer_params)
         key = snapshots.key(plan, layer)
         used.add(key)
-        for s, ref, snap in zip(sequences, references, snapshots.get(key)):
-            lp = followup_logprobs(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
-                                   seed=seed)
-            out[j] += val.kl_divergence(ref[1:], lp) / len(sequences)
+        for i, (s, ref, snap) in enumerate(zip(sequences, references, snapshots.get(key))):
+            entering = None if below is None else below[i].entering(layer)
+            logits = followup_logits(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
+                                     seed=seed, layer=layer, entering=entering)
+            out[j] += ref.kl(logits) / len(sequences)
         if tick is not None:
             tick()
     snapshots.release(used)
@@ -214,186 +395,3 @@ def describe(configs: Sequence[CandidateConfig], columns: Sequence[int], compose
         text += (f"; the other {len(composed)} are composed additively: kl(rule@keep, K, V) = kl(rule@keep, 16, 16) "
                  f"+ kl({FULL_RULE}, K, V)")
     return text
-
-
-# -- whole plans on held-out sequences ------------------------------------------------------------------
-
-_DRAW = re.compile(r"^(?P<corpus>\S+) (?P<kind>\w+) seed=(?P<seed>-?\d+): (?P<n>\d+) texts of >= \d+ chars cut to "
-                   r"(?P<tokens>\d+) tokens")
-
-
-@attrs.define(frozen=True, kw_only=True)
-class CalibrationDraw:
-    """The corpus draw a profile was calibrated on, read from its provenance."""
-
-    corpus: str
-    """Corpus identifier (:func:`polykv.models.corpus.corpus_id`) at calibration."""
-    kind: str
-    """Corpus kind (``mixed``, ``prose``, ``code``)."""
-    seed: int
-    """Seed of the draw."""
-    sequences: int
-    """Sequences drawn (calibration and validation ones)."""
-    tokens: int
-    """Tokens per sequence."""
-
-
-def calibration_draw(profile) -> CalibrationDraw | None:
-    """The corpus draw recorded in ``profile.provenance.corpus``; None when it records none (a table made
-    by hand)."""
-    m = _DRAW.match(getattr(profile.provenance, "corpus", "") or "")
-    if m is None:
-        return None
-    return CalibrationDraw(corpus=m["corpus"], kind=m["kind"], seed=int(m["seed"]), sequences=int(m["n"]),
-                           tokens=int(m["tokens"]))
-
-
-def heldout_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: int, *, seed: int,
-                      profile=None, kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
-    """``n`` sequences of ``tokens`` ids from the offline corpus that the profile was not calibrated on,
-    and their description.
-
-    The draw is :func:`~polykv.profiling.calibrate.corpus_sequences` with ``seed``; a sequence whose first
-    ids equal one of the profile's calibration sequences (redrawn from its provenance with the same
-    tokenizer) is dropped. A draw made on another corpus version cannot be redrawn and is an error.
-    """
-    from polykv.models.corpus import corpus_id
-    from polykv.profiling.calibrate import corpus_sequences
-
-    draw = calibration_draw(profile) if profile is not None else None
-    excluded: list[torch.Tensor] = []
-    if draw is not None:
-        if draw.corpus != corpus_id():
-            raise ProfileError(f"{profile.source}: calibrated on corpus {draw.corpus}, this Python reads "
-                               f"{corpus_id()}; the held-out sequences cannot be told apart from the calibration "
-                               "ones: recalibrate the profile on this Python")
-        excluded, _ = corpus_sequences(tokenize, draw.sequences, draw.tokens, seed=draw.seed, kind=draw.kind)
-    picked, desc = corpus_sequences(tokenize, n + len(excluded), tokens, seed=seed, kind=kind)
-    kept = []
-    for ids in picked:
-        if not any(_same_start(ids, ex) for ex in excluded):
-            kept.append(ids)
-    dropped = len(picked) - len(kept)
-    kept = kept[:n]
-    note = (f"{desc}; the first {n} not among the profile's {len(excluded)} calibration sequences "
-            f"({dropped} of the draw were)" if draw is not None else
-            f"{desc}; the profile records no calibration draw, so none was excluded")
-    return kept, note
-
-
-def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
-    k = min(a.numel(), b.numel())
-    return bool(torch.equal(a[:k], b[:k]))
-
-
-class PlanMeter:
-    """Measured KL of whole plans on fixed sequences (module docstring), with the prefill reused.
-
-    Parameters
-    ----------
-    model
-        A transformers decoder the runtime serves.
-    sequences : sequence of torch.Tensor
-        [T] token ids each, all at least ``prefix + 2`` long.
-    prefix : int
-        Tokens the plan compresses (P); the rest are the follow-up.
-    model_data, registry, storage_dtype, seed
-        As :func:`polykv.apply` takes them.
-    layer_menu : sequence of LayerPlan
-        Layer settings the measured plans may use; a snapshot captured for a new attention signature
-        records every one's rule states, so later plans of that signature restore from it.
-    reuse_prefill : bool
-        Restore each plan from a shared prefill (default) rather than prefilling it.
-    """
-
-    def __init__(self, model, sequences: Sequence[torch.Tensor], prefix: int, *,
-                 model_data: Mapping[str, Any] | None = None, registry=None, storage_dtype=None, seed: int = 0,
-                 layer_menu: Sequence[Any] = (), reuse_prefill: bool = True):
-        if not sequences:
-            raise RuntimeConfigError("a plan meter needs at least one held-out sequence")
-        short = [i for i, s in enumerate(sequences) if s.numel() < prefix + 2]
-        if prefix < 1 or short:
-            raise RuntimeConfigError(f"held-out sequences {short} are shorter than the prefix ({prefix}) + 2 tokens; "
-                                     "use longer sequences or a shorter prefix")
-        self.model, self.prefix, self.seed = model, int(prefix), int(seed)
-        self.model_data, self.registry, self.storage_dtype = dict(model_data or {}), registry, storage_dtype
-        self.reuse_prefill = bool(reuse_prefill)
-        device = next(model.parameters()).device
-        self.sequences = [s.view(1, -1).to(device) for s in sequences]
-        self.references = [val.reference_logprobs(model, s, self.prefix)[1:] for s in self.sequences]  # (F-1, V)
-        self.layer_menu = self._distinct(layer_menu)
-        self._snapshots: list[dict] = [{} for _ in self.sequences]  # per sequence: variant key -> layers
-        self._menu_signature: dict | None = None
-        self.prefills = 0
-        """Prefills run so far (one per sequence and attention signature with reuse)."""
-
-    @staticmethod
-    def _distinct(menu) -> list:
-        seen, out = set(), []
-        for lp in menu:
-            key = tuple((op.rule, tuple(sorted(op.params.items(), key=str))) for op in (lp.prefill, lp.decode))
-            if key not in seen:
-                seen.add(key)
-                out.append(lp)
-        return out
-
-    def measure(self, plan) -> float:
-        """Mean measured KL(full || plan) over the sequences' follow-up predictions, in nats."""
-        total = 0.0
-        for i, ids in enumerate(self.sequences):
-            total += val.kl_divergence(self.references[i], self._logprobs(plan, i, ids))
-        return total / len(self.sequences)
-
-    @torch.no_grad()
-    def _logprobs(self, plan, i: int, ids: torch.Tensor) -> torch.Tensor:
-        """[F-1, V] float64 log-probabilities of the follow-up predictions under ``plan``."""
-        from polykv.runtime import apply
-        from polykv.runtime.fork import PrefillSnapshot, capture_prefill, forward
-
-        prompt = ids[:, :self.prefix]
-        if not self.reuse_prefill:
-            with apply(self.model, plan, model_data=self.model_data, registry=self.registry, seed=self.seed,
-                       storage_dtype=self.storage_dtype) as session:
-                session.prefill(prompt)
-                self.prefills += 1
-                return torch.log_softmax(forward(session, ids[:, self.prefix:-1]).logits[0].double(), dim=-1)
-        kw = dict(model_data=self.model_data, registry=self.registry, seed=self.seed, storage_dtype=self.storage_dtype)
-        if self._snapshots[i]:
-            try:
-                return followup_logprobs(self.model, plan, PrefillSnapshot(variants=self._snapshots[i],
-                                                                           input_ids=prompt), ids, self.prefix, **kw)
-            except RuntimeConfigError:  # a new attention signature (or rule state): prefill once for it below
-                pass
-        snap = capture_prefill(self.model, prompt, [plan] + self._companions(plan, prompt), registry=self.registry,
-                               model_data=self.model_data)
-        self.prefills += len(snap.variants)
-        self._snapshots[i].update(snap.variants)
-        return followup_logprobs(self.model, plan, PrefillSnapshot(variants=self._snapshots[i], input_ids=prompt),
-                                 ids, self.prefix, **kw)
-
-    def _companions(self, plan, prompt: torch.Tensor) -> list:
-        """Plans of ``plan``'s attention signature that, between them, run every menu setting on some layer,
-        so that one capture records the rule states of every plan of that signature."""
-        from polykv.runtime.fork import capture_groups
-
-        if self._menu_signature is None:  # per menu setting: (does it attend in the signal pass, probe key)
-            self._menu_signature = {}
-            for j, lp in enumerate(self.layer_menu):
-                uniform = attrs.evolve(plan, layers=tuple(attrs.evolve(lp, layer=x.layer) for x in plan.layers),
-                                       allocation=())
-                groups = capture_groups(self.model, [uniform], registry=self.registry, input_ids=prompt,
-                                        model_data=self.model_data)
-                (sig, probe, _), = groups.keys()
-                self._menu_signature[j] = (sig[0], probe)
-        (own, _, ranks), = capture_groups(self.model, [plan], registry=self.registry,
-                                          model_data=self.model_data).keys()
-        out = []
-        for j, lp in enumerate(self.layer_menu):
-            attends, probe = self._menu_signature[j]
-            layers = [l for l, s in enumerate(own) if s == attends]
-            if probe is not None or not layers or plan.allocation or ranks is not None:
-                continue
-            out.append(attrs.evolve(plan, layers=tuple(
-                attrs.evolve(x, prefill=lp.prefill, decode=lp.decode) if x.layer in layers else x
-                for x in plan.layers)))
-        return out

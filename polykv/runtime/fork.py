@@ -82,7 +82,7 @@ class PrefillSnapshot:
         return next(iter(self.variants.values()))
 
 
-def _plan_states(session) -> list[list]:
+def plan_states(session) -> list[list]:
     """Per layer, fresh states of every rule and allocator of ``session``'s plan."""
     out = []
     for spec in session._specs:
@@ -125,7 +125,7 @@ def probe_key(chunks) -> tuple | None:
     return tuple((c.span, tuple(c.ids.flatten().tolist())) for c in chunks)
 
 
-def _probe_of(session, input_ids: torch.Tensor) -> list:
+def session_probe(session, input_ids: torch.Tensor) -> list:
     """The probe ``session``'s plan runs after ``input_ids`` (checked as the session checks it), or []."""
     return session.probe_of(input_ids) if session._probe_layers else []
 
@@ -143,8 +143,8 @@ def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: to
     data: dict[tuple, dict] = {}
     for plan in plans:
         session = apply(model, plan, registry=registry, model_data=model_data)
-        per_layer = _plan_states(session)
-        chunks = _probe_of(session, input_ids) if input_ids is not None else []
+        per_layer = plan_states(session)
+        chunks = session_probe(session, input_ids) if input_ids is not None else []
         key = (attention_signature(per_layer), probe_key(chunks), plan_ranks(plan))
         groups.setdefault(key, []).append(per_layer)
         probes[key] = chunks
@@ -240,7 +240,7 @@ def restore_prefill(session, snapshot: PrefillSnapshot) -> PlanCache:
         raise RuntimeConfigError(f"the prefill snapshot has {len(some)} layers but the session's model "
                                  f"has {len(cache.layers)}; capture it on this model")
     signature = (attention_signature([layer.observing_states() for layer in cache.layers]),
-                 probe_key(_probe_of(session, snapshot.input_ids)), plan_ranks(session.plan))
+                 probe_key(session_probe(session, snapshot.input_ids)), plan_ranks(session.plan))
     if signature not in snapshot.variants:
         raise RuntimeConfigError("the prefill snapshot holds no prefill whose layers attend as this plan's do (its "
                                  "rules' signal pass, probe or ranks differ from every captured plan's); pass this "

@@ -121,7 +121,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
                                  f"torch.float32), got {storage_dtype!r}")
     _check_stores(plan, registry, geometry, next(model.parameters()).dtype)
     _check_model_data(model_data, plan, registry, model)
-    modules = _attention_modules(model, geometry.num_layers)
+    modules = attention_modules(model, geometry.num_layers)
     _check_layer_shapes(model, modules, geometry)
     data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
                            missing=missing_model_data)
@@ -277,7 +277,7 @@ def _check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
                                 hint=f"choose parameters that fit head_dim {geometry.head_dim}") from None
 
 
-def _attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
+def attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
     """The self-attention module of every layer: the first ``*Attention`` module that knows its ``layer_idx``."""
     found: dict[int, torch.nn.Module] = {}
     for _, m in model.named_modules():

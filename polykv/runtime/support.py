@@ -18,6 +18,7 @@ model type, the reason and what is served:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from polykv.errors import RuntimeConfigError
@@ -62,8 +63,15 @@ def refusal_reason(model) -> str | None:
 def attention_bypasses_interface(module) -> bool:
     """True when an attention module's ``forward`` computes attention itself, never through transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (BLOOM, Falcon): polykv's attention function would never run there."""
+    return _forward_bypasses(type(module).forward)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_bypasses(forward) -> bool:
+    """:func:`attention_bypasses_interface` of one ``forward`` function: its source is read once per process (reading
+    it took 5 ms per layer, and calibration opens a session for each of hundreds of one-layer plans)."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False  # no source to read: the runtime's per-forward check still catches it
     return "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source

@@ -3,7 +3,7 @@
 ``exact`` is optimal for the profile's additive loss model, which a long context can contradict (a
 profile measured one layer at a time at 512 tokens does not add up to what the plan does at 2,048).
 ``refine`` starts from the exact plan at the same budget and measures whole plans through the
-runtime (:class:`polykv.profiling.endtoend.PlanMeter`: next-token KL against the full cache on
+runtime (:class:`polykv.profiling.plan_meter.PlanMeter`: next-token KL against the full cache on
 held-out corpus sequences, the prefill reused). Each step it tries moves in the profile's order and
 takes the first whose measured KL is lower than the current plan's:
 
@@ -263,7 +263,7 @@ class Refine(Solver):
         import torch
 
         from polykv.models.geometry import geometry_of_model
-        from polykv.profiling.endtoend import PlanMeter, calibration_draw, heldout_sequences
+        from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 
         geometry = geometry_of_model(on.model)
         every = len(profile.model.geometry.get("layer_types") or ())

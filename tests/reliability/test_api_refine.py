@@ -9,7 +9,7 @@ import pytest
 from polykv.errors import ProfileError, RuntimeConfigError, SolverError
 from polykv.models.geometry import geometry_of_model
 from polykv.profiling.budget import Budget
-from polykv.profiling.endtoend import PlanMeter, heldout_sequences
+from polykv.profiling.plan_meter import PlanMeter, heldout_sequences
 from polykv.profiling.profile import Profile, ProfileProvenance, moend_configs
 from polykv.solvers import solve
 from polykv.solvers.refine import MeasureOn

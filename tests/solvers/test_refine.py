@@ -11,7 +11,7 @@ from polykv.cli import main
 from polykv.plan import load_plan
 from polykv.profiling import validation as val
 from polykv.profiling.budget import Budget
-from polykv.profiling.endtoend import PlanMeter, calibration_draw, heldout_sequences
+from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 from polykv.profiling.profile import CandidateConfig, Profile, ProfileProvenance, moend_configs
 from polykv.solvers import solve
 from polykv.solvers.refine import MeasureOn, _menu_neighbours, ranked_moves
