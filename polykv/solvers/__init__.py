@@ -49,7 +49,8 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
 
     instance = registry.solver(solver)(registry=registry)
     instance.capacity_form = capacities
-    plan = solve_around_windows(instance, profile, budget, **params)
+    seen = profile if getattr(instance, "routes_axes", False) else profile.without_axes()
+    plan = solve_around_windows(instance, seen, budget, **params)
     return with_metric_note(plan, profile, instance, params)
 
 
