@@ -196,8 +196,8 @@ class Budget:
         T = self.context_tokens
         pre = layer.prefill  # a prefill rule's identity costs nothing: only what it keeps
         key = ((pre.keeps_everything, pre.capacity, pre.capacity_ratio), repr(layer.decode), layer.k_bits,
-               layer.v_bits, layer.quantizer, repr(sorted(layer.quantizer_params.items())), int(model.num_kv_heads),
-               int(model.head_dim), getattr(model, "num_heads", None), T, self.batch, self.dtype_bytes, id(registry))
+               layer.v_bits, layer.k_rank, layer.v_rank, layer.quantizer, repr(sorted(layer.quantizer_params.items())),
+               int(model.num_kv_heads), int(model.head_dim), getattr(model, "num_heads", None), T, self.batch, self.dtype_bytes, id(registry))
         if key not in _BOUND_CACHE:
             worst = 0
             for t in range(max(1, T - CONTEXT_SLACK), T + 1):
