@@ -29,7 +29,7 @@ import torch
 
 import polykv
 from polykv.errors import SolverError
-from polykv.memory import predict_resident
+from polykv.memory import full_cache_bytes_16bit, predict_resident
 from polykv.models import load_default_model
 from polykv.models.geometry import geometry_of_model
 from polykv.models.kv_bases import KV_BASES_KEY
@@ -175,9 +175,11 @@ def main() -> None:
             token = out.logits[:, -1:].argmax(-1)
     vanilla = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)[0, prompt.shape[1]:].tolist()
     full = sum(r.full_bytes for r in rows)
-    print(f"\nresident K/V after prefill of {prompt.shape[1]} tokens: measured {resident.total:,} B, memory model "
-          f"{predicted:,} B ({'equal' if resident.total == predicted else 'DIFFERENT'}); 16-bit full cache "
-          f"{full:,} B ({full / resident.total:.2f}x); bases {resident.bases:,} B (once per model, separate)")
+    full16 = full_cache_bytes_16bit(geo, prompt.shape[1])
+    print(f"\nresident K/V after prefill of {prompt.shape[1]} tokens ({out.logits.dtype} compute): measured "
+          f"{resident.total:,} B, memory model {predicted:,} B ({'equal' if resident.total == predicted else 'DIFFERENT'}"
+          f"); full cache in the compute dtype {full:,} B ({full / resident.total:.2f}x), 16-bit full cache "
+          f"{full16:,} B ({full16 / resident.total:.2f}x); bases {resident.bases:,} B (once per model, separate)")
     per_layer_equal = all(int(m) == r.resident_bytes for m, r in zip(resident.per_layer, rows))
     print(f"per layer equal: {per_layer_equal}")
     print(f"greedy {args.new_tokens} tokens under the plan: {tok.decode(tokens)!r}")

@@ -232,3 +232,21 @@ def test_pairs_are_routed_on_l2_only():
     prof = attrs.evolve(prof, metrics={"l2": prof.table(), "kl": prof.table()})
     with pytest.raises(Exception, match="metric 'l2' only"):
         solve(prof, Budget.parse("2x", T, basis="resident"), "exact", metric="kl")
+
+
+def test_plan_show_prints_every_axis_of_a_solved_four_axis_plan():
+    from polykv.commands.plan import format_plan
+
+    prof = four_axis_profile(0, L=5)
+    labels = [c.label for c in prof.configs]
+    table = np.full((5, len(labels)), 10.0)
+    table[:, labels.index("full@1/both/K16V16")] = 0.0
+    for layer, label in {0: "snapkv@0.25/prefill/K16V16", 1: "full@1/both/K8V8", 2: "full@1/both/K16V16/R16x16"}.items():
+        table[layer, labels.index(label)] = 1e-3
+    prof = attrs.evolve(prof, metrics={"l2": table}, pairs=PairTable(uppers=[4], values=[[5e-4, 5e-4]]))
+    plan = solve(prof, Budget.parse("1.6x", 2048, basis="resident"), "exact")
+    text = format_plan(plan, "p.json", 2048)
+    header = next(line for line in text.splitlines() if line.startswith("LAYER"))
+    assert header.split() == ["LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER", "K_RANK", "V_RANK", "SHARE"]
+    assert "share    1 layer pair(s)" in text and "3-4" in text
+    assert "routed axes: tokens, bits, rank, layers" in text
