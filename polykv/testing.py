@@ -481,7 +481,8 @@ def _check_store(quantizer, stream, bits, T, d, g, fail, WriteCost) -> bool:
 
 
 def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt: int = 40, steps: int = 4,
-                    layers: int = 3, registry=None, seed: int = 0, rule=None, rule_params=None) -> dict:
+                    layers: int = 3, registry=None, seed: int = 0, rule=None, rule_params=None,
+                    model_data=None) -> dict:
     """Run allocator ``allocator_class`` (with ``params``) over every layer of a ``layers``-layer tiny model
     (a prefill and decode rule keeping the largest key norms at ``capacity`` on each, batch 1) with every
     contract check on:
@@ -489,7 +490,8 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     group of all layers and of the odd layers. Also checks that ``bound()`` gives one positive bound per
     layer and that the final budgets sum to at most the group's total. Returns ``session.allocations()``
     of the whole-model group. ``rule`` (a rule class, with ``rule_params``) replaces the prefill rule for an
-    allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``).
+    allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``); ``model_data``
+    is the per-model data that rule reads.
     """
     import attrs as _attrs
 
@@ -515,7 +517,8 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     report = None
     for group in (tuple(range(layers)), tuple(range(1, layers, 2))):
         plan = _attrs.evolve(base, allocation=(AllocationGroup(allocator=name, layers=group, params=params),))
-        session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed)
+        session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed,
+                                     model_data=model_data)
         alloc = {i: a for i, a in session.allocations().items()}
         spent = sum(float(torch.tensor(a["budget"], dtype=torch.float64).mean()) for a in alloc.values())
         if sorted(alloc) != list(group) or spent > capacity * len(group):

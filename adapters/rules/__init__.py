@@ -9,7 +9,7 @@ from polykv.adapters.rules.full import FullRule
 from polykv.adapters.rules.h2o import H2ORule
 from polykv.adapters.rules.key_norm import KeyNormRule
 from polykv.adapters.rules.keydiff import KeyDiffRule
-from polykv.adapters.rules.kvzip import KVzipAllocator, KVzipRule
+from polykv.adapters.rules.kvzip import KVzipAllocator, KVzipHeadAllocator, KVzipHeadRule, KVzipRule
 from polykv.adapters.rules.pyramidkv import PyramidKVAllocator, PyramidKVRule
 from polykv.adapters.rules.random_rule import RandomRule
 from polykv.adapters.rules.scissorhands import ScissorhandsRule
@@ -21,8 +21,8 @@ from polykv.contract import hookimpl
 
 RULES: tuple = (FullRule, StreamingLLMRule, H2ORule, SnapKVRule, TOVARule, TriAttentionRule, RandomRule,
                 KeyNormRule, PyramidKVRule, CAKERule, ScissorhandsRule, AdaKVRule, CaMRule, D2ORule,
-                ExpectedAttentionRule, KeyDiffRule, KVzipRule)
-ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator, KVzipAllocator)
+                ExpectedAttentionRule, KeyDiffRule, KVzipRule, KVzipHeadRule)
+ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator, KVzipAllocator, KVzipHeadAllocator)
 
 
 @hookimpl

@@ -302,7 +302,7 @@ def run(args) -> int:
     seqs, corpus = corpus_sequences(tokenize, args.sequences + args.validate, args.tokens, seed=args.seed,
                                     kind=args.corpus)
     result = calibrate(model, seqs[:args.sequences], settings, heldout=seqs[args.sequences:],
-                       checkpoint_dir=args.output + ".partial", corpus=corpus + (
+                       tokenizer=tokenizer, checkpoint_dir=args.output + ".partial", corpus=corpus + (
                            f"; the last {args.validate} are held out for validation" if args.validate else ""),
                        progress=not args.no_progress)
     stats_path = args.query_stats or query_stats_path(args.output)

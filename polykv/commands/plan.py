@@ -89,12 +89,57 @@ def _load(path: str, geometry=None, context: int | None = None):
     return plan
 
 
+def check_for_model(plan, geometry, source: str, context: int) -> None:
+    """What only the model can refute, before it runs: the per-model data files the plan names (field
+    ``model_data``) were measured on this model, and the plan's probe fits the model's positions after a
+    ``context``-token prompt."""
+    import torch
+
+    from polykv.contract.model_data import needs_of_rules
+    from polykv.models.geometry import fingerprints_match
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    needs = {n.key: n for n in needs_of_rules(registry, sorted(plan.rules_used()))}
+    for key, path in sorted(plan.model_data.items()):
+        if key not in needs or not os.path.isfile(path):
+            continue
+        try:
+            data = needs[key].load(path)
+        except PolykvError as exc:
+            raise PolykvError(f"{source}: field model_data.{key}: {exc}") from None
+        theirs = getattr(data, "fingerprint", None)
+        if not fingerprints_match(theirs, geometry.fingerprint):
+            raise PolykvError(f"{source}: field model_data.{key}: {path} holds {needs[key].description or key} "
+                              f"measured on model {theirs}, not on {geometry.fingerprint}; recompute it on this model "
+                              f"(or remove the field to compute it from the offline corpus)")
+    limit = geometry.max_positions
+    if limit is None:
+        return
+    for lp in plan.layers:
+        op = lp.prefill
+        if op.keeps_everything or not registry.has("operator", op.rule) or \
+                not registry.operator(op.rule).declares_probe():
+            continue
+        try:
+            chunks = registry.operator(op.rule)(**op.params).probe_chunks(torch.zeros(1, context, dtype=torch.long))
+        except ValueError:
+            continue  # reported by plan show's probe line and refused by the runtime
+        longest = max((c.num_tokens for c in chunks or []), default=0)
+        if context + longest > int(limit):
+            raise PolykvError(f"{source}: layers[{lp.layer}].prefill: rule '{op.rule}' runs a probe of up to "
+                              f"{longest} tokens after the {context}-token prompt, {context + longest} positions, more "
+                              f"than the model's {int(limit)} (max_position_embeddings); shorten the context or lower "
+                              f"the rule's chunk_size")
+
+
 def run_validate(args) -> int:
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
     target = ""
     if geometry is not None:
         _memory(plan, geometry, args.plan, plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT)
+        check_for_model(plan, geometry, args.plan, plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT)
         target = f" for model {geometry.fingerprint}"
     print(f"{args.plan}: valid plan, {plan.num_layers} layers{target}")
     return 0
@@ -117,6 +162,8 @@ def run_show(args) -> int:
     if context is None:
         context, context_note = DEFAULT_SHOW_CONTEXT, " (the default: the plan records none; set --context N)"
     report = _memory(plan, geometry, args.plan, context)
+    if args.model:
+        check_for_model(plan, geometry, args.plan, context)
     print(format_plan(plan, args.plan, context, context_note, geometry=geometry))
     print()
     print(report.format_table())

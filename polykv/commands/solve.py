@@ -45,7 +45,13 @@ def register(subparsers) -> None:
                    help="with --quantizer: its parameters, which must equal the profile's")
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="check first that the profile was measured on this model: 'default' (SmolLM2-135M) or "
-                        "a local model folder holding config.json")
+                        "a local model folder holding config.json; a measuring solver (refine) loads it and runs "
+                        "its candidate plans on it")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="measuring solvers (refine): context tokens each held-out sequence compresses "
+                        "(default: the profile's calibration context)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="measuring solvers: device the model runs on (default cpu)")
     p.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write (atomically)")
     p.set_defaults(func=run)
 
@@ -89,6 +95,39 @@ def with_profile_data(plan, profile_path: str):
     return attrs.evolve(plan, model_data={**refs, **plan.model_data}) if refs else plan
 
 
+def measuring_model(args, profile, params: dict):
+    """The model a measuring solver runs its plans on (loaded from ``--model``), or None for the others; puts
+    ``--tokens`` into ``params``."""
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    measures = getattr(registry.solver(args.solver), "needs_model", False)
+    if args.tokens is not None:
+        if not measures:
+            raise SolverError(f"--tokens {args.tokens}: solver '{args.solver}' does not measure plans on a model; "
+                              "leave --tokens out (it sets the held-out context of measuring solvers such as refine)")
+        if "tokens" in params and params["tokens"] != args.tokens:
+            raise SolverError(f"--tokens {args.tokens} and --param tokens={params['tokens']} disagree; give one")
+        params["tokens"] = args.tokens
+    if not measures:
+        return None
+    if not args.model:
+        raise SolverError(f"--solver {args.solver} measures its candidate plans on the model: add --model default "
+                          "(SmolLM2-135M, offline) or --model FOLDER (a local model with its tokenizer)")
+    registry.solver(args.solver)(registry=registry).params(params)  # bad parameters are refused before the load
+    from polykv.commands.calibrate import load_model
+    from polykv.contract.model_data import load_side_files, needs_of_rules
+    from polykv.solvers.refine import MeasureOn
+
+    model, tokenizer = load_model(args.model, args.device)
+    rules = sorted({c.rule for c in profile.configs if not c.keeps_everything})
+    data = load_side_files(args.profile, needs_of_rules(registry, rules), model=model)
+    import sys
+
+    return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def check_metric(metric: str, params: dict, profile, solver: str) -> str:
     """``--metric``: a table the profile has, for a solver that routes on one, not contradicting ``--param``."""
     from polykv.registry import get_registry
@@ -128,8 +167,9 @@ def run(args) -> int:
     params = parse_params(args.param)
     if args.metric is not None:
         params = {**params, "metric": check_metric(args.metric, params, profile, args.solver)}
+    measure_on = measuring_model(args, profile, params)
     plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
-                 quantizer=args.quantizer, quantizer_params=qparams, **params)
+                 quantizer=args.quantizer, quantizer_params=qparams, model=measure_on, **params)
     plan = with_profile_data(plan, args.profile)
     plan.save(args.output)
     prov = plan.provenance
@@ -137,6 +177,11 @@ def run(args) -> int:
     from polykv.solvers.windowed import budget_bytes
 
     limit = budget_bytes(profile, budget)  # window-bounded layers at their window, the budget on the others
+    measured = prov.measured or {}
+    if measured:
+        print(f"{args.output}: measured {measured['measured']} plan(s) on {measured['sequences']} held-out sequences "
+              f"of {measured['context_tokens']} + {measured['follow_up']} tokens in {measured['seconds']:.1f} s: "
+              f"KL {measured['exact_kl']:.6g} (exact) -> {measured['refine_kl']:.6g} nats")
     print(f"{args.output}: {args.solver}, {plan.num_layers} layers, budget {budget.describe()} = {limit} bytes; "
           f"predicted {prov.predicted_bytes} {budget.basis} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), "
           f"loss {loss}"

@@ -25,8 +25,8 @@ it from them would wait on itself.
 
 from polykv.contract.allocators import AllocationRequest, Allocator
 from polykv.contract.hookspecs import PROJECT, hookimpl
-from polykv.contract.model_data import ModelDataNeed, need_of, side_file
-from polykv.contract.probe import ProbeChunk, probe_tokens
+from polykv.contract.model_data import ModelDataNeed, need_of, side_file, tokenizer_of
+from polykv.contract.probe import ProbeChunk, probe_tokens, run_probe
 from polykv.contract.params import (NO_DEFAULT, DeclaredParams, ParamError, ParamSpec, UncheckedParamsWarning,
                                     check_params, resolve_params, unchecked_params, with_defaults)
 from polykv.contract.rules import (PHASES, SIGNAL_ACCUMULATED, SIGNAL_LAST_QUERY, SIGNAL_NONE, SIGNAL_PREROPE_STATS,
@@ -39,6 +39,7 @@ from polykv.contract.state import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS,
                                    state_bytes)
 from polykv.contract.stores import KVStore, Quantizer, WriteCost
 from polykv.memory.schedules import pyramid_capacities, trim_to
+from polykv.models.kvzip_heads import HEAD_SCORES_SUFFIX, HeadScores
 from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 from polykv.registry import get_registry
 
@@ -52,13 +53,13 @@ __all__ = [
     "RuleState", "QueryWindow", "AccumulatedAttention", "Observation", "CompositeState", "state_bytes",
     "NEEDS", "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS", "attention_probabilities",
     # a model pass after prefill
-    "ProbeChunk", "probe_tokens",
+    "ProbeChunk", "probe_tokens", "run_probe",
     # quantizers and stores
     "Quantizer", "KVStore", "WriteCost",
     # allocators and their shared schedule
     "Allocator", "AllocationRequest", "pyramid_capacities", "trim_to",
     # parameters, model data, hooks, the registry
     "ParamSpec", "ParamError", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults",
-    "resolve_params", "unchecked_params", "UncheckedParamsWarning", "ModelDataNeed", "need_of", "side_file",
-    "QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "PROJECT", "hookimpl", "get_registry",
+    "resolve_params", "unchecked_params", "UncheckedParamsWarning", "ModelDataNeed", "need_of", "side_file", "tokenizer_of",
+    "QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "HeadScores", "HEAD_SCORES_SUFFIX", "PROJECT", "hookimpl", "get_registry",
 ]

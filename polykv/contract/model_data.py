@@ -45,6 +45,9 @@ class ModelDataNeed:
     """``check(data, model)`` raises when loaded data was measured on another model."""
     description: str = ""
     """What the data is, for messages (e.g. ``"query statistics"``)."""
+    takes_tokenizer: bool = False
+    """True: ``compute`` also takes ``tokenizer=`` (the tokenizer the data is computed with, e.g. to build the
+    token ids of a probe's prompts); called without it, the need finds the model's own or refuses."""
 
 
 def need_of(rule_class: Any) -> ModelDataNeed | None:
@@ -208,7 +211,7 @@ def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None
 
     start = time.perf_counter()
     batches = corpus_batches(tokenizer, next(model.parameters()).device)
-    data = need.compute(model, batches)
+    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
     seconds = time.perf_counter() - start
     saved = ""
     if cached is not None:

@@ -45,3 +45,22 @@ def same_probe(a, b) -> bool:
     """Whether two probes (lists of :class:`ProbeChunk`) run the same forwards (one pass serves both)."""
     return len(a) == len(b) and all(x.span == y.span and x.ids.shape == y.ids.shape and torch.equal(x.ids, y.ids)
                                     for x, y in zip(a, b))
+
+
+_PROBE_RUNNER = None
+
+
+def set_probe_runner(runner) -> None:
+    """The runtime installs the function :func:`run_probe` delegates to (the contract cannot import it)."""
+    global _PROBE_RUNNER
+    _PROBE_RUNNER = runner
+
+
+def run_probe(model, rule: str, params: dict, ids: torch.Tensor) -> list:
+    """Run ``ids`` [1, T] through ``model`` under a plan whose every layer's prefill is ``rule`` with
+    ``params`` keeping all T tokens, through the runtime's own prompt forward and probe; returns each layer's
+    prefill rule state (in layer order) as the probe left it (nothing was selected). Per-model data measured
+    through a probe (KVzip's head scores) is computed with it."""
+    if _PROBE_RUNNER is None:
+        raise RuntimeError("the polykv runtime is not loaded: import polykv before computing data through a probe")
+    return _PROBE_RUNNER(model, rule, params, ids)

@@ -237,6 +237,7 @@ def _parse_provenance(r: FieldReader, raw: Any) -> Provenance:
         basis=_choice(r, raw.get("basis"), f + "basis", BASES, "basis"),
         batch=r.int_(raw.get("batch"), f + "batch", minimum=1, maximum=MAX_BATCH, optional=True),
         cache_dtype=_choice(r, raw.get("cache_dtype"), f + "cache_dtype", tuple(STORAGE_DTYPE_BYTES), "cache dtype"),
+        measured=r.dict_(raw.get("measured"), f + "measured", optional=True),
     )
 
 

@@ -198,9 +198,12 @@ class Provenance:
     """Batch rows a resident budget was counted for."""
     cache_dtype: str | None = None
     """Storage dtype of unquantized K/V, scales and residuals a resident budget was counted in."""
+    measured: dict[str, Any] | None = None
+    """What a solver measured end to end on a model (``refine``: every measured move, the exact plan's and the
+    final plan's measured KL); None for solvers that only read the profile."""
 
 
-OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype")
+OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype", "measured")
 """Provenance fields written only when set (older plan files lack them and round-trip unchanged)."""
 
 

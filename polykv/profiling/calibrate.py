@@ -239,7 +239,7 @@ class _Units:
 
 def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSettings = CalibrationSettings(), *,
               heldout: Sequence[torch.Tensor] = (), checkpoint_dir: str | None = None, corpus: str = "",
-              registry=None, progress: bool = False,
+              registry=None, progress: bool = False, tokenizer=None,
               on_layer: Callable[[int], None] | None = None) -> CalibrationResult:
     """Measure a profile of ``model`` on ``sequences`` (see the module docstring).
 
@@ -255,6 +255,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         Folder of per-layer checkpoints (resume); None keeps everything in memory.
     corpus : str
         Description of where the sequences came from, for the profile's provenance.
+    tokenizer : optional
+        The model's tokenizer, for per-model data computed from prompts (kvzip's head scores); None: the
+        tokenizer saved beside the model, if any.
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
     """
@@ -304,7 +307,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         from polykv.models.kv_bases import KV_BASES_NEED
 
         needs += (KV_BASES_NEED,)
-    model_data = {need.key: need.compute(model, [s.view(1, -1) for s in seqs]) for need in needs}
+    batches = [s.view(1, -1) for s in seqs]
+    model_data = {need.key: need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer
+                  else need.compute(model, batches) for need in needs}
     inv_freq, rope_scaling = rope_of_model(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,

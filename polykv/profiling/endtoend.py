@@ -23,17 +23,26 @@ instead of T - 1.
 what a 2,048-token calibration of a large menu affords) measures every rule x keep at 16/16 bits and
 ``full`` at every (K, V) width pair, and composes the rest additively
 (:func:`compose_additive`): ``kl(rule@keep, K, V) = kl(rule@keep, 16, 16) + kl(full, K, V)``.
+
+**Whole plans** (:class:`PlanMeter`, what the ``refine`` solver measures): the same KL of a plan that
+compresses every layer, on held-out sequences the profile was not calibrated on
+(:func:`heldout_sequences`: the offline corpus draw, less every sequence that begins like one the
+profile's provenance says it was calibrated on). Each sequence's prefix is prefilled once per
+attention signature, with the rule states of every setting of a layer menu recorded, so each plan
+costs its F - 1 follow-up tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Mapping, Sequence
 
+import attrs
 import numpy as np
 import torch
 
-from polykv.errors import PolykvError, ProfileError
+from polykv.errors import PolykvError, ProfileError, RuntimeConfigError
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.profiling import validation as val
 
@@ -151,14 +160,16 @@ class PrefixSnapshots:
 
 @torch.no_grad()
 def followup_logprobs(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, model_data=None, registry=None,
-                      seed: int = 0) -> torch.Tensor:
+                      seed: int = 0, storage_dtype=None) -> torch.Tensor:
     """[F-1, V] float64 log-probabilities of tokens ``prefix+1`` .. T-1 under ``plan``, its cache restored from
-    ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward."""
+    ``snapshot`` (the uncompressed prefill of ``ids[:prefix]``) and the follow-up tokens fed in one forward
+    (``storage_dtype``: the cache's, as :func:`polykv.apply` takes it)."""
     from polykv.runtime import apply
     from polykv.runtime.fork import restore_prefill
 
     ids = ids.view(1, -1).to(next(model.parameters()).device)
-    with apply(model, plan, model_data=model_data, seed=seed, registry=registry) as session:
+    with apply(model, plan, model_data=model_data, seed=seed, registry=registry,
+               storage_dtype=storage_dtype) as session:
         cache = restore_prefill(session, snapshot)
         logits = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}).logits
     return torch.log_softmax(logits[0].double(), dim=-1)
@@ -203,3 +214,186 @@ def describe(configs: Sequence[CandidateConfig], columns: Sequence[int], compose
         text += (f"; the other {len(composed)} are composed additively: kl(rule@keep, K, V) = kl(rule@keep, 16, 16) "
                  f"+ kl({FULL_RULE}, K, V)")
     return text
+
+
+# -- whole plans on held-out sequences ------------------------------------------------------------------
+
+_DRAW = re.compile(r"^(?P<corpus>\S+) (?P<kind>\w+) seed=(?P<seed>-?\d+): (?P<n>\d+) texts of >= \d+ chars cut to "
+                   r"(?P<tokens>\d+) tokens")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class CalibrationDraw:
+    """The corpus draw a profile was calibrated on, read from its provenance."""
+
+    corpus: str
+    """Corpus identifier (:func:`polykv.models.corpus.corpus_id`) at calibration."""
+    kind: str
+    """Corpus kind (``mixed``, ``prose``, ``code``)."""
+    seed: int
+    """Seed of the draw."""
+    sequences: int
+    """Sequences drawn (calibration and validation ones)."""
+    tokens: int
+    """Tokens per sequence."""
+
+
+def calibration_draw(profile) -> CalibrationDraw | None:
+    """The corpus draw recorded in ``profile.provenance.corpus``; None when it records none (a table made
+    by hand)."""
+    m = _DRAW.match(getattr(profile.provenance, "corpus", "") or "")
+    if m is None:
+        return None
+    return CalibrationDraw(corpus=m["corpus"], kind=m["kind"], seed=int(m["seed"]), sequences=int(m["n"]),
+                           tokens=int(m["tokens"]))
+
+
+def heldout_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: int, *, seed: int,
+                      profile=None, kind: str = "mixed") -> tuple[list[torch.Tensor], str]:
+    """``n`` sequences of ``tokens`` ids from the offline corpus that the profile was not calibrated on,
+    and their description.
+
+    The draw is :func:`~polykv.profiling.calibrate.corpus_sequences` with ``seed``; a sequence whose first
+    ids equal one of the profile's calibration sequences (redrawn from its provenance with the same
+    tokenizer) is dropped. A draw made on another corpus version cannot be redrawn and is an error.
+    """
+    from polykv.models.corpus import corpus_id
+    from polykv.profiling.calibrate import corpus_sequences
+
+    draw = calibration_draw(profile) if profile is not None else None
+    excluded: list[torch.Tensor] = []
+    if draw is not None:
+        if draw.corpus != corpus_id():
+            raise ProfileError(f"{profile.source}: calibrated on corpus {draw.corpus}, this Python reads "
+                               f"{corpus_id()}; the held-out sequences cannot be told apart from the calibration "
+                               "ones: recalibrate the profile on this Python")
+        excluded, _ = corpus_sequences(tokenize, draw.sequences, draw.tokens, seed=draw.seed, kind=draw.kind)
+    picked, desc = corpus_sequences(tokenize, n + len(excluded), tokens, seed=seed, kind=kind)
+    kept = []
+    for ids in picked:
+        if not any(_same_start(ids, ex) for ex in excluded):
+            kept.append(ids)
+    dropped = len(picked) - len(kept)
+    kept = kept[:n]
+    note = (f"{desc}; the first {n} not among the profile's {len(excluded)} calibration sequences "
+            f"({dropped} of the draw were)" if draw is not None else
+            f"{desc}; the profile records no calibration draw, so none was excluded")
+    return kept, note
+
+
+def _same_start(a: torch.Tensor, b: torch.Tensor) -> bool:
+    k = min(a.numel(), b.numel())
+    return bool(torch.equal(a[:k], b[:k]))
+
+
+class PlanMeter:
+    """Measured KL of whole plans on fixed sequences (module docstring), with the prefill reused.
+
+    Parameters
+    ----------
+    model
+        A transformers decoder the runtime serves.
+    sequences : sequence of torch.Tensor
+        [T] token ids each, all at least ``prefix + 2`` long.
+    prefix : int
+        Tokens the plan compresses (P); the rest are the follow-up.
+    model_data, registry, storage_dtype, seed
+        As :func:`polykv.apply` takes them.
+    layer_menu : sequence of LayerPlan
+        Layer settings the measured plans may use; a snapshot captured for a new attention signature
+        records every one's rule states, so later plans of that signature restore from it.
+    reuse_prefill : bool
+        Restore each plan from a shared prefill (default) rather than prefilling it.
+    """
+
+    def __init__(self, model, sequences: Sequence[torch.Tensor], prefix: int, *,
+                 model_data: Mapping[str, Any] | None = None, registry=None, storage_dtype=None, seed: int = 0,
+                 layer_menu: Sequence[Any] = (), reuse_prefill: bool = True):
+        if not sequences:
+            raise RuntimeConfigError("a plan meter needs at least one held-out sequence")
+        short = [i for i, s in enumerate(sequences) if s.numel() < prefix + 2]
+        if prefix < 1 or short:
+            raise RuntimeConfigError(f"held-out sequences {short} are shorter than the prefix ({prefix}) + 2 tokens; "
+                                     "use longer sequences or a shorter prefix")
+        self.model, self.prefix, self.seed = model, int(prefix), int(seed)
+        self.model_data, self.registry, self.storage_dtype = dict(model_data or {}), registry, storage_dtype
+        self.reuse_prefill = bool(reuse_prefill)
+        device = next(model.parameters()).device
+        self.sequences = [s.view(1, -1).to(device) for s in sequences]
+        self.references = [val.reference_logprobs(model, s, self.prefix)[1:] for s in self.sequences]  # (F-1, V)
+        self.layer_menu = self._distinct(layer_menu)
+        self._snapshots: list[dict] = [{} for _ in self.sequences]  # per sequence: variant key -> layers
+        self._menu_signature: dict | None = None
+        self.prefills = 0
+        """Prefills run so far (one per sequence and attention signature with reuse)."""
+
+    @staticmethod
+    def _distinct(menu) -> list:
+        seen, out = set(), []
+        for lp in menu:
+            key = tuple((op.rule, tuple(sorted(op.params.items(), key=str))) for op in (lp.prefill, lp.decode))
+            if key not in seen:
+                seen.add(key)
+                out.append(lp)
+        return out
+
+    def measure(self, plan) -> float:
+        """Mean measured KL(full || plan) over the sequences' follow-up predictions, in nats."""
+        total = 0.0
+        for i, ids in enumerate(self.sequences):
+            total += val.kl_divergence(self.references[i], self._logprobs(plan, i, ids))
+        return total / len(self.sequences)
+
+    @torch.no_grad()
+    def _logprobs(self, plan, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """[F-1, V] float64 log-probabilities of the follow-up predictions under ``plan``."""
+        from polykv.runtime import apply
+        from polykv.runtime.fork import PrefillSnapshot, capture_prefill, forward
+
+        prompt = ids[:, :self.prefix]
+        if not self.reuse_prefill:
+            with apply(self.model, plan, model_data=self.model_data, registry=self.registry, seed=self.seed,
+                       storage_dtype=self.storage_dtype) as session:
+                session.prefill(prompt)
+                self.prefills += 1
+                return torch.log_softmax(forward(session, ids[:, self.prefix:-1]).logits[0].double(), dim=-1)
+        kw = dict(model_data=self.model_data, registry=self.registry, seed=self.seed, storage_dtype=self.storage_dtype)
+        if self._snapshots[i]:
+            try:
+                return followup_logprobs(self.model, plan, PrefillSnapshot(variants=self._snapshots[i],
+                                                                           input_ids=prompt), ids, self.prefix, **kw)
+            except RuntimeConfigError:  # a new attention signature (or rule state): prefill once for it below
+                pass
+        snap = capture_prefill(self.model, prompt, [plan] + self._companions(plan, prompt), registry=self.registry,
+                               model_data=self.model_data)
+        self.prefills += len(snap.variants)
+        self._snapshots[i].update(snap.variants)
+        return followup_logprobs(self.model, plan, PrefillSnapshot(variants=self._snapshots[i], input_ids=prompt),
+                                 ids, self.prefix, **kw)
+
+    def _companions(self, plan, prompt: torch.Tensor) -> list:
+        """Plans of ``plan``'s attention signature that, between them, run every menu setting on some layer,
+        so that one capture records the rule states of every plan of that signature."""
+        from polykv.runtime.fork import capture_groups
+
+        if self._menu_signature is None:  # per menu setting: (does it attend in the signal pass, probe key)
+            self._menu_signature = {}
+            for j, lp in enumerate(self.layer_menu):
+                uniform = attrs.evolve(plan, layers=tuple(attrs.evolve(lp, layer=x.layer) for x in plan.layers),
+                                       allocation=())
+                groups = capture_groups(self.model, [uniform], registry=self.registry, input_ids=prompt,
+                                        model_data=self.model_data)
+                (sig, probe, _), = groups.keys()
+                self._menu_signature[j] = (sig[0], probe)
+        (own, _, ranks), = capture_groups(self.model, [plan], registry=self.registry,
+                                          model_data=self.model_data).keys()
+        out = []
+        for j, lp in enumerate(self.layer_menu):
+            attends, probe = self._menu_signature[j]
+            layers = [l for l, s in enumerate(own) if s == attends]
+            if probe is not None or not layers or plan.allocation or ranks is not None:
+                continue
+            out.append(attrs.evolve(plan, layers=tuple(
+                attrs.evolve(x, prefill=lp.prefill, decode=lp.decode) if x.layer in layers else x
+                for x in plan.layers)))
+        return out

@@ -58,6 +58,8 @@ def serving_session(module: torch.nn.Module):
     return module.__dict__.get(SESSION_ATTRIBUTE)
 
 
+_SDPA_MASK_ELEMENTS = 1 << 22
+"""Mask entries per query-row chunk of :func:`sdpa` with a mask (4 Mi: 16 MiB as float32)."""
 _EAGER_CHUNK_ELEMENTS = 1 << 22
 """Logits per query chunk of :func:`eager_attention` (16 MiB in float32)."""
 
@@ -128,11 +130,26 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: f
         # (measured faster on CPU than enable_gqa, and far faster than repeating K/V).
         out = F.scaled_dot_product_attention(query.view(B, Hkv, G, d), key, value, scale=scaling)  # (B, Hkv, G, d)
         return out.view(B, H, 1, -1)
-    # Several new tokens after stored ones, a window or padding: fold the G heads of a group into the query axis.
-    qg = query.reshape(B, Hkv, G * q, d)                                          # (B, Hkv, G*q, d)
-    mask = _group_mask(lower_right_causal(q, K, query.device) if mask is None else mask, G, q)
-    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
-    return out.view(B, H, q, -1)
+    # Several new tokens after stored ones, a window or padding: fold the G heads of a group into the query axis,
+    # in query-row chunks whose mask holds at most _SDPA_MASK_ELEMENTS entries (SDPA turns a bool mask into a
+    # float one: a probe chunk of 2k queries over an 8k prompt would otherwise take ~200 MB per layer).
+    causal = mask is None
+    per_row = G * K * (B * Hkv if mask is not None and mask.dim() == 4 else 1)
+    rows = max(1, min(q, _SDPA_MASK_ELEMENTS // per_row))
+    out = query.new_empty(B, H, q, value.shape[-1])
+    for a in range(0, q, rows):
+        b = min(a + rows, q)
+        n = b - a
+        qg = query[:, :, a:b].reshape(B, Hkv, G * n, d)                           # (B, Hkv, G*n, d)
+        if causal:  # rows a..b see the keys up to their own: the first K - q + b
+            end = K - q + b
+            part = F.scaled_dot_product_attention(qg, key[:, :, :end], value[:, :, :end], scale=scaling,
+                                                  attn_mask=_group_mask(lower_right_causal(n, end, query.device), G, n))
+        else:
+            part = F.scaled_dot_product_attention(qg, key, value, scale=scaling,
+                                                  attn_mask=_group_mask(mask[..., a:b, :], G, n))
+        out[:, :, a:b] = part.view(B, H, n, -1)
+    return out
 
 
 def eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,

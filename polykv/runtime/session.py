@@ -711,3 +711,27 @@ class Session:
         if self._cache is None:
             raise RuntimeConfigError("no cache yet: run generate(), prefill() or a forward with session.new_cache()")
         return self._cache.allocations()
+
+
+def _probe_states(model, rule: str, params: dict, ids: torch.Tensor) -> list:
+    """:func:`polykv.contract.probe.run_probe`: one prompt forward and its probe under a plan that keeps every
+    token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
+    from polykv.plan import OpSpec, uniform_plan
+
+    T = int(ids.shape[-1])
+    plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=rule, capacity=T, params=dict(params)),
+                        decode="full")
+    with torch.no_grad(), apply(model, plan, missing_model_data="refuse") as session:
+        cache = session.new_cache()
+        states = [layer.states["prefill"] for layer in cache.layers]   # the layers drop them once stored
+        model(ids, use_cache=True, **{session.cache_keyword: cache})
+    return states
+
+
+def _install_probe_runner() -> None:
+    from polykv.contract.probe import set_probe_runner
+
+    set_probe_runner(_probe_states)
+
+
+_install_probe_runner()

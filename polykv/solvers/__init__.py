@@ -3,7 +3,8 @@
 >>> plan = solve(profile, Budget.parse("8x", 4096), solver="exact")  # doctest: +SKIP
 
 Built-in solvers (``polykv.solvers.builtin.SOLVERS``): ``uniform``, ``moend-greedy``, ``quant-only``,
-``exact``, ``pyramid``, ``profile-route``, ``random-placement``. See ``docs/solvers.md``.
+``exact``, ``pyramid``, ``profile-route``, ``random-placement``, ``refine`` (measures its plans on a model).
+See ``docs/solvers.md``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any, Mapping
 
 
 def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, capacities: str = "ratio",
-          quantizer: str | None = None, quantizer_params: Mapping[str, Any] | None = None, **params: Any):
+          quantizer: str | None = None, quantizer_params: Mapping[str, Any] | None = None, model=None,
+          **params: Any):
     """Run the registered solver ``solver`` on ``profile`` at ``budget``.
 
     ``geometry`` (a :class:`polykv.models.geometry.ModelGeometry`), when given, must be the model the
@@ -25,6 +27,10 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
     Quantized layers use the quantizer the profile was calibrated with (``profile.quantizer``), and
     are budgeted with its byte model. ``quantizer`` / ``quantizer_params``, when given, state the
     quantizer the plan must use: one other than the profile's is a :class:`~polykv.errors.SolverError`.
+
+    ``model`` (a :class:`polykv.solvers.refine.MeasureOn`) is the model a measuring solver (``refine``) runs its
+    candidate plans on; such a solver without one is a :class:`~polykv.errors.SolverError`, and the other
+    solvers never read it.
     """
     from polykv.errors import SolverError
 
@@ -49,6 +55,12 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
 
     instance = registry.solver(solver)(registry=registry)
     instance.capacity_form = capacities
+    if getattr(instance, "needs_model", False):
+        if model is None:
+            raise SolverError(f"solver '{solver}' measures its candidate plans on the model and needs one: pass "
+                              "--model default (or a model folder) to polykv solve, or "
+                              "solve(..., model=polykv.solvers.refine.MeasureOn(model=..., tokenizer=...))")
+        instance.measure_on = model
     seen = profile if getattr(instance, "routes_axes", False) else profile.without_axes()
     plan = solve_around_windows(instance, seen, budget, **params)
     return with_metric_note(plan, profile, instance, params)

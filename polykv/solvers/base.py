@@ -45,12 +45,17 @@ class Solver:
     routes_axes: ClassVar[bool] = False
     """True for a solver that routes the low-rank and layer-pair axes a profile may hold; the others see the
     profile's full-rank configs only (:meth:`~polykv.profiling.profile.Profile.without_axes`)."""
+    needs_model: ClassVar[bool] = False
+    """True for a solver that measures its plans on the model (``refine``): :func:`polykv.solvers.solve`
+    then requires ``model=`` and sets :attr:`measure_on`."""
 
     def __init__(self, registry=None, capacities: str = "ratio"):
         if capacities not in CAPACITY_FORMS:
             raise SolverError(f"capacities must be one of {CAPACITY_FORMS}, got {capacities!r}")
         self._registry = registry
         self.capacity_form = capacities
+        self.measure_on = None
+        """What a measuring solver runs plans on (:class:`polykv.solvers.refine.MeasureOn`), else None."""
 
     @property
     def registry(self):

@@ -291,6 +291,93 @@ def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[
     return out
 
 
+PREDICTED_VS_MEASURED_MIN = 12
+"""Plans at one budget the predicted-vs-measured Spearman asks for before its figure counts as evidence."""
+
+
+def profile_loss(plan: Plan, profile, context_tokens: int, metric: str | None = None) -> float | None:
+    """The profile's additive loss of ``plan``: sum over layers of the table value of the config the layer runs
+    (same rule, phase, parameters, widths and kept tokens at ``context_tokens``); None when a layer runs a
+    setting the profile did not measure (or the plan's allocator decides its capacities at run time)."""
+    from polykv.plan import FULL_OP, OpSpec
+
+    if plan.allocation or plan.num_layers != profile.num_layers:
+        return None
+    table = profile.table(metric)
+    quant = profile.quantizer_fields()
+    total = 0.0
+    for lp in plan.layers:
+        if (lp.k_bits, lp.v_bits) != (16, 16) and (lp.quantizer, dict(lp.quantizer_params)) != (
+                quant["quantizer"], quant["quantizer_params"]):
+            return None
+        found = None
+        for j, c in enumerate(profile.configs):
+            if (c.k_bits, c.v_bits) != (lp.k_bits, lp.v_bits):
+                continue
+            if c.keeps_everything:
+                ops = (FULL_OP, FULL_OP)
+            else:
+                op = OpSpec(rule=c.rule, capacity_ratio=float(c.keep), params=c.params)
+                ops = (op if c.phase in ("prefill", "both") else FULL_OP,
+                       op if c.phase in ("decode", "both") else FULL_OP)
+            if all(_same_op(a, b, context_tokens) for a, b in zip(ops, (lp.prefill, lp.decode))):
+                found = j
+                break
+        if found is None:
+            return None
+        total += float(table[lp.layer, found])
+    return total
+
+
+def _same_op(a, b, context_tokens: int) -> bool:
+    if a.keeps_everything or b.keeps_everything:
+        return a.keeps_everything and b.keeps_everything
+    return (a.rule == b.rule and dict(a.params) == dict(b.params)
+            and a.resolve_capacity(context_tokens) == b.resolve_capacity(context_tokens))
+
+
+def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed: int = 0) -> dict[str, Any] | None:
+    """How well the profile's predicted loss ranks the measured accuracy of the plans at ``budget``.
+
+    Each policy with a plan at ``budget`` gets its predicted loss from its provenance (when the plan was solved
+    from ``profile``, or no profile is given) or else from ``profile``'s additive model
+    (:func:`profile_loss`); plans with neither are listed without one. ``spearman`` is Spearman's rho between
+    predicted loss and mean score over the plans with a loss (a profile that ranks plans right gives a rho near
+    -1), with a one-sided permutation p for "less"; None (and ``note``) with fewer than 3 plans or a constant
+    side. None when no plan at the budget has a loss.
+    """
+    from polykv.plan.io import parse_plan_dict
+
+    T = int(results.header["spec"].get("context_tokens") or 0)
+    rows = []
+    for name, rec in results.policies.items():
+        if rec.get("budget") != budget or not rec.get("plan"):
+            continue
+        scores = results.scores(name, task)
+        if not scores.size:
+            continue
+        plan = parse_plan_dict(rec["plan"], source=f"{results.path}: policy '{name}'")
+        prov = plan.provenance
+        loss, source = None, None
+        if prov.predicted_loss is not None and (profile is None or prov.profile_fingerprint == profile.fingerprint):
+            loss, source = float(prov.predicted_loss), "provenance"
+        elif profile is not None:
+            loss = profile_loss(plan, profile, T or int(prov.context_tokens or 0))
+            source = None if loss is None else "profile"
+        rows.append({"policy": name, "solver": prov.solver, "loss": loss, "source": source,
+                     "accuracy": float(scores.mean()), "items": int(scores.size)})
+    have = [r for r in rows if r["loss"] is not None]
+    if not have:
+        return None
+    out: dict[str, Any] = {"rows": rows, "n": len(have), "spearman": None, "note": ""}
+    try:
+        out["spearman"] = stats.spearman([r["loss"] for r in have], [r["accuracy"] for r in have], seed=seed,
+                                         alternative="less")
+    except StudyError as exc:  # fewer than 3 plans, or a constant side: say why instead of a number
+        out["note"] = str(exc)
+    return out
+
+
 def spec_geometry(spec: StudySpec):
     """The geometry of the spec's model from its config alone (no weights are loaded or downloaded)."""
     if spec.model == "default":

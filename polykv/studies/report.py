@@ -7,8 +7,9 @@ and rule state) stand beside every score, with the ratio against a 16-bit full c
 contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
 differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
 MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
-and the fixed-route budget sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks
-(``continuation``) score the top-1 agreement with the full cache and add a table of KL and perplexity.
+the Spearman of profile-predicted loss against accuracy at each budget, and the fixed-route budget
+sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks (``continuation``) score the top-1
+agreement with the full cache and add a table of KL and perplexity.
 """
 
 from __future__ import annotations
@@ -188,6 +189,24 @@ def _optimality(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _predicted_vs_measured(pvm: dict | None) -> list[str]:
+    """Spearman of the profile-predicted loss against the accuracy of the plans at one budget, and its rows."""
+    if pvm is None:
+        return []
+    n, sp = pvm["n"], pvm["spearman"]
+    few = (f" (n = {n} < {designs.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
+           f"evidence)" if n < designs.PREDICTED_VS_MEASURED_MIN else "")
+    head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
+            f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
+                          f"exactly as they score)" if sp is not None else f"undefined ({pvm['note']})") + few)
+    out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
+    for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
+        loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {r['source'] or 'not in the profile'} | "
+                   f"{r['accuracy']:.3f} |")
+    return out + [""]
+
+
 def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
@@ -216,6 +235,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
         if profile is not None:
             lines += _optimality(designs.loss_vs_exact(res, b, profile))
+        lines += _predicted_vs_measured(designs.predicted_vs_measured(res, task, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",

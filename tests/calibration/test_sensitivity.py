@@ -140,13 +140,18 @@ def test_equals_a_hand_written_attention_for_streamingllm(model, sequences):
 
 def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences):
     """No rule needs calibration code of its own: every registered prefill rule gets a finite error."""
+    from polykv.models.kvzip_heads import HeadScores
     from polykv.models.query_stats import compute_query_stats
 
     reg = get_registry()
     seqs = sequences(1)
     stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
     inv_freq, rope_scaling = rope_of_model(model)
-    ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(), model_data={"triattention": stats},
+    # kvzip-head reads head scores; any [L, Hkv] table exercises its selection (tests/rules checks the scores)
+    heads = HeadScores.measured(torch.rand(model.config.num_hidden_layers, model.config.num_key_value_heads,
+                                           generator=torch.Generator().manual_seed(0)), model, num_tokens=1)
+    ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(),
+                       model_data={"triattention": stats, "kvzip-head": heads},
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling)
     cap = _stack([capture_sequence(model, s) for s in seqs], 1)
     rules = [n for n in reg.names("operator") if n != "full" and "prefill" in reg.operator(n).phases

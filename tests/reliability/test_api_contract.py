@@ -377,10 +377,23 @@ RULE_OPTIONS = {
     # budgets do not give (the selection check then refuses its indices in one line)
     "d2o": {"ragged": False},
     "kvzip": {"params": {"repeat_ids": [5, 6], "continue_ids": [7], "suffix_ids": [8], "chunk_size": 16}},  # ids for the tiny vocab
+    "kvzip-head": {"model_data": None},   # (set below: the head scores of the checker's model)
 }
 ALLOCATOR_PARAMS = {"cake": {"window": 4}}   # the default window (32) exceeds the checker's capacities
 ALLOCATOR_OPTIONS = {"kvzip": lambda: {"rule": polykv.get_registry().operator("kvzip"),  # it ranks kvzip's own scores
-                                       "rule_params": RULE_OPTIONS["kvzip"]["params"]}}
+                                       "rule_params": RULE_OPTIONS["kvzip"]["params"]},
+                     "kvzip-head": lambda: {"rule": polykv.get_registry().operator("kvzip-head"),  # and kvzip-head's
+                                            "model_data": _head_scores(3)}}
+
+
+def _head_scores(layers: int):
+    """KVzip head scores for the contract checkers' tiny models (2 KV heads); the tokenizer they would be
+    computed with does not exist there."""
+    import torch
+
+    from polykv.models.kvzip_heads import HeadScores
+
+    return {"kvzip-head": HeadScores(scores=torch.linspace(0.1, 0.9, 2 * layers).view(layers, 2))}
 
 
 def _builtin(kind):
@@ -390,7 +403,10 @@ def _builtin(kind):
 
 @pytest.mark.parametrize("name", [n for n in _builtin("operator") if n != "full"])
 def test_every_builtin_rule_passes_check_rule(name):
-    calls = check_rule(polykv.get_registry().operator(name), **RULE_OPTIONS.get(name, {}))
+    options = dict(RULE_OPTIONS.get(name, {}))
+    if name == "kvzip-head":
+        options["model_data"] = _head_scores(2)
+    calls = check_rule(polykv.get_registry().operator(name), **options)
     cls = polykv.get_registry().operator(name)
     assert all(calls[phase] > 0 for phase in cls.phases), calls
 

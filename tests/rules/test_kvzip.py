@@ -205,3 +205,16 @@ def test_global_budget_keeps_the_group_wide_top_scores_in_ragged_heads(model):
         for h in range(2):
             assert got[layer][h] == ref[layer, h].nonzero().flatten().tolist()
     assert sum(stored) > 0
+
+
+def test_scores_in_query_row_chunks_equal_one_chunk(monkeypatch):
+    """reconstruction_scores runs query rows in chunks; a chunk of one row gives the one-chunk scores."""
+    import polykv.adapters.rules.kvzip as kvzip
+
+    g = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 30 + 9, 8, generator=g)
+    whole = kvzip.reconstruction_scores(query, keys, (10, 22), 3, 0.35)
+    monkeypatch.setattr(kvzip, "SCORE_CHUNK_ELEMENTS", 1)
+    rows = kvzip.reconstruction_scores(query, keys, (10, 22), 3, 0.35)
+    assert whole.shape == (2, 2, 12) and torch.allclose(rows, whole, atol=1e-7, rtol=1e-6)
+    assert float(whole.min()) > 0 and float(whole.max()) <= 1

@@ -7,6 +7,7 @@ import torch
 
 from polykv.adapters.rules import RULES
 from polykv.contract.rules import PHASES, SIGNALS, RetentionRule
+from polykv.models.kvzip_heads import HeadScores
 from polykv.models.query_stats import QueryStats
 from polykv.registry import Registry
 from polykv.contract.probe import ProbeChunk
@@ -29,7 +30,7 @@ def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
         ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
          "scissorhands", "adakv", "cam", "d2o",
-         "expected-attention", "keydiff", "kvzip"])
+         "expected-attention", "keydiff", "kvzip", "kvzip-head"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -61,7 +62,8 @@ def observed_state(rule, ctx):
 def test_selection_shape_and_order(make_ctx, name, phase, capacity):
     rule = REGISTRY.operator(name)()
     ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
-                   model_data={"triattention": stats()}, rope_inv_freq=stats().inv_freq)
+                   model_data={"triattention": stats(), "kvzip-head": HeadScores(scores=torch.tensor([[0.2, 0.7]]))},
+                   rope_inv_freq=stats().inv_freq)
     if name == "full":
         with pytest.raises(ValueError, match="keeps every token"):
             rule.select(ctx, capacity)
@@ -83,7 +85,8 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
         assert torch.equal(idx[:, 0], idx[:, 1])
 
 
-PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv", "kvzip")  # kvzip: its probe needs the prompt
+PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv", "kvzip", "kvzip-head")  # kvzip: its probe needs the prompt;
+# kvzip-head: it ranks the prompt's heads once, through its allocator
 
 
 def test_observation_window_rules_are_prefill_only():

@@ -105,11 +105,11 @@ def stats(llama):
     return compute_query_stats(model, [torch.randint(1, 128, (1, 64), generator=g)])
 
 
-def _run_and_record(model, plan, ids, question, stats, registry=None, merges=False):
+def _run_and_record(model, plan, ids, question, stats, registry=None, merges=False, model_data=None):
     """Prefill ``ids``, feed ``question`` in one forward, then greedy steps; record stored positions
-    (and, with ``merges``, the stored K/V views)."""
+    (and, with ``merges``, the stored K/V views). ``model_data``: more per-model data than ``stats``."""
     records, logits, fed = [], [], [ids]
-    with torch.no_grad(), polykv.apply(model, plan, model_data={"triattention": stats},
+    with torch.no_grad(), polykv.apply(model, plan, model_data={"triattention": stats, **(model_data or {})},
                                        registry=registry) as session:
         _LAST_SPECS[:] = session._specs
         cache = session.new_cache()

@@ -1,0 +1,135 @@
+"""KVzip's cost targets on the default model (SmolLM2), each against vanilla measured in the same run.
+
+Time: one process; vanilla prefill of T tokens, then the kvzip prefill (the prompt forward, its
+context-reconstruction probe and the selection), both computing the logits of the last position only
+(``logits_to_keep=1``: the comparison is between cache-building passes, no vocabulary projection of
+every prompt position); best of ``--repeats`` each.
+
+Memory: two fresh subprocesses (vanilla, kvzip), each loading the model, running one prefill of T tokens,
+and reporting the process's peak resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the
+basis) and its resident memory right before the prefill; printed as the ratio of peaks and the ratio of
+the prefill's own increments (peak minus the resident memory before it, the stricter basis).
+
+The probe runs after the prompt, at positions T .. T + chunk + prompt ids, so on SmolLM2 (8192 positions)
+the longest prompt whose default 2048-token chunk fits is about 6100 tokens. Usage::
+
+    OMP_NUM_THREADS=2 python bench/kvzip_cost.py --time-tokens 4096 --memory-tokens 6100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+RATIO = 0.3
+
+
+def _setup(T: int):
+    import polykv
+    from polykv.adapters.rules.kvzip import prompt_params
+    from polykv.models import load_default_model
+    from polykv.models.corpus import corpus_texts
+    from polykv.models.geometry import geometry_of_model
+    from polykv.plan import OpSpec
+
+    model, tok = load_default_model()
+    text = " ".join(corpus_texts("mixed", 24, min_chars=4000, seed=0))
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)[:T]])
+    if ids.shape[1] < T:
+        raise SystemExit(f"the offline corpus gave {ids.shape[1]} tokens, fewer than {T}")
+    plan = polykv.uniform_plan(geometry_of_model(model), decode="full",
+                               prefill=OpSpec(rule="kvzip", capacity_ratio=RATIO, params=prompt_params(tok)))
+    return model, ids, plan
+
+
+def _vanilla(model, ids):
+    model(ids, use_cache=True, logits_to_keep=1)
+
+
+def _kvzip(session, ids):
+    session.prefill(ids, logits_to_keep=1)
+    return session.cache.probe_tokens
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def child(kind: str, T: int) -> None:
+    import polykv
+
+    model, ids, plan = _setup(T)
+    with torch.no_grad():
+        before = _rss_now()
+        if kind == "vanilla":
+            _vanilla(model, ids)
+        else:
+            with polykv.apply(model, plan) as session:
+                _kvzip(session, ids)
+    print(json.dumps({"kind": kind, "before_kib": before,
+                      "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def time_run(T: int, repeats: int) -> None:
+    import polykv
+
+    model, ids, plan = _setup(T)
+    times = {"vanilla": [], "kvzip": []}
+    probe = 0
+    with torch.no_grad():
+        _vanilla(model, ids[:, :256])  # warm-up
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _vanilla(model, ids)
+            times["vanilla"].append(time.perf_counter() - start)
+            with polykv.apply(model, plan) as session:
+                start = time.perf_counter()
+                probe = _kvzip(session, ids)
+                times["kvzip"].append(time.perf_counter() - start)
+    v, k = min(times["vanilla"]), min(times["kvzip"])
+    print(f"time at {T} tokens (threads {torch.get_num_threads()}, best of {repeats}): vanilla prefill {v:.2f} s, "
+          f"kvzip prefill {k:.2f} s (probe: {probe} extra forward tokens), ratio {k / v:.2f}x")
+
+
+def memory_run(T: int) -> None:
+    got = {}
+    for kind in ("vanilla", "kvzip"):
+        run = subprocess.run([sys.executable, __file__, "--child", kind, "--memory-tokens", str(T)],
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"the {kind} run failed: {run.stderr.strip().splitlines()[-1]}")
+        got[kind] = json.loads(run.stdout.strip().splitlines()[-1])
+    v, k = got["vanilla"], got["kvzip"]
+    dv, dk = v["peak_kib"] - v["before_kib"], k["peak_kib"] - k["before_kib"]
+    print(f"peak memory at {T} tokens (ru_maxrss of a fresh process each): vanilla {v['peak_kib'] / 1024:.0f} MiB, "
+          f"kvzip {k['peak_kib'] / 1024:.0f} MiB, ratio {k['peak_kib'] / v['peak_kib']:.3f}x; the prefill's own "
+          f"increment: vanilla {dv / 1024:.0f} MiB, kvzip {dk / 1024:.0f} MiB, ratio {dk / max(dv, 1):.3f}x")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-tokens", type=int, default=None)
+    parser.add_argument("--memory-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--child", choices=("vanilla", "kvzip"), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.memory_tokens)
+        return 0
+    if args.time_tokens:
+        time_run(args.time_tokens, args.repeats)
+    if args.memory_tokens:
+        memory_run(args.memory_tokens)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""``refine``: the exact plan, improved by moves measured end to end on held-out sequences.
+
+``exact`` is optimal for the profile's additive loss model, which a long context can contradict (a
+profile measured one layer at a time at 512 tokens does not add up to what the plan does at 2,048).
+``refine`` starts from the exact plan at the same budget and measures whole plans through the
+runtime (:class:`polykv.profiling.endtoend.PlanMeter`: next-token KL against the full cache on
+held-out corpus sequences, the prefill reused). Each step it tries moves in the profile's order and
+takes the first whose measured KL is lower than the current plan's:
+
+- one layer to a *neighbour* config of the menu (the next keep, K width or V width of the same rule,
+  the keep-1.0 config at the same widths above a rule's largest keep, or another rule at the same
+  keep and widths), when the plan still fits the budget;
+- a *swap*: one layer up to a neighbour costing more bytes, another down to one costing fewer, the
+  plan within the budget.
+
+Moves are ordered by the profile's predicted gain per byte moved (−Δloss / bits the move adds to
+the upgraded layer; a move adding none counts one bit), best first; only ``tries`` are measured per
+step. The search stops after ``steps`` accepted moves, or when no tried move lowers the measured
+KL. The plan therefore never ends with a higher measured KL than the exact plan on these sequences,
+and never over the budget (bytes counted like ``exact``'s, the plan recounted by the base class).
+
+This solver sees a model: :func:`polykv.solvers.solve` passes it as ``model=`` (a
+:class:`MeasureOn`), ``polykv solve --model``. The provenance's ``measured`` field records every
+measured move and the final measured KL of ``exact`` and ``refine``. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from polykv.contract.params import ParamSpec
+from polykv.errors import SolverError
+from polykv.profiling.budget import Budget, bits_to_bytes
+from polykv.profiling.profile import Profile
+from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
+from polykv.solvers.exact import candidate_columns, optimal_columns
+
+
+@attrs.define(frozen=True, kw_only=True)
+class MeasureOn:
+    """The model a measuring solver runs its candidate plans on."""
+
+    model: Any
+    """A transformers decoder the runtime serves, on the profile's model."""
+    tokenizer: Any
+    """Its tokenizer (the held-out corpus sequences are tokenized with it, no special tokens)."""
+    model_data: Mapping[str, Any] = attrs.field(factory=dict)
+    """Per-model data the plans' rules read (e.g. the profile's query statistics), as :func:`polykv.apply`."""
+    storage_dtype: Any = None
+    """torch dtype the cache stores K/V in; None: the resident budget's ``cache_dtype`` (compute dtype for a
+    nominal budget)."""
+    name: str = ""
+    """What the model is, for the provenance (e.g. ``default``)."""
+    progress: Any = None
+    """Called with one line of text after each measured plan (``polykv solve`` prints it to stderr), or None."""
+
+
+def _count(minimum: int, what: str) -> ParamSpec:
+    return ParamSpec(int, low=minimum, description=what)
+
+
+def _menu_neighbours(configs) -> list[list[int]]:
+    """Per config, the configs one step away (module docstring), in column order."""
+    def family(c):
+        return (c.rule, c.phase, json.dumps(c.params, sort_keys=True))
+
+    keeps: dict[tuple, list[float]] = {}
+    bits: dict[tuple, dict[str, list[int]]] = {}
+    at: dict[tuple, int] = {}
+    for i, c in enumerate(configs):
+        at[(family(c), c.keep, c.k_bits, c.v_bits)] = i
+    full = {(c.k_bits, c.v_bits): i for i, c in enumerate(configs) if c.keeps_everything}
+    for c in configs:
+        if c.keeps_everything:
+            continue
+        keeps.setdefault((family(c), c.k_bits, c.v_bits), []).append(c.keep)
+        b = bits.setdefault((family(c), c.keep), {"k": [], "v": []})
+        b["k"].append(c.k_bits)
+        b["v"].append(c.v_bits)
+    by_widths: dict[tuple, list[int]] = {}
+    for i, c in enumerate(configs):
+        if not c.keeps_everything:
+            by_widths.setdefault((c.keep, c.k_bits, c.v_bits), []).append(i)
+
+    def adjacent(values, value):
+        vs = sorted(set(values))
+        j = vs.index(value)
+        return [vs[k] for k in (j - 1, j + 1) if 0 <= k < len(vs)]
+
+    out = []
+    for i, c in enumerate(configs):
+        near = set()
+        if c.keeps_everything:
+            for (fam, k, v), ks in keeps.items():  # every rule's largest keep at these widths
+                if (k, v) == (c.k_bits, c.v_bits):
+                    near.add(at[(fam, max(ks), k, v)])
+            for k in adjacent([kv[0] for kv in full if kv[1] == c.v_bits], c.k_bits):
+                near.add(full[(k, c.v_bits)])
+            for v in adjacent([kv[1] for kv in full if kv[0] == c.k_bits], c.v_bits):
+                near.add(full[(c.k_bits, v)])
+        else:
+            fam = family(c)
+            ks = keeps[(fam, c.k_bits, c.v_bits)]
+            for keep in adjacent(ks, c.keep):
+                near.add(at[(fam, keep, c.k_bits, c.v_bits)])
+            if c.keep == max(ks) and (c.k_bits, c.v_bits) in full:
+                near.add(full[(c.k_bits, c.v_bits)])
+            for k in adjacent(bits[(fam, c.keep)]["k"], c.k_bits):
+                if (fam, c.keep, k, c.v_bits) in at:
+                    near.add(at[(fam, c.keep, k, c.v_bits)])
+            for v in adjacent(bits[(fam, c.keep)]["v"], c.v_bits):
+                if (fam, c.keep, c.k_bits, v) in at:
+                    near.add(at[(fam, c.keep, c.k_bits, v)])
+            near.update(by_widths[(c.keep, c.k_bits, c.v_bits)])
+        near.discard(i)
+        out.append(sorted(near))
+    return out
+
+
+def ranked_moves(table: np.ndarray, bits: np.ndarray, choice: list[int], cap: int,
+                 neighbours: list[list[int]], allowed: set[int]) -> list[tuple]:
+    """Every move of ``choice`` (a column per layer) that keeps the plan within ``cap`` bits, best predicted
+    gain per bit first: ``((layer, new column), ...)`` tuples with one or two changes.
+
+    A single move changes one layer; a swap raises one layer's bits and lowers another's, for an upgrade
+    that does not fit alone (one that does is a single move). The order is
+    -Δloss / max(1, bits added to the upgraded layer), ties by smaller Δloss, then by layer and column.
+    """
+    used = int(sum(int(bits[c]) for c in choice))
+    single = []  # (layer, new, dloss, dbits)
+    for layer, c in enumerate(choice):
+        for n in neighbours[c]:
+            if n in allowed:
+                single.append((layer, n, float(table[layer, n] - table[layer, c]), int(bits[n]) - int(bits[c])))
+    moves = []  # (key, dloss, changes)
+    for layer, n, dl, db in single:
+        if used + db <= cap:
+            moves.append((-dl / max(1, db), dl, ((layer, n),)))
+    ups = [m for m in single if m[3] > 0]
+    downs = [m for m in single if m[3] < 0]
+    if ups and downs:
+        udl = np.array([m[2] for m in ups])
+        udb = np.array([m[3] for m in ups], dtype=np.int64)
+        ddl = np.array([m[2] for m in downs])
+        ddb = np.array([m[3] for m in downs], dtype=np.int64)
+        fits = (used + udb[:, None] + ddb[None, :] <= cap) & (used + udb[:, None] > cap)  # only as a pair
+        ulay = np.array([m[0] for m in ups])
+        dlay = np.array([m[0] for m in downs])
+        fits &= ulay[:, None] != dlay[None, :]
+        for a, b in zip(*np.nonzero(fits)):
+            dl = float(udl[a] + ddl[b])
+            changes = tuple(sorted(((ups[a][0], ups[a][1]), (downs[b][0], downs[b][1]))))
+            moves.append((-dl / max(1, int(udb[a])), dl, changes))
+    moves.sort(key=lambda m: (-m[0], m[1], m[2]))
+    return [m[2] for m in moves]
+
+
+class Refine(Solver):
+    """The exact plan improved by end-to-end measured moves (module docstring)."""
+
+    name = "refine"
+    needs_model = True
+    defaults = {"metric": None, "rules": None, "steps": 8, "tries": 6, "sequences": 4, "tokens": None,
+                "follow_up": None, "seed": 0, "corpus": "mixed", "validate": 0}
+    param_specs = {"metric": METRIC_SPEC,
+                   "steps": _count(0, "moves accepted at most"),
+                   "tries": _count(1, "moves measured per step at most"),
+                   "sequences": _count(1, "held-out sequences measured"),
+                   "tokens": ParamSpec(int, nullable=True, low=1,
+                                       description="context tokens each sequence compresses (null: the profile's)"),
+                   "follow_up": ParamSpec(int, nullable=True, low=2,
+                                          description="follow-up tokens after the context (null: the profile's)"),
+                   "seed": ParamSpec(int, low=0, description="seed of the held-out corpus draw"),
+                   "corpus": ParamSpec(str, choices=("mixed", "prose", "code"),
+                                       description="corpus kind"),
+                   "validate": _count(0, "further held-out sequences the exact and final plans are measured on")}
+    rule_lists = ("rules",)
+    paper = "exact multiple-choice knapsack, refined by end-to-end KL on held-out sequences"
+
+    def solve(self, profile: Profile, budget: Budget, **params: Any):
+        p = self.params(params)
+        on = self.measure_on
+        if on is None:
+            raise SolverError("solver 'refine' measures its candidate plans on the model: pass it with "
+                              "polykv solve --model default (or a model folder), or solve(..., model=MeasureOn(...))")
+        start = time.perf_counter()
+        table = profile.table(p["metric"])
+        cols = candidate_columns(self, profile, p["rules"])
+        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols)
+        choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
+        bits = config_bits(profile, budget, self)
+        cap = budget.to_bits(profile.model)
+        neighbours = _menu_neighbours(profile.configs)
+        allowed = {int(c) for c in cols}
+
+        def plan_of(ch):
+            layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(ch)]
+            return self.plan(profile, budget, layers, p, predicted_loss=float(sum(table[i, c] for i, c in
+                                                                                enumerate(ch))),
+                             predicted_bits=int(sum(int(bits[c]) for c in ch)))
+
+        measured: dict[tuple, float] = {}
+
+        def kl(ch) -> float:
+            key = tuple(ch)
+            if key not in measured:
+                measured[key] = meter.measure(plan_of(ch))
+                if on.progress is not None:
+                    on.progress(f"refine: plan {len(measured)} measured, KL {measured[key]:.6g} nats "
+                                f"({meter.prefills} prefills, {time.perf_counter() - start:.0f} s)")
+            return measured[key]
+
+        exact_kl = current = kl(choice)
+        exact_choice = list(choice)
+        steps, stopped, accepted = [], "step limit reached", 0
+        while True:
+            if accepted >= p["steps"]:
+                break
+            moves = [m for m in ranked_moves(table, bits, choice, cap, neighbours, allowed)
+                     if tuple(_apply(choice, m)) not in measured][:p["tries"]]
+            if not moves:
+                stopped = "no untried move fits the budget"
+                break
+            took = False
+            for move in moves:
+                cand = _apply(choice, move)
+                value = kl(cand)
+                ok = value < current
+                steps.append({"step": accepted + 1, "move": [{"layer": l, "from": profile.configs[choice[l]].label,
+                                                             "to": profile.configs[c].label} for l, c in move],
+                              "predicted_loss": float(sum(table[i, c] for i, c in enumerate(cand))),
+                              "predicted_bytes": bits_to_bytes(int(sum(int(bits[c]) for c in cand))),
+                              "measured_kl": value, "accepted": ok})
+                if ok:
+                    choice, current, took = cand, value, True
+                    accepted += 1
+                    break
+            if not took:
+                stopped = f"none of the {len(moves)} moves tried lowered the measured KL"
+                break
+        plan = plan_of(choice)
+        validation = None
+        if check is not None:  # sequences the search never saw: does the measured gain carry over?
+            validation = {"sequences": len(check.sequences), "exact_kl": check.measure(plan_of(exact_choice)),
+                          "refine_kl": check.measure(plan)}
+        record = {"metric": "kl", "model": on.name, "sequences": len(meter.sequences), "context_tokens": tokens,
+                  "follow_up": follow, "corpus": desc, "storage_dtype": _dtype_name(meter.storage_dtype),
+                  "exact_kl": exact_kl, "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
+                  "prefills": meter.prefills, "stopped": stopped, "seconds": round(time.perf_counter() - start, 3),
+                  "validation": validation, "steps": steps}
+        note = (f"the exact plan refined by {accepted} measured move(s): held-out KL {exact_kl:.6g} (exact) -> "
+                f"{current:.6g} nats over {len(meter.sequences)} sequences; {stopped}"
+                + (f"; on {validation['sequences']} further sequences {validation['exact_kl']:.6g} -> "
+                   f"{validation['refine_kl']:.6g}" if validation else ""))
+        return attrs.evolve(plan, provenance=attrs.evolve(plan.provenance, note=note, measured=record))
+
+    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols):
+        import torch
+
+        from polykv.models.geometry import geometry_of_model
+        from polykv.profiling.endtoend import PlanMeter, calibration_draw, heldout_sequences
+
+        geometry = geometry_of_model(on.model)
+        every = len(profile.model.geometry.get("layer_types") or ())
+        if every > profile.num_layers:  # solve_around_windows handed over the unbounded layers only
+            raise SolverError(f"solver 'refine': {profile.source} is solved on {profile.num_layers} of the model's "
+                              f"{every} layers (the others are window-bounded); refine measures whole plans and does "
+                              "not run on models with window-bounded layers yet: use 'exact'")
+        profile.check_model(geometry)
+        draw = calibration_draw(profile)
+        prov = profile.provenance
+        tokens = p["tokens"] if p["tokens"] is not None else prov.context_tokens
+        if tokens is None:
+            raise SolverError(f"solver 'refine': {profile.source} records no calibration context length; give the "
+                              "context the held-out sequences compress (polykv solve --tokens N, or tokens=N)")
+        follow = p["follow_up"]
+        if follow is None:
+            known = draw is not None and prov.context_tokens is not None and draw.tokens > prov.context_tokens
+            follow = draw.tokens - prov.context_tokens if known else 128
+        tokenize = lambda text: on.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        n = p["sequences"]
+        seqs, desc = heldout_sequences(tokenize, n + p["validate"], tokens + follow, seed=p["seed"], profile=profile,
+                                       kind=p["corpus"])
+        dtype = on.storage_dtype
+        if dtype is None and budget.resident:
+            dtype = getattr(torch, budget.cache_dtype)
+        menu = [self.config_layer(profile.configs[int(c)], f"config {profile.configs[int(c)].label}", profile=profile)
+                for c in cols]
+        meters = [PlanMeter(on.model, part, tokens, model_data=on.model_data, registry=self.registry,
+                            storage_dtype=dtype, layer_menu=menu) if part else None for part in (seqs[:n], seqs[n:])]
+        return meters[0], meters[1], desc, tokens, follow
+
+
+def _apply(choice: list[int], move) -> list[int]:
+    out = list(choice)
+    for layer, col in move:
+        out[layer] = col
+    return out
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
