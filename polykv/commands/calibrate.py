@@ -62,6 +62,12 @@ def register(subparsers) -> None:
     p.add_argument("--query-stats", default=None, metavar="PATH",
                    help="where to write the query statistics of the rules that need them (default: beside the "
                         "profile)")
+    p.add_argument("--ranks", default=None, metavar="R,..",
+                   help="measure the low-rank axis at these key/value ranks: d (full width), fractions of it (3d/4, "
+                        "d/2, d/4: rounded to a multiple of 16) or channel counts, e.g. d,3d/4,d/2,d/4 (needs "
+                        "--validate 0; the bases are saved beside the profile)")
+    p.add_argument("--pairs", action="store_true",
+                   help="measure the error of sharing each adjacent layer pair (needs --validate 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -76,6 +82,32 @@ def _floats(text: str, what: str) -> list[float]:
     if not all(math.isfinite(x) for x in out):
         raise ProfileError(f"--{what} {text!r}: expected finite numbers, e.g. 0.1,0.5,1.0")
     return out
+
+
+def parse_ranks(text: str, head_dim: int) -> tuple[int | None, ...]:
+    """``--ranks``: ``d`` (full width: None), ``Nd/M`` or ``d/M`` (that fraction of the head dim, rounded to a
+    multiple of 16 as :func:`~polykv.profiling.rank_error.rank_candidates` rounds) or a channel count; distinct."""
+    import re
+
+    from polykv.profiling.rank_error import rank_candidates
+
+    out: list[int | None] = []
+    for item in (x.strip() for x in text.split(",")):
+        m = re.fullmatch(r"([0-9]*)d(?:/([0-9]+))?", item)
+        if m:
+            num, den = int(m.group(1) or 1), int(m.group(2) or 1)
+            if den == 0 or num > den:
+                raise ProfileError(f"--ranks {text!r}: {item} is not a fraction of d in (0, 1]; e.g. d,3d/4,d/2,d/4")
+            rank = rank_candidates(head_dim, (num / den,))[0]
+        elif item.isdigit() and 1 <= int(item) <= head_dim:
+            rank = int(item)
+        else:
+            raise ProfileError(f"--ranks {text!r}: {item!r} is neither d, a fraction of d (3d/4) nor a channel count "
+                               f"in 1..{head_dim} (the model's head dim); e.g. --ranks d,3d/4,d/2,d/4")
+        rank = None if rank == head_dim else rank
+        if rank not in out:
+            out.append(rank)
+    return tuple(out)
 
 
 def _check_rules(settings) -> None:
@@ -170,6 +202,9 @@ def check_args(args) -> dict:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}) by at least 2: the first "
                            "token after the prefix is predicted before anything is compressed, so one follow-up token "
                            "leaves nothing to measure; raise --tokens or lower --prefix")
+    if (args.ranks is not None or args.pairs) and args.validate:
+        raise ProfileError(f"--ranks / --pairs are measured in the l2 metric only, but --validate {args.validate} "
+                           "makes the profile route on kl; give --validate 0")
     if args.delta_ppl > args.sequences:
         raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
                            "the first N calibration sequences")
@@ -251,7 +286,8 @@ def run(args) -> int:
         keeps=tuple(_floats(args.keeps, "keeps")), bits=tuple(int(b) for b in _floats(args.bits, "bits")),
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
         delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
-        quantizer_params=qparams, kl_configs=args.kl_configs)
+        quantizer_params=qparams, kl_configs=args.kl_configs, pairs=args.pairs,
+        ranks=() if args.ranks is None else parse_ranks(args.ranks, model_geometry(args.model).head_dim))
     stats_path = args.query_stats or query_stats_path(args.output)
     check_outputs(args, stats_path)
     check_quantizer(args.quantizer, qparams, settings.bits, model_geometry(args.model))

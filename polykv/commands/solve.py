@@ -86,7 +86,12 @@ def with_profile_data(plan, profile_path: str):
     from polykv.contract.model_data import needs_of_rules, side_file_references
     from polykv.registry import get_registry
 
-    refs = side_file_references(profile_path, needs_of_rules(get_registry(), sorted(plan.rules_used())))
+    needs = needs_of_rules(get_registry(), sorted(plan.rules_used()))
+    if plan.low_rank:  # low-rank layers project with the key/value bases calibrated beside the profile
+        from polykv.models.kv_bases import KV_BASES_NEED
+
+        needs.append(KV_BASES_NEED)
+    refs = side_file_references(profile_path, needs)
     return attrs.evolve(plan, model_data={**refs, **plan.model_data}) if refs else plan
 
 

@@ -72,6 +72,17 @@ def layer_held_bytes(layer: LayerPlan, geometry: Any, context_tokens: int, *, ba
                                 dtype_bytes=dtype_bytes, registry=registry)[0]
 
 
+def pair_held_bytes(geometry: Any, context_tokens: int, share_params: Any = None, *, batch: int = 1,
+                    dtype_bytes: int = 2, registry: Any = None) -> int:
+    """:func:`held_bytes_per_layer` of a shared layer pair (``LayerPlan.share``, both layers keeping every token at
+    16 bits, ``share_params`` of the upper layer), both layers together."""
+    geo = _OneLayerGeometry(num_kv_heads=int(geometry.num_kv_heads), head_dim=int(geometry.head_dim),
+                            num_heads=getattr(geometry, "num_heads", None), num_layers=2)
+    pair = _OneLayer(layers=(LayerPlan(layer=0), LayerPlan(layer=1, share=0, share_params=dict(share_params or {}))))
+    return sum(held_bytes_per_layer(pair, geo, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
+                                    registry=registry))
+
+
 def context_note(plan: Any, context_tokens: int, *, registry: Any = None) -> str | None:
     """One line when ``plan`` keeps absolute token capacities and runs on a context other than the one
     its budget was stated for (``plan.provenance.context_tokens``): the share of a 16-bit full cache it

@@ -196,8 +196,8 @@ class Budget:
         T = self.context_tokens
         pre = layer.prefill  # a prefill rule's identity costs nothing: only what it keeps
         key = ((pre.keeps_everything, pre.capacity, pre.capacity_ratio), repr(layer.decode), layer.k_bits,
-               layer.v_bits, layer.quantizer, repr(sorted(layer.quantizer_params.items())), int(model.num_kv_heads),
-               int(model.head_dim), getattr(model, "num_heads", None), T, self.batch, self.dtype_bytes, id(registry))
+               layer.v_bits, layer.k_rank, layer.v_rank, layer.quantizer, repr(sorted(layer.quantizer_params.items())),
+               int(model.num_kv_heads), int(model.head_dim), getattr(model, "num_heads", None), T, self.batch, self.dtype_bytes, id(registry))
         if key not in _BOUND_CACHE:
             worst = 0
             for t in range(max(1, T - CONTEXT_SLACK), T + 1):
@@ -208,6 +208,41 @@ class Budget:
                 _BOUND_CACHE.clear()
             _BOUND_CACHE[key] = worst
         return _BOUND_CACHE[key]
+
+    def pair_bits(self, model: Any, share_params: Any = None, registry: Any = None, *, bound: bool = True) -> int:
+        """Bits of a shared layer pair (``LayerPlan.share``: both layers keep every token at 16 bits), both layers
+        together, at T on this budget's basis. Resident: what :func:`polykv.memory.held_bytes_per_layer` counts for
+        the pair (merged directions, magnitudes, retained tokens, indices), charged like :meth:`layer_bits_bound`
+        at its largest share of the full cache from ``T - CONTEXT_SLACK`` to ``T`` (``bound=False``: at T exactly).
+        Nominal: the nominal model counts no sharing, two full 16-bit layers."""
+        from polykv.plan import LayerPlan
+
+        lower = LayerPlan(layer=0)
+        if not self.resident:
+            return 2 * self.layer_bits(model, lower, registry)
+        from polykv.memory.budgets import pair_held_bytes
+
+        T = self.context_tokens
+        if not bound:
+            return 8 * pair_held_bytes(model, T, share_params, batch=self.batch, dtype_bytes=self.dtype_bytes,
+                                       registry=registry)
+        key = ("pair", repr(sorted(dict(share_params or {}).items())), int(model.num_kv_heads), int(model.head_dim),
+               getattr(model, "num_heads", None), T, self.batch, self.dtype_bytes, id(registry))
+        if key not in _BOUND_CACHE:
+            _BOUND_CACHE[key] = max(-(-8 * pair_held_bytes(model, t, share_params, batch=self.batch,
+                                                           dtype_bytes=self.dtype_bytes, registry=registry) * T // t)
+                                    for t in range(max(1, T - CONTEXT_SLACK), T + 1))
+        return _BOUND_CACHE[key]
+
+    def plan_bits(self, model: Any, layers: Any, registry: Any = None) -> int:
+        """Bits of the plan layers ``layers`` (a list of :class:`polykv.LayerPlan`) at T on this basis: each unshared
+        layer's :meth:`layer_bits`, each shared pair's :meth:`pair_bits`."""
+        layers = list(layers)
+        paired = {lp.share for lp in layers if lp.share is not None} | {lp.layer for lp in layers
+                                                                        if lp.share is not None}
+        return (sum(self.layer_bits(model, lp, registry) for lp in layers if lp.layer not in paired)
+                + sum(self.pair_bits(model, lp.share_params, registry, bound=False) for lp in layers
+                      if lp.share is not None))
 
     def token_bits(self, model: Any) -> int:
         """Bits one 16-bit token costs in one layer (nominal: ``32 * Hkv * d``; resident: K, V and its position)."""

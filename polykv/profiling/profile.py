@@ -61,12 +61,33 @@ class CandidateConfig:
     """Value width (16 = unquantized)."""
     params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
     """Rule parameters used at calibration; copied into the plan's op."""
+    k_rank: int | None = None
+    """Channels of the key codes (the low-rank axis, ``LayerPlan.k_rank``); None = full width."""
+    v_rank: int | None = None
+    """Channels of the value codes; None = full width."""
 
     @property
     def label(self) -> str:
-        """``rule@keep/phase/K<k>V<v>``, unique within a profile."""
+        """``rule@keep/phase/K<k>V<v>`` (``/R<k_rank>x<v_rank>`` added with a rank, ``d`` = full width), unique
+        within a profile."""
         extra = "" if not self.params else json.dumps(self.params, sort_keys=True, separators=(",", ":"))
-        return f"{self.rule}@{self.keep:g}/{self.phase}/K{self.k_bits}V{self.v_bits}{extra}"
+        return f"{self.rule}@{self.keep:g}/{self.phase}/K{self.k_bits}V{self.v_bits}{self.rank_label}{extra}"
+
+    @property
+    def low_rank(self) -> bool:
+        return self.k_rank is not None or self.v_rank is not None
+
+    @property
+    def rank_label(self) -> str:
+        """``/R<k>x<v>`` (``d``: full width), empty at full rank."""
+        if not self.low_rank:
+            return ""
+        return "/R" + "x".join("d" if r is None else str(r) for r in (self.k_rank, self.v_rank))
+
+    @property
+    def base(self) -> "CandidateConfig":
+        """The same config at full rank (the (rule, keep, bits) part of the additive model)."""
+        return attrs.evolve(self, k_rank=None, v_rank=None) if self.low_rank else self
 
     @property
     def keeps_everything(self) -> bool:
@@ -105,6 +126,25 @@ class StatTable:
     description: str = ""
 
 
+@attrs.define(frozen=True, kw_only=True, eq=False)
+class PairTable:
+    """The measured error of sharing adjacent layer pairs (MiniCache, ``LayerPlan.share`` on the upper layer)."""
+
+    uppers: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(x) for x in v))
+    """Upper layer l of each measured pair (l - 1, l), ascending."""
+    values: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.float64).reshape(-1, 2))
+    """[len(uppers), 2] float64: the relative L2 error of the lower and of the upper layer's attention output with
+    the pair shared (:mod:`polykv.profiling.share_error`), both layers otherwise keeping everything at 16 bits."""
+    share_params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
+    """The merge parameters measured with (empty: the defaults); a plan sharing a pair uses them."""
+    description: str = ""
+
+    @property
+    def loss(self) -> np.ndarray:
+        """[len(uppers)] the pair's loss in the additive model: the sum of both layers' errors."""
+        return self.values.sum(axis=1)
+
+
 @attrs.define(frozen=True, kw_only=True)
 class ProfileProvenance:
     corpus: str = ""
@@ -136,6 +176,8 @@ class Profile:
     """Registered quantizer the configs below 16 bits were measured with; plans solved from the profile use it."""
     quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=lambda v: dict(v or {}))
     """Its parameters (empty: its defaults)."""
+    pairs: PairTable | None = None
+    """The error of sharing each adjacent layer pair (None: not measured; the layer axis is not routed)."""
     routing_metric: str | None = None
     """The metric solvers route on by default (e.g. ``"kl"`` when calibration measured it end to end); None (every
     profile of before): ``l2`` when present, else the first by name."""
@@ -171,6 +213,24 @@ class Profile:
                   f"this profile has: {', '.join(sorted(self.metrics))}")
         return self.metrics[name]
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The KV axes the profile measured: ``tokens`` and ``bits`` always, ``rank`` with low-rank configs,
+        ``layers`` with a pair table."""
+        return ("tokens", "bits") + (("rank",) if any(c.low_rank for c in self.configs) else ()) + (
+            ("layers",) if self.pairs is not None else ())
+
+    def without_axes(self) -> "Profile":
+        """This profile with only its full-rank configs and no pair table (for solvers that route tokens and bits
+        only); it keeps this profile's fingerprint, the plans solved from it name this file."""
+        if len(self.axes) == 2:
+            return self
+        cols = [i for i, c in enumerate(self.configs) if not c.low_rank]
+        out = attrs.evolve(self, configs=[self.configs[i] for i in cols], pairs=None,
+                           metrics={k: v[:, cols] for k, v in self.metrics.items()})
+        object.__setattr__(out, "_fingerprint", self.fingerprint)
+        return out
+
     def stat(self, name: str) -> StatTable:
         if name not in self.stats:
             raise_profile_error(self.source, f"stats.{name}", "no such statistic table",
@@ -190,6 +250,8 @@ class Profile:
                 h.update(name.encode() + self.metrics[name].astype("<f8").tobytes())
             for name in sorted(self.stats):
                 h.update(name.encode() + self.stats[name].values.astype("<f8").tobytes())
+            if self.pairs is not None:  # profiles without a pair table hash exactly as before it existed
+                h.update(b"pairs" + self.pairs.values.astype("<f8").tobytes())
             object.__setattr__(self, "_fingerprint", "prof-" + h.hexdigest()[:12])
         return self._fingerprint
 
@@ -311,6 +373,8 @@ def check(p: Profile, source: str) -> None:
             if getattr(c, name) not in BITS:
                 raise_profile_error(source, f"{f}.{name}", f"unsupported bit width {getattr(c, name)!r}",
                       "use 16 (unquantized), 8, 4 or 2")
+        for name in ("k_rank", "v_rank"):
+            _positive_int(source, f"{f}.{name}", getattr(c, name), nullable=True, high=m.head_dim)
         if c.label in seen:
             raise_profile_error(source, f, f"duplicate config {c.label} (also configs[{seen[c.label]}])", "list each config once")
         seen[c.label] = i
@@ -332,8 +396,28 @@ def check(p: Profile, source: str) -> None:
         _check_array(source, f + ".values", st.values, (m.num_layers, len(st.columns)),
                      "rows are layers, columns are the table's column labels")
         _check_range(source, f + ".values", st.values, -MAX_LOSS, "a statistic")
+    if p.pairs is not None:
+        _check_pairs(source, p.pairs, m.num_layers)
     _check_model(source, m)
     _check_provenance(source, p.provenance)
+
+
+def _check_pairs(source: str, pairs: PairTable, num_layers: int) -> None:
+    """Pairs name upper layers 1..L-1, ascending, once each, with one finite (lower, upper) error each."""
+    ups = list(pairs.uppers)
+    bad = [u for u in ups if not 1 <= u < num_layers]
+    if bad or ups != sorted(set(ups)) or not ups:
+        raise_profile_error(source, "pairs.uppers", f"expected distinct ascending upper layers in 1..{num_layers - 1}, "
+                            f"got {ups}", "name each measured pair (l - 1, l) once by its upper layer l")
+    _check_array(source, "pairs.values", pairs.values, (len(ups), 2), "one row per pair: [lower error, upper error]")
+    _check_range(source, "pairs.values", pairs.values, 0.0, "a loss (0 = no error, lower is better)")
+    from polykv.errors import PlanError
+    from polykv.plan.sharing import check_share_params
+
+    try:
+        check_share_params(pairs.share_params, layer=ups[0], source=source)
+    except PlanError as exc:
+        raise_profile_error(source, "pairs.share_params", str(exc))
 
 
 def _check_range(source: str, field: str, a: np.ndarray, low: float, what: str) -> None:

@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 
 from polykv.plan import DEFAULT_QUANTIZER
-from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, Profile, ProfileModel,
+from polykv.profiling.profile import (FORMAT, SCHEMA_VERSION, CandidateConfig, PairTable, Profile, ProfileModel,
                                       ProfileProvenance, StatTable, profile_error)
 from polykv.strict_json import FieldReader
 
@@ -23,7 +23,8 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
     """Plain data of a profile; ``tables=False`` leaves out the table values (shapes stay implied).
 
     ``quantizer`` is written only when it is not KIVI with its defaults, so such profiles read (and
-    fingerprint) exactly as before the field existed.
+    fingerprint) exactly as before the field existed; so are configs' ranks (only when set) and the pair table
+    (only when measured).
     """
     quantizer = {}
     if p.quantizer != DEFAULT_QUANTIZER or p.quantizer_params:
@@ -41,14 +42,23 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
                       "capacity": s.capacity, "description": s.description,
                       "values": s.values.tolist() if tables else None}
                   for k, s in sorted(p.stats.items())},
+        **({} if p.pairs is None else {"pairs": _pairs_dict(p.pairs, tables)}),
         "provenance": attrs.asdict(p.provenance),
     }
+
+
+def _pairs_dict(t: PairTable, tables: bool) -> dict[str, Any]:
+    return {"uppers": list(t.uppers), "share_params": dict(sorted(t.share_params.items())),
+            "description": t.description, "values": t.values.tolist() if tables else None}
 
 
 def _config_dict(c: CandidateConfig) -> dict[str, Any]:
     out = {"rule": c.rule, "phase": c.phase, "keep": c.keep, "k_bits": c.k_bits, "v_bits": c.v_bits}
     if c.params:
         out["params"] = dict(sorted(c.params.items()))
+    for name in ("k_rank", "v_rank"):
+        if getattr(c, name) is not None:
+            out[name] = getattr(c, name)
     return out
 
 
@@ -71,7 +81,11 @@ def dumps(p: Profile) -> str:
     for k, s in d["stats"].items():
         head = enc({key: val for key, val in s.items() if key != "values"})[1:-1]
         stat_rows.append(f"    {enc(k)}: {{{head}, \"values\": {rows(s['values'], '      ')}}}")
-    lines.append('  "stats": {' + ("\n" + ",\n".join(stat_rows) + "\n  " if stat_rows else "") + "}")
+    lines.append('  "stats": {' + ("\n" + ",\n".join(stat_rows) + "\n  " if stat_rows else "") + "}"
+                 + ("," if "pairs" in d else ""))
+    if "pairs" in d:
+        head = enc({key: val for key, val in d["pairs"].items() if key != "values"})[1:-1]
+        lines.append(f'  "pairs": {{{head}, "values": {rows(d["pairs"]["values"], "    ")}}}')
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -121,7 +135,7 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
     r = FieldReader(source, profile_error)
     r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer",
-                                                                   "routing_metric"])
+                                                                   "routing_metric", "pairs"])
     version = raw["schema_version"]
     if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
@@ -133,12 +147,14 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     configs = []
     for i, c in enumerate(r.list_(raw["configs"], "configs", what="a list of config objects")):
         f = f"configs[{i}]"
-        r.obj(c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params"])
+        r.obj(c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params", "k_rank", "v_rank"])
         r.str_(c["rule"], f + ".rule")
         r.str_(c.get("phase", ""), f + ".phase")
         r.dict_(c.get("params", {}), f + ".params")
         r.int_(c.get("k_bits", 16), f + ".k_bits")
         r.int_(c.get("v_bits", 16), f + ".v_bits")
+        for name in ("k_rank", "v_rank"):
+            r.int_(c.get(name), f"{f}.{name}", minimum=1, optional=True)
         if isinstance(c["keep"], bool) or not isinstance(c["keep"], (int, float)):
             r.fail(f"expected a number in (0, 1], got {c['keep']!r}", field=f + ".keep")
         configs.append(CandidateConfig(**{**c, "keep": float(c["keep"])}))
@@ -161,6 +177,19 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     routing = raw.get("routing_metric")
     if routing is not None:
         r.str_(routing, "routing_metric", nonempty=True)
-    return Profile(routing_metric=routing, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+    pairs = None
+    if raw.get("pairs") is not None:
+        praw_ = r.obj(raw["pairs"], "pairs", ["uppers", "values"], ["share_params", "description"])
+        ups = r.list_(praw_["uppers"], "pairs.uppers", what="a list of upper layer indices")
+        for i, u in enumerate(ups):
+            r.int_(u, f"pairs.uppers[{i}]", minimum=1)
+        vals = _num_table(r, "pairs.values", praw_["values"])
+        if vals.shape != (len(ups), 2):
+            r.fail(f"expected shape [{len(ups)}, 2], got {list(vals.shape)}", field="pairs.values",
+                   hint="one row per pair: [lower error, upper error]")
+        pairs = PairTable(uppers=ups, values=vals, share_params=r.dict_(praw_.get("share_params", {}),
+                                                                        "pairs.share_params"),
+                          description=str(praw_.get("description", "")))
+    return Profile(pairs=pairs, routing_metric=routing, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
                    schema_version=version, source=source)

@@ -61,7 +61,8 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
                               "--model default (or a model folder) to polykv solve, or "
                               "solve(..., model=polykv.solvers.refine.MeasureOn(model=..., tokenizer=...))")
         instance.measure_on = model
-    plan = solve_around_windows(instance, profile, budget, **params)
+    seen = profile if getattr(instance, "routes_axes", False) else profile.without_axes()
+    plan = solve_around_windows(instance, seen, budget, **params)
     return with_metric_note(plan, profile, instance, params)
 
 

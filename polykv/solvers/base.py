@@ -42,6 +42,9 @@ class Solver:
     rule_lists: ClassVar[tuple[str, ...]] = ()
     """Parameters that hold a list of rule names (or null): non-empty, distinct, every entry a name."""
     paper: ClassVar[str] = ""
+    routes_axes: ClassVar[bool] = False
+    """True for a solver that routes the low-rank and layer-pair axes a profile may hold; the others see the
+    profile's full-rank configs only (:meth:`~polykv.profiling.profile.Profile.without_axes`)."""
     needs_model: ClassVar[bool] = False
     """True for a solver that measures its plans on the model (``refine``): :func:`polykv.solvers.solve`
     then requires ``model=`` and sets :attr:`measure_on`."""
@@ -109,7 +112,8 @@ class Solver:
                     ) -> dict[str, Any]:
         """Plan fields for one layer running ``config``: the phase decides which op gets the rule; the
         widths are stored with ``profile``'s quantizer (the one ``config`` was measured with)."""
-        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits, **(profile.quantizer_fields() if profile else {})}
+        bits = {"k_bits": config.k_bits, "v_bits": config.v_bits, **(profile.quantizer_fields() if profile else {}),
+                **{name: getattr(config, name) for name in ("k_rank", "v_rank") if getattr(config, name) is not None}}
         if config.keeps_everything:
             return {"prefill": FULL_OP, "decode": FULL_OP, **bits}
         self.check_phase(config.rule, config.phase, where or f"config {config.label}")
@@ -127,7 +131,7 @@ class Solver:
         limit = budget.to_bits(profile.model)
         entries = [LayerPlan(layer=i, **dict(e)) if not isinstance(e, LayerPlan) else e for i, e in enumerate(layers)]
         entries = [self._capacity_form(self._profile_quantizer(lp, profile), budget.context_tokens) for lp in entries]
-        used = sum(budget.layer_bits(profile.model, lp, self.registry) for lp in entries)
+        used = budget.plan_bits(profile.model, entries, self.registry)
         if max(used, predicted_bits) > limit:
             raise SolverError(f"solver '{self.name}' produced {bits_to_bytes(max(used, predicted_bits))} bytes, over "
                               f"the budget of {limit // 8} bytes ({budget.describe()}); raise the budget")

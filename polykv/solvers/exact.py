@@ -49,19 +49,59 @@ def optimal_columns(solver: Solver, profile: Profile, budget: Budget, table: np.
 
 
 class Exact(Solver):
-    """Optimal multiple-choice knapsack. Params: ``metric``, ``rules`` (comma list or list; None = all)."""
+    """Optimal multiple-choice knapsack. Params: ``metric``, ``rules`` (comma list or list; None = all).
+
+    Over every axis the profile measured (:attr:`~polykv.profiling.profile.Profile.axes`): its low-rank configs
+    are more columns of the same knapsack; with a pair table, :func:`polykv.solvers.chain.solve_chain` also
+    weighs sharing each measured pair."""
 
     name = "exact"
     defaults = {"metric": None, "rules": None}
     param_specs = {"metric": METRIC_SPEC}
     rule_lists = ("rules",)
+    routes_axes = True
     paper = "MoE-nD additive model, arXiv 2604.17695; exact multiple-choice knapsack"
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
-        chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
-        layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)]
+        axes = profile.axes
+        if len(axes) > 2 and (p["metric"] or profile.default_metric) != "l2":
+            raise SolverError(f"solver '{self.name}': {profile.source} measured the rank and layer-pair axes in metric "
+                              f"'l2' only; route on l2 (--metric l2)")
+        note = "optimal under the additive loss model" + (f"; routed axes: {', '.join(axes)}" if len(axes) > 2
+                                                           else "")
+        if profile.pairs is None:
+            chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
+            layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile)
+                      for i, c in enumerate(chosen)]
+            return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used, note=note)
+        return self._solve_chain(profile, budget, table, cols, p, note)
+
+    def _solve_chain(self, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray, p: dict,
+                     note: str):
+        from polykv.plan import FULL_OP
+        from polykv.solvers.chain import PAIRED, solve_chain
+
+        L, pairs = profile.num_layers, profile.pairs
+        pair_loss = np.full(L, np.nan)
+        pair_loss[list(pairs.uppers)] = pairs.loss
+        pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, self.registry), np.int64)
+        bits = config_bits(profile, budget, self)
+        try:
+            choice, uppers, loss, used = solve_chain(table[:, cols], bits[cols], budget.to_bits(profile.model),
+                                                     pair_loss, pair_weight)
+        except Infeasible as exc:
+            raise SolverError(min_bytes_message(self.name, exc.need, budget, "the lightest config or shared pair "
+                                                "per layer")) from None
+        layers = []
+        for i, c in enumerate(choice):
+            if c == PAIRED:
+                shared = {"share": i - 1, "share_params": dict(pairs.share_params)} if i in uppers else {}
+                layers.append({"prefill": FULL_OP, "decode": FULL_OP, **shared})
+            else:
+                layers.append(self.layer_entry(profile.configs[int(cols[c])], f"layer {i}", profile=profile))
+        shared = ", ".join(f"{u - 1}-{u}" for u in uppers) or "none"
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
-                         note="optimal under the additive loss model")
+                         note=f"{note}; shared pairs: {shared}")

@@ -38,7 +38,7 @@ class Infeasible(SolverError):
         super().__init__(f"the lightest choice per layer weighs {need}, over the capacity {capacity}")
 
 
-def _efficient(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+def efficient_items(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Indices of the non-dominated points, by increasing weight (so strictly decreasing loss)."""
     order = np.lexsort((s, w))
     ws, ss = w[order], s[order]
@@ -46,7 +46,7 @@ def _efficient(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return order[ss < prev_min]
 
 
-def _hull_segments(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def hull_segments(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Segments (dw, ds) of the lower convex hull of efficient points (w ascending, s descending)."""
     hull = [0]
     for i in range(1, len(w)):
@@ -90,7 +90,7 @@ def solve_mckp(loss: np.ndarray, weight: np.ndarray, capacity: int,
         cols = np.flatnonzero(allowed[layer])
         if cols.size == 0:
             raise SolverError(f"layer {layer} has no allowed choice")
-        keep = cols[_efficient(weight[layer, cols], loss[layer, cols])]
+        keep = cols[efficient_items(weight[layer, cols], loss[layer, cols])]
         eff_idx.append(keep)
         eff_w.append(weight[layer, keep])
         eff_s.append(loss[layer, keep])
@@ -98,8 +98,8 @@ def solve_mckp(loss: np.ndarray, weight: np.ndarray, capacity: int,
     rest_w = np.concatenate((np.cumsum(min_w[::-1])[::-1], [0]))  # rest_w[k] = lightest weight of layers k..
     if rest_w[0] > capacity:
         raise Infeasible(rest_w[0], capacity)
-    segs = [_hull_segments(w, s) for w, s in zip(eff_w, eff_s)]
-    lp = _suffix_relaxations(eff_w, eff_s, segs)
+    segs = [hull_segments(w, s) for w, s in zip(eff_w, eff_s)]
+    lp = suffix_relaxations(eff_w, eff_s, segs)
     upper, _ = _rounded_relaxation(eff_w, eff_s, segs, capacity)
     slack = 1e-9 * (1.0 + abs(upper))
 
@@ -133,7 +133,7 @@ def solve_mckp(loss: np.ndarray, weight: np.ndarray, capacity: int,
     return choice, total_loss, total_weight
 
 
-def _suffix_relaxations(eff_w, eff_s, segs) -> list[tuple[np.ndarray, np.ndarray]]:
+def suffix_relaxations(eff_w, eff_s, segs) -> list[tuple[np.ndarray, np.ndarray]]:
     """For k = 0..L, breakpoints (remaining capacity, loss) of the LP relaxation of layers k..L-1.
 
     The relaxation of layers k.. takes their hull segments steepest first; sorting every segment

@@ -48,7 +48,8 @@ def _sub_profile(profile, keep: list[int]):
     model = attrs.evolve(profile.model, num_layers=len(keep))
     metrics = {name: table[keep] for name, table in profile.metrics.items()}
     stats = {name: attrs.evolve(t, values=t.values[keep]) for name, t in profile.stats.items()}
-    return attrs.evolve(profile, model=model, metrics=metrics, stats=stats)
+    # a pair table names layers of the whole model; full-attention layers between windowed ones are not adjacent
+    return attrs.evolve(profile, model=model, metrics=metrics, stats=stats, pairs=None)
 
 
 def solve_around_windows(solver, profile, budget: Budget, **params: Any):
