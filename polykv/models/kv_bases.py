@@ -29,6 +29,7 @@ import torch
 
 from polykv.contract.model_data import ModelDataNeed
 from polykv.errors import ProfileError
+from polykv.models.tagged_tensors import read_tagged
 
 FORMAT = "polykv-kv-bases"
 FORMAT_VERSION = 1
@@ -137,18 +138,8 @@ class KVBases:
         if not os.path.isfile(path):
             raise ProfileError(f"{path}: no such key/value bases file; create it with "
                                f"polykv.models.kv_bases.compute_kv_bases(model, batches).save(path)")
-        try:
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt") as fh:
-                meta = dict(fh.metadata() or {})
-                arrays = {n: fh.get_tensor(n).float() for n in _ARRAYS}
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
-            raise ProfileError(f"{path}: not a readable key/value bases file ({type(exc).__name__}); recompute "
-                               f"it") from None
-        if meta.get("format") != FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
-            raise ProfileError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r} is not "
-                               f"{FORMAT!r} version {FORMAT_VERSION}; recompute the bases")
+        arrays, meta = read_tagged(path, _ARRAYS, fmt=FORMAT, version=FORMAT_VERSION, what="key/value bases",
+                                   fix="recompute the bases")
         return cls(**arrays, fingerprint=meta.get("fingerprint") or None, num_tokens=int(meta.get("num_tokens", 0)),
                    positions=int(meta.get("positions", 0)))
 

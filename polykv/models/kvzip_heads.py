@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from polykv.errors import ProfileError
+from polykv.models.tagged_tensors import read_tagged
 
 FORMAT = "polykv-kvzip-head-scores"
 FORMAT_VERSION = 1
@@ -99,17 +100,8 @@ class HeadScores:
     def load(cls, path: str | os.PathLike) -> "HeadScores":
         """Read a file written by :meth:`save`."""
         path = os.fspath(path)
-        try:
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt") as fh:
-                meta = dict(fh.metadata() or {})
-                scores = fh.get_tensor("scores")
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on a foreign file
-            raise ProfileError(f"{path}: not a readable kvzip head-score file ({type(exc).__name__}); "
-                               f"{RECOMPUTE}") from None
-        if meta.get("format") != FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
-            raise ProfileError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r} is not "
-                               f"{FORMAT!r} version {FORMAT_VERSION}; {RECOMPUTE}")
+        arrays, meta = read_tagged(path, ("scores",), fmt=FORMAT, version=FORMAT_VERSION,
+                                   what="kvzip head-score", fix=RECOMPUTE)
+        scores = arrays["scores"]
         return cls(scores=scores.float(), fingerprint=meta.get("fingerprint") or None,
                    num_tokens=int(meta.get("num_tokens", "0")), path=path)
