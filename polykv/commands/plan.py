@@ -216,7 +216,7 @@ def probe_cost(plan, context: int, registry=None) -> str:
     import torch
 
     from polykv.contract.probe import probe_tokens
-    from polykv.runtime.session import layer_spans
+    from polykv.runtime.plan_checks import layer_spans
 
     if registry is None:
         from polykv.registry import get_registry
