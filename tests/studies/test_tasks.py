@@ -75,6 +75,21 @@ def test_needle_variants(tokenizer):
             assert abs(prompt_tokens(tokenizer, item) - 1024) <= 0.05 * 1024
 
 
+def test_needle_direct_question_keeps_needles_and_asks_in_passkey_style(tokenizer):
+    ruler = NeedleSingleTask().make_items(tokenizer, 2, seed=3, length=1024)
+    direct = NeedleSingleTask().make_items(tokenizer, 2, seed=3, length=1024, question="direct")
+    for a, b in zip(ruler, direct):
+        query = b.meta["queries"][0]
+        assert b.answers == a.answers and b.meta["keys"] == a.meta["keys"]
+        assert b.question.endswith(f"The special magic number for {query} is")
+        assert "mentioned in the provided text" in a.question and "mentioned" not in b.question
+        assert abs(prompt_tokens(tokenizer, b) - 1024) <= 0.05 * 1024
+    several = NeedleMultiValueTask().make_items(tokenizer, 1, seed=3, length=1024, question="direct")[0]
+    assert several.question.endswith("are") and len(several.answers) == 4
+    with pytest.raises(StudyError, match="question"):
+        NeedleSingleTask().make_items(tokenizer, 1, seed=3, length=1024, question="chat")
+
+
 def test_needle_string_match_all_is_a_fraction():
     task = NeedleMultiValueTask()
     item = task.make_items(WhitespaceTokenizer(), 1, seed=0, length=800)[0]

@@ -6,6 +6,10 @@ After Hsieh et al. (2024), "RULER: What's the Real Context Size of Your Long-Con
 keys (the extra ones are distractors), each queried key holds ``num_values`` values, and the question
 asks for all values of ``num_queries`` keys; the score is RULER's ``string_match_all``. RULER's
 variants map to: single = (1 key, 1 value), multikey = (4 keys, 1 value), multivalue = (1 key, 4 values).
+``question="direct"`` asks in passkey style instead ("What is the special magic number for {key}? The special
+magic number for {key} is"): RULER's answer prefix ("... mentioned in the provided text are") leads small models
+to restate the question instead of answering (SmolLM2-135M does so on most items even with the full cache), so
+the direct form is what separates compressed caches on such models; the needles and haystack are the same.
 The haystack is real prose from the offline corpus (RULER's "essay" haystack uses Paul Graham essays).
 """
 
@@ -31,6 +35,11 @@ INSTRUCTION = ("Some special magic numbers are hidden within the following text.
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = ("\nWhat are all the special magic numbers for {query} mentioned in the provided text? "
             "The special magic numbers for {query} mentioned in the provided text are")
+DIRECT_QUESTIONS = ("\n\nWhat is the special magic number for {query}? The special magic number for {query} is",
+                    "\n\nWhat are all the special magic numbers for {query}? The special magic numbers for {query} "
+                    "are")
+"""The ``direct`` question, for one answer and for several."""
+QUESTION_STYLES = ("ruler", "direct")
 
 
 def _join(words: list[str]) -> str:
@@ -49,6 +58,7 @@ class NeedleTask(Task):
         "num_queries": 1,      # keys asked for (<= num_keys)
         "digits": 7,           # digits of each value
         "filler": "prose",     # corpus kind of the haystack
+        "question": "ruler",   # RULER's question, or "direct" (passkey style; see the module docstring)
         "max_new_tokens": 128,
     }
     param_specs = {
@@ -58,6 +68,8 @@ class NeedleTask(Task):
         "num_queries": ParamSpec(int, low=1, high=1024, description="keys asked for, at most num_keys"),
         "digits": ParamSpec(int, low=1, high=64, description="digits of each value"),
         "filler": ParamSpec(str, choices=KINDS, description="corpus kind of the haystack"),
+        "question": ParamSpec(str, choices=QUESTION_STYLES,
+                              description="RULER's question or a direct, passkey-style one"),
         "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated for the answer"),
     }
 
@@ -88,7 +100,11 @@ class NeedleTask(Task):
                 taken.add(v)
                 values[key].append(v)
         needles = [(rng.random(), NEEDLE.format(key=k, value=v)) for k in keys for v in values[k]]
-        question = QUESTION.format(query=_join(queries))
+        if params["question"] == "direct":
+            template = DIRECT_QUESTIONS[0 if nq * nv == 1 else 1]
+        else:
+            template = QUESTION
+        question = template.format(query=_join(queries))
         context, tokens = fit_haystack(tokenizer, units, needles, instruction=INSTRUCTION, question=question,
                                        length=length, where=where)
         answers = tuple(v for q in queries for v in values[q])
