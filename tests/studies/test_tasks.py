@@ -114,6 +114,13 @@ def test_variable_tracking_chain_in_order_and_scored(tokenizer):
     assert abs(prompt_tokens(tokenizer, item) - 1024) <= 0.05 * 1024
 
 
+def test_variable_tracking_answer_prefix_ends_the_question(tokenizer):
+    plain = VariableTrackingTask().make_items(tokenizer, 1, seed=2, length=1024, num_hops=1)[0]
+    primed = VariableTrackingTask().make_items(tokenizer, 1, seed=2, length=1024, num_hops=1, answer_prefix="VAR")[0]
+    assert primed.question == plain.question + " VAR" and primed.answers == plain.answers
+    assert plain.question.endswith("they are:")
+
+
 def test_continuation_items_split_one_text(tokenizer):
     task = ContinuationTask()
     item = task.make_items(tokenizer, 1, seed=0, context_tokens=800, continuation_tokens=100)[0]

@@ -1,0 +1,111 @@
+"""Write the plans of the two-, three- and four-axis comparison (``passkey.json``) from one four-axis profile.
+
+The profile (``smollm2-four-axes.profile.json``, key/value bases beside it) measured SmolLM2-135M over five rules at
+every keep and width pair, key and value ranks d, 3d/4, d/2, d/4 and every adjacent layer pair (MiniCache), l2 at
+640 tokens; it was calibrated with::
+
+    polykv calibrate default -o bench/four_axes_study/smollm2-four-axes.profile.json --sequences 4 --tokens 640 \\
+        --prefix 512 --seed 0 --threads 1 --rules snapkv,tova,streamingllm,h2o,pyramidkv \\
+        --ranks d,3d/4,d/2,d/4 --pairs --validate 0
+
+At each budget (resident bytes at 2,048 tokens, bfloat16 storage) the same ``exact`` solver routes
+
+- ``joint-2axis``: tokens and bits (the profile's full-rank configs, no pair table: today's joint plan);
+- ``joint-3axis``: tokens, bits and rank (the pair table left out);
+- ``joint-4axis``: tokens, bits, rank and layer pairs (the whole profile);
+
+and the uniform counterparts are
+
+- ``uniform-2axis``: the ``uniform`` solver's best single-rule plan (one rule, keep and width pair on every layer);
+- ``uniform-r48`` / ``uniform-r32``: that plan with keys and values at rank 48 (3d/4) or 32 (d/2) on every layer and
+  the keep raised until the layers fill the same budget (the bytes a lower rank frees buy more tokens).
+
+A uniform four-axis plan does not exist at these budgets: a shared pair stores its layers uncompressed (MiniCache
+refuses eviction, quantization and rank on a shared pair), so sharing every pair caps the cache at about 2x.
+
+    python bench/four_axes_study/make_plans.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+from polykv.commands.solve import with_profile_data
+from polykv.plan import Provenance
+from polykv.profiling.budget import Budget
+from polykv.profiling.profile import load_profile
+from polykv.registry import get_registry
+from polykv.solvers import solve
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROFILE = os.path.join(HERE, "smollm2-four-axes.profile.json")
+BUDGETS = ("4x", "8x", "12x")
+CONTEXT = 2048
+RANKS = (48, 32)
+
+
+def axes_used(plan) -> str:
+    out = []
+    if any(not op.keeps_everything for lp in plan.layers for op in (lp.prefill, lp.decode)):
+        out.append("tokens")
+    if any(lp.quantized for lp in plan.layers):
+        out.append("bits")
+    if plan.low_rank:
+        out.append("rank")
+    if plan.share_pairs():
+        out.append("layers")
+    return "+".join(out)
+
+
+def uniform_at_rank(plan, budget: Budget, profile, rank: int):
+    """``plan`` (a uniform single-rule plan) with keys and values at ``rank`` on every layer and the keep raised to
+    fill ``budget`` again."""
+    registry = get_registry()
+    first = attrs.evolve(plan.layers[0], k_rank=rank, v_rank=rank)
+    tokens = budget.uniform_tokens(profile.model, first.k_bits, first.v_bits, layer=first, registry=registry)
+    T = budget.context_tokens
+    layers = []
+    for lp in plan.layers:
+        ops = {}
+        for phase in ("prefill", "decode"):
+            op = getattr(lp, phase)
+            if not op.keeps_everything:
+                op = attrs.evolve(op, capacity=None, capacity_ratio=min(tokens, T) / T)
+            ops[phase] = op
+        layers.append(attrs.evolve(lp, k_rank=rank, v_rank=rank, **ops))
+    keep = min(tokens, T) / T
+    note = (f"{plan.provenance.note}; by hand: keys and values at rank {rank} on every layer, keep raised to "
+            f"{keep:.4g} ({tokens} of {T} tokens) to fill the same budget")
+    provenance = Provenance(solver="hand", budget=plan.provenance.budget, context_tokens=T, note=note)
+    out = attrs.evolve(plan, layers=tuple(layers), provenance=provenance)
+    used = budget.plan_bits(profile.model, out.layers, registry)
+    assert used <= budget.to_bits(profile.model), (used, budget.to_bits(profile.model))
+    return out
+
+
+def main() -> None:
+    profile = load_profile(PROFILE)
+    three_axes = attrs.evolve(profile, pairs=None)
+    os.makedirs(os.path.join(HERE, "plans"), exist_ok=True)
+    for b in BUDGETS:
+        budget = Budget.parse(b, CONTEXT, basis="resident", cache_dtype="bfloat16")
+        plans = {
+            "joint-2axis": solve(profile.without_axes(), budget, "exact"),
+            "joint-3axis": solve(three_axes, budget, "exact"),
+            "joint-4axis": solve(profile, budget, "exact"),
+            "uniform-2axis": solve(profile, budget, "uniform", mode="best"),
+        }
+        for r in RANKS:
+            plans[f"uniform-r{r}"] = uniform_at_rank(plans["uniform-2axis"], budget, profile, r)
+        for name, plan in plans.items():
+            path = os.path.join(HERE, "plans", f"{name}.{b}.plan.json")
+            with_profile_data(plan, PROFILE).save(path)
+            loss = plan.provenance.predicted_loss
+            print(f"{b:>4} {name:14} axes {axes_used(plan):24} predicted l2 "
+                  f"{'-' if loss is None else f'{loss:.3f}':>7}  {plan.provenance.note[:110]}")
+
+
+if __name__ == "__main__":
+    main()
