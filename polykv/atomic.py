@@ -66,7 +66,11 @@ def clean_stale_temps(folder: str) -> list[str]:
 
 def replace_with(path: str, write: Callable[[str], None]) -> None:
     """Write ``path`` atomically: ``write(tmp)`` fills a temp file beside it, which is then fsynced and
-    renamed over ``path``. On any failure the previous file is left untouched and the temp file removed."""
+    renamed over ``path``. On any failure the previous file is left untouched and the temp file removed.
+
+    The new file gets the replaced file's permission bits, or those of a plain new file (0o666 less the umask)
+    when there was none: a writer that creates private files (safetensors' does, 0o600) does not make a shared
+    profile or plan unreadable to others."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -74,6 +78,8 @@ def replace_with(path: str, write: Callable[[str], None]) -> None:
     tmp = temp_path(path)
     try:
         write(tmp)
+        if os.path.isfile(tmp):
+            os.chmod(tmp, _mode_for(path))
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -86,6 +92,16 @@ def replace_with(path: str, write: Callable[[str], None]) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _mode_for(path: str) -> int:
+    """Permission bits a replacement of ``path`` gets: the existing file's, else 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def write_text_atomic(path: str, text: str) -> None:

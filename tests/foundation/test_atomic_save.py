@@ -50,3 +50,28 @@ def test_save_replaces_and_creates_folders(tmp_path):
     changed.save(str(path))
     assert load_plan(str(path)) == changed
     assert path.read_text(encoding="utf-8") == changed.to_json()
+
+
+def test_replacement_keeps_permissions_and_new_files_follow_the_umask(tmp_path):
+    import os
+    import stat
+
+    from polykv.atomic import replace_with
+
+    def private_writer(tmp):  # what safetensors' writer does: a 0o600 file
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"x")
+        os.close(fd)
+
+    mask = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh.safetensors"
+        replace_with(str(fresh), private_writer)
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+        kept = tmp_path / "kept.safetensors"
+        kept.write_bytes(b"old")
+        os.chmod(kept, 0o640)
+        replace_with(str(kept), private_writer)
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_bytes() == b"x"
+    finally:
+        os.umask(mask)
