@@ -1,0 +1,85 @@
+"""``polykv model-data``: compute per-model data (KVzip head scores, query statistics, key/value bases) into a file.
+
+Rules that read data measured on the model (``kvzip-head``'s head scores, TriAttention's query statistics, the
+low-rank axis's key/value bases) find it beside a profile, in a plan's ``model_data`` or in the cache,
+and compute it over the offline corpus when it is missing. This verb computes one kind on purpose, through the same
+code, and writes it where you say: to ship it beside a profile (``<profile stem><suffix>``), name it in a plan's
+``model_data``, or compare two models' data.
+
+    polykv model-data --list
+    polykv model-data default kvzip-head -o profiles/smollm2-135m-instruct.kvzip-head.safetensors
+"""
+
+from __future__ import annotations
+
+import time
+
+from polykv.errors import PolykvError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("model-data", help="compute per-model data (KVzip head scores, query statistics, "
+                                                 "key/value bases) into a file",
+                              description="Compute the per-model data a rule reads (by its key, see --list) over "
+                                          "the offline corpus, exactly as the runtime computes missing data, and "
+                                          "write it atomically.")
+    p.add_argument("model", nargs="?", help="'default', a model name (gemma3-270m) or a local Hugging Face folder")
+    p.add_argument("key", nargs="?", help="which data (see --list)")
+    p.add_argument("-o", "--output", metavar="FILE", help="file to write (atomically)")
+    p.add_argument("--list", action="store_true", help="list the kinds of per-model data and the rules that read them")
+    p.add_argument("--device", default="cpu", metavar="DEV", help="device to compute on (default cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="model dtype (default float32)")
+    p.set_defaults(func=run)
+
+
+def known_needs(registry) -> dict:
+    """``{key: (need, readers)}`` for every registered rule's need and the low-rank axis's bases."""
+    from polykv.contract.model_data import need_of
+    from polykv.models.kv_bases import KV_BASES_NEED
+
+    out = {}
+    for name in registry.names("operator"):
+        need = need_of(registry.get("operator", name))
+        if need is not None:
+            out.setdefault(need.key, (need, []))[1].append(f"rule '{name}'")
+    out.setdefault(KV_BASES_NEED.key, (KV_BASES_NEED, []))[1].append("plans with k_rank/v_rank")
+    return dict(sorted(out.items()))
+
+
+def run(args) -> int:
+    from polykv.registry import get_registry
+
+    needs = known_needs(get_registry())
+    if args.list:
+        for key, (need, readers) in needs.items():
+            print(f"{key:22} {need.description or '-':28} side file *{need.suffix:28} read by {', '.join(readers)}")
+        return 0
+    if not args.model or not args.key or not args.output:
+        raise PolykvError("polykv model-data: give MODEL KEY -o FILE (or --list)")
+    if args.key not in needs:
+        raise PolykvError(f"polykv model-data: unknown key {args.key!r}; known are {sorted(needs)} (see --list)")
+    need = needs[args.key][0]
+    from polykv.atomic import check_output
+
+    def recognise(path: str) -> bool:
+        try:
+            need.load(path)
+        except Exception:  # noqa: BLE001 - any failure means the file is not this data
+            return False
+        return True
+
+    check_output(args.output, what=f"{need.description or need.key} file", option="-o", recognise=recognise)
+    from polykv.commands.calibrate import load_model
+    from polykv.contract.model_data import corpus_batches
+
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    start = time.perf_counter()
+    batches = corpus_batches(tokenizer, next(model.parameters()).device)
+    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
+    data.save(args.output)
+    tokens = sum(int(b.shape[-1]) for b in batches)
+    print(f"{args.output}: {need.description or need.key} ('{need.key}') of {args.model} over the offline corpus "
+          f"({len(batches)} texts, {tokens} tokens) in {time.perf_counter() - start:.1f} s; beside a profile name it "
+          f"<profile stem>{need.suffix}, or name it in a plan's model_data as {{\"{need.key}\": \"{args.output}\"}}")
+    return 0
