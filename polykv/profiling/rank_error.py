@@ -26,7 +26,7 @@ from polykv.profiling.capture import LayerCapture
 from polykv.profiling.sensitivity import full_reference, relative_error
 from polykv.runtime.attention import attend_stores_of, sdpa
 from polykv.runtime.cache import PlanCache
-from polykv.runtime.layer_cache import LayerSpec
+from polykv.runtime.layer_spec import LayerSpec
 
 
 def rank_candidates(head_dim: int, fractions: Sequence[float] = (1.0, 0.75, 0.5, 0.25), *,

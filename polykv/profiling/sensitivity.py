@@ -40,7 +40,7 @@ from polykv.profiling.capture import LayerCapture
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.runtime.attention import sdpa
 from polykv.runtime.cache import PlanCache
-from polykv.runtime.layer_cache import LayerSpec
+from polykv.runtime.layer_spec import LayerSpec
 from polykv.runtime.storage import LayerStorage, StorageView, new_store
 
 @attrs.define(kw_only=True)

@@ -14,7 +14,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from polykv.errors import RuntimeConfigError
-from polykv.runtime.layer_cache import CacheSettings, LayerCache, LayerSpec
+from polykv.runtime.layer_cache import LayerCache
+from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 
 
 def cache_keyword(model) -> str:

@@ -34,7 +34,7 @@ from polykv.attention.signals import signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.runtime.cache import PlanCache
-from polykv.runtime.layer_cache import new_rule_states
+from polykv.runtime.layer_spec import new_rule_states
 from polykv.runtime.storage import StorageView
 
 

@@ -29,7 +29,7 @@ from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model, rope_
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
-from polykv.runtime.layer_cache import LayerSpec
+from polykv.runtime.layer_spec import LayerSpec
 from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
                                         check_rank_rules, check_seed, check_stores, plan_model_data)
 from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type

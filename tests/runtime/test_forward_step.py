@@ -20,7 +20,8 @@ from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
-from polykv.runtime.layer_cache import CacheSettings, ForwardStep, LayerCache
+from polykv.runtime.layer_cache import LayerCache
+from polykv.runtime.layer_spec import CacheSettings, ForwardStep
 from polykv.testing import tiny_model
 
 RUNTIME = pathlib.Path(polykv.__file__).parent / "runtime"
