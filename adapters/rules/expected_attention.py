@@ -39,6 +39,8 @@ class QueryMoments(RuleState):
 
     def __init__(self, n_sink: int):
         self.n_sink = int(n_sink)
+        self.share_key = ("query_moments", self.n_sink)  # (what the prompt's queries give: a prefill snapshot
+        # hands it to every plan that folds the same positions)
         self.reset()
 
     def reset(self) -> None:

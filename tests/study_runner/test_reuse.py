@@ -107,3 +107,35 @@ def test_a_chunked_capture_equals_a_chunked_prefill(model):
         restore_prefill(session, snapshot)
         assert torch.equal(forward(session, question).logits, want)
         assert session.resident_bytes().per_layer == want_bytes
+
+
+def _reusable_rules():
+    """Every registered prefill rule that needs neither per-model data nor a probe (those have their own reuse
+    tests: tests/runtime/test_probe.py, tests/rank): a study restores each of them from one prefill per item."""
+    from polykv.contract.model_data import need_of
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    out = []
+    for name in registry.names("operator"):
+        cls = registry.get("operator", name)
+        if name != "full" and "prefill" in cls.phases and need_of(cls) is None and not cls.declares_probe():
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("rule", _reusable_rules())
+def test_every_prefill_rule_restores_from_a_snapshot_as_its_own_prefill(model, rule):
+    geo = geometry_of_model(model)
+    g = torch.Generator().manual_seed(1)
+    context, question = torch.randint(1, 128, (1, 48), generator=g), torch.randint(1, 128, (1, 4), generator=g)
+    decode = OpSpec(rule=rule, capacity=22) if "decode" in polykv.get_registry().get("operator", rule).phases \
+        else OpSpec(rule="full")
+    plan = uniform_plan(geo, prefill=OpSpec(rule=rule, capacity=18), decode=decode, decode_slack=1)
+    snapshot = capture_prefill(model, context, [plan])
+    kv_a, pos_a, log_a, tok_a, end_a = _run(model, plan, context, question)
+    kv_b, pos_b, log_b, tok_b, end_b = _run(model, plan, context, question, snapshot)
+    assert kv_a == kv_b and end_a == end_b
+    assert all(torch.equal(a, b) for a, b in zip(pos_a, pos_b))
+    assert all(torch.equal(a, b) for a, b in zip(log_a, log_b))
+    assert torch.equal(tok_a, tok_b)
