@@ -38,11 +38,11 @@ def decode_seconds(model, plan, ids: torch.Tensor, steps: int, check: bool) -> f
     """Seconds per decode step: prefill ``ids``, then ``steps`` greedy forwards of one token."""
     with torch.no_grad(), polykv.apply(model, plan, check=check) as session:
         cache = session.new_cache()
-        out = model(ids, use_cache=True, **{session._cache_kw: cache})
+        out = model(ids, use_cache=True, **{session.cache_keyword: cache})
         nxt = out.logits[:, -1:].argmax(-1)
         start = time.perf_counter()
         for _ in range(steps):
-            out = model(nxt, use_cache=True, **{session._cache_kw: cache})
+            out = model(nxt, use_cache=True, **{session.cache_keyword: cache})
             nxt = out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - start) / steps
 
@@ -76,12 +76,12 @@ def time_inside_checks(model, plan, ids, steps: int, check: bool) -> tuple[float
     try:
         with torch.no_grad(), polykv.apply(model, plan, check=check) as session:
             cache = session.new_cache()
-            out = model(ids, use_cache=True, **{session._cache_kw: cache})
+            out = model(ids, use_cache=True, **{session.cache_keyword: cache})
             nxt = out.logits[:, -1:].argmax(-1)
             spent[0] = 0.0
             start = time.perf_counter()
             for _ in range(steps):
-                out = model(nxt, use_cache=True, **{session._cache_kw: cache})
+                out = model(nxt, use_cache=True, **{session.cache_keyword: cache})
                 nxt = out.logits[:, -1:].argmax(-1)
             return spent[0] / steps, (time.perf_counter() - start) / steps
     finally:

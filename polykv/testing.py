@@ -88,7 +88,7 @@ def decode_soak(model, plan, *, context_tokens: int, steps: int, model_data=None
             ids = torch.randint(1, model.config.vocab_size, (1, context_tokens + steps), generator=gen)
             session.prefill(ids[:, :context_tokens])
             for t in range(context_tokens, context_tokens + steps):
-                model(ids[:, t:t + 1], use_cache=True, **{session._cache_kw: session.cache})
+                model(ids[:, t:t + 1], use_cache=True, **{session.cache_keyword: session.cache})
                 measure(session)
             return worst, bound, over
         cache = session.new_cache()
@@ -113,7 +113,7 @@ def full_plan_against_vanilla(model, geometry, prompt: torch.Tensor, new_tokens:
         ref_prefill = model(prompt).logits
         ref = model.generate(prompt, **kwargs)
         with polykv.apply(model, polykv.full_plan(geometry)) as session:
-            got_prefill = model(prompt, use_cache=True, **{session._cache_kw: session.new_cache()}).logits
+            got_prefill = model(prompt, use_cache=True, **{session.cache_keyword: session.new_cache()}).logits
             after_prefill = session.cache.stored_tokens()
             got = model.generate(prompt, **kwargs)
             after_generate = session.cache.stored_tokens()
@@ -134,7 +134,7 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
         ref = model(prompt).logits
         with polykv.apply(model, polykv.full_plan(geometry)) as session:
             out = session.prefill(prompt[:, :split], chunk_size=chunk_size).logits
-            more = model(prompt[:, split:], use_cache=True, **{session._cache_kw: session.cache}).logits
+            more = model(prompt[:, split:], use_cache=True, **{session.cache_keyword: session.cache}).logits
     return ((out - ref[:, split - out.shape[1]:split]).abs().max().item(),
             (more - ref[:, split:]).abs().max().item())
 
@@ -201,14 +201,14 @@ def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int =
     dtype = next(model.parameters()).dtype
     with torch.no_grad(), polykv.apply(model, plan, registry=registry, model_data=model_data, check=True,
                                        storage_dtype=storage_dtype) as session:
-        for spec in session._specs:
+        for spec in session.layer_specs:
             for phase, rule in (("prefill", spec.prefill_rule), ("decode", spec.decode_rule)):
                 if rule is not None and type(rule) in counted:
                     rule.select = _counting(rule.select, calls, phase)
         cache = session.new_cache()
         chunks = None
-        if session._probe_layers:  # a probe rule: the prompt waits, the probe's forwards run, then layers select
-            chunks = session.probe_of(torch.randint(1, int(model.config.vocab_size), (batch, prompt), generator=gen))
+        if session.probe is not None:  # a probe rule: the prompt waits, the probe's forwards run, then layers select
+            chunks = session.probe.chunks_for(torch.randint(1, int(model.config.vocab_size), (batch, prompt), generator=gen))
             cache.prefill_continues = True
         feed_random(cache, geo, prompt, gen, dtype, batch)
         if chunks is not None:

@@ -236,7 +236,7 @@ def _greedy(model, session, ref, ids, steps):
     out, T = [], ids.shape[1]
     for i in range(steps):
         tok = ref[:, T - 1 + i:T + i].argmax(-1)
-        out.append(model(tok, use_cache=True, **{session._cache_kw: session.cache}).logits)
+        out.append(model(tok, use_cache=True, **{session.cache_keyword: session.cache}).logits)
     return out
 
 

@@ -59,7 +59,7 @@ def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor 
     forwards, logits, fed = [], [], [prompt]
     with torch.no_grad(), polykv.apply(model, plan, model_data=model_data) as session:
         cache = session.new_cache()
-        out = model(prompt, use_cache=True, **{session._cache_kw: cache})
+        out = model(prompt, use_cache=True, **{session.cache_keyword: cache})
         forwards.append((None, 0, prompt.shape[1]))
         logits.append(out.logits)
         for chunk in ([continuation] if continuation is not None else []) + [None] * steps:
@@ -67,7 +67,7 @@ def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor 
                 chunk = out.logits[:, -1:].argmax(-1)
             start = cache.get_seq_length()
             stored = [layer.positions.clone() for layer in cache.layers]
-            out = model(chunk, use_cache=True, **{session._cache_kw: cache})
+            out = model(chunk, use_cache=True, **{session.cache_keyword: cache})
             forwards.append((stored, start, start + chunk.shape[1]))
             logits.append(out.logits)
             fed.append(chunk)

@@ -65,7 +65,7 @@ def plan_logprobs(model, plan, ids: torch.Tensor, prefix: int, *, model_data: Ma
     with apply(model, plan, model_data=model_data, seed=seed) as session:
         first = session.prefill(ids[:, :prefix]).logits[:, -1:]                     # (1, 1, V)
         rest = model(input_ids=ids[:, prefix:-1], use_cache=True,
-                     **{session._cache_kw: session.cache}).logits                      # (1, F-1, V)
+                     **{session.cache_keyword: session.cache}).logits                      # (1, F-1, V)
     return torch.log_softmax(torch.cat([first, rest], dim=1)[0].double(), dim=-1)
 
 

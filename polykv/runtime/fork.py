@@ -35,6 +35,7 @@ from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.layer_spec import new_rule_states
+from polykv.runtime.probe_pass import run_probe_chunks
 from polykv.runtime.storage import StorageView
 
 
@@ -85,10 +86,10 @@ class PrefillSnapshot:
 def plan_states(session) -> list[list]:
     """Per layer, fresh states of every rule and allocator of ``session``'s plan."""
     out = []
-    for spec in session._specs:
+    for spec in session.layer_specs:
         states = [st for st in new_rule_states(spec).values() if st is not None]
         out.append(states)
-    for group, allocator in session._groups:
+    for group, allocator in session.allocation_groups:
         for layer in group.layers:
             st = allocator.new_state()
             if st is not None:
@@ -127,7 +128,7 @@ def probe_key(chunks) -> tuple | None:
 
 def session_probe(session, input_ids: torch.Tensor) -> list:
     """The probe ``session``'s plan runs after ``input_ids`` (checked as the session checks it), or []."""
-    return session.probe_of(input_ids) if session._probe_layers else []
+    return session.probe.chunks_for(input_ids) if session.probe is not None else []
 
 
 def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: torch.Tensor | None = None,
@@ -211,9 +212,9 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
         for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position
             model(input_ids[:, start:start + step], use_cache=True, **{session.cache_keyword: cache}, **keep)
-        session.run_probe_chunks(model, cache, probe, input_ids.device)
+        run_probe_chunks(model, model, cache, probe, input_ids.device, session.cache_keyword)
         layers = []
-        for layer, module, have in zip(cache.layers, session._modules, states):
+        for layer, module, have in zip(cache.layers, session.attention_modules, states):
             raw = layer.prompt
             layers.append(LayerSnapshot(keys=raw.keys, values=raw.values, positions=raw.positions,
                                         tokens_seen=layer.tokens_seen, states=have,

@@ -30,6 +30,7 @@ from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.layer_spec import LayerSpec
+from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
                                         check_rank_rules, check_seed, check_stores, plan_model_data)
 from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
@@ -213,9 +214,10 @@ class Session:
         """Whether the expensive plugin contract checks run; set by :func:`apply`."""
         self._modules = modules
         self._specs = [self._layer_spec(lp) for lp in plan.layers]
-        self._probe_layers = [(s.plan.layer, s.prefill_rule) for s in self._specs
-                              if s.prefill_rule is not None and s.prefill_rule.declares_probe()]
-        """(layer, prefill rule) of every layer whose rule runs a probe after the prompt (:mod:`polykv.contract.probe`)."""
+        probing = [(s.plan.layer, s.prefill_rule) for s in self._specs
+                   if s.prefill_rule is not None and s.prefill_rule.declares_probe()]
+        self.probe: ProbePass | None = ProbePass(model, geometry, probing, cache_keyword(model)) if probing else None
+        """The plan's probe (a model pass after the prompt, :mod:`polykv.runtime.probe_pass`), or None without one."""
         self._groups = tuple((g, registry.allocator(g.allocator)(**g.params)) for g in plan.allocation)
         self.rope_inv_freq, self.rope_scaling = rope_of_model(model)
         self._cache: PlanCache | None = None
@@ -319,91 +321,27 @@ class Session:
                     kwargs.pop("past_key_values", None)
                     kwargs[self._cache_kw] = self.new_cache()
                 cache = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
-                if self._probe_layers and isinstance(cache, PlanCache) and cache.probe is None \
+                if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
                         and not any(layer.prefilled for layer in cache.layers):
-                    return self._prompt_forward(forward, cache, args, kwargs)
+                    return self.probe.prompt_forward(forward, cache, args, kwargs)
                 return forward(*args, **kwargs)
 
         return guarded
 
-    # -- the probe: a model pass after the prompt, before any layer selects --------------------------------
-    def probe_of(self, prompt_ids) -> list:
-        """The probe the plan's rules build from ``prompt_ids`` [B, T] (one list of
-        :class:`~polykv.contract.probe.ProbeChunk` for every probe rule of the plan), checked: every rule builds
-        the same forwards, of token ids the model has, that fit its positions after the prompt."""
-        from polykv.contract.probe import same_probe
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """The resolved spec of every plan layer (its rule objects, window, bases), in layer order."""
+        return tuple(self._specs)
 
-        if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.dtype.is_floating_point:
-            layer, rule = self._probe_layers[0]
-            raise RuntimeConfigError(f"layer {layer}: rule '{rule.name}' runs a probe built from the prompt's token ids, "
-                                     f"but this forward has no input_ids tensor [batch, tokens] (inputs_embeds?); pass "
-                                     f"input_ids")
-        T = int(prompt_ids.shape[1])
-        first = None
-        for layer, rule in self._probe_layers:
-            where = f"layer {layer}: rule '{rule.name}'"
-            try:
-                chunks = list(rule.probe_chunks(prompt_ids) or [])
-            except ValueError as exc:
-                raise RuntimeConfigError(f"{where}: cannot build its probe: {exc}") from None
-            if first is None:
-                first = (layer, rule, chunks)
-            elif not same_probe(first[2], chunks):
-                raise RuntimeConfigError(
-                    f"{where} builds another probe than layer {first[0]} (rule '{first[1].name}'): one probe pass "
-                    f"serves every layer, so every probe rule of a plan must use the same probe parameters")
-        layer, rule, chunks = first
-        where = f"layer {layer}: rule '{rule.name}'"
-        vocab = getattr(self.model.config, "vocab_size", None)
-        for c in chunks:
-            ids = c.ids
-            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != prompt_ids.shape[0] \
-                    or ids.shape[1] < 1 or ids.dtype.is_floating_point:
-                raise RuntimeConfigError(f"{where}: probe chunk {c.index} must hold token ids [{prompt_ids.shape[0]}, n>=1], "
-                                         f"got {getattr(ids, 'shape', type(ids).__name__)}")
-            if vocab is not None and bool(((ids < 0) | (ids >= int(vocab))).any()):
-                raise RuntimeConfigError(f"{where}: probe chunk {c.index} holds token ids outside the model's vocabulary "
-                                         f"[0, {int(vocab)}); the rule's token-id parameters were made for another "
-                                         f"tokenizer")
-        limit = self.geometry.max_positions
-        longest = max((c.num_tokens for c in chunks), default=0)
-        if limit is not None and T + longest > int(limit):
-            raise RuntimeConfigError(
-                f"{where}: its probe runs up to {longest} tokens after the {T}-token prompt, {T + longest} positions, "
-                f"more than the model's {int(limit)} (max_position_embeddings); shorten the prompt or lower the rule's "
-                f"chunk size")
-        return chunks
+    @property
+    def allocation_groups(self) -> tuple:
+        """``(group, allocator object)`` of every allocation group of the plan."""
+        return tuple(self._groups)
 
-    def _prompt_forward(self, forward, cache: PlanCache, args, kwargs):
-        """A prompt forward of a plan with a probe: the prompt's last forward holds every layer's selection, the
-        probe runs, then every layer selects (:mod:`polykv.contract.probe`)."""
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(ids, torch.Tensor):
-            self.probe_of(ids)  # raises: no token ids
-        cache.prompt_ids = ids if cache.prompt_ids is None else torch.cat([cache.prompt_ids, ids], dim=1)
-        if cache.prefill_continues:
-            return forward(*args, **kwargs)
-        chunks = self.probe_of(cache.prompt_ids)
-        cache.prefill_continues = True
-        try:
-            out = forward(*args, **kwargs)
-        finally:
-            cache.prefill_continues = False
-        self.run_probe_chunks(forward, cache, chunks, ids.device)
-        cache.end_probe(chunks)
-        return out
-
-    def run_probe_chunks(self, forward, cache, chunks, device) -> None:
-        """Run each probe chunk once through ``forward`` against ``cache``, which attends them to the held
-        prompt and stores nothing of them; only the last position's logits are computed."""
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(self.model).forward).parameters \
-            else {}
-        try:
-            for chunk in chunks:
-                cache.probe = chunk
-                forward(chunk.ids.to(device), use_cache=True, **{self._cache_kw: cache}, **keep)
-        finally:
-            cache.probe = None
+    @property
+    def attention_modules(self) -> tuple[torch.nn.Module, ...]:
+        """The model's attention module of every layer, in layer order (what the session patches)."""
+        return tuple(self._modules)
 
     def _require_active(self) -> None:
         if not self._active:
@@ -473,8 +411,8 @@ class Session:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.note_context(ids.shape[1])
-        if self._probe_layers and isinstance(ids, torch.Tensor):
-            self.probe_of(ids)  # a probe that cannot run is refused before the model runs
+        if self.probe is not None and isinstance(ids, torch.Tensor):
+            self.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)
@@ -527,8 +465,8 @@ class Session:
             raise RuntimeConfigError(f"prefill(chunk_size=...) must be a positive whole number of tokens, or None for "
                                      f"one forward over the whole prompt; got {chunk_size!r}")
         step = chunk_size or T
-        if self._probe_layers:
-            self.probe_of(input_ids)  # a probe that cannot run is refused before the model runs
+        if self.probe is not None:
+            self.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
         with self._calls.claim("prefill()"):
             cache = self.new_cache()
             self.note_context(T)

@@ -149,7 +149,7 @@ def test_a_layer_cache_runs_from_its_settings_alone(model):
     plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="tova", capacity=6), decode=OpSpec(rule="tova", capacity=6),
                                decode_slack=1, k_bits=8, v_bits=8, quantizer_params=QP)
     with polykv.apply(model, plan) as session:
-        spec = session._specs[0]
+        spec = session.layer_specs[0]
         settings = CacheSettings(registry=session.registry, decode_slack=1)
         alone = LayerCache(layer_idx=0, spec=spec, settings=settings)
         planned = PlanCache(specs=[spec], registry=session.registry, decode_slack=1, rope_inv_freq=None,

@@ -111,7 +111,7 @@ def _run_and_record(model, plan, ids, question, stats, registry=None, merges=Fal
     records, logits, fed = [], [], [ids]
     with torch.no_grad(), polykv.apply(model, plan, model_data={"triattention": stats, **(model_data or {})},
                                        registry=registry) as session:
-        _LAST_SPECS[:] = session._specs
+        _LAST_SPECS[:] = session.layer_specs
         cache = session.new_cache()
         out = model(ids, **{cache_keyword(model): cache}, use_cache=True)
         records.append((None, 0, ids.shape[1], None))

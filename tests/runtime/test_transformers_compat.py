@@ -53,7 +53,7 @@ def test_no_polykv_call_raises_a_future_warning(model):
         with torch.no_grad(), polykv.apply(model, plan) as session:
             model.generate(ids, max_new_tokens=4, do_sample=False)
             out = session.prefill(ids, chunk_size=8)
-            model(out.logits[:, -1:].argmax(-1), use_cache=True, **{session._cache_kw: session.cache})
+            model(out.logits[:, -1:].argmax(-1), use_cache=True, **{session.cache_keyword: session.cache})
         with torch.no_grad():
             record_run(model, plan, ids, steps=3)
             _vanilla(model, ids, 3)
