@@ -1,0 +1,51 @@
+"""The high-compression study is one spec (examples/high_compression_study.json), run in parts
+(bench/high_compression/*.json) that `polykv report` combines: every part must be a piece of the whole."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from polykv.studies.combine import SAME_EXPERIMENT
+from polykv.studies.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+WHOLE = ROOT / "examples" / "high_compression_study.json"
+PARTS = sorted((ROOT / "bench" / "high_compression").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def whole():
+    return load_spec(str(WHOLE))
+
+
+def test_the_whole_study_has_every_policy_the_issue_names(whole):
+    tasks = {t.task for t in whole.tasks}
+    assert tasks == {"passkey", "niah", "variable_tracking"} and all(t.samples == 20 for t in whole.tasks)
+    assert whole.budgets == ("4x", "8x", "12x", "16x") and whole.basis == "resident" and whole.baseline
+    solvers = {s.name: s.solver for s in whole.solvers}
+    assert solvers["joint"] == "exact" and solvers["2d_hetero"] == "moend-greedy"
+    for rule in ("snapkv", "tova", "streamingllm", "h2o", "triattention", "adakv"):
+        assert solvers[f"uniform-{rule}"] == "uniform"
+    for name in ("kvzip-uniform", "kvzip-global", "uniform-keydiff", "uniform-expected-attention"):
+        assert all(f"{name}@{b}" in whole.plans for b in whole.budgets)
+
+
+@pytest.mark.parametrize("part", PARTS, ids=[p.name for p in PARTS])
+def test_each_part_is_a_piece_of_the_whole(whole, part):
+    spec = load_spec(str(part))
+    for field in SAME_EXPERIMENT:
+        assert getattr(spec, field) == getattr(whole, field), field
+    tasks = {t.task: t for t in whole.tasks}
+    for t in spec.tasks:
+        assert t == tasks[t.task]
+    solvers = {s.name: s for s in whole.solvers}
+    if spec.solvers:  # solved from the same profile
+        assert os.path.samefile(spec.profile, whole.profile)
+    for s in spec.solvers:
+        assert s == solvers[s.name]
+    assert set(spec.budgets) <= set(whole.budgets)
+    for name, path in spec.plans.items():
+        assert os.path.samefile(path, whole.plans[name]), name
