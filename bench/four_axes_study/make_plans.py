@@ -14,11 +14,22 @@ At each budget (resident bytes at 2,048 tokens, bfloat16 storage) the same ``exa
 - ``joint-3axis``: tokens, bits and rank (the pair table left out);
 - ``joint-4axis``: tokens, bits, rank and layer pairs (the whole profile);
 
+At 4x-12x the solver uses neither rank nor sharing (both cost more measured error per byte saved than eviction and
+bits), so the three joint plans are one plan, run once as ``joint``. What the extra axes do when used is then measured
+with two forced plans, each solved by the same ``exact`` solver over what is left:
+
+- ``joint-r32`` (three axes): every layer at rank 32 (d/2) for keys and values; the solver routes rule, keep and
+  widths over the profile's rank-32 columns;
+- ``joint-shared`` (four axes): the pair of lowest measured loss shared (MiniCache), every other layer routed over
+  the whole profile (rank included) in the bytes the pair leaves; the pair is forced on the chain DP (its loss set to 0,
+  every config of its layers made dearer) and the plan's predicted loss is reported with the pair's measured loss.
+
 and the uniform counterparts are
 
 - ``uniform-2axis``: the ``uniform`` solver's best single-rule plan (one rule, keep and width pair on every layer);
-- ``uniform-r48`` / ``uniform-r32``: that plan with keys and values at rank 48 (3d/4) or 32 (d/2) on every layer and
-  the keep raised until the layers fill the same budget (the bytes a lower rank frees buy more tokens).
+- ``uniform-r32``: that plan with keys and values at rank 32 (d/2) on every layer and the keep raised until the layers
+  fill the same budget (the bytes a lower rank frees buy more tokens). Rank 32 is the only lower rank KIVI can code
+  at these widths: its 32-channel key groups do not divide 48 or 16.
 
 A uniform four-axis plan does not exist at these budgets: a shared pair stores its layers uncompressed (MiniCache
 refuses eviction, quantization and rank on a shared pair), so sharing every pair caps the cache at about 2x.
@@ -31,6 +42,7 @@ from __future__ import annotations
 import os
 
 import attrs
+import numpy as np
 
 from polykv.commands.solve import with_profile_data
 from polykv.plan import Provenance
@@ -43,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "smollm2-four-axes.profile.json")
 BUDGETS = ("4x", "8x", "12x")
 CONTEXT = 2048
-RANKS = (48, 32)
+RANKS = (32,)
 
 
 def axes_used(plan) -> str:
@@ -85,9 +97,36 @@ def uniform_at_rank(plan, budget: Budget, profile, rank: int):
     return out
 
 
+def rank_only(profile, rank: int):
+    """``profile`` with only its configs at ``rank`` for keys and values, and no pair table."""
+    cols = [i for i, c in enumerate(profile.configs) if c.k_rank == rank and c.v_rank == rank]
+    return attrs.evolve(profile, configs=[profile.configs[i] for i in cols], pairs=None,
+                        metrics={k: v[:, cols] for k, v in profile.metrics.items()})
+
+
+FORCE = 1000.0
+
+
+def forced_pair(profile):
+    """``profile`` whose pair table holds only its pair of lowest loss, measured as free (0), with ``FORCE`` added to
+    every config of that pair's two layers, so that the chain DP always shares it; returns the profile and the pair's
+    measured loss."""
+    pairs = profile.pairs
+    j = int(np.argmin(pairs.loss))
+    upper = pairs.uppers[j]
+    metrics = {}
+    for k, v in profile.metrics.items():
+        v = np.array(v, dtype=np.float64)
+        v[[upper - 1, upper], :] += FORCE
+        metrics[k] = v
+    forced = attrs.evolve(pairs, uppers=[upper], values=np.zeros((1, 2)))
+    return attrs.evolve(profile, pairs=forced, metrics=metrics), float(pairs.loss[j])
+
+
 def main() -> None:
     profile = load_profile(PROFILE)
     three_axes = attrs.evolve(profile, pairs=None)
+    shared_profile, pair_loss = forced_pair(profile)
     os.makedirs(os.path.join(HERE, "plans"), exist_ok=True)
     for b in BUDGETS:
         budget = Budget.parse(b, CONTEXT, basis="resident", cache_dtype="bfloat16")
@@ -98,7 +137,20 @@ def main() -> None:
             "uniform-2axis": solve(profile, budget, "uniform", mode="best"),
         }
         for r in RANKS:
+            plans[f"joint-r{r}"] = solve(rank_only(profile, r), budget, "exact")
             plans[f"uniform-r{r}"] = uniform_at_rank(plans["uniform-2axis"], budget, profile, r)
+        shared = solve(shared_profile, budget, "exact")
+        assert shared.share_pairs(), "the forced pair was not shared"
+        loss = shared.provenance.predicted_loss + pair_loss
+        plans["joint-shared"] = attrs.evolve(shared, provenance=attrs.evolve(
+            shared.provenance, predicted_loss=loss,
+            note=f"{shared.provenance.note}; by hand: the pair of lowest measured loss ({pair_loss:.3f}) forced shared, "
+                 f"the other layers routed by exact in the bytes it leaves"))
+        same = [n for n in ("joint-3axis", "joint-4axis") if plans[n].layers == plans["joint-2axis"].layers]
+        print(f"{b:>4} {', '.join(same) or 'no plan'} equal to joint-2axis: written once as joint")
+        plans["joint"] = plans.pop("joint-2axis")
+        for n in same:
+            del plans[n]
         for name, plan in plans.items():
             path = os.path.join(HERE, "plans", f"{name}.{b}.plan.json")
             with_profile_data(plan, PROFILE).save(path)
