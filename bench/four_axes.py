@@ -46,19 +46,6 @@ from polykv.profiling.rank_error import rank_candidates
 from polykv.solvers import solve
 
 
-def axes_used(plan) -> list[str]:
-    out = []
-    if any(not op.keeps_everything for lp in plan.layers for op in (lp.prefill, lp.decode)):
-        out.append("tokens")
-    if any(lp.quantized for lp in plan.layers):
-        out.append("bits")
-    if plan.low_rank:
-        out.append("rank")
-    if plan.share_pairs():
-        out.append("layers")
-    return out
-
-
 def by_hand(plan, profile, geo):
     """``plan`` completed by hand to use every axis: when it shares no pair, the pair of lowest measured loss is
     shared (both layers full, 16 bits, full rank); when it has no rank, the unshared layer of lowest measured
@@ -148,8 +135,8 @@ def main() -> None:
             continue
         solved[b] = plan
         print(f"exact at {budget.describe()}: predicted l2 loss {plan.provenance.predicted_loss:.3f}, "
-              f"{plan.provenance.predicted_bytes:,} B; uses axes {', '.join(axes_used(plan))}")
-    name = max(solved, key=lambda b: (len(axes_used(solved[b])), b == args.budget))
+              f"{plan.provenance.predicted_bytes:,} B; uses axes {', '.join(plan.axes_used())}")
+    name = max(solved, key=lambda b: (len(solved[b].axes_used()), b == args.budget))
     plan, changes = by_hand(solved[name], prof, geo)
     if changes:
         print(f"the solved plans do not use every axis (their measured errors are large next to eviction and bits "
@@ -157,7 +144,7 @@ def main() -> None:
               + "; ".join(changes))
     else:
         print(f"the plan shown is the exact plan at {name}, as solved")
-    print(f"plan shown uses axes: {', '.join(axes_used(plan))}")
+    print(f"plan shown uses axes: {', '.join(plan.axes_used())}")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "four_axes.plan.json")

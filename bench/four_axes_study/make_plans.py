@@ -58,19 +58,6 @@ CONTEXT = 2048
 RANKS = (32,)
 
 
-def axes_used(plan) -> str:
-    out = []
-    if any(not op.keeps_everything for lp in plan.layers for op in (lp.prefill, lp.decode)):
-        out.append("tokens")
-    if any(lp.quantized for lp in plan.layers):
-        out.append("bits")
-    if plan.low_rank:
-        out.append("rank")
-    if plan.share_pairs():
-        out.append("layers")
-    return "+".join(out)
-
-
 def uniform_at_rank(plan, budget: Budget, profile, rank: int):
     """``plan`` (a uniform single-rule plan) with keys and values at ``rank`` on every layer and the keep raised to
     fill ``budget`` again."""
@@ -155,7 +142,7 @@ def main() -> None:
             path = os.path.join(HERE, "plans", f"{name}.{b}.plan.json")
             with_profile_data(plan, PROFILE).save(path)
             loss = plan.provenance.predicted_loss
-            print(f"{b:>4} {name:14} axes {axes_used(plan):24} predicted l2 "
+            print(f"{b:>4} {name:14} axes {'+'.join(plan.axes_used()):24} predicted l2 "
                   f"{'-' if loss is None else f'{loss:.3f}':>7}  {plan.provenance.note[:110]}")
 
 

@@ -286,6 +286,14 @@ class Plan:
     def rules_used(self) -> set[str]:
         return {op.rule for lp in self.layers for op in (lp.prefill, lp.decode)}
 
+    def axes_used(self) -> tuple[str, ...]:
+        """The axes of the KV tensor this plan compresses, of ``tokens`` (some op evicts), ``bits`` (some layer is
+        quantized), ``rank`` (some layer stores low-rank codes) and ``layers`` (some pair is shared)."""
+        used = {"tokens": any(not op.keeps_everything for lp in self.layers for op in (lp.prefill, lp.decode)),
+                "bits": any(lp.quantized for lp in self.layers), "rank": self.low_rank,
+                "layers": bool(self.share_pairs())}
+        return tuple(axis for axis, on in used.items() if on)
+
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> str:
         from polykv.plan.io import dumps

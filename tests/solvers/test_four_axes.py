@@ -250,3 +250,21 @@ def test_plan_show_prints_every_axis_of_a_solved_four_axis_plan():
     assert header.split() == ["LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER", "K_RANK", "V_RANK", "SHARE"]
     assert "share    1 layer pair(s)" in text and "3-4" in text
     assert "routed axes: tokens, bits, rank, layers" in text
+
+
+def test_a_plan_names_the_axes_it_compresses():
+    from polykv.models.geometry import ModelGeometry
+    from polykv.plan import OpSpec, uniform_plan
+
+    geo = ModelGeometry(model_type="llama", num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e4)
+    full = uniform_plan(geo)
+    assert full.axes_used() == ()
+    evict = uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=16))
+    assert evict.axes_used() == ("tokens",)
+    both = uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=16), k_bits=4, v_bits=4)
+    assert both.axes_used() == ("tokens", "bits")
+    ranked = both.with_layer(1, k_rank=16, v_rank=16)
+    assert ranked.axes_used() == ("tokens", "bits", "rank")
+    shared = ranked.with_layer(2, prefill=OpSpec(rule="full"), k_bits=16, v_bits=16).with_layer(
+        3, prefill=OpSpec(rule="full"), k_bits=16, v_bits=16, share=2)
+    assert shared.axes_used() == ("tokens", "bits", "rank", "layers")
