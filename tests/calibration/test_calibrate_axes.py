@@ -8,7 +8,8 @@ import pytest
 
 from polykv.errors import ProfileError
 from polykv.models.kv_bases import KV_BASES_KEY
-from polykv.profiling.calibrate import calibrate, rank_pairs
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_axes import rank_pairs
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.profile_io import loads
 from polykv.profiling.rank_error import layer_rank_errors
