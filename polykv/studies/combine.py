@@ -6,7 +6,8 @@ machine) and reported together, paired item by item.
 Parts combine only when they are the same experiment: the same model, dtypes, memory basis, context length and
 prompt rule; a task that appears in several parts has the same parameters and seed there, and every item they
 share has the same answers and context length (the same prompt). A policy recorded in several parts (the full
-baseline, typically) must have the same plan and the same score on every shared item: it is read once. Anything
+baseline, typically) must run the same plan (its provenance, which only says how it was made, may differ) and
+have the same score on every shared item: it is read once. Anything
 else is refused in one line naming both files and the field.
 """
 
@@ -24,6 +25,14 @@ SAME_EXPERIMENT = ("model", "dtype", "storage_dtype", "basis", "context_tokens",
 
 def _canon(value) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+def _executed(plan):
+    """What of a recorded plan decides what runs: all but its provenance (how it was made, a note) and its
+    ``model_data`` file paths (where per-model data was read; the data is checked against the model anyway)."""
+    if not isinstance(plan, dict):
+        return plan
+    return {k: v for k, v in plan.items() if k not in ("provenance", "model_data")}
 
 
 def _check_specs(parts: Sequence[Results]) -> None:
@@ -78,7 +87,7 @@ def combine_results(paths: Sequence[str]) -> Results:
             if name not in policies:
                 policies[name], owner[name] = rec, part
                 continue
-            if _canon(rec.get("plan")) != _canon(policies[name].get("plan")):
+            if _canon(_executed(rec.get("plan"))) != _canon(_executed(policies[name].get("plan"))):
                 raise StudyError(f"{part.path}: policy '{name}' runs another plan than in {owner[name].path}; "
                                  f"rename one of them in its spec")
         for r in part.results:

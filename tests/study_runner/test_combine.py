@@ -80,5 +80,11 @@ def test_a_shared_policy_must_agree(tmp_path):
     d = _part(tmp_path / "d.jsonl", "d", {"full": FULL, "x@8x": FULL}, plans={"x@8x": {"layers": [2]}})
     with pytest.raises(StudyError, match="policy 'x@8x' runs another plan"):
         combine_results([c, d])
+    # The same plan, made another way (its provenance) or read with per-model data from elsewhere, is one policy.
+    e = _part(tmp_path / "e.jsonl", "e", {"full": FULL, "x@8x": FULL},
+              plans={"x@8x": {"layers": [1], "provenance": {"note": "by hand"}, "model_data": {"k": "/a/f"}}})
+    f = _part(tmp_path / "f.jsonl", "f", {"full": FULL, "x@8x": FULL},
+              plans={"x@8x": {"layers": [1], "provenance": {"note": "solved"}, "model_data": {"k": "/b/f"}}})
+    assert "x@8x" in combine_results([e, f]).policies
     with pytest.raises(StudyError, match="given twice"):
         combine_results([a, a])
