@@ -11,7 +11,9 @@ is kept once when both measured the same values, and refused otherwise.
 Per-(layer, rule) statistics (``cosine`` and the like) gain the new rules' columns; per-layer statistics measured
 in both (``entropy``) must agree, since they come from the same sequences; a statistic that summarises each
 calibration's own configs (``l2_kl_correlation``) holds for neither merged set and is dropped, as the note says. The base keeps its pair table and
-routing metric; the merged profile says in its provenance note which rules were added, and when.
+routing metric; the merged profile says in its provenance note which rules were added, and when, and lists the
+base's fingerprint in ``provenance.extends``: a plan solved from the base keeps its predicted loss under the merged
+profile (its configs' values are the same), so a report can rank it beside plans solved from the merged one.
 """
 
 from __future__ import annotations
@@ -86,4 +88,5 @@ def merge_profiles(base: Profile, extra: Profile) -> Profile:
     note = f"{base.provenance.note}; rules {', '.join(rules)} added from a calibration of {created}" + (
         f" (dropped {', '.join(dropped)}: it summarised each calibration's own configs)" if dropped else "")
     return attrs.evolve(base, configs=base.configs + tuple(extra.configs[i] for i in new), metrics=metrics, stats=stats,
-                        provenance=attrs.evolve(base.provenance, note=note))
+                        provenance=attrs.evolve(base.provenance, note=note,
+                                                extends=base.provenance.extends + (base.fingerprint,)))

@@ -159,6 +159,13 @@ class ProfileProvenance:
     note: str = ""
     dtype: str | None = None
     """Compute dtype of the calibration run (``float32``, ``bfloat16``, ``float16``); None when unrecorded."""
+    extends: tuple[str, ...] = attrs.field(default=(), converter=lambda v: tuple(str(x) for x in (v or ())))
+    """Fingerprints of the profiles this one extends (:mod:`polykv.profiling.merge`, ``calibrate --extend``),
+    oldest first: their tables are columns of this one, so a plan solved from them keeps its predicted loss here."""
+
+    def knows(self, fingerprint: str | None) -> bool:
+        """Whether a plan solved from the profile ``fingerprint`` was solved from one this profile extends."""
+        return fingerprint is not None and fingerprint in self.extends
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

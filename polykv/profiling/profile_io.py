@@ -43,8 +43,18 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
                       "values": s.values.tolist() if tables else None}
                   for k, s in sorted(p.stats.items())},
         **({} if p.pairs is None else {"pairs": _pairs_dict(p.pairs, tables)}),
-        "provenance": attrs.asdict(p.provenance),
+        "provenance": _provenance_dict(p.provenance),
     }
+
+
+def _provenance_dict(prov) -> dict[str, Any]:
+    """The provenance as JSON data; ``extends`` only when the profile extends another (files of before stay as
+    they were)."""
+    out = attrs.asdict(prov)
+    out["extends"] = list(out["extends"])
+    if not out["extends"]:
+        del out["extends"]
+    return out
 
 
 def _pairs_dict(t: PairTable, tables: bool) -> dict[str, Any]:

@@ -340,7 +340,7 @@ def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed
     """How well the profile's predicted loss ranks the measured accuracy of the plans at ``budget``.
 
     Each policy with a plan at ``budget`` gets its predicted loss from its provenance (when the plan was solved
-    from ``profile``, or no profile is given) or else from ``profile``'s additive model
+    from ``profile`` or from a profile it extends, or no profile is given) or else from ``profile``'s additive model
     (:func:`profile_loss`); plans with neither are listed without one. ``spearman`` is Spearman's rho between
     predicted loss and mean score over the plans with a loss (a profile that ranks plans right gives a rho near
     -1), with a one-sided permutation p for "less"; None (and ``note``) with fewer than 3 plans or a constant
@@ -359,7 +359,8 @@ def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed
         plan = parse_plan_dict(rec["plan"], source=f"{results.path}: policy '{name}'")
         prov = plan.provenance
         loss, source = None, None
-        if prov.predicted_loss is not None and (profile is None or prov.profile_fingerprint == profile.fingerprint):
+        if prov.predicted_loss is not None and (profile is None or prov.profile_fingerprint == profile.fingerprint
+                                                or profile.provenance.knows(prov.profile_fingerprint)):
             loss, source = float(prov.predicted_loss), "provenance"
         elif profile is not None:
             loss = profile_loss(plan, profile, T or int(prov.context_tokens or 0))

@@ -56,6 +56,8 @@ def test_extend_adds_rules_equal_to_calibrating_them_together(model_dir, tmp_pat
     assert (a.table("l2")[:, cols] == b.table("l2")).all()
     assert list(b.stats["cosine"].columns) == ["tova", "triattention", "keydiff"]
     assert "rules keydiff added" in b.provenance.note
+    assert b.provenance.extends == (load_profile(base).fingerprint,)  # written and read back
+    assert "extends" not in json.load(open(both))["provenance"]      # only an extended profile carries it
     assert os.path.isfile(str(tmp_path / "merged.qstats.safetensors"))  # the base's triattention data came along
 
 

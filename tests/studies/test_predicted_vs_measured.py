@@ -132,3 +132,18 @@ def test_profile_loss_is_none_for_a_setting_the_profile_lacks():
     assert designs.profile_loss(plan, profile, T) == pytest.approx(profile.table()[0, 0] + profile.table()[1, 1])
     other = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, capacity_ratio=0.3))
     assert designs.profile_loss(other, profile, T) is None
+
+
+def test_a_profile_extending_the_plans_profile_keeps_their_recorded_losses(study):
+    from polykv.profiling.merge import merge_profiles
+
+    path, _, profile, want_loss, _ = study
+    extra_cfg = [CandidateConfig(rule="tova", keep=0.25, phase="prefill")]
+    extra = Profile.from_table(np.full((2, 1), 0.5), extra_cfg, (2, 2, 32))
+    extended = merge_profiles(profile, extra)
+    assert extended.provenance.extends == (profile.fingerprint,) and extended.fingerprint != profile.fingerprint
+    got = {r["policy"]: r for r in designs.predicted_vs_measured(Results.load(str(path)), "passkey", "8x",
+                                                                  extended)["rows"]}
+    for k, name in enumerate(sorted(want_loss, key=lambda n: int(n[1:].split("@")[0]))):
+        assert got[name]["loss"] == pytest.approx(want_loss[name])  # recorded from the base: kept; else recomputed
+    assert Profile.from_table(np.zeros((2, 1)), extra_cfg, (2, 2, 32)).provenance.extends == ()
