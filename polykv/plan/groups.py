@@ -48,7 +48,7 @@ def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
 
 def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = None) -> None:
     """Members exist, belong to one group, and evict in prefill; allocators and their params are known
-    (parameters without a spec are added to ``unchecked``, see :func:`polykv.plan.io.plugin_instance`)."""
+    (parameters without a spec are added to ``unchecked``, see :func:`polykv.plan.validation.plugin_instance`)."""
     seen: dict[int, int] = {}
     for gi, g in enumerate(plan.allocation):
         field = f"allocation[{gi}]"
@@ -70,7 +70,7 @@ def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = N
                 cls = registry.allocator(g.allocator)
             except RegistryError as exc:
                 raise PlanError(str(exc), source=source, field=field + ".allocator") from None
-            from polykv.plan.io import plugin_instance
+            from polykv.plan.validation import plugin_instance
 
             allocator = plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
                                         unchecked={} if unchecked is None else unchecked,

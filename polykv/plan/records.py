@@ -308,7 +308,7 @@ class Plan:
 
     def validate(self, *, registry=None, geometry=None, source: str = "<plan>") -> "Plan":
         """Check names/params against the registry and shape against a model geometry; returns self."""
-        from polykv.plan.io import validate
+        from polykv.plan.validation import validate
 
         validate(self, registry=registry, geometry=geometry, source=source)
         return self

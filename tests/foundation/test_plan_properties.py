@@ -14,7 +14,8 @@ from polykv.errors import PlanError
 from polykv.models.geometry import ModelGeometry
 from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
                          OpSpec, Plan, Provenance, TriggerSettings)
-from polykv.plan.io import dumps, parse_plan_text, plan_dict, validate
+from polykv.plan.io import dumps, parse_plan_text, plan_dict
+from polykv.plan.validation import validate
 from polykv.registry import get_registry
 
 REGISTRY = get_registry()

@@ -1,0 +1,193 @@
+"""Plan validation against the plugins and the model: every rule, allocator and quantizer a plan names exists and
+takes its parameters, code widths and ranks fit, per-model data files are read by some rule and belong to the
+model, and the layers fit the model's geometry.
+
+Every error is a :class:`polykv.errors.PlanError` naming the file, the layer (when there is one) and the dotted
+field, and saying what to do. :func:`polykv.plan.io.load` calls :func:`validate` when given a registry or a
+geometry.
+"""
+
+from __future__ import annotations
+
+import os
+
+from polykv.errors import PlanError, RegistryError
+from polykv.plan import PASSTHROUGH_BITS, LayerPlan, Plan
+from polykv.plan.io import PHASES, RANK_FIELDS, check_op
+
+def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> None:
+    """Check op capacities, names and params against ``registry`` and shape against ``geometry``.
+
+    Parameters of rules, quantizers and allocators are checked against their ``param_specs``; a
+    given parameter its plugin declares no spec for is reported once per plugin as an
+    :class:`~polykv.contract.params.UncheckedParamsWarning` (its value is checked only when the plugin runs).
+    """
+    for lp in plan.layers:
+        for phase in PHASES:
+            check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
+    from polykv.plan.groups import check_groups
+
+    unchecked: dict[str, set[str]] = {}
+    check_groups(plan, source=source, registry=registry, unchecked=unchecked)
+    from polykv.plan.sharing import check_shares
+
+    check_shares(plan, source=source, geometry=geometry)
+    if registry is not None:
+        _validate_registry(plan, registry, source, unchecked)
+        _validate_model_data(plan, registry, source)
+    if geometry is not None:
+        validate_geometry(plan, geometry, source)
+    elif plan.model is not None:
+        _check_ranks(plan, plan.model.head_dim, source)
+    _warn_unchecked(unchecked, source)
+
+
+def _validate_model_data(plan: Plan, registry, source: str) -> None:
+    """Every ``model_data`` key is data some rule of the plan reads (a misspelt key would go unused)."""
+    from polykv.contract.model_data import needs_of_rules
+
+    read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
+    if plan.low_rank:
+        from polykv.models.kv_bases import KV_BASES_KEY
+
+        read = sorted(read + [KV_BASES_KEY])
+    for key in sorted(plan.model_data):
+        if key not in read:
+            raise PlanError(f"no rule of this plan reads per-model data '{key}' (they read {read or 'none'})",
+                            source=source, field=f"model_data.{key}",
+                            hint="remove the entry or correct its key")
+
+
+def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, unchecked: dict[str, set[str]],
+                    hint: str = "fix the value (see `polykv plugins`)"):
+    """``cls(**params)`` for a plan's rule, quantizer or allocator: a refused value is one PlanError naming
+    the parameter (``field.<name>``); given names without a spec are added to ``unchecked``."""
+    from polykv.contract.params import unchecked_params
+
+    try:
+        obj = cls(**params)
+    except (TypeError, ValueError) as exc:
+        param = getattr(exc, "param", None)
+        raise PlanError(str(exc), source=source, layer=layer, field=field + (f".{param}" if param else ""),
+                        hint=hint if param else None) from None
+    names = unchecked_params(cls, params)
+    if names:
+        owner = f"{getattr(cls, 'plugin_kind', 'plugin')} '{getattr(cls, 'name', cls.__name__)}'"
+        unchecked.setdefault(owner, set()).update(names)
+    return obj
+
+
+def _warn_unchecked(unchecked: dict[str, set[str]], source: str) -> None:
+    import warnings
+
+    from polykv.contract.params import UncheckedParamsWarning
+
+    for owner, names in sorted(unchecked.items()):
+        warnings.warn(f"{source}: {owner} declares no param_specs for {sorted(names)}: their values are not checked "
+                      "until it runs (its author can declare a ParamSpec per parameter)", UncheckedParamsWarning,
+                      stacklevel=4)
+
+
+def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
+    for lp in plan.layers:
+        for phase in PHASES:
+            op = getattr(lp, phase)
+            field = f"layers[{lp.layer}].{phase}"
+            try:
+                cls = registry.operator(op.rule)
+            except RegistryError as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".rule") from None
+            if phase not in cls.phases:
+                raise PlanError(f"rule '{op.rule}' does not run in the {phase} phase (it supports "
+                                f"{sorted(cls.phases)})", source=source, layer=lp.layer, field=field + ".rule",
+                                hint=f"choose a rule that supports {phase}, or 'full'")
+            rule = plugin_instance(cls, op.params, source=source, layer=lp.layer, field=field + ".params",
+                                   unchecked=unchecked, hint="fix the value (see `polykv plugins` and docs/rules.md)")
+            # A rule built with its parameters may run in fewer phases than its class (a wrapper runs
+            # where the rule it wraps runs): check the instance too.
+            built_phases = getattr(rule, "phases", cls.phases)
+            if phase not in built_phases:
+                raise PlanError(f"rule '{op.rule}' with params {dict(op.params)} does not run in the {phase} "
+                                f"phase (with these params it supports {sorted(built_phases)})", source=source,
+                                layer=lp.layer, field=field + ".params",
+                                hint=f"choose parameters (e.g. an inner rule) that run in {phase}, or another rule")
+        if lp.quantized:
+            field = f"layers[{lp.layer}]"
+            try:
+                qcls = registry.quantizer(lp.quantizer)
+            except RegistryError as exc:
+                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".quantizer") from None
+            for name in ("k_bits", "v_bits"):
+                bits = getattr(lp, name)
+                if bits != PASSTHROUGH_BITS and bits not in qcls.bits:
+                    raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
+                                    f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
+                                    field=f"{field}.{name}", hint="pick a supported width or 16")
+            quantizer = plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                                        field=field + ".quantizer_params", unchecked=unchecked,
+                                        hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+            _check_code_widths(lp, quantizer, source)
+
+
+def _check_code_widths(lp: LayerPlan, quantizer, source: str) -> None:
+    """The layer's quantizer can code its ranks' widths (:meth:`~polykv.contract.stores.Quantizer.check_width`)."""
+    for stream, name, bits in (("key", "k_rank", lp.k_bits), ("value", "v_rank", lp.v_bits)):
+        rank = getattr(lp, name)
+        if rank is None or bits == PASSTHROUGH_BITS:
+            continue
+        try:
+            quantizer.check_width(stream, bits, rank)
+        except ValueError as exc:
+            raise PlanError(f"{name} {rank}: {exc}", source=source, layer=lp.layer, field=f"layers[{lp.layer}].{name}",
+                            hint="choose a rank the quantizer accepts (see docs/low-rank.md), or other "
+                                 "quantizer_params") from None
+
+
+def _check_ranks(plan: Plan, head_dim: int, source: str) -> None:
+    """Every rank fits the model's head dim."""
+    for lp in plan.layers:
+        for name in RANK_FIELDS:
+            rank = getattr(lp, name)
+            if rank is not None and rank > head_dim:
+                raise PlanError(f"rank {rank} exceeds the model's head dim {head_dim}", source=source, layer=lp.layer,
+                                field=f"layers[{lp.layer}].{name}",
+                                hint=f"use a rank in 1..{head_dim}, or remove it for full rank")
+
+
+def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
+    from polykv.models.geometry import fingerprints_match
+
+    if plan.num_layers != geometry.num_layers:
+        raise PlanError(f"the plan has {plan.num_layers} layers but the model has {geometry.num_layers}",
+                        source=source, field="layers", hint="use a plan made for this model (polykv solve)")
+    m = plan.model
+    if m is None:
+        _check_ranks(plan, geometry.head_dim, source)
+        return
+    if m.num_kv_heads != geometry.num_kv_heads:
+        raise PlanError(f"the plan was made for {m.num_kv_heads} KV heads but the model has "
+                        f"{geometry.num_kv_heads}", source=source, field="model.num_kv_heads",
+                        hint="use a plan made for this model")
+    if m.head_dim != geometry.head_dim:
+        raise PlanError(f"the plan was made for head_dim {m.head_dim} but the model has {geometry.head_dim}",
+                        source=source, field="model.head_dim", hint="use a plan made for this model")
+    if not fingerprints_match(m.fingerprint, geometry.fingerprint):
+        raise PlanError(f"the plan was made for model {m.fingerprint} but this model is {geometry.fingerprint}",
+                        source=source, field="model.fingerprint",
+                        hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")
+    _check_ranks(plan, geometry.head_dim, source)
+    _check_bases_file(plan, geometry, source)
+
+
+def _check_bases_file(plan: Plan, geometry, source: str) -> None:
+    """The key/value bases file a plan with ranks names (when it exists) was measured on this model."""
+    from polykv.errors import ProfileError
+    from polykv.models.kv_bases import KV_BASES_KEY, KVBases
+
+    path = plan.model_data.get(KV_BASES_KEY)
+    if not plan.low_rank or not path or not os.path.isfile(path):
+        return
+    try:
+        KVBases.load(path).check_geometry(geometry)
+    except ProfileError as exc:
+        raise PlanError(str(exc), source=source, field=f"model_data.{KV_BASES_KEY}") from None
