@@ -300,8 +300,11 @@ class Results:
 
     @classmethod
     def load(cls, path: str) -> "Results":
+        """The results file at ``path``; a plan-file policy (no solver budget) is placed at the budget its plan's
+        provenance names (``{"ratio": 8.0}`` -> ``"8x"``), so the per-budget analyses compare it with the solved
+        plans of that budget."""
         records = read_records(path)
-        policies = {r["policy"]: r for r in records if r.get("kind") == "policy"}
+        policies = {r["policy"]: with_plan_budget(r) for r in records if r.get("kind") == "policy"}
         results = [r for r in records if r.get("kind") == "result"]
         return cls(path=path, header=records[0], policies=policies, results=results)
 
@@ -343,3 +346,26 @@ class Results:
 def _item_order(item: str):
     head, _, tail = item.rpartition("-")
     return (head, int(tail)) if tail.isdigit() else (item, -1)
+
+
+def budget_label(budget) -> str | None:
+    """The spec's budget string of a plan's ``provenance.budget``: ``{"ratio": 8.0}`` -> ``"8x"``, ``{"bytes": n}``
+    -> ``"n"``, ``{"tokens": n}`` -> ``"ntok"``; None for anything else."""
+    if not isinstance(budget, dict) or len(budget) != 1:
+        return None
+    (kind, value), = budget.items()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if kind == "ratio":
+        return f"{float(value):g}x"
+    if kind in ("bytes", "tokens") and float(value).is_integer():
+        return f"{int(value)}" + ("tok" if kind == "tokens" else "")
+    return None
+
+
+def with_plan_budget(rec: dict) -> dict:
+    """``rec`` (a policy record) with ``budget`` taken from its plan's provenance when the study gave it none."""
+    if rec.get("budget") is not None or rec.get("role") == "full" or not isinstance(rec.get("plan"), dict):
+        return rec
+    label = budget_label((rec["plan"].get("provenance") or {}).get("budget"))
+    return rec if label is None else {**rec, "budget": label}

@@ -147,3 +147,22 @@ def test_a_profile_extending_the_plans_profile_keeps_their_recorded_losses(study
     for k, name in enumerate(sorted(want_loss, key=lambda n: int(n[1:].split("@")[0]))):
         assert got[name]["loss"] == pytest.approx(want_loss[name])  # recorded from the base: kept; else recomputed
     assert Profile.from_table(np.zeros((2, 1)), extra_cfg, (2, 2, 32)).provenance.extends == ()
+
+
+def test_a_plan_file_policy_counts_at_the_budget_its_plan_names(study, tmp_path):
+    from polykv.studies.results import budget_label
+
+    path, _, profile, want_loss, _ = study
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    name = sorted(want_loss)[0]
+    for x in lines:
+        if x.get("kind") == "policy" and x["policy"] == name:
+            x["budget"] = None  # a plan file in the spec: no solver budget recorded
+            x["plan"]["provenance"]["budget"] = {"ratio": 8.0}
+    other = tmp_path / "plans.jsonl"
+    other.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = Results.load(str(other))
+    assert res.policies[name]["budget"] == "8x" and res.policies["full"]["budget"] is None
+    assert name in {r["policy"] for r in designs.predicted_vs_measured(res, "passkey", "8x", profile)["rows"]}
+    assert [budget_label(b) for b in ({"ratio": 12.0}, {"ratio": 2.5}, {"bytes": 1000}, {"tokens": 400}, None,
+                                      {"ratio": True})] == ["12x", "2.5x", "1000", "400tok", None, None]
