@@ -395,7 +395,7 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
 
         prof = load_profile(profile_path)
     for task in res.tasks:
-        lines += _task_section(res, task, figures, prof)
+        lines += _task_section(res.for_task(task), task, figures, prof)
     for b in designs.budgets(res):
         rows, T = _route_rows(res, b)
         if rows:

@@ -316,6 +316,15 @@ class Results:
         """Policies in the order they were first recorded."""
         return list(self.policies)
 
+    def for_task(self, task: str) -> "Results":
+        """These results with only the policies that ran ``task`` (parts of a combined study may leave a task out:
+        a part run at fewer budgets, or on other tasks)."""
+        ran = {r["policy"] for r in self.results if r["task"] == task}
+        if ran >= set(self.policies):
+            return self
+        return attrs.evolve(self, policies={n: r for n, r in self.policies.items() if n in ran},
+                            results=[r for r in self.results if r["policy"] in ran])
+
     def items(self, task: str) -> list[str]:
         """Item ids of ``task`` finished by every policy that has results (the paired set)."""
         by_policy = defaultdict(set)
@@ -328,9 +337,12 @@ class Results:
         return sorted(common, key=_item_order)
 
     def scores(self, policy: str, task: str, items: Iterable[str] | None = None) -> np.ndarray:
-        """[n] scores of ``policy`` on ``items`` (default: the paired set of ``task``), in that order."""
+        """[n] scores of ``policy`` on ``items`` (default: the paired set of ``task``), in that order; empty when the
+        policy did not run ``task`` at all (a part of a combined study that left the task out)."""
         items = self.items(task) if items is None else list(items)
         table = {r["item"]: r["score"] for r in self.results if r["policy"] == policy and r["task"] == task}
+        if not table:
+            return np.array([], dtype=np.float64)
         missing = [i for i in items if i not in table]
         if missing:
             raise StudyError(f"{self.path}: policy '{policy}' has no result for {len(missing)} item(s) of task "

@@ -88,3 +88,26 @@ def test_a_shared_policy_must_agree(tmp_path):
     assert "x@8x" in combine_results([e, f]).policies
     with pytest.raises(StudyError, match="given twice"):
         combine_results([a, a])
+
+
+def test_a_part_that_left_a_task_out_is_reported_on_the_tasks_it_ran(tmp_path):
+    a = _part(tmp_path / "a.jsonl", "a", {"full": FULL, "x@8x": [1, 0, 1, 0, 0, 1]})
+    b = _part(tmp_path / "b.jsonl", "b", {"full": FULL, "y@8x": [0, 0, 1, 0, 1, 1]},
+              spec={"tasks": SPEC["tasks"] + [{"task": "niah", "params": {"length": 100}, "samples": 6, "seed": 0}]})
+    lines = [json.loads(x) for x in open(b)]
+    for i in range(6):  # b also ran niah; a did not
+        for policy, s in (("full", 1.0), ("y@8x", float(i % 2))):
+            lines.append({"kind": "result", "policy": policy, "task": "niah", "item": f"niah-{i}", "score": s,
+                          "kv_bytes": 125, "full_kv_bytes": 1000, "context_tokens": 100, "answers": ["1"]})
+    open(b, "w").write("".join(json.dumps(x) + "\n" for x in lines))
+    res = combine_results([a, b])
+    assert res.scores("x@8x", "niah").size == 0
+    assert sorted(res.for_task("niah").policies) == ["full", "y@8x"]
+    assert sorted(res.for_task("passkey").policies) == ["full", "x@8x", "y@8x"]
+    assert [r["policy"] for r in policy_rows(res.for_task("niah"), "niah")] == ["full", "y@8x"]
+    assert main(["report", a, b, "-o", str(tmp_path / "report")]) == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## Task `niah`" in md and "## Task `passkey`" in md
+    # A policy that ran a task but not all of its items is still an unfinished study, and says so.
+    with pytest.raises(StudyError, match="has no result for 2 item"):
+        res.scores("x@8x", "passkey", [f"passkey-{i}" for i in range(8)])
