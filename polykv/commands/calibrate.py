@@ -163,13 +163,14 @@ def load_model(name: str, device: str, dtype: str = "float32"):
 def copy_side_files(base: str, output: str, *, skip: set) -> None:
     """The per-model data files beside the profile ``base`` (query statistics, head scores, bases) copied beside
     ``output``, except those this run wrote (``skip``): the merged profile keeps the data its base's rules read."""
-    from polykv.atomic import replace_with, same_file
-    from polykv.commands.model_data import known_needs
-    from polykv.contract.model_data import side_file
-    from polykv.registry import get_registry
     import shutil
 
-    for need, _ in known_needs(get_registry()).values():
+    from polykv.atomic import replace_with, same_file
+    from polykv.contract.model_data import registered_needs, side_file
+    from polykv.models.kv_bases import KV_BASES_NEED
+    from polykv.registry import get_registry
+
+    for need in [*registered_needs(get_registry()), KV_BASES_NEED]:
         src, dst = side_file(base, need.suffix), side_file(output, need.suffix)
         if os.path.isfile(src) and dst not in skip and not (os.path.exists(dst) and same_file(src, dst)):
             replace_with(dst, lambda tmp, src=src: shutil.copyfile(src, tmp))

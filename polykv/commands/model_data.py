@@ -71,12 +71,11 @@ def run(args) -> int:
 
     check_output(args.output, what=f"{need.description or need.key} file", option="-o", recognise=recognise)
     from polykv.commands.calibrate import load_model
-    from polykv.contract.model_data import corpus_batches
+    from polykv.contract.model_data import compute_over_corpus
 
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     start = time.perf_counter()
-    batches = corpus_batches(tokenizer, next(model.parameters()).device)
-    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
+    data, batches = compute_over_corpus(need, model, tokenizer)
     data.save(args.output)
     tokens = sum(int(b.shape[-1]) for b in batches)
     print(f"{args.output}: {need.description or need.key} ('{need.key}') of {args.model} over the offline corpus "

@@ -205,13 +205,20 @@ def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mappin
     return out
 
 
+def compute_over_corpus(need: ModelDataNeed, model: Any, tokenizer: Any) -> tuple[Any, list]:
+    """``need``'s data computed over the offline corpus (:func:`corpus_batches`) with ``tokenizer``, and the batches
+    it was computed on: what the runtime does for missing data, and ``polykv model-data`` on purpose."""
+    batches = corpus_batches(tokenizer, next(model.parameters()).device)
+    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
+    return data, batches
+
+
 def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None) -> Any:
     import time
     import warnings
 
     start = time.perf_counter()
-    batches = corpus_batches(tokenizer, next(model.parameters()).device)
-    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
+    data, batches = compute_over_corpus(need, model, tokenizer)
     seconds = time.perf_counter() - start
     saved = ""
     if cached is not None:
