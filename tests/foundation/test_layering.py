@@ -64,7 +64,8 @@ MODULE_LAYER = {
     "polykv": "runtime",
     "polykv.models.reference": "runtime",   # runs a plan to compare with the masked reference
     "polykv.models.families": "runtime",    # checks a model family is served correctly by running plans
-    "polykv.testing": "runtime",            # tiny models, plugin contract checks and decode soaks
+    "polykv.testing": "runtime",            # tiny models, vanilla-equality checks and decode soaks
+    "polykv.plugin_checks": "runtime",      # plugin contract checks: they run plugins through polykv.apply
     "polykv.cli": "entry",
     "polykv.__main__": "entry",
 }
