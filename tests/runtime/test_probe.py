@@ -11,7 +11,7 @@ from polykv.contract import ProbeChunk, RuleState, ScoredRule
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
 from polykv.registry import get_registry
-from polykv.testing import _registry_with
+from polykv.plugin_checks import _registry_with
 
 KVZIP = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10], "chunk_size": 16, "n_sink": 2}
 
