@@ -293,7 +293,8 @@ class LoadedStudy:
             snap = None
             if spec.reuse_prefill:
                 start = time.perf_counter()
-                snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size)
+                snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size,
+                                       model_data=model_data)
                 prefill_s = time.perf_counter() - start
             ref = None
             if forced:

@@ -139,3 +139,31 @@ def test_every_prefill_rule_restores_from_a_snapshot_as_its_own_prefill(model, r
     assert all(torch.equal(a, b) for a, b in zip(pos_a, pos_b))
     assert all(torch.equal(a, b) for a, b in zip(log_a, log_b))
     assert torch.equal(tok_a, tok_b)
+
+
+def test_a_study_gives_its_prefill_capture_the_model_data_it_found(tmp_path, spec_writer, profile_path, monkeypatch):
+    """A study reads the profile's side file for a TriAttention plan; its shared prefill must be captured with
+    that same data, not with statistics computed (and cached) again from the corpus."""
+    import shutil
+    import warnings
+
+    from polykv.contract.model_data import ModelDataNote
+    from polykv.models.query_stats import compute_query_stats
+    from tests.study_runner.conftest import TINY
+
+    monkeypatch.setenv("POLYKV_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: a lookup would compute
+    tiny = tiny_model(**TINY)
+    profile = tmp_path / "tiny-profile.json"
+    shutil.copy(profile_path, profile)
+    batches = [torch.randint(1, TINY["vocab"], (1, 64), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    compute_query_stats(tiny, batches).save(str(tmp_path / "tiny-profile.qstats.safetensors"))
+    plan = uniform_plan(geometry_of_model(tiny), prefill=OpSpec(rule="triattention", capacity_ratio=0.5))
+    plan.save(str(tmp_path / "tri.plan.json"))
+    spec = spec_writer(tmp_path, profile=str(profile), solvers=[], plans={"tri": str(tmp_path / "tri.plan.json")})
+    results = str(tmp_path / "results.jsonl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_study(prepare(load_spec(spec), results), progress=False)
+    assert not [w for w in caught if issubclass(w.category, ModelDataNote)], [str(w.message) for w in caught]
+    records = [r for r in read_records(results) if r["kind"] == "result"]
+    assert {r["policy"] for r in records} == {"full", "tri"} and all(r["reused_prefill"] for r in records)
