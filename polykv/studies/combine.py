@@ -27,7 +27,7 @@ def _canon(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _executed(plan):
+def executed_plan(plan):
     """What of a recorded plan decides what runs: all but its provenance (how it was made, a note) and its
     ``model_data`` file paths (where per-model data was read; the data is checked against the model anyway)."""
     if not isinstance(plan, dict):
@@ -87,7 +87,7 @@ def combine_results(paths: Sequence[str]) -> Results:
             if name not in policies:
                 policies[name], owner[name] = rec, part
                 continue
-            if _canon(_executed(rec.get("plan"))) != _canon(_executed(policies[name].get("plan"))):
+            if _canon(executed_plan(rec.get("plan"))) != _canon(executed_plan(policies[name].get("plan"))):
                 raise StudyError(f"{part.path}: policy '{name}' runs another plan than in {owner[name].path}; "
                                  f"rename one of them in its spec")
         for r in part.results:

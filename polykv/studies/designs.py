@@ -110,6 +110,7 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
     for name, path in spec.plans.items():
         out.append(Policy(name=name, method=name, budget=None, role=name if name in ROLES else "",
                           plan=load_plan(path, registry=registry)))
+    _refuse_measuring_solvers(spec, registry)
     for entry in spec.solvers:
         for b in spec.budgets:
             budget = spec.budget(b)
@@ -130,6 +131,24 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
                                   solver=entry.solver, index=i, guided=guided,
                                   profile_score=_route_score(profile, plan)))
     return out
+
+
+def _refuse_measuring_solvers(spec: StudySpec, registry) -> None:
+    """A study solves its plans before any model loads (bad input fails in seconds), so a solver that measures
+    its candidate plans on the model (``refine``) cannot run as a solver entry: say how to run it instead."""
+    if registry is None:
+        from polykv.registry import get_registry
+
+        registry = get_registry()
+    for entry in spec.solvers:
+        if getattr(registry.solver(entry.solver), "needs_model", False):
+            b = spec.budgets[0] if spec.budgets else "8x"
+            raise StudyError(
+                f"{spec.source}: solver entry '{entry.name}' (solver '{entry.solver}') measures its candidate plans "
+                "on the model, and a study solves every plan before it loads one: solve it first, e.g. "
+                f"`polykv solve PROFILE --budget {b} --context {spec.context_tokens} --basis {spec.basis} "
+                f"--cache-dtype {spec.cache_dtype} --solver {entry.solver} --model {spec.model} -o {entry.name}.{b}.plan.json`, and list each file "
+                f"under \"plans\" as \"{entry.name}@{b}\"")
 
 
 # -- comparisons ---------------------------------------------------------------------------------
@@ -297,8 +316,12 @@ PREDICTED_VS_MEASURED_MIN = 12
 
 def profile_loss(plan: Plan, profile, context_tokens: int, metric: str | None = None) -> float | None:
     """The profile's additive loss of ``plan``: sum over layers of the table value of the config the layer runs
-    (same rule, phase, parameters, widths and kept tokens at ``context_tokens``); None when a layer runs a
-    setting the profile did not measure (or the plan's allocator decides its capacities at run time)."""
+    (same rule, phase, parameters, widths and kept tokens at ``context_tokens``). A layer that keeps a share of
+    the tokens the profile did not measure, of a rule and widths it did, gets the loss linearly interpolated in
+    keep between the two profiled keeps around it, as the ``uniform`` solver predicts its own plans
+    (:func:`polykv.solvers.uniform.interpolated_loss`; the keep-everything config at those widths closes the
+    range). None when a layer runs a setting the profile cannot predict (another rule, parameters or widths, a
+    keep below the lowest profiled one), or the plan's allocator decides its capacities at run time."""
     from polykv.plan import FULL_OP, OpSpec
 
     if plan.allocation or plan.num_layers != profile.num_layers:
@@ -323,10 +346,32 @@ def profile_loss(plan: Plan, profile, context_tokens: int, metric: str | None = 
             if all(_same_op(a, b, context_tokens) for a, b in zip(ops, (lp.prefill, lp.decode))):
                 found = j
                 break
-        if found is None:
+        loss = float(table[lp.layer, found]) if found is not None else _interpolated(profile, table, lp,
+                                                                                       context_tokens)
+        if loss is None:
             return None
-        total += float(table[lp.layer, found])
+        total += loss
     return total
+
+
+def _interpolated(profile, table, lp, context_tokens: int) -> float | None:
+    """The loss of layer ``lp`` interpolated in keep between profiled keeps of its rule (see :func:`profile_loss`)."""
+    import json
+
+    from polykv.solvers.uniform import Template, interpolated_loss
+
+    ops = [op for op in (lp.prefill, lp.decode) if not op.keeps_everything]
+    if not ops or context_tokens < 1 or (len(ops) == 2 and ops[0] != ops[1]):
+        return None
+    op = ops[0]
+    phase = "both" if len(ops) == 2 else ("prefill" if lp.decode.keeps_everything else "decode")
+    tpl = Template(op.rule, phase, json.dumps(dict(op.params), sort_keys=True))
+    if not any(not c.keeps_everything and (c.rule, c.phase, json.dumps(c.params, sort_keys=True)) == tpl
+               for c in profile.configs):
+        return None
+    keep = min(op.resolve_capacity(context_tokens), context_tokens) / context_tokens
+    per_layer = interpolated_loss(profile, table, tpl, lp.k_bits, lp.v_bits, keep)
+    return None if per_layer is None else float(per_layer[lp.layer])
 
 
 def _same_op(a, b, context_tokens: int) -> bool:
@@ -341,15 +386,20 @@ def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed
 
     Each policy with a plan at ``budget`` gets its predicted loss from its provenance (when the plan was solved
     from ``profile`` or from a profile it extends, or no profile is given) or else from ``profile``'s additive model
-    (:func:`profile_loss`); plans with neither are listed without one. ``spearman`` is Spearman's rho between
-    predicted loss and mean score over the plans with a loss (a profile that ranks plans right gives a rho near
+    (:func:`profile_loss`); plans with neither are listed without one. A policy that runs the same plan as an
+    earlier one (``same_plan_as``: a solver that kept its starting plan) is listed but counted once. ``spearman``
+    is Spearman's rho between predicted loss and mean score over the distinct plans with a loss (a profile that ranks plans right gives a rho near
     -1), with a one-sided permutation p for "less"; None (and ``note``) with fewer than 3 plans or a constant
     side. None when no plan at the budget has a loss.
     """
+    import json
+
     from polykv.plan.io import parse_plan_dict
+    from polykv.studies.combine import executed_plan
 
     T = int(results.header["spec"].get("context_tokens") or 0)
     rows = []
+    seen: dict[str, str] = {}  # executed plan -> the first policy running it
     for name, rec in results.policies.items():
         if rec.get("budget") != budget or not rec.get("plan"):
             continue
@@ -365,9 +415,11 @@ def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed
         elif profile is not None:
             loss = profile_loss(plan, profile, T or int(prov.context_tokens or 0))
             source = None if loss is None else "profile"
+        same = seen.setdefault(json.dumps(executed_plan(rec["plan"]), sort_keys=True), name)
         rows.append({"policy": name, "solver": prov.solver, "loss": loss, "source": source,
-                     "accuracy": float(scores.mean()), "items": int(scores.size)})
-    have = [r for r in rows if r["loss"] is not None]
+                     "accuracy": float(scores.mean()), "items": int(scores.size),
+                     "same_plan_as": None if same == name else same})
+    have = [r for r in rows if r["loss"] is not None and r["same_plan_as"] is None]
     if not have:
         return None
     out: dict[str, Any] = {"rows": rows, "n": len(have), "spearman": None, "note": ""}

@@ -202,8 +202,10 @@ def _predicted_vs_measured(pvm: dict | None) -> list[str]:
     out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
     for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
         loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
-        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {r['source'] or 'not in the profile'} | "
-                   f"{r['accuracy']:.3f} |")
+        source = r["source"] or "not in the profile"
+        if r.get("same_plan_as"):
+            source += f"; the same plan as {r['same_plan_as']}, counted once"
+        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {source} | {r['accuracy']:.3f} |")
     return out + [""]
 
 

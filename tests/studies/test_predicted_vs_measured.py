@@ -130,8 +130,29 @@ def test_profile_loss_is_none_for_a_setting_the_profile_lacks():
     profile = _profile()
     plan = _plan(profile, [0, 1], None)
     assert designs.profile_loss(plan, profile, T) == pytest.approx(profile.table()[0, 0] + profile.table()[1, 1])
-    other = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, capacity_ratio=0.3))
-    assert designs.profile_loss(other, profile, T) is None
+    below = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, capacity_ratio=0.1))
+    assert designs.profile_loss(below, profile, T) is None  # below the lowest profiled keep (0.25)
+    other = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, rule="tova"))
+    assert designs.profile_loss(other, profile, T) is None  # a rule the profile never measured
+    widths = attrs.evolve(plan, layers=(plan.layers[0], attrs.evolve(plan.layers[1], k_bits=4)))
+    assert designs.profile_loss(widths, profile, T) is None  # widths it never measured
+
+
+def test_profile_loss_interpolates_a_keep_between_profiled_keeps():
+    """A keep the profile did not measure (30 of 100 tokens) is priced as the uniform solver prices its own
+    plans: linearly between the profiled keeps around it (0.25 and 0.5), at the layer's widths."""
+    profile = _profile()
+    table = profile.table()
+    col = {(c.rule, c.keep, c.k_bits, c.v_bits): j for j, c in enumerate(profile.configs)}
+    plan = _plan(profile, [col[("snapkv", 0.25, 16, 8)], col[("snapkv", 0.5, 8, 16)]], None)
+    moved = plan.with_layer(1, prefill=attrs.evolve(plan.layers[1].prefill, capacity_ratio=0.3, capacity=None))
+    lo, hi = table[1, col[("snapkv", 0.25, 8, 16)]], table[1, col[("snapkv", 0.5, 8, 16)]]
+    want = table[0, col[("snapkv", 0.25, 16, 8)]] + 0.8 * lo + 0.2 * hi
+    assert designs.profile_loss(moved, profile, T) == pytest.approx(want)
+    top = plan.with_layer(1, prefill=attrs.evolve(plan.layers[1].prefill, capacity_ratio=0.75, capacity=None))
+    full = table[1, col[("full", 1.0, 8, 16)]]  # the keep-everything config at the same widths closes the range
+    assert designs.profile_loss(top, profile, T) == pytest.approx(
+        table[0, col[("snapkv", 0.25, 16, 8)]] + 0.5 * hi + 0.5 * full)
 
 
 def test_a_profile_extending_the_plans_profile_keeps_their_recorded_losses(study):
@@ -166,3 +187,24 @@ def test_a_plan_file_policy_counts_at_the_budget_its_plan_names(study, tmp_path)
     assert name in {r["policy"] for r in designs.predicted_vs_measured(res, "passkey", "8x", profile)["rows"]}
     assert [budget_label(b) for b in ({"ratio": 12.0}, {"ratio": 2.5}, {"bytes": 1000}, {"tokens": 400}, None,
                                       {"ratio": True})] == ["12x", "2.5x", "1000", "400tok", None, None]
+
+
+def test_a_policy_running_the_same_plan_as_another_is_counted_once(tmp_path):
+    """A solver that kept its starting plan (refine finding no better move) runs the same plan as that solver's
+    policy: the report lists both but counts the plan once, so n counts distinct plans."""
+    profile = _profile()
+    plans = {f"p{k}@8x": _plan(profile, cols, None) for k, cols in enumerate([(0, 1), (1, 2), (2, 0), (3, 1)])}
+    same = plans["p1@8x"]
+    plans["kept@8x"] = attrs.evolve(same, provenance=attrs.evolve(same.provenance, solver="refine", note="kept"))
+    accuracy = {"p0@8x": 0.2, "p1@8x": 0.4, "p2@8x": 0.6, "p3@8x": 0.8, "kept@8x": 0.4}
+    path = tmp_path / "results.jsonl"
+    _write(path, profile, plans, accuracy)
+    pvm = designs.predicted_vs_measured(Results.load(str(path)), "passkey", "8x", profile)
+    rows = {r["policy"]: r for r in pvm["rows"]}
+    assert rows["kept@8x"]["same_plan_as"] == "p1@8x" and rows["p1@8x"]["same_plan_as"] is None
+    assert pvm["n"] == 4
+    prof_path = tmp_path / "p.profile.json"
+    profile.save(str(prof_path))
+    write_report(str(path), str(tmp_path / "out"), profile_path=str(prof_path))
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "over n = 4 plans" in md and "the same plan as p1@8x, counted once" in md

@@ -72,6 +72,14 @@ def test_an_unsolvable_budget_names_the_policy(tmp_path, spec_writer):
     _fails(path, tmp_path / "r.jsonl", r"policy '2d_hetero@100000x'")
 
 
+def test_a_measuring_solver_entry_says_how_to_solve_its_plans_first(tmp_path, spec_writer):
+    """refine measures plans on the model, which a study loads only after solving: the spec is refused with the
+    polykv solve command that makes the plan files instead."""
+    path = spec_writer(tmp_path, model=UNLOADABLE, solvers=[{"name": "mine", "solver": "refine"}])
+    _fails(path, tmp_path / "r.jsonl", r"solver entry 'mine' \(solver 'refine'\) measures its candidate plans.*"
+           r"polykv solve PROFILE --budget .* --solver refine --model .* -o mine\..*\.plan\.json.*\"plans\"")
+
+
 def test_the_cli_prints_the_error_and_exits_2(tmp_path, spec_writer, capsys):
     path = spec_writer(tmp_path, model=UNLOADABLE, tasks=[{"task": "no-such-task"}])
     assert main(["study", path, "--results", str(tmp_path / "r.jsonl"), "--no-progress"]) == 2
