@@ -127,6 +127,21 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *,
                            fingerprint=geometry_of_model(model).fingerprint)
 
 
+def policy_model_data(model, tokenizer, policies: list[Policy], profile: str | None, *,
+                      registry=None) -> dict[str, dict[str, Any]]:
+    """``{policy name: its per-model data}``: :func:`plan_model_data` once per distinct set of data files the
+    plans name (their ``model_data`` fields), so two plans that name different files for one key (query statistics
+    of two profiles, say) each run with their own, and plans that name the same (or none) share one load."""
+    groups: dict[tuple, list[Policy]] = {}
+    for pol in policies:
+        groups.setdefault(tuple(sorted(pol.plan.model_data.items())), []).append(pol)
+    out: dict[str, dict[str, Any]] = {}
+    for members in groups.values():
+        data = plan_model_data(model, tokenizer, [p.plan for p in members], profile, registry=registry)
+        out.update({p.name: data for p in members})
+    return out
+
+
 def _ids(ids: list[int], device) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long, device=device)
 
@@ -230,7 +245,8 @@ class LoadedStudy:
     model: Any
     tokenizer: Any
     geometry: Any
-    model_data: dict[str, Any]
+    model_data: dict[str, dict[str, Any]]
+    """Per policy name, the per-model data its plan reads (:func:`policy_model_data`)."""
     encoder: PromptEncoder
     """The spec's prompt rule: how item texts become token ids."""
     stop: frozenset[int]
@@ -252,7 +268,7 @@ class LoadedStudy:
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
-        model_data = plan_model_data(model, tokenizer, [p.plan for p in policies], spec.profile, registry=registry)
+        model_data = policy_model_data(model, tokenizer, policies, spec.profile, registry=registry)
         encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
         return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,
                    model_data=model_data, encoder=encoder, stop=stop_ids(model, tokenizer), registry=registry)
@@ -289,30 +305,32 @@ class LoadedStudy:
             if forced and full is None:
                 raise StudyError(f"{spec.source}: task '{task.name}' is teacher_forced and needs the full "
                                  "baseline policy as its reference; set \"baseline\": true")
-            plans = [p.plan for p in todo] + ([full.plan] if forced else [])
-            snap = None
+            run = todo + ([full] if forced and full.name not in {p.name for p in todo} else [])
+            snaps: dict[int, tuple] = {}  # one shared prefill per distinct per-model data of the policies
             if spec.reuse_prefill:
-                start = time.perf_counter()
-                snap = capture_prefill(model, ctx, plans, registry=registry, chunk_size=spec.chunk_size,
-                                       model_data=model_data)
-                prefill_s = time.perf_counter() - start
+                for data in {id(model_data[p.name]): model_data[p.name] for p in run}.values():
+                    start = time.perf_counter()
+                    snap = capture_prefill(model, ctx, [p.plan for p in run if model_data[p.name] is data],
+                                           registry=registry, chunk_size=spec.chunk_size, model_data=data)
+                    snaps[id(data)] = (snap, time.perf_counter() - start)
+            snap_of = lambda pol: snaps.get(id(model_data[pol.name]), (None, None))[0]  # noqa: E731
             ref = None
             if forced:
                 cont = _ids(encoder.text_ids(item.answers[0]), device)
-                ref = _run_forced(model, full, task, item, ctx, cont, snap, None, spec=spec, geo=geo,
-                                  model_data=model_data, registry=registry)
+                ref = _run_forced(model, full, task, item, ctx, cont, snap_of(full), None, spec=spec, geo=geo,
+                                  model_data=model_data[full.name], registry=registry)
             for pol in todo:
                 if forced:
                     record = ref if pol.name == full.name else _run_forced(
-                        model, pol, task, item, ctx, cont, snap, ref["reference"], spec=spec, geo=geo,
-                        model_data=model_data, registry=registry)
+                        model, pol, task, item, ctx, cont, snap_of(pol), ref["reference"], spec=spec, geo=geo,
+                        model_data=model_data[pol.name], registry=registry)
                     record = {k: v for k, v in record.items() if k != "reference"}
                 else:
-                    record = _run_policy(model, pol, task, item, ctx, question, snap, spec=spec, geo=geo,
-                                         model_data=model_data, stop=self.stop, tokenizer=tokenizer,
+                    record = _run_policy(model, pol, task, item, ctx, question, snap_of(pol), spec=spec, geo=geo,
+                                         model_data=model_data[pol.name], stop=self.stop, tokenizer=tokenizer,
                                          registry=registry)
-                if snap is not None:
-                    record["prefill_seconds"] = prefill_s
+                if snaps:
+                    record["prefill_seconds"] = snaps[id(model_data[pol.name])][1]
                 record["bos_first"] = encoder.bos_id is not None and int(ctx[0, 0]) == encoder.bos_id
                 yield record
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -167,3 +168,42 @@ def test_a_study_gives_its_prefill_capture_the_model_data_it_found(tmp_path, spe
     assert not [w for w in caught if issubclass(w.category, ModelDataNote)], [str(w.message) for w in caught]
     records = [r for r in read_records(results) if r["kind"] == "result"]
     assert {r["policy"] for r in records} == {"full", "tri"} and all(r["reused_prefill"] for r in records)
+
+
+def test_plans_naming_different_model_data_each_read_their_own(tmp_path, spec_writer, profile_path):
+    """Two TriAttention plans whose model_data fields name the query statistics of two profiles: each policy runs
+    with the file its own plan names (one shared lookup gave both the first file found), and a study of the two
+    scores each as a study of it alone."""
+    from polykv.models.query_stats import QueryStats, compute_query_stats
+    from polykv.studies.runner import LoadedStudy
+    from tests.study_runner.conftest import TINY
+
+    tiny = tiny_model(**TINY)
+    geo = geometry_of_model(tiny)
+    files = {}
+    for name, seed in (("a", 0), ("b", 7)):
+        batches = [torch.randint(1, TINY["vocab"], (1, 64), generator=torch.Generator().manual_seed(seed))]
+        files[name] = str(tmp_path / f"{name}.qstats.safetensors")
+        compute_query_stats(tiny, batches).save(files[name])
+        plan = uniform_plan(geo, prefill=OpSpec(rule="triattention", capacity_ratio=0.25))
+        plan = attrs.evolve(plan, model_data={"triattention": files[name]})
+        plan.save(str(tmp_path / f"{name}.plan.json"))
+    plans = {n: str(tmp_path / f"{n}.plan.json") for n in files}
+    spec = load_spec(spec_writer(tmp_path, solvers=[], plans=plans))
+    loaded = LoadedStudy.load(prepare(spec, str(tmp_path / "r.jsonl")))
+    for name, path in files.items():
+        got, want = loaded.model_data[name]["triattention"], QueryStats.load(path)
+        assert all(torch.equal(x, y) for x, y in zip(got.layer(0), want.layer(0))), name
+    assert not torch.equal(loaded.model_data["a"]["triattention"].layer(0)[1],
+                           loaded.model_data["b"]["triattention"].layer(0)[1])
+
+    def generated(folder, chosen):
+        folder.mkdir()
+        path = spec_writer(folder, solvers=[], plans={n: plans[n] for n in chosen})
+        run_study(prepare(load_spec(path), str(folder / "r.jsonl")), progress=False)
+        return {(r["policy"], r["item"]): (r["generated"], r["kv_bytes"]) for r in read_records(str(folder / "r.jsonl"))
+                if r["kind"] == "result" and r["policy"] != "full"}
+
+    both = generated(tmp_path / "both", ["a", "b"])
+    alone = {**generated(tmp_path / "a-only", ["a"]), **generated(tmp_path / "b-only", ["b"])}
+    assert both == alone
