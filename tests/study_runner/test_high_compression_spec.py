@@ -29,7 +29,7 @@ def test_the_whole_study_has_every_policy_the_issue_names(whole):
     assert solvers["joint"] == "exact" and solvers["2d_hetero"] == "moend-greedy"
     for rule in ("snapkv", "tova", "streamingllm", "h2o", "triattention", "adakv"):
         assert solvers[f"uniform-{rule}"] == "uniform"
-    for name in ("kvzip-uniform", "kvzip-global", "uniform-keydiff", "uniform-expected-attention"):
+    for name in ("kvzip-uniform", "kvzip-global", "uniform-keydiff", "uniform-expected-attention", "refine"):
         assert all(f"{name}@{b}" in whole.plans for b in whole.budgets)
 
 
