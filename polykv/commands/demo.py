@@ -111,7 +111,7 @@ def demo_spec(samples: int, profile: str, budgets: list[str] | None = None, basi
 
 
 def print_table(results_path: str) -> None:
-    from polykv.studies import designs
+    from polykv.studies import designs, predicted
     from polykv.studies.report import policy_rows
     from polykv.studies.results import Results
 
@@ -150,7 +150,7 @@ def print_table(results_path: str) -> None:
             for w in designs.unequal_memory(res, task, names):
                 print(f"  warning at {b}: {w}")
             if profile is not None:
-                for r in designs.loss_vs_exact(res, b, profile):
+                for r in predicted.loss_vs_exact(res, b, profile):
                     same = "-" if r["exact_same_rules"] is None else f"{r['exact_same_rules']:.3f}"
                     gap = "" if r["gap"] is None else f" ({r['gap']:+.1%})"
                     rules = ",".join(r["rules"]) if r["rules"] else "all rules"

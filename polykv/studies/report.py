@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from polykv.studies import designs, plots, stats
+from polykv.studies import designs, plots, predicted, stats
 from polykv.studies.results import Results
 
 
@@ -194,8 +194,8 @@ def _predicted_vs_measured(pvm: dict | None) -> list[str]:
     if pvm is None:
         return []
     n, sp = pvm["n"], pvm["spearman"]
-    few = (f" (n = {n} < {designs.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
-           f"evidence)" if n < designs.PREDICTED_VS_MEASURED_MIN else "")
+    few = (f" (n = {n} < {predicted.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
+           f"evidence)" if n < predicted.PREDICTED_VS_MEASURED_MIN else "")
     head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
             f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
                           f"exactly as they score)" if sp is not None else f"undefined ({pvm['note']})") + few)
@@ -236,8 +236,8 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             warn = designs.unequal_memory(res, task, [v for k, v in chain["policies"].items() if k != "full"])
             lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
         if profile is not None:
-            lines += _optimality(designs.loss_vs_exact(res, b, profile))
-        lines += _predicted_vs_measured(designs.predicted_vs_measured(res, task, b, profile))
+            lines += _optimality(predicted.loss_vs_exact(res, b, profile))
+        lines += _predicted_vs_measured(predicted.predicted_vs_measured(res, task, b, profile))
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",

@@ -12,7 +12,7 @@ import pytest
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import CandidateConfig, Profile, moend_configs
 from polykv.solvers.exact import Exact
-from polykv.studies import designs
+from polykv.studies import predicted
 from polykv.studies.report import write_report
 from polykv.studies.results import FORMAT, Results
 
@@ -92,7 +92,7 @@ def study(tmp_path):
 
 def test_spearman_equals_the_hand_computation(study):
     path, _, profile, want_loss, accuracy = study
-    pvm = designs.predicted_vs_measured(Results.load(str(path)), "passkey", "8x", profile)
+    pvm = predicted.predicted_vs_measured(Results.load(str(path)), "passkey", "8x", profile)
     got = {r["policy"]: r for r in pvm["rows"]}
     for name, loss in want_loss.items():
         assert got[name]["loss"] == pytest.approx(loss)
@@ -129,13 +129,13 @@ def test_fewer_than_12_plans_are_flagged(study, tmp_path):
 def test_profile_loss_is_none_for_a_setting_the_profile_lacks():
     profile = _profile()
     plan = _plan(profile, [0, 1], None)
-    assert designs.profile_loss(plan, profile, T) == pytest.approx(profile.table()[0, 0] + profile.table()[1, 1])
+    assert predicted.profile_loss(plan, profile, T) == pytest.approx(profile.table()[0, 0] + profile.table()[1, 1])
     below = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, capacity_ratio=0.1))
-    assert designs.profile_loss(below, profile, T) is None  # below the lowest profiled keep (0.25)
+    assert predicted.profile_loss(below, profile, T) is None  # below the lowest profiled keep (0.25)
     other = plan.with_layer(1, prefill=attrs.evolve(plan.layers[0].prefill, rule="tova"))
-    assert designs.profile_loss(other, profile, T) is None  # a rule the profile never measured
+    assert predicted.profile_loss(other, profile, T) is None  # a rule the profile never measured
     widths = attrs.evolve(plan, layers=(plan.layers[0], attrs.evolve(plan.layers[1], k_bits=4)))
-    assert designs.profile_loss(widths, profile, T) is None  # widths it never measured
+    assert predicted.profile_loss(widths, profile, T) is None  # widths it never measured
 
 
 def test_profile_loss_interpolates_a_keep_between_profiled_keeps():
@@ -148,10 +148,10 @@ def test_profile_loss_interpolates_a_keep_between_profiled_keeps():
     moved = plan.with_layer(1, prefill=attrs.evolve(plan.layers[1].prefill, capacity_ratio=0.3, capacity=None))
     lo, hi = table[1, col[("snapkv", 0.25, 8, 16)]], table[1, col[("snapkv", 0.5, 8, 16)]]
     want = table[0, col[("snapkv", 0.25, 16, 8)]] + 0.8 * lo + 0.2 * hi
-    assert designs.profile_loss(moved, profile, T) == pytest.approx(want)
+    assert predicted.profile_loss(moved, profile, T) == pytest.approx(want)
     top = plan.with_layer(1, prefill=attrs.evolve(plan.layers[1].prefill, capacity_ratio=0.75, capacity=None))
     full = table[1, col[("full", 1.0, 8, 16)]]  # the keep-everything config at the same widths closes the range
-    assert designs.profile_loss(top, profile, T) == pytest.approx(
+    assert predicted.profile_loss(top, profile, T) == pytest.approx(
         table[0, col[("snapkv", 0.25, 16, 8)]] + 0.5 * hi + 0.5 * full)
 
 
@@ -163,7 +163,7 @@ def test_a_profile_extending_the_plans_profile_keeps_their_recorded_losses(study
     extra = Profile.from_table(np.full((2, 1), 0.5), extra_cfg, (2, 2, 32))
     extended = merge_profiles(profile, extra)
     assert extended.provenance.extends == (profile.fingerprint,) and extended.fingerprint != profile.fingerprint
-    got = {r["policy"]: r for r in designs.predicted_vs_measured(Results.load(str(path)), "passkey", "8x",
+    got = {r["policy"]: r for r in predicted.predicted_vs_measured(Results.load(str(path)), "passkey", "8x",
                                                                   extended)["rows"]}
     for k, name in enumerate(sorted(want_loss, key=lambda n: int(n[1:].split("@")[0]))):
         assert got[name]["loss"] == pytest.approx(want_loss[name])  # recorded from the base: kept; else recomputed
@@ -184,7 +184,7 @@ def test_a_plan_file_policy_counts_at_the_budget_its_plan_names(study, tmp_path)
     other.write_text("".join(json.dumps(x) + "\n" for x in lines))
     res = Results.load(str(other))
     assert res.policies[name]["budget"] == "8x" and res.policies["full"]["budget"] is None
-    assert name in {r["policy"] for r in designs.predicted_vs_measured(res, "passkey", "8x", profile)["rows"]}
+    assert name in {r["policy"] for r in predicted.predicted_vs_measured(res, "passkey", "8x", profile)["rows"]}
     assert [budget_label(b) for b in ({"ratio": 12.0}, {"ratio": 2.5}, {"bytes": 1000}, {"tokens": 400}, None,
                                       {"ratio": True})] == ["12x", "2.5x", "1000", "400tok", None, None]
 
@@ -199,7 +199,7 @@ def test_a_policy_running_the_same_plan_as_another_is_counted_once(tmp_path):
     accuracy = {"p0@8x": 0.2, "p1@8x": 0.4, "p2@8x": 0.6, "p3@8x": 0.8, "kept@8x": 0.4}
     path = tmp_path / "results.jsonl"
     _write(path, profile, plans, accuracy)
-    pvm = designs.predicted_vs_measured(Results.load(str(path)), "passkey", "8x", profile)
+    pvm = predicted.predicted_vs_measured(Results.load(str(path)), "passkey", "8x", profile)
     rows = {r["policy"]: r for r in pvm["rows"]}
     assert rows["kept@8x"]["same_plan_as"] == "p1@8x" and rows["p1@8x"]["same_plan_as"] is None
     assert pvm["n"] == 4
