@@ -5,6 +5,9 @@ context-reconstruction probe and the selection), both computing the logits of th
 (``logits_to_keep=1``: the comparison is between cache-building passes, no vocabulary projection of
 every prompt position); best of ``--repeats`` each.
 
+``--breakdown`` also times, inside the kvzip prefill, the probe's forwards (``ProbePass.run_chunks``) and the
+scoring within them (``reconstruction_scores``); the rest is the prompt forward and the selection.
+
 Memory: two fresh subprocesses (vanilla, kvzip), each loading the model, running one prefill of T tokens,
 and reporting the process's peak resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the
 basis) and its resident memory right before the prefill; printed as the ratio of peaks and the ratio of
@@ -14,6 +17,7 @@ The probe runs after the prompt, at positions T .. T + chunk + prompt ids, so on
 the longest prompt whose default 2048-token chunk fits is about 6100 tokens. Usage::
 
     OMP_NUM_THREADS=2 python bench/kvzip_cost.py --time-tokens 4096 --memory-tokens 6100
+    OMP_NUM_THREADS=2 python bench/kvzip_cost.py --breakdown 4096
 """
 
 from __future__ import annotations
@@ -77,6 +81,50 @@ def child(kind: str, T: int) -> None:
                       "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 
 
+class _Timed:
+    """Wall time spent in one function, wrapped in place for the run (``--breakdown``)."""
+
+    def __init__(self, owner, name: str):
+        self.owner, self.name, self.seconds = owner, name, 0.0
+        self.original = getattr(owner, name)
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.owner, self.name, self.original)
+
+
+def breakdown_run(T: int) -> None:
+    """One kvzip prefill of T tokens, split into probe forwards and scoring, beside one vanilla prefill."""
+    import polykv
+    import polykv.adapters.rules.kvzip as kvzip
+    from polykv.runtime.probe_pass import ProbePass
+
+    model, ids, plan = _setup(T)
+    with torch.no_grad():
+        _vanilla(model, ids[:, :256])  # warm-up
+        start = time.perf_counter()
+        _vanilla(model, ids)
+        v = time.perf_counter() - start
+        with polykv.apply(model, plan) as session, _Timed(ProbePass, "run_chunks") as probe, \
+                _Timed(kvzip, "reconstruction_scores") as scoring:
+            start = time.perf_counter()
+            _kvzip(session, ids)
+            k = time.perf_counter() - start
+    rest = k - probe.seconds
+    print(f"breakdown at {T} tokens (threads {torch.get_num_threads()}), in units of the vanilla prefill ({v:.2f} s): "
+          f"kvzip {k / v:.2f}x = prompt forward and selection {rest / v:.2f}x + probe forwards "
+          f"{(probe.seconds - scoring.seconds) / v:.2f}x + scoring {scoring.seconds / v:.2f}x")
+
+
 def time_run(T: int, repeats: int) -> None:
     import polykv
 
@@ -119,6 +167,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time-tokens", type=int, default=None)
     parser.add_argument("--memory-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--breakdown", type=int, default=None, metavar="TOKENS",
+                        help="time the probe's forwards and its scoring inside one kvzip prefill of TOKENS tokens")
     parser.add_argument("--child", choices=("vanilla", "kvzip"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -126,6 +176,8 @@ def main(argv=None) -> int:
         return 0
     if args.time_tokens:
         time_run(args.time_tokens, args.repeats)
+    if args.breakdown:
+        breakdown_run(args.breakdown)
     if args.memory_tokens:
         memory_run(args.memory_tokens)
     return 0
