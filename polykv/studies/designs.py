@@ -272,6 +272,10 @@ def spec_geometry(spec: StudySpec):
         from polykv.models import default_geometry
 
         return default_geometry()
+    if isinstance(spec.model, str):  # a named model: its config (converted once, cached)
+        from polykv.models import model_geometry
+
+        return model_geometry(spec.model)
     from polykv.models.geometry import geometry_from_config
     from polykv.testing import tiny_model
 

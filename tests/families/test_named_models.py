@@ -52,3 +52,14 @@ def test_shipped_gemma3_files_fit_the_model():
         assert plan.provenance.budget == {"ratio": float(ratio)}
     spec = load_spec(os.path.join(ROOT, "examples", "gemma3_passkey_study.json"))
     assert spec.model == "gemma3-270m" and spec.context_tokens == 2048
+
+
+@pytest.mark.model
+def test_shipped_gemma3_study_checks_against_the_named_model(tmp_path, capsys):
+    """``polykv study --check`` reads a named model's shape from its config (not only the default's or a tiny one's)."""
+    from polykv.cli import main
+
+    spec = os.path.join(ROOT, "examples", "gemma3_passkey_study.json")
+    assert main(["study", spec, "--check", "--results", str(tmp_path / "r.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "3 policies x 10 items" in out and "exact-8x:" in out
