@@ -44,8 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--quantizer-param", action="append", default=None, metavar="K=V",
                    help="with --quantizer: its parameters, which must equal the profile's")
     p.add_argument("--model", default=None, metavar="MODEL",
-                   help="check first that the profile was measured on this model: 'default' (SmolLM2-135M) or "
-                        "a local model folder holding config.json; a measuring solver (refine) loads it and runs "
+                   help="check first that the profile was measured on this model: 'default' (SmolLM2-135M), a "
+                        "model name (gemma3-270m) or a local model folder holding config.json; a measuring solver (refine) loads it and runs "
                         "its candidate plans on it")
     p.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="measuring solvers (refine): context tokens each held-out sequence compresses "

@@ -266,16 +266,7 @@ class Profile:
 
     def check_model(self, geometry: Any) -> "Profile":
         """Raise ProfileError unless this profile was measured on ``geometry`` (a ModelGeometry)."""
-        from polykv.models.geometry import fingerprints_match
-
-        m = self.model
-        for field in ("num_layers", "num_kv_heads", "head_dim"):
-            if getattr(m, field) != getattr(geometry, field):
-                raise_profile_error(self.source, f"model.{field}", f"the profile was measured on {field}={getattr(m, field)} "
-                      f"but the model has {getattr(geometry, field)}", "calibrate a profile for this model")
-        if not fingerprints_match(m.fingerprint, getattr(geometry, "fingerprint", None)):
-            raise_profile_error(self.source, "model.fingerprint", f"the profile was measured on model {m.fingerprint} but "
-                  f"this model is {geometry.fingerprint}", "calibrate a profile for this model (polykv calibrate)")
+        check_measured_on(self.model, geometry, self.source)
         return self
 
     # -- construction ----------------------------------------------------------------------------
@@ -353,3 +344,16 @@ def load_profile(path: str) -> Profile:
     from polykv.profiling.profile_io import load_profile as _load
 
     return _load(path)
+
+
+def check_measured_on(model: ProfileModel, geometry: Any, source: str) -> None:
+    """Raise ProfileError (naming ``source``) unless a profile of ``model`` was measured on ``geometry``."""
+    from polykv.models.geometry import fingerprints_match
+
+    for field in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(model, field) != getattr(geometry, field):
+            raise_profile_error(source, f"model.{field}", f"the profile was measured on {field}={getattr(model, field)} "
+                                f"but the model has {getattr(geometry, field)}", "calibrate a profile for this model")
+    if not fingerprints_match(model.fingerprint, getattr(geometry, "fingerprint", None)):
+        raise_profile_error(source, "model.fingerprint", f"the profile was measured on model {model.fingerprint} but "
+                            f"this model is {geometry.fingerprint}", "calibrate a profile for this model (polykv calibrate)")

@@ -36,9 +36,10 @@ import numpy as np
 from polykv.contract.params import ParamSpec
 from polykv.errors import SolverError
 from polykv.profiling.budget import Budget, bits_to_bytes
-from polykv.profiling.profile import Profile
+from polykv.profiling.profile import Profile, check_measured_on
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
+from polykv.solvers.windowed import whole_model, whole_model_plan
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -204,12 +205,17 @@ class Refine(Solver):
                                                                                 enumerate(ch))),
                              predicted_bits=int(sum(int(bits[c]) for c in ch)))
 
+        whole = whole_model(profile.model)
+
+        def runnable(plan):  # the plan of every layer of the model: window-bounded layers keep their window
+            return plan if whole is None else whole_model_plan(whole, plan)
+
         measured: dict[tuple, float] = {}
 
         def kl(ch) -> float:
             key = tuple(ch)
             if key not in measured:
-                measured[key] = meter.measure(plan_of(ch))
+                measured[key] = meter.measure(runnable(plan_of(ch)))
                 if on.progress is not None:
                     on.progress(f"refine: plan {len(measured)} measured, KL {measured[key]:.6g} nats "
                                 f"({meter.prefills} prefills, {time.perf_counter() - start:.0f} s)")
@@ -246,8 +252,8 @@ class Refine(Solver):
         plan = plan_of(choice)
         validation = None
         if check is not None:  # sequences the search never saw: does the measured gain carry over?
-            validation = {"sequences": len(check.sequences), "exact_kl": check.measure(plan_of(exact_choice)),
-                          "refine_kl": check.measure(plan)}
+            validation = {"sequences": len(check.sequences), "exact_kl": check.measure(runnable(plan_of(exact_choice))),
+                          "refine_kl": check.measure(runnable(plan))}
         record = {"metric": "kl", "model": on.name, "sequences": len(meter.sequences), "context_tokens": tokens,
                   "follow_up": follow, "corpus": desc, "storage_dtype": _dtype_name(meter.storage_dtype),
                   "exact_kl": exact_kl, "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
@@ -266,12 +272,8 @@ class Refine(Solver):
         from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 
         geometry = geometry_of_model(on.model)
-        every = len(profile.model.geometry.get("layer_types") or ())
-        if every > profile.num_layers:  # solve_around_windows handed over the unbounded layers only
-            raise SolverError(f"solver 'refine': {profile.source} is solved on {profile.num_layers} of the model's "
-                              f"{every} layers (the others are window-bounded); refine measures whole plans and does "
-                              "not run on models with window-bounded layers yet: use 'exact'")
-        profile.check_model(geometry)
+        whole = whole_model(profile.model)  # solve_around_windows handed over the unbounded layers only
+        check_measured_on(profile.model if whole is None else whole, geometry, profile.source)
         draw = calibration_draw(profile)
         prov = profile.provenance
         tokens = p["tokens"] if p["tokens"] is not None else prov.context_tokens

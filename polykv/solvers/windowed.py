@@ -73,13 +73,30 @@ def solve_around_windows(solver, profile, budget: Budget, **params: Any):
     else:  # a ratio or tokens per layer applies to the full-attention layers, where the context grows
         sub_budget = budget
     sub = solver.solve(_sub_profile(profile, free), sub_budget, **params)
-    solved = iter(sub.layers)
-    layers = [LayerPlan(layer=i) if i in bounds else attrs.evolve(next(solved), layer=i) for i in range(L)]
     prov = sub.provenance
     note = (f"{len(bounds)} window-bounded layers kept at their window ({fixed} bytes); "
             f"the other {len(free)} layers solved at {sub_budget.describe()}")
     prov = attrs.evolve(prov, budget=budget.as_dict(),
                         predicted_bytes=None if prov.predicted_bytes is None else prov.predicted_bytes + fixed,
                         note=f"{prov.note}; {note}" if prov.note else note)
-    return per_layer_plan(profile.model, layers, decode_slack=sub.trigger.decode_slack,
-                          provenance=Provenance(**attrs.asdict(prov, recurse=False)))
+    return whole_model_plan(profile.model, sub, provenance=Provenance(**attrs.asdict(prov, recurse=False)))
+
+
+def whole_model(sub_model: Any):
+    """The whole model of a profile model that :func:`solve_around_windows` cut to its unbounded layers, or None
+    when ``sub_model`` is not such a cut (its recorded geometry lists as many layers as it has)."""
+    types = (getattr(sub_model, "geometry", None) or {}).get("layer_types") or ()
+    if len(types) <= sub_model.num_layers:
+        return None
+    return attrs.evolve(sub_model, num_layers=len(types))
+
+
+def whole_model_plan(model: Any, sub_plan, *, provenance: Provenance | None = None):
+    """The plan of the whole ``model`` (a profile model) from ``sub_plan``, the plan of its unbounded layers in
+    order: each window-bounded layer keeps its window (the keep-everything 16-bit op)."""
+    bounds = window_bounds(model)
+    solved = iter(sub_plan.layers)
+    layers = [LayerPlan(layer=i) if i in bounds else attrs.evolve(next(solved), layer=i)
+              for i in range(model.num_layers)]
+    return per_layer_plan(model, layers, decode_slack=sub_plan.trigger.decode_slack,
+                          provenance=sub_plan.provenance if provenance is None else provenance)
