@@ -8,6 +8,8 @@ The one-layer tables of calibration live in :mod:`polykv.profiling.endtoend`; bo
 
 from __future__ import annotations
 
+import json
+
 import re
 from typing import Any, Callable, Sequence
 
@@ -131,7 +133,7 @@ class PlanMeter:
     def _distinct(menu) -> list:
         seen, out = set(), []
         for lp in menu:
-            key = tuple((op.rule, tuple(sorted(op.params.items(), key=str))) for op in (lp.prefill, lp.decode))
+            key = tuple((op.rule, json.dumps(op.params, sort_keys=True, default=str)) for op in (lp.prefill, lp.decode))
             if key not in seen:
                 seen.add(key)
                 out.append(lp)

@@ -193,6 +193,24 @@ def test_meter_with_reuse_equals_plan_logprobs(tiny, profile):
     assert meter.prefills == len(seqs)  # one prefill per sequence: the menu's states were all recorded
 
 
+def test_meter_takes_a_menu_of_probe_rules_with_list_parameters(tiny, profile):
+    """A kvzip setting (its token-id parameters are lists) in the menu: listed once, measured as without reuse."""
+    from polykv.plan import LayerPlan, OpSpec
+    import polykv
+
+    seqs, _ = heldout_sequences(_tokenize(tiny[2]), 1, T + FOLLOW, seed=3, profile=profile)
+    params = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10], "chunk_size": 16}
+    kvzip = LayerPlan(layer=0, prefill=OpSpec(rule="kvzip", capacity=T // 2, params=params), decode=OpSpec(rule="full"))
+    menu = [kvzip, kvzip, LayerPlan(layer=0)]
+    meter = PlanMeter(tiny[1], seqs, T, layer_menu=menu)
+    assert len(meter.layer_menu) == 2
+    from polykv.models.geometry import geometry_of_model
+
+    plan = polykv.uniform_plan(geometry_of_model(tiny[1]), prefill=kvzip.prefill, decode="full")
+    alone = PlanMeter(tiny[1], seqs, T, reuse_prefill=False)
+    assert meter.measure(plan) == pytest.approx(alone.measure(plan), rel=1e-6, abs=1e-12)
+
+
 def test_heldout_sequences_leave_out_the_profile_calibration_draw(tiny, profile):
     import attrs
 
