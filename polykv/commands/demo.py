@@ -3,7 +3,7 @@
 The demo is a study (``examples/demo_study.json`` is the same spec): on the default model with the
 shipped profile it solves ``1d``, ``2d_uniform``, ``2d`` (quant-only), ``2d_hetero`` (MoE-nD greedy),
 ``route`` (PolyKV profile route, 16 bits) and ``joint`` (exact knapsack over every profiled rule,
-keep and K/V width) at 8x and 4x compression of the bytes the cache really holds (resident basis:
+keep and K/V width), beside the shipped ``kvzip-global`` plan (:data:`KVZIP_PLANS`), at 8x and 4x compression of the bytes the cache really holds (resident basis:
 codes, scales, residuals and metadata, stored in bfloat16 while the model computes in float32),
 runs passkey retrieval (compress the context, feed the question through the compressed cache,
 generate greedily), prints accuracy with Wilson intervals, measured bytes with metadata and their
@@ -26,6 +26,12 @@ PROFILE_NAME = "smollm2-135m-instruct.profile.json"
 PROFILE_NAMES = {"smollm2-135m": PROFILE_NAME, "gemma3-270m": "gemma3-270m.profile.json"}
 """The shipped profile of each named model."""
 
+KVZIP_PLANS = {"smollm2-135m": "kvzip-global.{budget}.plan.json", "gemma3-270m": "gemma3-270m.kvzip-global.{budget}.plan.json"}
+"""The shipped ``kvzip-global`` plan of each named model at a budget (resident basis, bfloat16 storage, 2,048
+tokens), in the checkout's ``bench/high_compression/plans/``: one KVzip ranking over layers x KV heads, made by
+``bench/high_compression/make_kvzip_plans.py``. The demo runs it at each of its budgets that has one."""
+KVZIP_FOLDER = ("bench", "high_compression", "plans")
+
 CHAIN_RULE = "snapkv"
 """The one eviction rule of the MoE-nD chain (1d ... 2d_hetero), so the chain isolates bits and keeps."""
 
@@ -47,6 +53,8 @@ DEMO_SPEC = {
         {"name": "route", "solver": "profile-route", "params": {"scope": "prefill"}, "role": "routed_uniform"},
         {"name": "joint", "solver": "exact", "params": {}},
     ],
+    "plans": {f"kvzip-global@{b}": "../" + "/".join(KVZIP_FOLDER) + "/" + KVZIP_PLANS["smollm2-135m"].format(budget=b)
+              for b in ("8x", "4x")},
     "tasks": [{"task": "passkey", "params": {"length": 2048}, "samples": 20, "seed": 0}],
 }
 
@@ -55,7 +63,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo", help="run the MoE-nD chain and a PolyKV route on SmolLM2 (passkey, 8x and 4x) and write a report",
         description="Solve 1d, 2d_uniform, 2d, 2d_hetero, a profile route and the joint exact plan at 8x and 4x "
-                    "compression from the shipped SmolLM2 profile, run passkey retrieval on each (context "
+                    "compression from the shipped SmolLM2 profile, beside the shipped kvzip-global plan (one KVzip "
+                    "ranking over layers x heads) at each budget that has one, run passkey retrieval on each (context "
                     "compressed, then the question fed through the compressed cache), print accuracy with Wilson "
                     "intervals beside measured KV bytes, and write the report. Resumes when run again.")
     p.add_argument("--samples", type=int, default=20, metavar="N", help="passkey items per policy (default 20)")
@@ -107,7 +116,21 @@ def demo_spec(samples: int, profile: str, budgets: list[str] | None = None, basi
     if budgets:
         spec["budgets"] = [str(b) for b in budgets]
     spec["basis"] = basis
+    spec["plans"] = kvzip_plans(spec["budgets"], basis, model)
     return spec
+
+
+def kvzip_plans(budgets: list[str], basis: str, model: str = "default") -> dict[str, str]:
+    """``{"kvzip-global@B": absolute path}`` for each budget B with a shipped :data:`KVZIP_PLANS` file of ``model``
+    (on the resident basis only: the files are solved on it)."""
+    from polykv.models import named_model
+
+    name = KVZIP_PLANS.get(named_model(model).name)
+    if basis != "resident" or name is None:
+        return {}
+    folder = Path(__file__).resolve().parents[2].joinpath(*KVZIP_FOLDER)
+    found = {b: folder / name.format(budget=b) for b in budgets}
+    return {f"kvzip-global@{b}": str(path) for b, path in found.items() if path.is_file()}
 
 
 def print_table(results_path: str) -> None:
@@ -220,6 +243,10 @@ def run(args) -> int:
     prepared = prepare(spec, results)
     print(f"demo: {len(prepared.policies)} policies x {args.samples} passkey items "
           f"({spec.context_tokens} tokens) -> {results}")
+    missing = [b for b in spec_dict["budgets"] if f"kvzip-global@{b}" not in spec_dict["plans"]]
+    if missing:
+        print(f"demo: no shipped kvzip-global plan at {', '.join(missing)} ({args.basis} basis); those budgets run "
+              f"without it")
     counts = run_study(prepared, progress=not args.no_progress)
     print_table(results)
     paths = write_report(results, args.out)

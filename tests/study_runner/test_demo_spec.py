@@ -40,3 +40,16 @@ def test_the_demo_budgets_real_bytes_stored_in_16_bits():
     assert DEMO_SPEC["basis"] == "resident" and DEMO_SPEC["storage_dtype"] == "bfloat16"
     spec = demo_spec(3, "/x/profile.json", ["10x", "12x"], "nominal")
     assert spec["budgets"] == ["10x", "12x"] and spec["basis"] == "nominal"
+
+
+def test_the_demo_runs_the_shipped_kvzip_global_plan_at_each_budget_that_has_one():
+    import os
+
+    from polykv.commands.demo import kvzip_plans
+
+    for name, path in DEMO_SPEC["plans"].items():  # the example's relative paths name shipped files
+        assert name.startswith("kvzip-global@") and (EXAMPLE.parent / path).is_file(), path
+    spec = demo_spec(3, "/x/profile.json", ["8x", "10x"])
+    assert list(spec["plans"]) == ["kvzip-global@8x"] and os.path.isabs(spec["plans"]["kvzip-global@8x"])
+    assert demo_spec(3, "/x/profile.json", ["8x"], "nominal")["plans"] == {}  # the files are solved on resident bytes
+    assert set(kvzip_plans(["4x", "8x"], "resident", "gemma3-270m")) == {"kvzip-global@4x", "kvzip-global@8x"}
