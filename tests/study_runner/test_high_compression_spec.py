@@ -49,3 +49,20 @@ def test_each_part_is_a_piece_of_the_whole(whole, part):
     assert set(spec.budgets) <= set(whole.budgets)
     for name, path in spec.plans.items():
         assert os.path.samefile(path, whole.plans[name]), name
+
+
+def test_the_gemma3_passkey_part_runs_the_same_design_on_gemma3(whole):
+    """The issue's passkey part on Gemma 3 270M: the same task, budgets and designs, from a 2,048-token profile."""
+    spec = load_spec(str(ROOT / "examples" / "high_compression_gemma3_study.json"))
+    assert spec.model == "gemma3-270m" and spec.baseline
+    for field in ("budgets", "basis", "storage_dtype", "context_tokens", "dtype"):
+        assert getattr(spec, field) == getattr(whole, field), field
+    passkey = {t.task: t for t in whole.tasks}["passkey"]
+    assert list(spec.tasks) == [passkey]
+    solvers = {s.name: s for s in spec.solvers}
+    theirs = {s.name: s for s in whole.solvers}
+    for name in ("uniform-snapkv", "uniform-tova", "uniform-streamingllm", "uniform-h2o", "2d_hetero", "joint"):
+        assert solvers[name] == theirs[name], name
+    assert solvers["uniform-kvzip"].solver == "uniform" and solvers["uniform-kvzip"].params["rule"] == "kvzip"
+    for name in ("kvzip-global", "refine"):
+        assert all(os.path.isfile(spec.plans[f"{name}@{b}"]) for b in spec.budgets)
