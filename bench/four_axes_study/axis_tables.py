@@ -13,10 +13,15 @@ and the bytes each saves on the resident basis at 2,048 tokens, bfloat16 storage
 solver trades.
 
     python bench/four_axes_study/axis_tables.py
+    python bench/four_axes_study/axis_tables.py --profile bench/four_axes_study/gemma3-four-axes.profile.json --rank 128
+
+On a model with window-bounded layers (Gemma 3) only the layers a plan routes are listed, and a profile without a
+pair table (no ``--pairs``, or no adjacent full-attention layers) has no ``pair`` column.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import attrs
@@ -26,12 +31,18 @@ from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
+from polykv.solvers.windowed import window_bounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> None:
-    profile = load_profile(os.path.join(HERE, "smollm2-four-axes.profile.json"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=os.path.join(HERE, "smollm2-four-axes.profile.json"))
+    ap.add_argument("--rank", type=int, default=32, help="the key and value rank of the rank column (default 32)")
+    args = ap.parse_args()
+    profile = load_profile(args.profile)
+    R = args.rank
     l2 = profile.table("l2")
     L = profile.num_layers
     budget = Budget.parse("1x", 2048, basis="resident", cache_dtype="bfloat16")
@@ -49,26 +60,33 @@ def main() -> None:
     k4 = col(lambda c: c.keeps_everything and c.k_bits == c.v_bits == 4 and not c.low_rank)
     k8 = col(lambda c: c.keeps_everything and c.k_bits == c.v_bits == 8 and not c.low_rank)
     rank = profile.stats["rank_l2"]
-    r32 = rank.values[:, rank.columns.index("K32V32")]
+    r32 = rank.values[:, rank.columns.index(f"K{R}V{R}")]
     pair = np.full(L, np.nan)
-    pair[list(profile.pairs.uppers)] = profile.pairs.loss
-    pair_saved = 1 - budget.pair_bits(profile.model, profile.pairs.share_params, reg, bound=False) / (2 * full_bits)
+    if profile.pairs is not None:
+        pair[list(profile.pairs.uppers)] = profile.pairs.loss
+        pair_saved = 1 - budget.pair_bits(profile.model, profile.pairs.share_params, reg, bound=False) / (2 * full_bits)
     savings = {
         "evict": saved(attrs.evolve(LayerPlan(layer=0), prefill=OpSpec(rule="snapkv", capacity_ratio=0.25),
                                     decode=FULL_OP)),
         "K4V4": saved(LayerPlan(layer=0, k_bits=4, v_bits=4)),
         "K8V8": saved(LayerPlan(layer=0, k_bits=8, v_bits=8)),
-        "rank": saved(LayerPlan(layer=0, k_rank=32, v_rank=32)),
-        "pair": pair_saved,
+        "rank": saved(LayerPlan(layer=0, k_rank=R, v_rank=R)),
     }
-    print(f"l2 per layer (SmolLM2-135M, {profile.provenance.note.split(';')[0]})")
+    if profile.pairs is not None:
+        savings["pair"] = pair_saved
+    bounds = window_bounds(profile.model)
+    routed = [i for i in range(L) if i not in bounds]
+    print(f"l2 per layer ({profile.model.model_type}, {profile.provenance.corpus.split(':')[0]}; rank {R}"
+          + (f"; the {len(bounds)} window-bounded layers, never routed, left out" if bounds else "") + ")")
     print("layer   evict    K4V4    K8V8    rank    pair")
-    for layer in range(L):
+    for layer in routed:
         p = "-" if np.isnan(pair[layer]) else f"{pair[layer]:.3f}"
         print(f"{layer:5} {evict[layer]:7.3f} {k4[layer]:7.3f} {k8[layer]:7.3f} {r32[layer]:7.3f} {p:>7}")
     print("bytes saved per layer (resident, 2,048 tokens, bfloat16): " + ", ".join(
         f"{k} {v:.0%}" for k, v in savings.items()) + " (pair: of its two layers, unmerged tokens and magnitudes counted)")
-    per_byte = {"evict": evict, "K4V4": k4, "K8V8": k8, "rank": r32, "pair": pair[~np.isnan(pair)] / 2}  # a pair's loss over its two layers' bytes
+    per_byte = {"evict": evict[routed], "K4V4": k4[routed], "K8V8": k8[routed], "rank": r32[routed]}
+    if profile.pairs is not None:
+        per_byte["pair"] = pair[~np.isnan(pair)] / 2  # a pair's loss over its two layers' bytes
     print("median l2 per unit of the layer's bytes saved: " + ", ".join(
         f"{k} {np.median(v) / savings[k]:.3f}" for k, v in per_byte.items()))
 
