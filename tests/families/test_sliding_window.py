@@ -150,3 +150,36 @@ def test_decode_memory_bound_holds_for_windowed_layers(gemma3):
     rows = reserve_tokens(WINDOW - 1, layer_hold(capacity=12, decode_slack=2, bound=WINDOW - 1))
     assert rows == WINDOW
     assert bound[:2] == [rows * slot] * 2 and worst[:2] == bound[:2]
+
+
+def test_a_probe_runs_through_the_windows_as_a_vanilla_forward_of_prompt_and_chunk(gemma3):
+    """kvzip on the full layer: each probe chunk's hidden states at every layer's input equal those of a vanilla
+    forward of the prompt followed by that chunk (the sliding layers attend through their window)."""
+    from polykv.adapters.rules.kvzip import KVzipRule
+
+    model, geo = gemma3
+    params = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10], "chunk_size": 16, "n_sink": 2}
+    full = polykv.full_plan(geo)
+    plan = attrs.evolve(full, layers=tuple(attrs.evolve(lp, prefill=OpSpec(rule="kvzip", capacity=10, params=params))
+                                           if geo.layer_types[lp.layer] == FULL else lp for lp in full.layers))
+    ids = token_ids(1, 30, seed=0)
+    seen = []
+    hooks = [m.register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: seen.append((i, (args[0] if args else kwargs["hidden_states"]).clone())),
+        with_kwargs=True) for i, m in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad(), polykv.apply(model, plan) as session:
+            session.prefill(ids)
+            assert session.cache.stored_tokens() == [WINDOW - 1, WINDOW - 1, 10]
+    finally:
+        for h in hooks:
+            h.remove()
+    chunks = KVzipRule(**params).probe_chunks(ids)
+    assert len(seen) == 3 * (1 + len(chunks)) and len(chunks) == 2
+    for c, chunk in enumerate(chunks):
+        with torch.no_grad():
+            want = model(torch.cat([ids, chunk.ids], dim=1), output_hidden_states=True).hidden_states
+        n = chunk.ids.shape[1]
+        for layer in range(3):
+            got = [h for i, h in seen if i == layer][1 + c]
+            assert (got - want[layer][:, -n:]).abs().max().item() < TOL, (c, layer)
