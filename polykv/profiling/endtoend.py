@@ -213,7 +213,7 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     module (:func:`polykv.runtime.session.apply` finds those)."""
     from polykv.errors import RuntimeConfigError
     from polykv.models.geometry import geometry_of_model
-    from polykv.runtime.session import attention_modules
+    from polykv.runtime.support import attention_modules
 
     attn = attention_modules(model, geometry_of_model(model).num_layers)
     for _, blocks in model.named_modules():

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from polykv.models.geometry import FULL, ModelGeometry
 from polykv.plan import LayerPlan
 from polykv.runtime.storage import LayerStorage, StorageView
 
@@ -35,6 +36,33 @@ class LayerSpec:
     low_rank: Any = None
     """The layer's :class:`~polykv.attention.low_rank.LowRank` bases (CPU float32) when the plan gives it a
     rank: keys and values are stored, scored and attended as codes; None: full width."""
+
+
+def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry, model_data: Mapping[str, Any]) -> LayerSpec:
+    """The :class:`LayerSpec` of plan layer ``lp``: its rule objects from ``registry``, its attention type and
+    window from ``geometry``, its bases from ``model_data`` when the plan gives it a rank."""
+    rules = {}
+    for phase in ("prefill", "decode"):
+        op = getattr(lp, phase)
+        rules[phase] = None if op.keeps_everything else registry.operator(op.rule)(**op.params)
+    geo, i = geometry, lp.layer
+    windowed = geo.is_windowed(i)
+    return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
+                     attention_type=geo.layer_types[i] if windowed else FULL,
+                     window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i),
+                     low_rank=_low_rank(lp, model_data))
+
+
+def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]):
+    """The layer's bases (:class:`~polykv.attention.low_rank.LowRank`) when the plan gives it a rank, else None."""
+    if not lp.low_rank:
+        return None
+    from polykv.attention.low_rank import LowRank
+    from polykv.models.kv_bases import KV_BASES_KEY
+
+    bases = model_data[KV_BASES_KEY]
+    return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
+                   None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

@@ -8,16 +8,12 @@ Inside the block the model's attention implementation is ``polykv`` and ``model.
 fresh plan cache unless one is passed; manual loops pass ``cache=session.new_cache()`` (then
 ``session.cache``; ``past_key_values=`` on transformers without the ``cache`` keyword, see
 :func:`polykv.runtime.cache.cache_keyword`). On exit the attention implementation is restored and ``generate`` is
-unpatched.
+unpatched. The calls the block serves (forwards, ``generate``, ``prefill``) are in :mod:`polykv.runtime.calls`,
+the checks ``apply`` makes in :mod:`polykv.runtime.plan_checks` and :mod:`polykv.runtime.support`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
-import threading
-import warnings
 from typing import Any, Mapping
 
 import attrs
@@ -25,23 +21,19 @@ import torch
 
 from polykv.contract.checks import checks_enabled
 from polykv.errors import RuntimeConfigError
-from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model, rope_of_model
+from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
 from polykv.plan import Plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
-from polykv.runtime.layer_spec import LayerSpec
+from polykv.runtime.calls import ContextLengthWarning, OneCaller, SessionCalls  # noqa: F401 (re-exported)
+from polykv.runtime.layer_spec import LayerSpec, layer_spec
 from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
                                         check_rank_rules, check_seed, check_stores, plan_model_data)
-from polykv.runtime.support import SERVED, attention_bypasses_interface, check_servable, model_type
+from polykv.runtime.support import SERVED, attention_modules, check_servable, model_type
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
-_NOTED: set = set()
-
-
-class ContextLengthWarning(UserWarning):
-    """A plan with absolute token capacities runs on a context other than the one it was budgeted for."""
 
 
 @attrs.define(frozen=True)
@@ -134,75 +126,13 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     return session
 
 
-def attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
-    """The self-attention module of every layer: the first ``*Attention`` module that knows its ``layer_idx``."""
-    found: dict[int, torch.nn.Module] = {}
-    for _, m in model.named_modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int) and type(m).__name__.endswith("Attention") \
-                and not getattr(m, "is_cross_attention", False):
-            found.setdefault(idx, m)
-    if sorted(found) != list(range(num_layers)):
-        raise RuntimeConfigError(
-            f"model type '{model_type(model)}' cannot be served by polykv: found attention modules for layers "
-            f"{sorted(found)}, expected 0..{num_layers - 1}; supported are {SERVED}")
-    bypass = [i for i in range(num_layers) if attention_bypasses_interface(found[i])]
-    if bypass:
-        raise RuntimeConfigError(
-            f"model type '{model_type(model)}' cannot be served by polykv: {type(found[bypass[0]]).__name__} "
-            f"computes attention itself instead of dispatching through the transformers AttentionInterface; "
-            f"supported are {SERVED}")
-    return [found[i] for i in range(num_layers)]
-
-
-def _uses_cache(model, kwargs: Mapping[str, Any]) -> bool:
-    """Whether ``generate(**kwargs)`` runs with a cache: its ``use_cache`` argument, else that of the
-    ``generation_config`` it was given, else the model's ``generation_config``."""
-    if kwargs.get("use_cache") is not None:
-        return bool(kwargs["use_cache"])
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(config, "use_cache", True) is not False
-
-
-class _OneCaller:
-    """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
-    or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
-    thread meanwhile is refused in one line, instead of replacing the cache under the running one."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def check(self, what: str) -> None:
-        owner = self._owner
-        if owner is not None and owner != threading.get_ident():
-            raise RuntimeConfigError(
-                f"{what} was called from a second thread while another thread's call runs in this polykv session; "
-                f"a session serves one generate/prefill/forward at a time (it holds one cache): give each thread its "
-                f"own model copy and polykv.apply session, or serialise the calls with a lock")
-
-    @contextlib.contextmanager
-    def claim(self, what: str):
-        me = threading.get_ident()
-        with self._lock:
-            self.check(what)
-            self._owner, self._depth = me, self._depth + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
-
-
 _ACTIVE_MARK = "_polykv_active_session"
 """Attribute set on a model while a session is active on it (sessions on one model do not nest)."""
 
 
-class Session:
-    """A plan applied to a model; the live state of one ``with`` block."""
+class Session(SessionCalls):
+    """A plan applied to a model; the live state of one ``with`` block (the calls it serves:
+    :class:`~polykv.runtime.calls.SessionCalls`)."""
 
     def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int,
                  geometry: ModelGeometry):
@@ -213,7 +143,7 @@ class Session:
         self.check = False
         """Whether the expensive plugin contract checks run; set by :func:`apply`."""
         self._modules = modules
-        self._specs = [self._layer_spec(lp) for lp in plan.layers]
+        self._specs = [layer_spec(lp, registry, geometry, model_data) for lp in plan.layers]
         probing = [(s.plan.layer, s.prefill_rule) for s in self._specs
                    if s.prefill_rule is not None and s.prefill_rule.declares_probe()]
         self.probe: ProbePass | None = ProbePass(model, geometry, probing, cache_keyword(model)) if probing else None
@@ -226,33 +156,10 @@ class Session:
         self._saved_generate = _MISSING
         self._saved_forward = _MISSING
         self._hook = None
-        self._calls = _OneCaller()
+        self._calls = OneCaller()
         self._uncached_thread: int | None = None
         """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
         self._cache_kw = cache_keyword(model)
-
-    def _layer_spec(self, lp) -> LayerSpec:
-        rules = {}
-        for phase in ("prefill", "decode"):
-            op = getattr(lp, phase)
-            rules[phase] = None if op.keeps_everything else self.registry.operator(op.rule)(**op.params)
-        geo, i = self.geometry, lp.layer
-        windowed = geo.is_windowed(i)
-        return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
-                         attention_type=geo.layer_types[i] if windowed else FULL,
-                         window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i),
-                         low_rank=self._low_rank(lp))
-
-    def _low_rank(self, lp):
-        """The layer's bases (:class:`~polykv.attention.low_rank.LowRank`) when the plan gives it a rank, else None."""
-        if not lp.low_rank:
-            return None
-        from polykv.attention.low_rank import LowRank
-        from polykv.models.kv_bases import KV_BASES_KEY
-
-        bases = self.model_data[KV_BASES_KEY]
-        return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
-                       None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -309,24 +216,6 @@ class Session:
             raise RuntimeConfigError(
                 f"model type '{model_type(self.model)}': layers {missed} stored keys but computed attention without "
                 f"the polykv attention function; this model cannot be served (supported are {SERVED})")
-
-    def _guarded_forward(self, forward):
-        """``model.forward`` inside the block: one caller at a time (:class:`_OneCaller`); inside an uncached
-        ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does)."""
-
-        @functools.wraps(forward)
-        def guarded(*args, **kwargs):
-            with self._calls.claim("a model forward"):
-                if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
-                    kwargs.pop("past_key_values", None)
-                    kwargs[self._cache_kw] = self.new_cache()
-                cache = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
-                if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
-                        and not any(layer.prefilled for layer in cache.layers):
-                    return self.probe.prompt_forward(forward, cache, args, kwargs)
-                return forward(*args, **kwargs)
-
-        return guarded
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -389,94 +278,6 @@ class Session:
                 f"layer {layer_idx} attended keys that did not come from this session's cache: pass "
                 f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
         return layer, step
-
-    def note_context(self, context_tokens: int) -> None:
-        """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
-        key = id(self.plan)
-        if key in _NOTED:
-            return
-        from polykv.memory import context_note
-
-        note = context_note(self.plan, int(context_tokens), registry=self.registry)
-        if note:
-            _NOTED.add(key)
-            warnings.warn(note, ContextLengthWarning, stacklevel=3)
-
-    def _generate(self, *args, **kwargs):
-        self._require_active()
-        with self._calls.claim("generate()"):
-            return self._generate_one(*args, **kwargs)
-
-    def _generate_one(self, *args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            self.note_context(ids.shape[1])
-        if self.probe is not None and isinstance(ids, torch.Tensor):
-            self.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            attention.polykv_mask(attention_mask=mask)
-        given = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
-        if not _uses_cache(self.model, kwargs):
-            return self._generate_uncached(given, *args, **kwargs)
-        if given is None:
-            kwargs[self._cache_kw] = self.new_cache()
-        elif given is not self._cache:
-            raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
-                                     "session.cache or session.new_cache(), or no cache at all")
-        return type(self.model).generate(self.model, *args, **kwargs)
-
-    def _generate_uncached(self, given, *args, **kwargs):
-        """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
-        for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
-        fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
-               "checkpoints' generation_config.json say false), or generate outside polykv.apply")
-        if not self.plan.keeps_everything:
-            raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
-                                     f"without a cache there is nothing to compress: {fix}")
-        if given is not None:
-            raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
-        self._uncached_thread = threading.get_ident()
-        try:
-            return type(self.model).generate(self.model, *args, **kwargs)
-        finally:
-            self._uncached_thread = None
-
-    def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
-        """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
-
-        Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
-        model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
-        """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-                or input_ids.dtype == torch.bool or input_ids.is_complex():
-            tensor = isinstance(input_ids, torch.Tensor)
-            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if tensor
-                   else f"a {type(input_ids).__name__}")
-            fix = ("for one prompt pass ids[None] (shape [1, tokens])" if tensor and input_ids.dim() == 1
-                   else "pass the tokenizer's input_ids, e.g. tokenizer(text, return_tensors='pt').input_ids")
-            raise RuntimeConfigError(f"prefill(input_ids) needs token ids as an integer tensor [batch, tokens], got "
-                                     f"{got}: {fix}")
-        T = input_ids.shape[1]
-        if T < 1:
-            raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size < 1):
-            raise RuntimeConfigError(f"prefill(chunk_size=...) must be a positive whole number of tokens, or None for "
-                                     f"one forward over the whole prompt; got {chunk_size!r}")
-        step = chunk_size or T
-        if self.probe is not None:
-            self.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
-        with self._calls.claim("prefill()"):
-            cache = self.new_cache()
-            self.note_context(T)
-            out = None
-            for start in range(0, T, step):
-                cache.prefill_continues = start + step < T
-                out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
-                                 **model_kwargs)
-            cache.prefill_continues = False
-        return out
 
     def resident_bytes(self) -> ResidentBytes:
         """K/V bytes per layer and in total, with metadata reported separately (see docs/runtime.md)."""

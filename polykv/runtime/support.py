@@ -13,13 +13,16 @@ model type, the reason and what is served:
 * layers with different KV head counts or head dims (one plan shape per model);
 * bidirectional encoders loaded as causal LMs (BERT-style ``*ForCausalLM`` without ``is_decoder``);
 * attention modules that compute attention themselves instead of dispatching through the
-  ``AttentionInterface`` (BLOOM's and Falcon's ALiBi kernels): checked by the session on its modules.
+  ``AttentionInterface`` (BLOOM's and Falcon's ALiBi kernels): checked on the modules a session patches
+  (:func:`attention_modules`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+
+import torch
 
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import FULL, WINDOWED
@@ -75,6 +78,27 @@ def _forward_bypasses(forward) -> bool:
     except (OSError, TypeError):
         return False  # no source to read: the runtime's per-forward check still catches it
     return "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source
+
+
+def attention_modules(model, num_layers: int) -> list[torch.nn.Module]:
+    """The self-attention module of every layer: the first ``*Attention`` module that knows its ``layer_idx``."""
+    found: dict[int, torch.nn.Module] = {}
+    for _, m in model.named_modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and type(m).__name__.endswith("Attention") \
+                and not getattr(m, "is_cross_attention", False):
+            found.setdefault(idx, m)
+    if sorted(found) != list(range(num_layers)):
+        raise RuntimeConfigError(
+            f"model type '{model_type(model)}' cannot be served by polykv: found attention modules for layers "
+            f"{sorted(found)}, expected 0..{num_layers - 1}; supported are {SERVED}")
+    bypass = [i for i in range(num_layers) if attention_bypasses_interface(found[i])]
+    if bypass:
+        raise RuntimeConfigError(
+            f"model type '{model_type(model)}' cannot be served by polykv: {type(found[bypass[0]]).__name__} "
+            f"computes attention itself instead of dispatching through the transformers AttentionInterface; "
+            f"supported are {SERVED}")
+    return [found[i] for i in range(num_layers)]
 
 
 def check_servable(model) -> None:

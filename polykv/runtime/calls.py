@@ -1,0 +1,184 @@
+"""The calls a session serves inside its ``with`` block: the model's forwards, ``generate`` and ``prefill``.
+
+:class:`SessionCalls` is the part of :class:`~polykv.runtime.session.Session` that these calls enter through:
+``model.forward`` wrapped by :meth:`SessionCalls._guarded_forward` (a plan with a probe runs it after the
+prompt, :mod:`polykv.runtime.probe_pass`), ``model.generate`` replaced by :meth:`SessionCalls._generate`
+(a fresh plan cache unless one is passed; ``use_cache=False`` only for a plan that keeps everything), and
+:meth:`SessionCalls.prefill` (a fresh cache filled in chunks). :class:`OneCaller` lets one thread's call in
+at a time; :meth:`SessionCalls.note_context` warns (:class:`ContextLengthWarning`, once per plan) when a plan's
+absolute capacities meet another context length than the one it was budgeted for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from polykv.errors import RuntimeConfigError
+from polykv.runtime import attention
+from polykv.runtime.cache import PlanCache
+
+_NOTED: set = set()
+
+
+class ContextLengthWarning(UserWarning):
+    """A plan with absolute token capacities runs on a context other than the one it was budgeted for."""
+
+
+def uses_cache(model, kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``generate(**kwargs)`` runs with a cache: its ``use_cache`` argument, else that of the
+    ``generation_config`` it was given, else the model's ``generation_config``."""
+    if kwargs.get("use_cache") is not None:
+        return bool(kwargs["use_cache"])
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "use_cache", True) is not False
+
+
+class OneCaller:
+    """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
+    or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
+    thread meanwhile is refused in one line, instead of replacing the cache under the running one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def check(self, what: str) -> None:
+        owner = self._owner
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeConfigError(
+                f"{what} was called from a second thread while another thread's call runs in this polykv session; "
+                f"a session serves one generate/prefill/forward at a time (it holds one cache): give each thread its "
+                f"own model copy and polykv.apply session, or serialise the calls with a lock")
+
+    @contextlib.contextmanager
+    def claim(self, what: str):
+        me = threading.get_ident()
+        with self._lock:
+            self.check(what)
+            self._owner, self._depth = me, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+
+class SessionCalls:
+    """The calls that enter a :class:`~polykv.runtime.session.Session` (which sets ``model``, ``plan``, ``registry``,
+    ``probe``, ``_calls``, ``_cache``, ``_cache_kw``, ``_uncached_thread`` and offers ``new_cache`` and
+    ``_require_active``)."""
+
+    def _guarded_forward(self, forward):
+        """``model.forward`` inside the block: one caller at a time (:class:`OneCaller`); inside an uncached
+        ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does)."""
+
+        @functools.wraps(forward)
+        def guarded(*args, **kwargs):
+            with self._calls.claim("a model forward"):
+                if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
+                    kwargs.pop("past_key_values", None)
+                    kwargs[self._cache_kw] = self.new_cache()
+                cache = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+                if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
+                        and not any(layer.prefilled for layer in cache.layers):
+                    return self.probe.prompt_forward(forward, cache, args, kwargs)
+                return forward(*args, **kwargs)
+
+        return guarded
+
+    def _generate(self, *args, **kwargs):
+        self._require_active()
+        with self._calls.claim("generate()"):
+            return self._generate_one(*args, **kwargs)
+
+    def _generate_one(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self.note_context(ids.shape[1])
+        if self.probe is not None and isinstance(ids, torch.Tensor):
+            self.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            attention.polykv_mask(attention_mask=mask)
+        given = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+        if not uses_cache(self.model, kwargs):
+            return self._generate_uncached(given, *args, **kwargs)
+        if given is None:
+            kwargs[self._cache_kw] = self.new_cache()
+        elif given is not self._cache:
+            raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
+                                     "session.cache or session.new_cache(), or no cache at all")
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+    def _generate_uncached(self, given, *args, **kwargs):
+        """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
+        for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
+        fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
+               "checkpoints' generation_config.json say false), or generate outside polykv.apply")
+        if not self.plan.keeps_everything:
+            raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
+                                     f"without a cache there is nothing to compress: {fix}")
+        if given is not None:
+            raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
+        self._uncached_thread = threading.get_ident()
+        try:
+            return type(self.model).generate(self.model, *args, **kwargs)
+        finally:
+            self._uncached_thread = None
+
+    def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
+        """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
+
+        Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
+        model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+                or input_ids.dtype == torch.bool or input_ids.is_complex():
+            tensor = isinstance(input_ids, torch.Tensor)
+            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if tensor
+                   else f"a {type(input_ids).__name__}")
+            fix = ("for one prompt pass ids[None] (shape [1, tokens])" if tensor and input_ids.dim() == 1
+                   else "pass the tokenizer's input_ids, e.g. tokenizer(text, return_tensors='pt').input_ids")
+            raise RuntimeConfigError(f"prefill(input_ids) needs token ids as an integer tensor [batch, tokens], got "
+                                     f"{got}: {fix}")
+        T = input_ids.shape[1]
+        if T < 1:
+            raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise RuntimeConfigError(f"prefill(chunk_size=...) must be a positive whole number of tokens, or None for "
+                                     f"one forward over the whole prompt; got {chunk_size!r}")
+        step = chunk_size or T
+        if self.probe is not None:
+            self.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
+        with self._calls.claim("prefill()"):
+            cache = self.new_cache()
+            self.note_context(T)
+            out = None
+            for start in range(0, T, step):
+                cache.prefill_continues = start + step < T
+                out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
+                                 **model_kwargs)
+            cache.prefill_continues = False
+        return out
+
+    def note_context(self, context_tokens: int) -> None:
+        """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
+        key = id(self.plan)
+        if key in _NOTED:
+            return
+        from polykv.memory import context_note
+
+        note = context_note(self.plan, int(context_tokens), registry=self.registry)
+        if note:
+            _NOTED.add(key)
+            warnings.warn(note, ContextLengthWarning, stacklevel=3)
