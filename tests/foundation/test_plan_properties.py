@@ -14,6 +14,7 @@ from polykv.errors import PlanError
 from polykv.models.geometry import ModelGeometry
 from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
                          OpSpec, Plan, Provenance, TriggerSettings)
+from polykv.plan.records import SCHEMA_VERSIONS
 from polykv.plan.io import dumps, parse_plan_text, plan_dict
 from polykv.plan.validation import validate
 from polykv.registry import get_registry
@@ -134,7 +135,7 @@ def m_json_syntax(data, d, plan):
 
 
 def m_schema_version(data, d, plan):
-    d["schema_version"] = data.draw(st.one_of(st.integers().filter(lambda v: v != 1), st.just(1.0),
+    d["schema_version"] = data.draw(st.one_of(st.integers().filter(lambda v: v not in SCHEMA_VERSIONS), st.just(1.0),
                                               st.just(True), st.text(), st.none()), label="version")
     return d, None, "schema_version"
 
