@@ -28,9 +28,8 @@ from __future__ import annotations
 import os
 
 import attrs
-from make_plans import rank_only
+from make_plans import rank_only, write_plans
 
-from polykv.commands.solve import with_profile_data
 from polykv.plan import Provenance
 from polykv.registry import get_registry
 from polykv.solvers.windowed import window_bounds
@@ -88,12 +87,7 @@ def main() -> None:
         if plans["joint-3axis"].layers == plans["joint"].layers:
             print(f"{b:>4} joint-3axis equal to joint: written once as joint")
             del plans["joint-3axis"]
-        for name, plan in plans.items():
-            path = os.path.join(HERE, "plans", f"gemma3-270m.{name}.{b}.plan.json")
-            with_profile_data(plan, PROFILE).save(path)
-            loss = plan.provenance.predicted_loss
-            print(f"{b:>4} {name:14} axes {'+'.join(plan.axes_used()):24} predicted l2 "
-                  f"{'-' if loss is None else f'{loss:.3f}':>7}  {plan.provenance.note[:110]}")
+        write_plans(plans, b, PROFILE, prefix="gemma3-270m.")
 
 
 if __name__ == "__main__":

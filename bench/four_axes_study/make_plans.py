@@ -138,12 +138,17 @@ def main() -> None:
         plans["joint"] = plans.pop("joint-2axis")
         for n in same:
             del plans[n]
-        for name, plan in plans.items():
-            path = os.path.join(HERE, "plans", f"{name}.{b}.plan.json")
-            with_profile_data(plan, PROFILE).save(path)
-            loss = plan.provenance.predicted_loss
-            print(f"{b:>4} {name:14} axes {'+'.join(plan.axes_used()):24} predicted l2 "
-                  f"{'-' if loss is None else f'{loss:.3f}':>7}  {plan.provenance.note[:110]}")
+        write_plans(plans, b, PROFILE)
+
+
+def write_plans(plans: dict, budget: str, profile_path: str, prefix: str = "") -> None:
+    """Save each plan as ``plans/{prefix}{name}.{budget}.plan.json`` (naming the profile's side files) and print it."""
+    for name, plan in plans.items():
+        path = os.path.join(HERE, "plans", f"{prefix}{name}.{budget}.plan.json")
+        with_profile_data(plan, profile_path).save(path)
+        loss = plan.provenance.predicted_loss
+        print(f"{budget:>4} {name:14} axes {'+'.join(plan.axes_used()):24} predicted l2 "
+              f"{'-' if loss is None else f'{loss:.3f}':>7}  {plan.provenance.note[:110]}")
 
 
 if __name__ == "__main__":
