@@ -18,10 +18,21 @@ from polykv.runtime.layer_cache import LayerCache
 from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 
 
+LEGACY_CACHE_KEYWORD = "past_key_values"
+"""The cache keyword of transformers before 5.x, deprecated where ``cache`` exists."""
+
+
 def cache_keyword(model) -> str:
-    """The keyword ``model``'s forward takes its cache by: ``cache`` where the installed transformers has it
-    (``past_key_values`` is deprecated there), else ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    """The keyword ``model``'s forward takes its cache by: ``cache`` where the installed transformers has it,
+    else :data:`LEGACY_CACHE_KEYWORD`."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else LEGACY_CACHE_KEYWORD
+
+
+def given_cache(kwargs: Mapping[str, Any], keyword: str):
+    """The cache a caller handed a forward or ``generate`` in ``kwargs``: under ``keyword`` (the model's,
+    :func:`cache_keyword`), else under :data:`LEGACY_CACHE_KEYWORD` (callers written for older transformers,
+    and ``generate``'s own loop where it still uses that name); None when there is none."""
+    return kwargs.get(keyword, kwargs.get(LEGACY_CACHE_KEYWORD))
 
 
 def output_cache(output):

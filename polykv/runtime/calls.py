@@ -21,7 +21,7 @@ import torch
 
 from polykv.errors import RuntimeConfigError
 from polykv.runtime import attention
-from polykv.runtime.cache import PlanCache
+from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, given_cache
 
 _NOTED: set = set()
 
@@ -85,9 +85,9 @@ class SessionCalls:
         def guarded(*args, **kwargs):
             with self._calls.claim("a model forward"):
                 if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
-                    kwargs.pop("past_key_values", None)
+                    kwargs.pop(LEGACY_CACHE_KEYWORD, None)
                     kwargs[self._cache_kw] = self.new_cache()
-                cache = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+                cache = given_cache(kwargs, self._cache_kw)
                 if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
                         and not any(layer.prefilled for layer in cache.layers):
                     return self.probe.prompt_forward(forward, cache, args, kwargs)
@@ -109,7 +109,7 @@ class SessionCalls:
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             attention.polykv_mask(attention_mask=mask)
-        given = kwargs.get(self._cache_kw, kwargs.get("past_key_values"))
+        given = given_cache(kwargs, self._cache_kw)
         if not uses_cache(self.model, kwargs):
             return self._generate_uncached(given, *args, **kwargs)
         if given is None:

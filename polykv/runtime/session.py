@@ -6,8 +6,8 @@
 
 Inside the block the model's attention implementation is ``polykv`` and ``model.generate`` gets a
 fresh plan cache unless one is passed; manual loops pass ``cache=session.new_cache()`` (then
-``session.cache``; ``past_key_values=`` on transformers without the ``cache`` keyword, see
-:func:`polykv.runtime.cache.cache_keyword`). On exit the attention implementation is restored and ``generate`` is
+``session.cache``; on transformers without the ``cache`` keyword, the older keyword
+:func:`polykv.runtime.cache.cache_keyword` names). On exit the attention implementation is restored and ``generate`` is
 unpatched. The calls the block serves (forwards, ``generate``, ``prefill``) are in :mod:`polykv.runtime.calls`,
 the checks ``apply`` makes in :mod:`polykv.runtime.plan_checks` and :mod:`polykv.runtime.support`.
 """
@@ -254,7 +254,7 @@ class Session(SessionCalls):
     @property
     def cache_keyword(self) -> str:
         """The keyword the model's forward takes the cache by: ``"cache"`` where the installed transformers
-        has it, else ``"past_key_values"`` (:func:`polykv.runtime.cache.cache_keyword`)."""
+        has it, else the older keyword (:func:`polykv.runtime.cache.cache_keyword`)."""
         return self._cache_kw
 
     @property
