@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import os
 
-import attrs
-from make_plans import rank_only, write_plans
+from make_plans import rank_only, uniform_at_rank, write_plans
 
-from polykv.plan import Provenance
-from polykv.registry import get_registry
-from polykv.solvers.windowed import window_bounds
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import load_profile
 from polykv.solvers import solve
@@ -42,33 +38,6 @@ PROFILE = os.path.join(HERE, "gemma3-four-axes.profile.json")
 BUDGETS = ("4x", "8x", "12x")
 CONTEXT = 2048
 RANK = 128
-
-
-def uniform_at_rank(plan, budget: Budget, profile, rank: int):
-    """``plan`` (a uniform single-rule plan) with keys and values at ``rank`` on every routed (full-attention) layer
-    and their keep raised to fill ``budget`` again; the sliding layers keep their window at full rank."""
-    registry = get_registry()
-    bounds = window_bounds(profile.model)
-    routed = attrs.evolve(profile.model, num_layers=profile.model.num_layers - len(bounds))
-    first = next(attrs.evolve(lp, k_rank=rank, v_rank=rank) for lp in plan.layers if lp.layer not in bounds)
-    tokens = budget.uniform_tokens(routed, first.k_bits, first.v_bits, layer=first, registry=registry)
-    T = budget.context_tokens
-    keep = min(tokens, T) / T
-    layers = []
-    for lp in plan.layers:
-        if lp.layer in bounds:
-            layers.append(lp)
-            continue
-        ops = {phase: getattr(lp, phase) if getattr(lp, phase).keeps_everything
-               else attrs.evolve(getattr(lp, phase), capacity=None, capacity_ratio=keep) for phase in ("prefill", "decode")}
-        layers.append(attrs.evolve(lp, k_rank=rank, v_rank=rank, **ops))
-    note = (f"{plan.provenance.note}; by hand: keys and values at rank {rank} on every full-attention layer, keep "
-            f"raised to {keep:.4g} ({min(tokens, T)} of {T} tokens) to fill the same budget")
-    out = attrs.evolve(plan, layers=tuple(layers), provenance=Provenance(
-        solver="hand", budget=plan.provenance.budget, context_tokens=T, note=note))
-    used = budget.plan_bits(routed, [lp for lp in out.layers if lp.layer not in bounds], registry)
-    assert used <= budget.to_bits(routed), (used, budget.to_bits(routed))
-    return out
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ from polykv.profiling.budget import Budget
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.solvers import solve
+from polykv.solvers.windowed import window_bounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILE = os.path.join(HERE, "smollm2-four-axes.profile.json")
@@ -59,28 +60,33 @@ RANKS = (32,)
 
 
 def uniform_at_rank(plan, budget: Budget, profile, rank: int):
-    """``plan`` (a uniform single-rule plan) with keys and values at ``rank`` on every layer and the keep raised to
-    fill ``budget`` again."""
+    """``plan`` (a uniform single-rule plan) with keys and values at ``rank`` on every routed layer and their keep
+    raised to fill ``budget`` again; window-bounded layers (Gemma 3's sliding layers) keep their window at full
+    rank, and the budget is counted over the routed layers as the solvers count it."""
     registry = get_registry()
-    first = attrs.evolve(plan.layers[0], k_rank=rank, v_rank=rank)
-    tokens = budget.uniform_tokens(profile.model, first.k_bits, first.v_bits, layer=first, registry=registry)
+    bounds = window_bounds(profile.model)
+    routed = attrs.evolve(profile.model, num_layers=profile.model.num_layers - len(bounds))
+    first = next(attrs.evolve(lp, k_rank=rank, v_rank=rank) for lp in plan.layers if lp.layer not in bounds)
+    tokens = budget.uniform_tokens(routed, first.k_bits, first.v_bits, layer=first, registry=registry)
     T = budget.context_tokens
+    keep = min(tokens, T) / T
     layers = []
     for lp in plan.layers:
+        if lp.layer in bounds:
+            layers.append(lp)
+            continue
         ops = {}
         for phase in ("prefill", "decode"):
             op = getattr(lp, phase)
-            if not op.keeps_everything:
-                op = attrs.evolve(op, capacity=None, capacity_ratio=min(tokens, T) / T)
-            ops[phase] = op
+            ops[phase] = op if op.keeps_everything else attrs.evolve(op, capacity=None, capacity_ratio=keep)
         layers.append(attrs.evolve(lp, k_rank=rank, v_rank=rank, **ops))
-    keep = min(tokens, T) / T
-    note = (f"{plan.provenance.note}; by hand: keys and values at rank {rank} on every layer, keep raised to "
-            f"{keep:.4g} ({tokens} of {T} tokens) to fill the same budget")
+    where = "every full-attention layer" if bounds else "every layer"
+    note = (f"{plan.provenance.note}; by hand: keys and values at rank {rank} on {where}, keep raised to "
+            f"{keep:.4g} ({min(tokens, T)} of {T} tokens) to fill the same budget")
     provenance = Provenance(solver="hand", budget=plan.provenance.budget, context_tokens=T, note=note)
     out = attrs.evolve(plan, layers=tuple(layers), provenance=provenance)
-    used = budget.plan_bits(profile.model, out.layers, registry)
-    assert used <= budget.to_bits(profile.model), (used, budget.to_bits(profile.model))
+    used = budget.plan_bits(routed, [lp for lp in out.layers if lp.layer not in bounds], registry)
+    assert used <= budget.to_bits(routed), (used, budget.to_bits(routed))
     return out
 
 

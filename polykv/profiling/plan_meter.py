@@ -9,7 +9,6 @@ The one-layer tables of calibration live in :mod:`polykv.profiling.endtoend`; bo
 from __future__ import annotations
 
 import json
-
 import re
 from typing import Any, Callable, Sequence
 

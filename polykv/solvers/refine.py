@@ -192,7 +192,8 @@ class Refine(Solver):
         start = time.perf_counter()
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
-        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols)
+        whole = whole_model(profile.model)  # solve_around_windows handed over the unbounded layers only
+        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols, whole)
         choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
         bits = config_bits(profile, budget, self)
         cap = budget.to_bits(profile.model)
@@ -204,8 +205,6 @@ class Refine(Solver):
             return self.plan(profile, budget, layers, p, predicted_loss=float(sum(table[i, c] for i, c in
                                                                                 enumerate(ch))),
                              predicted_bits=int(sum(int(bits[c]) for c in ch)))
-
-        whole = whole_model(profile.model)
 
         def runnable(plan):  # the plan of every layer of the model: window-bounded layers keep their window
             return plan if whole is None else whole_model_plan(whole, plan)
@@ -265,14 +264,13 @@ class Refine(Solver):
                    f"{validation['refine_kl']:.6g}" if validation else ""))
         return attrs.evolve(plan, provenance=attrs.evolve(plan.provenance, note=note, measured=record))
 
-    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols):
+    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols, whole):
         import torch
 
         from polykv.models.geometry import geometry_of_model
         from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 
         geometry = geometry_of_model(on.model)
-        whole = whole_model(profile.model)  # solve_around_windows handed over the unbounded layers only
         check_measured_on(profile.model if whole is None else whole, geometry, profile.source)
         draw = calibration_draw(profile)
         prov = profile.provenance

@@ -268,11 +268,7 @@ def unequal_memory(results, task: str, names: list[str], tolerance: float = BYTE
 
 def spec_geometry(spec: StudySpec):
     """The geometry of the spec's model from its config alone (no weights are loaded or downloaded)."""
-    if spec.model == "default":
-        from polykv.models import default_geometry
-
-        return default_geometry()
-    if isinstance(spec.model, str):  # a named model: its config (converted once, cached)
+    if isinstance(spec.model, str):  # "default" or a named model: its config (a named one converted once, cached)
         from polykv.models import model_geometry
 
         return model_geometry(spec.model)
