@@ -5,10 +5,6 @@ Data flows one way: profile -> solver -> plan -> runtime -> study.
 
 __version__ = "0.1.0"
 
-from polykv import moved  # noqa: E402
-
-moved.install()   # old module paths (polykv.moved.MOVED) keep working, with a DeprecationWarning
-
 from polykv.contract.hookspecs import hookimpl  # noqa: E402
 from polykv.plan import (FULL_OP, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings,  # noqa: E402
                          full_plan, load_plan, per_layer_plan, uniform_plan)

@@ -30,12 +30,12 @@ a lazy kernel); ``python tests/foundation/test_layering.py`` prints the circles 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
 
 import pytest
 
-from polykv.moved import MOVED
 from polykv.plan import FULL_RULE
 from polykv.registry import get_registry
 
@@ -74,9 +74,48 @@ PLUGIN_MAY_IMPORT = ("polykv.contract", "polykv.storage", "polykv.errors", "poly
 """What a plugin may import besides its own package (``polykv.contract``: the package itself, not its
 modules; ``polykv.storage``: any of its modules)."""
 
-MOVED_PATHS = "polykv.moved"
-"""The table of old module paths: its strings name every moved module, in every layer, and it imports one
-only when third-party code imports that module's old path (so its strings are not its imports)."""
+# Module paths removed in 0.2 (CHANGELOG.md) -> where the module lives now.
+REMOVED_PATHS = {
+    # the plugin contract
+    "polykv.operators": "polykv.contract.rules",
+    "polykv.selection": "polykv.contract.selection",
+    "polykv.rule_state": "polykv.contract.state",
+    "polykv.params": "polykv.contract.params",
+    "polykv.allocators": "polykv.contract.allocators",
+    "polykv.model_data": "polykv.contract.model_data",
+    "polykv.hookspecs": "polykv.contract.hookspecs",
+    "polykv.contract_checks": "polykv.contract.checks",
+    # storage building blocks (the last five were in the quantizer plugins' folder)
+    "polykv.token_buffer": "polykv.storage.token_buffer",
+    "polykv.reserve": "polykv.storage.reserve",
+    "polykv.store_checks": "polykv.storage.store_checks",
+    "polykv.adapters.quantizers.packed_stream": "polykv.storage.token_blocks",
+    "polykv.adapters.quantizers.minmax": "polykv.storage.minmax",
+    "polykv.adapters.quantizers.packing": "polykv.storage.packing",
+    "polykv.adapters.quantizers.storage": "polykv.storage.store_checks",
+    "polykv.adapters.quantizers.passthrough": "polykv.storage.token_buffer",
+    # attention math
+    "polykv.online_softmax": "polykv.attention.online_softmax",
+    "polykv.attention_signals": "polykv.attention.signals",
+    "polykv.adapters.quantizers.kivi_triton": "polykv.attention.kivi_triton",
+    # plan files (``polykv.plan`` itself is now the package, re-exporting what the module held)
+    "polykv.plan_io": "polykv.plan.io",
+    "polykv.plan_groups": "polykv.plan.groups",
+    # models (``polykv.models`` itself is now the package, re-exporting what the module held)
+    "polykv.geometry": "polykv.models.geometry",
+    "polykv.families": "polykv.models.families",
+    "polykv.reference": "polykv.models.reference",
+    "polykv.profiling.query_stats": "polykv.models.query_stats",
+    "polykv.corpus": "polykv.models.corpus",
+    # shared by calibration and studies, and by a solver and studies
+    "polykv.stats": "polykv.profiling.stats",
+    "polykv.placements": "polykv.solvers.placements",
+    # the runtime's store constructors joined the layer storage they fill (one module, not storage beside stores)
+    "polykv.runtime.stores": "polykv.runtime.storage",
+    # the one-pass attention and signals joined the rest of the attention math
+    "polykv.runtime.signals": "polykv.attention.signals",
+}
+"""Old dotted module path -> the module it is now; none of them imports any more."""
 
 # (importing module, imported module or package): why it may import upward. Only the package root.
 EXCEPTIONS = {
@@ -168,7 +207,7 @@ def _imported(module: str, tree: ast.AST) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
-                and (node.value in MODULES or node.value == PLUGINS) and module != MOVED_PATHS:
+                and (node.value in MODULES or node.value == PLUGINS):
             out.append((node.lineno, node.value))
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "polykv"]
@@ -354,19 +393,27 @@ def test_the_circle_check_finds_one():
 
 # -- old module paths -------------------------------------------------------------------------------
 
-_OLD_PATH = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(MOVED, key=len, reverse=True)) + r")\b(?![\w/])")
+_OLD_PATH = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(REMOVED_PATHS, key=len, reverse=True)) + r")\b(?![\w/])")
 
 
 def test_nothing_in_the_tree_uses_an_old_module_path():
-    """Old paths (polykv.moved.MOVED) are for third-party code: the project's own code, tests, examples,
-    benchmarks, scripts and docs name the new ones."""
-    skip = {ROOT / "moved.py", REPO / "tests" / "foundation" / "test_moved_paths.py"}
+    """The removed paths (REMOVED_PATHS) are named nowhere in the project's own code, tests, examples,
+    benchmarks, scripts and docs (CHANGELOG.md, which lists them, aside)."""
+    skip = {pathlib.Path(__file__).resolve()}
     files = [p for folder in ("polykv", "adapters", "tests", "examples", "bench", "scripts", "docs")
              for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".md", ".sh") and p not in skip]
-    found = [f"{p.relative_to(REPO)}:{i}: {m.group(1)} -> {MOVED[m.group(1)]}"
+    found = [f"{p.relative_to(REPO)}:{i}: {m.group(1)} -> {REMOVED_PATHS[m.group(1)]}"
              for p in files + [REPO / "README.md"] for i, line in enumerate(p.read_text().splitlines(), 1)
              for m in _OLD_PATH.finditer(line)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("old", sorted(REMOVED_PATHS))
+def test_a_removed_module_path_no_longer_imports(old):
+    """0.x keeps no compatibility layer: an old path is a plain ModuleNotFoundError, and its new home imports."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    importlib.import_module(REMOVED_PATHS[old])
 
 
 def test_examples_import_only_the_contract():
