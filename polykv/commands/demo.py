@@ -166,9 +166,8 @@ def print_table(results_path: str) -> None:
                 for name, rec in res.policies.items():
                     if rec.get("budget") == b and rec.get("role") != "placement":
                         iv = designs.paired_vs(res, task, name, "full")
-                        verdict = "no difference from" if iv.low <= 0 <= iv.high else "differs from"
                         print(f"  {name} - full: {iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] "
-                              f"({verdict} the full cache at 95%)")
+                              f"({iv.difference_verdict('the full cache')})")
             names = [n for n, r in res.policies.items() if r.get("budget") == b and r.get("role") != "placement"]
             for w in designs.unequal_memory(res, task, names):
                 print(f"  warning at {b}: {w}")

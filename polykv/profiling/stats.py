@@ -58,6 +58,31 @@ class Interval:
         """True when the interval lies entirely above or entirely below zero."""
         return self.low > 0.0 or self.high < 0.0
 
+    def shows_difference(self) -> bool:
+        """True when the interval excludes zero *and* rests on enough units to say so at its level
+        (:func:`min_units_for_difference`). A bootstrap over one item gives the degenerate interval
+        ``[d, d]``, which excludes zero whenever ``d != 0`` and says nothing."""
+        return self.excludes_zero() and self.n >= min_units_for_difference(self.level)
+
+    def difference_verdict(self, against: str) -> str:
+        """``"no difference from AGAINST at 95%"``, ``"differs from AGAINST at 95%"``, or, where the interval
+        cannot support a claim, how many units it would need."""
+        level = f"{self.level:.0%}"
+        if self.excludes_zero() and not self.shows_difference():
+            return (f"too few items to tell at {level}: {self.n} item(s), a difference needs at least "
+                    f"{min_units_for_difference(self.level)} that disagree")
+        return f"{'differs from' if self.excludes_zero() else 'no difference from'} {against} at {level}"
+
+
+def min_units_for_difference(level: float = 0.95) -> int:
+    """Fewest paired units that can show a difference at ``level``: the exact two-sided sign test over
+    ``n`` units that all disagree in one direction has p = 2 * 0.5**n, so ``n`` must reach
+    ``log2(2 / (1 - level))`` (6 at 95%, 8 at 99%). Fewer items cannot exclude chance, whatever a
+    bootstrap interval says."""
+    if not 0.0 < level < 1.0:
+        raise StudyError(f"interval level {level!r}: use a number between 0 and 1 (e.g. 0.95)")
+    return max(1, math.ceil(math.log2(2.0 / (1.0 - level)) - 1e-12))
+
 
 @attrs.define(frozen=True, kw_only=True)
 class Correlation:

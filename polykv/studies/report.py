@@ -29,7 +29,7 @@ def _pct(iv: stats.Interval) -> str:
 
 
 def _diff(iv: stats.Interval) -> str:
-    mark = " *" if iv.excludes_zero() else ""
+    mark = " *" if iv.shows_difference() else ""
     return f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]{mark}"
 
 
@@ -227,7 +227,8 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
     if matched:
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
-        lines += [f"### Budget {b}", "", "Paired differences (`*`: the interval excludes 0):", ""]
+        lines += [f"### Budget {b}", "", "Paired differences (`*`: the interval excludes 0 over at least "
+                  f"{stats.min_units_for_difference()} items, the fewest that can show a difference at 95%):", ""]
         lines += _pairs(res, task, b) + [""]
         chain = designs.moend_chain(res, task, b)
         if chain:

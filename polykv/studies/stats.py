@@ -24,6 +24,7 @@ from polykv.profiling.stats import (  # noqa: F401 (re-exported)
                                     Correlation,
                                     Interval,
                                     as_scores,
+                                    min_units_for_difference,
                                     bootstrap_mean,
                                     paired_bootstrap,
                                     paired_bootstrap_tasks,

@@ -200,3 +200,33 @@ def test_polykv_factorial_by_hand():
     assert out["mean:routed_allocated"].estimate == pytest.approx(x.mean() + 0.35)
     with pytest.raises(StudyError, match="routed_allocated"):
         stats.polykv_factorial({k: v for k, v in scores.items() if k != "routed_allocated"})
+
+
+# -- when an interval can support a claim ---------------------------------------------------------------
+def test_the_fewest_items_that_can_show_a_difference_follow_the_sign_test():
+    """2 * 0.5**n <= 1 - level: 6 items at 95% (p = 0.031; 5 give 0.0625), 8 at 99%."""
+    assert stats.min_units_for_difference(0.95) == 6
+    assert stats.min_units_for_difference(0.99) == 8
+    assert stats.min_units_for_difference(0.5) == 2
+    with pytest.raises(StudyError, match="level"):
+        stats.min_units_for_difference(1.0)
+
+
+def test_one_item_never_shows_a_difference():
+    """``polykv demo --samples 1``: one item that fails gives [-1, -1]; that claims nothing."""
+    iv = stats.paired_bootstrap([0.0], [1.0], replicates=200)
+    assert (iv.low, iv.high) == (-1.0, -1.0) and iv.excludes_zero()
+    assert not iv.shows_difference()
+    assert "too few items to tell at 95%" in iv.difference_verdict("the full cache")
+    assert "at least 6" in iv.difference_verdict("the full cache")
+
+
+def test_enough_disagreeing_items_show_a_difference_and_ties_do_not():
+    many = stats.paired_bootstrap([0.0] * 12 + [1.0] * 8, [1.0] * 20, replicates=2000)
+    assert many.shows_difference()
+    assert many.difference_verdict("full") == "differs from full at 95%"
+    same = stats.paired_bootstrap([1.0] * 20, [1.0] * 20, replicates=200)
+    assert not same.excludes_zero() and not same.shows_difference()
+    assert same.difference_verdict("full") == "no difference from full at 95%"
+    few = stats.paired_bootstrap([0.0] * 3, [1.0] * 3, replicates=200)   # all three disagree: still too few
+    assert few.excludes_zero() and not few.shows_difference()

@@ -117,3 +117,23 @@ def test_bytes_are_measured_with_metadata_against_a_16_bit_cache_and_unequal_pai
     write_report(str(path), str(tmp_path / "out"))
     md = (tmp_path / "out" / "report.md").read_text()
     assert "differ by more than 5% in measured bytes" in md and "| a@8x | c@8x |" in md
+
+
+def test_a_one_item_difference_gets_no_star(tmp_path):
+    """One item that the plan fails and full answers gives the interval [-1, -1]: it excludes 0 but cannot show
+    a difference (min_units_for_difference), so report.md puts no star on it; twenty such items do get one."""
+    roles = {"full": "full", "snapkv@8x": "1d"}
+    kv = {"full": 1000, "snapkv@8x": 125}
+    one = tmp_path / "one.jsonl"
+    _write_results(one, {"full": [1], "snapkv@8x": [0]}, roles, kv)
+    write_report(str(one), str(tmp_path / "one"))
+    md = (tmp_path / "one" / "report.md").read_text()
+    assert "-1.000 [-1.000, -1.000]" in md and "-1.000 [-1.000, -1.000] *" not in md
+    many = tmp_path / "many.jsonl"
+    _write_results(many, {"full": [1] * 20, "snapkv@8x": [0] * 20}, roles, kv)
+    write_report(str(many), str(tmp_path / "many"))
+    assert "-1.000 [-1.000, -1.000] *" in (tmp_path / "many" / "report.md").read_text()  # 20 of 20 disagree
+    mixed = tmp_path / "mixed.jsonl"
+    _write_results(mixed, {"full": [1] * 20, "snapkv@8x": [0] * 12 + [1] * 8}, roles, kv)
+    write_report(str(mixed), str(tmp_path / "mixed"))
+    assert "-0.600 [" in (md := (tmp_path / "mixed" / "report.md").read_text()) and "] *" in md
