@@ -12,7 +12,8 @@ from polykv.errors import PlanError
 from polykv.memory.tokens import (check_context, code_bits, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
                                   op_kept_tokens, plan_geometry)
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.storage.reserve import grown_capacity, layer_hold, reserve_tokens, reserved_stream_bytes
+from polykv.storage.reserve import (cut_back_rows, grown_capacity, layer_hold, reserve_tokens,
+                                    reserved_stream_bytes)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -166,13 +167,14 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
             stream_bytes = _decode_stream_bytes(lp, registry, held, batch, Hkv, d, dtype_bytes, most_rows, asked)
             reserved = [most_rows]
         elif per_head is None:
-            reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound))]
+            reserved = [reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound),
+                                       slack=decode_slack)]
             stream_bytes = [_stream_bytes(lp, registry, stream, bits, batch, Hkv, lp.rank_of(stream, d), kept,
                                           dtype_bytes, reserved[0])
                             for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))]
         else:
             reserved = [reserve_tokens(n, layer_hold(capacity=n if evicts else None, decode_slack=decode_slack,
-                                                     bound=wbound)) for n in per_head]
+                                                     bound=wbound), slack=decode_slack) for n in per_head]
             stream_bytes = [sum(_stream_bytes(lp, registry, stream, bits, 1, 1, lp.rank_of(stream, d), n,
                                               dtype_bytes, r)
                                 for n, r in zip(per_head, reserved))
@@ -226,8 +228,10 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
     decode forward (:mod:`polykv.storage.reserve`), and the most tokens its stores were asked to reserve.
 
     A layer cut back to ``hold`` tokens reserves ``hold + 1`` rows (at the most tokens seen, for a ratio
-    capacity) after each eviction; a layer that keeps everything reserved exactly what prefill kept and
-    then grows (``new_tokens`` None or 0: the start of decoding, exactly that)."""
+    capacity) after each eviction; before its first eviction (a prompt shorter than ``hold``, ``new_tokens``
+    known) it holds what :func:`polykv.storage.reserve.cut_back_rows` says. A layer that keeps everything
+    reserved exactly what prefill kept and then grows (``new_tokens`` None or 0: the start of decoding,
+    exactly that)."""
     n = int(new_tokens or 0)
     evicts = not lp.decode.keeps_everything
     cap = None
@@ -237,7 +241,12 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
         start = after_prefill if after_prefill is not None else op_kept_tokens(lp.prefill, context_tokens)
         return grown_capacity(start + n, start), start
-    return hold + 1, hold + 1  # an evicting layer grows to exactly what it needs (a ratio capacity's hold moves)
+    start = after_prefill if after_prefill is not None else op_kept_tokens(lp.prefill, context_tokens)
+    fixed = cap is None or after_prefill is not None or lp.decode.capacity_ratio is None
+    if new_tokens is not None and fixed and start + n <= hold:   # not cut back yet: the prompt and its slack
+        rows = cut_back_rows(start, n, hold, slack=decode_slack)
+        return rows, rows
+    return hold + 1, hold + 1  # cut back at least once (a ratio capacity's hold moves with the tokens seen)
 
 
 def _decode_stream_bytes(lp: LayerPlan, registry: Any, held: tuple[int, int], batch: int, Hkv: int, d: int,

@@ -104,7 +104,7 @@ class LayerCache(LayerSelection, CacheLayerMixin):
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
         """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.reserve.reserve_tokens`)."""
-        return reserve_tokens(kept, self.hold_tokens(kept, ragged))
+        return reserve_tokens(kept, self.hold_tokens(kept, ragged), slack=self.settings.decode_slack)
 
     def _new_store(self, stream: str):
         return new_store(self.settings.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,

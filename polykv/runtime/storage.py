@@ -138,8 +138,9 @@ class LayerStorage:
         tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.reserve`); by default
         exactly ``kept``.
     exact_growth : bool
-        True for a layer that evicts: an append that does not fit grows the buffers to exactly the new
-        length (a ratio capacity's slow growth), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
+        True for a layer that is cut back (an evicting decode op, a window): an append that does not fit
+        grows the buffers to ``reserve_for`` of the new length (another decode slack of room, capped at
+        what the layer can hold), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
     contract : StoreContract, optional
         The checks run after every store call (:class:`polykv.contract.checks.StoreContract`); none by default.
     """
@@ -150,7 +151,7 @@ class LayerStorage:
         self._new_store = new_store
         self.contract = contract if contract is not None else NoContract()
         self._exact_growth = exact_growth
-        self._reserve_for = reserve_for or (lambda kept, ragged: reserve_tokens(kept, None))
+        self._reserve_for = reserve_for or (lambda kept, ragged: reserve_tokens(kept, None, slack=0))
         self.key_store: KVStore | None = None
         self.value_store: KVStore | None = None
         self._pos: TokenBuffer | None = None
@@ -211,9 +212,10 @@ class LayerStorage:
         q = keys.shape[2]
         if not self.ragged:
             n = self._pos.length
-            if self._exact_growth and n + q > self._pos.capacity:  # an evicting layer grows to exactly what it needs
+            if self._exact_growth and n + q > self._pos.capacity:  # a cut-back layer grows by its reserve policy
+                rows = self._reserve_for(n + q, False)
                 for store in (self.key_store, self.value_store, self._pos):
-                    _reserve(store, n + q)
+                    _reserve(store, rows)
             self.key_store.append(keys)
             self.value_store.append(values)
             self._pos.append_arange(first_position, q)
@@ -222,8 +224,9 @@ class LayerStorage:
         for i, seg in enumerate(self.segments):
             b, h = divmod(i, self.shape[1])
             if self._exact_growth and seg.length + q > seg.pos.capacity:
+                rows = self._reserve_for(seg.length + q, True)
                 for store in (seg.key, seg.value, seg.pos):
-                    _reserve(store, seg.length + q)
+                    _reserve(store, rows)
             seg.key.append(keys[b:b + 1, h:h + 1])
             seg.value.append(values[b:b + 1, h:h + 1])
             seg.pos.append_arange(first_position, q)

@@ -7,13 +7,17 @@ rows to the front of the same buffers. ``C`` is set in three places, always by t
 * when the prompt is stored (``kept`` tokens per head), :func:`reserve_tokens`: a layer that is cut
   back between forwards to at most ``hold`` tokens per head (``capacity + decode_slack`` of an
   evicting decode op, an allocator's budget + slack, a window's bound, the smallest that applies)
-  reserves ``max(kept, hold) + 1`` rows, so one-token decode forwards never reallocate; a layer that
-  keeps everything reserves exactly ``kept`` rows (right after prefill it holds what vanilla holds);
-* when an append does not fit, :func:`grown_capacity`: the buffer grows by whole blocks of
-  :data:`GROWTH_BLOCK` rows counted from its own size (a keep-everything layer grows at its first
-  decode token, then is copied once every ``GROWTH_BLOCK`` tokens, always holding fewer than
-  ``GROWTH_BLOCK`` spare rows; the heads of a ragged layer grow together); an evicting layer (whose
-  ratio capacity can outgrow its reserve) grows to exactly the new length instead;
+  reserves ``min(max(kept, hold), kept + slack) + 1`` rows: room for the decode slack's tokens, never
+  more than the layer can hold, so one-token decode forwards reallocate at most once per ``slack``
+  tokens and a short prompt reserves no more than its own tokens and the slack (not the capacity);
+  a layer that keeps everything reserves exactly ``kept`` rows (right after prefill it holds what
+  vanilla holds);
+* when an append does not fit, :func:`grown_capacity`: a keep-everything buffer grows by whole blocks
+  of :data:`GROWTH_BLOCK` rows counted from its own size (it grows at its first decode token, then is
+  copied once every ``GROWTH_BLOCK`` tokens, always holding fewer than ``GROWTH_BLOCK`` spare rows; the
+  heads of a ragged layer grow together); a layer that is cut back grows to :func:`reserve_tokens` of
+  the tokens it now holds instead (another ``slack`` tokens of room, capped at ``hold + 1``; a ratio
+  capacity's ``hold`` moves with the tokens seen);
 * after an eviction, the layer asks again for :func:`reserve_tokens` of what it now holds; a store
   whose buffer is larger releases the extra rows (one reallocation; e.g. a decode-only rule after its
   first eviction of the whole prompt), a smaller one grows.
@@ -38,13 +42,27 @@ def grown_capacity(tokens: int, base: int = 0) -> int:
     return base if extra <= 0 else base + -(-extra // GROWTH_BLOCK) * GROWTH_BLOCK
 
 
-def reserve_tokens(kept: int, hold: int | None) -> int:
+def reserve_tokens(kept: int, hold: int | None, *, slack: int) -> int:
     """Rows to reserve for ``kept`` stored tokens when the layer is cut back to ``hold`` tokens per head
-    after every forward (None: never cut back): ``max(kept, hold) + 1``, or exactly ``kept`` when
-    nothing bounds the layer (it grows by :func:`grown_capacity` when decoding starts)."""
+    after every forward (None: never cut back) and decode appends ``slack`` tokens between evictions:
+    ``min(max(kept, hold), kept + slack) + 1``, or exactly ``kept`` when nothing bounds the layer (it
+    grows by :func:`grown_capacity` when decoding starts)."""
     if hold is None:
         return int(kept)
-    return max(int(kept), int(hold)) + 1
+    return min(max(int(kept), int(hold)), int(kept) + max(int(slack), 0)) + 1
+
+
+def cut_back_rows(kept: int, new_tokens: int, hold: int, *, slack: int) -> int:
+    """Rows of a cut-back layer's buffer (:func:`reserve_tokens` at ``kept``) after ``new_tokens`` one-token
+    appends that did not reach ``hold`` (no eviction yet): each append that does not fit grows the buffer
+    to :func:`reserve_tokens` of the tokens then held."""
+    rows = reserve_tokens(kept, hold, slack=slack)
+    held = int(kept)
+    for _ in range(int(new_tokens)):
+        held += 1
+        if held > rows:
+            rows = reserve_tokens(held, hold, slack=slack)
+    return rows
 
 
 def capacity_after(tokens: int, reserved: int) -> int:

@@ -147,7 +147,7 @@ def test_decode_memory_bound_holds_for_windowed_layers(gemma3):
     slot = geo.num_kv_heads * geo.head_dim * 4 * 2                   # K + V, float32, one token
     # a sliding layer is cut back to its window (7 tokens), not to the plan's 12 + 2, and its buffers
     # reserve that hold plus the one token a decode forward appends (polykv.storage.reserve)
-    rows = reserve_tokens(WINDOW - 1, layer_hold(capacity=12, decode_slack=2, bound=WINDOW - 1))
+    rows = reserve_tokens(WINDOW - 1, layer_hold(capacity=12, decode_slack=2, bound=WINDOW - 1), slack=2)
     assert rows == WINDOW
     assert bound[:2] == [rows * slot] * 2 and worst[:2] == bound[:2]
 

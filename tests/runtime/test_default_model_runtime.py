@@ -3,6 +3,8 @@ compressing plan holds the bytes it predicts."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -46,3 +48,22 @@ def test_compressed_plan_holds_the_predicted_bytes(default_model, default_geomet
     assert measured.total == predicted
     full = default_geometry.full_cache_bytes(T, dtype_bytes=4)
     assert full / measured.total > 4.0                                    # 4x fewer tokens, fewer bits
+
+
+def test_a_short_prompt_reserves_no_more_than_its_tokens_and_the_decode_slack(default_model, default_geometry):
+    """The README tour: a 21-token prompt, 16 new tokens. A layer whose capacity is far above the prompt used to
+    reserve capacity + slack rows up front (5.4x vanilla's cache); every shipped plan now holds no more than
+    vanilla's rows plus its decode slack's (and the one row the next decode token writes)."""
+    model, tokenizer = default_model
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids[:, :21]
+    new = 16
+    row_bytes = default_geometry.full_cache_bytes(1, dtype_bytes=4)               # K + V, every layer, one token
+    plans = sorted(pathlib.Path(__file__).resolve().parents[2].glob("plans/smollm2-135m-instruct.*.plan.json"))
+    assert len(plans) >= 30
+    for path in plans:
+        plan = polykv.load_plan(str(path))
+        with torch.no_grad(), polykv.apply(model, plan) as session:
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            held = session.resident_bytes().total
+        vanilla_rows = ids.shape[1] + new - 1                                      # the last token is not cached
+        assert held <= row_bytes * (vanilla_rows + plan.trigger.decode_slack + 1), path.name

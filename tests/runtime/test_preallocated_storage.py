@@ -7,7 +7,7 @@ import torch
 import polykv
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
-from polykv.storage.reserve import GROWTH_BLOCK, grown_capacity, reserve_tokens
+from polykv.storage.reserve import GROWTH_BLOCK, cut_back_rows, grown_capacity, reserve_tokens
 from polykv.runtime.cache import cache_keyword
 
 
@@ -26,7 +26,7 @@ def test_decode_appends_in_place_until_a_documented_growth(llama, prompt):
     with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
         out = session.prefill(prompt(1, T))
         layer = session.cache.layers[0]
-        assert layer.key_store.capacity == T == reserve_tokens(T, None)     # exactly the prompt
+        assert layer.key_store.capacity == T == reserve_tokens(T, None, slack=16)     # exactly the prompt
         out = _step(model, session, out)                                    # the first token grows it once
         assert layer.key_store.capacity == grown_capacity(T + 1, T) == T + GROWTH_BLOCK
         reserved = T
@@ -85,6 +85,31 @@ def test_a_decode_only_rule_releases_the_prompt_rows_after_its_first_eviction(ll
         assert layer.num_stored() == 8 and layer.key_store.capacity == 8 + 2 + 1
         want = predict_resident(plan, geo, 30, dtype_bytes=4, phase="decode", new_tokens=1)
         assert list(session.resident_bytes().per_layer) == [r.resident_bytes for r in want]
+
+
+def test_a_prompt_shorter_than_the_capacity_reserves_its_tokens_and_the_slack(llama, prompt):
+    """A 6-token prompt under capacity 64 + slack 4 reserves 6 + 4 + 1 rows, not 64 + 4 + 1; decoding grows the
+    buffers another slack at a time (cut_back_rows) until the layer is cut back, and the bytes equal the
+    prediction at every step."""
+    model, geo = llama
+    op = OpSpec(rule="h2o", capacity=16)
+    plan = polykv.uniform_plan(geo, prefill=op, decode=op, decode_slack=4)
+    hold = 16 + 4
+    with torch.no_grad(), polykv.apply(model, plan) as session:
+        out = session.prefill(prompt(1, 6))
+        layer = session.cache.layers[0]
+        assert layer.key_store.capacity == 6 + 4 + 1 == reserve_tokens(6, hold, slack=4)
+        grew = 0
+        for step in range(1, 20):
+            ptrs = _buffers(layer)
+            out = _step(model, session, out)
+            grew += _buffers(layer) != ptrs
+            want = predict_resident(plan, geo, 6, dtype_bytes=4, phase="decode", new_tokens=step)
+            assert list(session.resident_bytes().per_layer) == [r.resident_bytes for r in want], step
+            if 6 + step <= hold:
+                assert layer.key_store.capacity == cut_back_rows(6, step, hold, slack=4)
+            assert layer.key_store.capacity <= hold + 1
+        assert 1 <= grew <= 3                            # a reallocation per slack of tokens, not per token
 
 
 def test_positions_are_preallocated_and_follow_the_tokens(llama, prompt):
