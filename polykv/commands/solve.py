@@ -61,12 +61,17 @@ def _no_constant(name: str):
 
 
 def parse_params(items: list[str], option: str = "--param") -> dict:
-    """``KEY=VALUE`` items as a dict; VALUE is read as JSON when it parses (NaN and infinity are refused)."""
+    """``KEY=VALUE`` items as a dict; VALUE is read as JSON when it parses (NaN and infinity are refused); a key
+    given twice is refused (one value would silently win)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SolverError(f"{option} {item!r}: expected KEY=VALUE, e.g. {option} rule=tova")
+        if key in out:
+            first = next(i for i in items if i.partition("=")[0] == key)
+            raise SolverError(f"{option} {key}=: given twice ({option} {first} and {option} {item}); give each "
+                              f"key once")
         try:
             out[key] = json.loads(value, parse_constant=_no_constant)
         except json.JSONDecodeError:
