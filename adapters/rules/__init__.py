@@ -9,7 +9,8 @@ from polykv.adapters.rules.full import FullRule
 from polykv.adapters.rules.h2o import H2ORule
 from polykv.adapters.rules.key_norm import KeyNormRule
 from polykv.adapters.rules.keydiff import KeyDiffRule
-from polykv.adapters.rules.kvzip import KVzipAllocator, KVzipHeadAllocator, KVzipHeadRule, KVzipRule
+from polykv.adapters.rules.kvzip import KVzipAllocator, KVzipRule
+from polykv.adapters.rules.kvzip_head import KVzipHeadAllocator, KVzipHeadRule
 from polykv.adapters.rules.pyramidkv import PyramidKVAllocator, PyramidKVRule
 from polykv.adapters.rules.random_rule import RandomRule
 from polykv.adapters.rules.scissorhands import ScissorhandsRule

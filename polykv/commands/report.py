@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+from polykv.errors import ProfileError
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -18,10 +22,39 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _model(m) -> str:
+    get = m.get if isinstance(m, dict) else lambda k: getattr(m, k, None)
+    return (f"{get('fingerprint') or 'of unknown fingerprint'} ({get('num_layers')} layers, {get('num_kv_heads')} KV "
+            f"heads, head dim {get('head_dim')})")
+
+
+def check_profile_model(results: list[str], profile_path: str) -> None:
+    """``--profile``: a profile measured on the model the study ran (its policies' plans say which), else refused
+    naming both models."""
+    from polykv.models.geometry import fingerprints_match
+    from polykv.profiling.profile import load_profile
+    from polykv.studies.combine import combine_results
+
+    res = combine_results(results)
+    prof = load_profile(profile_path).model
+    for rec in res.policies.values():
+        model = (rec.get("plan") or {}).get("model") if isinstance(rec.get("plan"), dict) else None
+        if not isinstance(model, dict):
+            continue
+        if any(model.get(k) != getattr(prof, k) for k in ("num_layers", "num_kv_heads", "head_dim")) or \
+                not fingerprints_match(model.get("fingerprint"), prof.fingerprint):
+            raise ProfileError(f"--profile {profile_path}: the profile was measured on model {_model(prof)}, but the "
+                               f"study in {res.path} ran model {_model(model)} (policy '{rec.get('policy')}'); give "
+                               f"a profile of the study's model, or leave --profile out")
+        return
+
+
 def run(args) -> int:
     from polykv.studies.report import check_report_folder, write_report
 
     check_report_folder(args.output, "-o", inputs=[*args.results, args.profile])
+    if args.profile is not None and os.path.isfile(args.profile):
+        check_profile_model(args.results, args.profile)
     for path in write_report(args.results, args.output, profile_path=args.profile, option="-o"):
         print(f"wrote {path}")
     return 0

@@ -61,12 +61,17 @@ def _no_constant(name: str):
 
 
 def parse_params(items: list[str], option: str = "--param") -> dict:
-    """``KEY=VALUE`` items as a dict; VALUE is read as JSON when it parses (NaN and infinity are refused)."""
+    """``KEY=VALUE`` items as a dict; VALUE is read as JSON when it parses (NaN and infinity are refused); a key
+    given twice is refused (one value would silently win)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SolverError(f"{option} {item!r}: expected KEY=VALUE, e.g. {option} rule=tova")
+        if key in out:
+            first = next(i for i in items if i.partition("=")[0] == key)
+            raise SolverError(f"{option} {key}=: given twice ({option} {first} and {option} {item}); give each "
+                              f"key once")
         try:
             out[key] = json.loads(value, parse_constant=_no_constant)
         except json.JSONDecodeError:
@@ -95,9 +100,10 @@ def with_profile_data(plan, profile_path: str):
     return attrs.evolve(plan, model_data={**refs, **plan.model_data}) if refs else plan
 
 
-def measuring_model(args, profile, params: dict):
+def measuring_model(args, profile, params: dict, geometry=None):
     """The model a measuring solver runs its plans on (loaded from ``--model``), or None for the others; puts
-    ``--tokens`` into ``params``."""
+    ``--tokens`` into ``params``. Its parameters, and the held-out sequences against the positions of the model's
+    ``geometry``, are checked before the model loads."""
     from polykv.registry import get_registry
 
     registry = get_registry()
@@ -114,7 +120,10 @@ def measuring_model(args, profile, params: dict):
     if not args.model:
         raise SolverError(f"--solver {args.solver} measures its candidate plans on the model: add --model default "
                           "(SmolLM2-135M, offline) or --model FOLDER (a local model with its tokenizer)")
-    registry.solver(args.solver)(registry=registry).params(params)  # bad parameters are refused before the load
+    solver = registry.solver(args.solver)(registry=registry)
+    checked = solver.params(params)  # bad parameters are refused before the load
+    if hasattr(solver, "held_out"):
+        solver.held_out(profile, checked, getattr(geometry, "max_positions", None))
     from polykv.commands.calibrate import load_model
     from polykv.contract.model_data import load_side_files, needs_of_rules
     from polykv.solvers.refine import MeasureOn
@@ -167,7 +176,7 @@ def run(args) -> int:
     params = parse_params(args.param)
     if args.metric is not None:
         params = {**params, "metric": check_metric(args.metric, params, profile, args.solver)}
-    measure_on = measuring_model(args, profile, params)
+    measure_on = measuring_model(args, profile, params, geometry)
     plan = solve(profile, budget, args.solver, geometry=geometry, capacities=args.capacities,
                  quantizer=args.quantizer, quantizer_params=qparams, model=measure_on, **params)
     plan = with_profile_data(plan, args.profile)

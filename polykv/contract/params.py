@@ -52,10 +52,11 @@ class ParamError(ValueError):
 class ParamSpec:
     """One parameter's type, bounds and description.
 
-    ``kind`` is ``int``, ``float`` (ints accepted), ``bool``, ``str`` or ``dict``; ``low``/``high``
+    ``kind`` is ``int``, ``float`` (ints accepted), ``bool``, ``str``, ``dict`` or ``list``; ``low``/``high``
     are inclusive bounds for numbers (None = unbounded); ``choices`` lists the allowed values;
     ``nullable`` allows null (None); ``default`` is the value a plugin uses when a plan gives none.
-    Numbers must be finite.
+    Numbers must be finite. A ``list`` with ``items`` (``int`` or ``float``) holds numbers of that kind,
+    each within ``low``/``high``, and at least ``min_items`` of them.
     """
 
     kind: type
@@ -67,6 +68,13 @@ class ParamSpec:
     default: Any = NO_DEFAULT
     odd: bool = False
     """Integers only: the value must be odd (a centred pooling kernel)."""
+    items: type | None = None
+    """Lists only: the kind of every item (``int`` or ``float``); ``low``/``high`` then bound each item."""
+    min_items: int = 0
+    """Lists only: the fewest items the list may hold (1: an empty list is refused)."""
+    token_ids: bool = False
+    """Lists of ``int`` only: the items are token ids of the model's vocabulary, which ``polykv.apply`` checks
+    them against (``[0, vocab_size)``) when it knows the model."""
 
     @property
     def has_default(self) -> bool:
@@ -75,11 +83,25 @@ class ParamSpec:
     def describe(self) -> str:
         """``an integer in [1, 4096]`` style summary for messages and docs."""
         text = _TYPE_NAMES.get(self.kind, self.kind.__name__)
+        if self.items is not None:
+            return self._describe_list()
         if self.odd:
             text = "an odd integer"
         if self.choices is not None:
             text = "one of " + ", ".join(repr(c) for c in self.choices)
         elif self.low is not None and self.high is not None:
+            text += f" in [{_num(self.low)}, {_num(self.high)}]"
+        elif self.low is not None:
+            text += f" >= {_num(self.low)}"
+        elif self.high is not None:
+            text += f" <= {_num(self.high)}"
+        return text + (" or null" if self.nullable else "")
+
+    def _describe_list(self) -> str:
+        what = "token ids" if self.token_ids else ("integers" if self.items is int else "numbers")
+        text = (f"a list of {what}" if self.min_items < 1 else
+                f"a non-empty list of {what}" if self.min_items == 1 else f"a list of at least {self.min_items} {what}")
+        if self.low is not None and self.high is not None:
             text += f" in [{_num(self.low)}, {_num(self.high)}]"
         elif self.low is not None:
             text += f" >= {_num(self.low)}"
@@ -104,6 +126,8 @@ class ParamSpec:
             ok = isinstance(value, self.kind)
         if not ok:
             raise ParamError(name, f"parameter '{name}' must be {self.describe()}, got {value!r}{note}")
+        if self.items is not None:
+            return self._check_items(name, value, note)
         if self.kind in (int, float):
             if not math.isfinite(value):
                 raise ParamError(name, f"parameter '{name}' must be a finite number, got {value!r}{note}")
@@ -116,6 +140,25 @@ class ParamSpec:
         if self.choices is not None and value not in self.choices:
             raise ParamError(name, f"parameter '{name}' must be {self.describe()}, got {value!r}{note}")
         return value
+
+
+    def _check_items(self, name: str, value: list, note: str) -> list:
+        """A list of ``items`` numbers within ``low``/``high``, at least ``min_items`` long."""
+        if len(value) < self.min_items:
+            raise ParamError(name, f"parameter '{name}' must be {self.describe()}, got {value!r}{note}")
+        for i, item in enumerate(value):
+            ok = (isinstance(item, (int, float)) if self.items is float else isinstance(item, int)) \
+                and not isinstance(item, bool) and math.isfinite(item) \
+                and (self.low is None or item >= self.low) and (self.high is None or item <= self.high)
+            if not ok:
+                raise ParamError(name, f"parameter '{name}' must be {self.describe()}, got {value!r} (item {i} is "
+                                       f"{item!r}){note}")
+        return value
+
+
+def token_id_params(specs: Mapping[str, ParamSpec]) -> list[str]:
+    """Names of the parameters whose spec holds token ids (checked against a model's vocabulary)."""
+    return sorted(n for n, s in specs.items() if s.token_ids)
 
 
 def check_params(specs: Mapping[str, ParamSpec], values: Mapping[str, Any], *, owner: str = "") -> None:

@@ -169,6 +169,21 @@ class RetentionRule(DeclaredParams):
     """True when the rule undoes or redoes RoPE on the keys or queries it reads (``ctx.rope_inv_freq``): it
     cannot score a layer that stores key codes (a plan's ``k_rank``), whose keys are not in RoPE coordinates."""
     paper: ClassVar[str] = ""
+    tokenizer_params: ClassVar[tuple[str, ...]] = ()
+    """Parameters whose values come from the model's tokenizer (KVzip's prompt token ids): those a plan leaves
+    unset (null), ``polykv.apply`` fills from :meth:`params_for_tokenizer` with the tokenizer it is given, else the
+    one saved beside the model."""
+
+    @classmethod
+    def params_for_tokenizer(cls, tokenizer: Any) -> dict[str, Any]:
+        """The values of :attr:`tokenizer_params` for ``tokenizer`` (the default: none)."""
+        return {}
+
+    def check_capacity(self, capacity: int) -> None:
+        """Raise a :class:`~polykv.contract.params.ParamError` naming the parameter when these parameters cannot
+        serve ``capacity`` tokens per KV head (e.g. more tokens always kept than it holds). Plan validation calls
+        it for a capacity in tokens, the runtime for one resolved from a ratio; the default accepts every one."""
+        return None
 
     @classmethod
     def query_window(cls, params: Mapping[str, Any]) -> int:

@@ -1,7 +1,7 @@
 """KVzip's context-independent head scores (the reference's ``--level head``): one number per layer and KV head.
 
 ``s[l, h] = max_j S[l, h, j]``, the largest reconstruction probability any context token of one calibration
-context receives from head (l, h) (:func:`polykv.adapters.rules.kvzip.compute_head_scores` runs it through
+context receives from head (l, h) (:func:`polykv.adapters.rules.kvzip_head.compute_head_scores` runs it through
 the runtime's probe path). At run time rule ``kvzip-head`` gives every context token of head (l, h) the
 score s[l, h] and allocator ``kvzip-head`` keeps or drops each head's whole context by one threshold over
 layers x heads. Files are safetensors with the model's fingerprint in the metadata, so a file measured on
@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 HEAD_SCORES_SUFFIX = ".kvzip-heads.safetensors"
 """Side file of a profile that keeps the head scores: ``x.profile.json`` -> ``x.kvzip-heads.safetensors``."""
 RECOMPUTE = ("remove the file to recompute the scores from the offline corpus, or write them with "
-             "polykv.adapters.rules.kvzip.compute_head_scores(model, batches, tokenizer=...).save(path)")
+             "polykv.adapters.rules.kvzip_head.compute_head_scores(model, batches, tokenizer=...).save(path)")
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

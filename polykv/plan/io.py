@@ -91,9 +91,25 @@ def _resolved(plan: Plan, source: str) -> Plan:
                                           for k, v in plan.model_data.items()})
 
 
+def _check_json(value: Any, field: str) -> None:
+    """Refuse what a plan file cannot hold (a set, an object), naming its field, before any JSON is written."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(v, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{field}[{i}]")
+    else:
+        raise PlanError(f"{field} holds a {type(value).__name__} ({value!r}), which a plan file cannot hold",
+                        field=field, hint="give a number, a string, true/false, null, a list or a mapping")
+
+
 def dumps(plan: Plan, folder: str | None = None) -> str:
     """Stable text: one top-level field per line, one layer per line, trailing newline."""
     d = plan_dict(plan, folder)
+    _check_json(d, "")
     enc = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)  # noqa: E731
     lines = ["{"]
     for key in ("schema_version", "model", "trigger", "provenance", "allocation", "model_data"):

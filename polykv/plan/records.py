@@ -39,8 +39,37 @@ MAX_BATCH = 1 << 20
 """Most batch rows a resident budget may be counted for."""
 
 
+def _plain_value(value: Any, field: str) -> Any:
+    """``value`` with numpy scalars (``np.int64(64)``, ``np.float32(0.5)``) as the Python numbers they hold, in
+    mappings and lists too, so a plan built from them saves exactly like one built from ints and floats; an array or
+    tensor is a PlanError naming ``field`` (a plan holds one number per field)."""
+    if isinstance(value, (str, bool, int, float)) or value is None:
+        return value.item() if type(value).__module__ == "numpy" else value     # np.float64 subclasses float
+    if type(value).__module__ == "numpy" and type(value).__name__ != "ndarray" and hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "shape"):
+        from polykv.errors import PlanError
+
+        raise PlanError(f"{field} must be a plain number (or JSON value), got a {type(value).__module__}."
+                        f"{type(value).__name__} of shape {tuple(value.shape)}", field=field,
+                        hint="give one number per field: int(x) or float(x)")
+    if isinstance(value, Mapping):
+        return {k: _plain_value(v, f"{field}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_value(v, f"{field}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def _plain(field: str):
+    return lambda value: _plain_value(value, field)
+
+
 def _frozen_dict(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
+
+
+def _params(field: str):
+    return lambda value: _plain_value(dict(value or {}), field)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -49,11 +78,11 @@ class OpSpec:
 
     rule: str = FULL_RULE
     """Registered retention rule name (``"full"`` keeps everything)."""
-    capacity: int | None = None
+    capacity: int | None = attrs.field(default=None, converter=_plain("capacity"))
     """Tokens the layer keeps (an absolute count), or None."""
-    capacity_ratio: float | None = None
+    capacity_ratio: float | None = attrs.field(default=None, converter=_plain("capacity_ratio"))
     """Fraction of the context the layer keeps, in (0, 1], or None."""
-    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_params("params"))
     """Rule parameters; missing ones take the rule's reference defaults."""
 
     @property
@@ -97,29 +126,29 @@ def _rank(instance, attribute, value) -> None:
 class LayerPlan:
     """One decoder layer: a prefill op, a decode op, and K/V bit widths."""
 
-    layer: int
+    layer: int = attrs.field(converter=_plain("layer"))
     """Layer index (must equal the position in the plan's layer list)."""
     prefill: OpSpec = FULL_OP
     """Applied once to the prompt, after prefill attention and before storage."""
     decode: OpSpec = FULL_OP
     """Applied during generation whenever storage exceeds capacity + decode slack."""
-    k_bits: int = PASSTHROUGH_BITS
+    k_bits: int = attrs.field(default=PASSTHROUGH_BITS, converter=_plain("k_bits"))
     """Key storage width; 16 stores keys unquantized in the model's dtype."""
-    v_bits: int = PASSTHROUGH_BITS
+    v_bits: int = attrs.field(default=PASSTHROUGH_BITS, converter=_plain("v_bits"))
     """Value storage width; 16 stores values unquantized in the model's dtype."""
     quantizer: str = DEFAULT_QUANTIZER
     """Registered quantizer used for widths below 16."""
-    quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    quantizer_params: dict[str, Any] = attrs.field(factory=dict, converter=_params("quantizer_params"))
     """Quantizer parameters; missing ones take its defaults."""
-    share: int | None = None
+    share: int | None = attrs.field(default=None, converter=_plain("share"))
     """The layer below (``layer - 1``) whose prompt K/V this layer merges with (MiniCache, see
     ``docs/sharing.md``); set on the upper layer of the pair. None: no sharing."""
-    share_params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    share_params: dict[str, Any] = attrs.field(factory=dict, converter=_params("share_params"))
     """The merge's parameters (``interpolation``, ``retention_ratio``); missing ones take the defaults."""
-    k_rank: int | None = attrs.field(default=None, validator=_rank)
+    k_rank: int | None = attrs.field(default=None, converter=_plain("k_rank"), validator=_rank)
     """Channels of each stored key code ``c = P^T k`` (P: the layer's offline key basis per KV head);
     None stores full-width keys, exactly as without a basis."""
-    v_rank: int | None = attrs.field(default=None, validator=_rank)
+    v_rank: int | None = attrs.field(default=None, converter=_plain("v_rank"), validator=_rank)
     """Channels of each stored value code ``e = U^T v``; None stores full-width values."""
 
     @property
@@ -155,7 +184,7 @@ def _positive_slack(instance, attribute, value) -> None:
 class TriggerSettings:
     """When decode-time eviction fires."""
 
-    decode_slack: int = attrs.field(default=128, validator=_positive_slack)
+    decode_slack: int = attrs.field(default=128, converter=_plain("trigger.decode_slack"), validator=_positive_slack)
     """Evict when storage exceeds capacity + slack (1 = evict on every step past capacity)."""
 
 
@@ -176,15 +205,15 @@ class Provenance:
 
     solver: str | None = None
     """Solver name, or None for a hand-made plan."""
-    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_params("provenance.params"))
     """Solver parameters."""
     budget: dict[str, Any] | None = None
     """The budget as given (e.g. ``{"bytes": ...}``, ``{"ratio": 8}``, ``{"tokens_per_layer": 256}``)."""
-    context_tokens: int | None = None
+    context_tokens: int | None = attrs.field(default=None, converter=_plain("provenance.context_tokens"))
     """Context length the budget and predictions refer to."""
-    predicted_loss: float | None = None
+    predicted_loss: float | None = attrs.field(default=None, converter=_plain("provenance.predicted_loss"))
     """Sum of per-layer profile losses the solver predicts."""
-    predicted_bytes: int | None = None
+    predicted_bytes: int | None = attrs.field(default=None, converter=_plain("provenance.predicted_bytes"))
     """KV bytes the solver predicts at ``context_tokens``, on ``basis`` (nominal when the basis is unstated)."""
     profile_fingerprint: str | None = None
     polykv_version: str | None = None
@@ -194,11 +223,11 @@ class Provenance:
     basis: str | None = None
     """What the budget counted: ``"resident"`` (bytes the runtime holds, metadata included) or
     ``"nominal"`` (MoE-nD's codes-only formula); None in plans made before bases were recorded (nominal)."""
-    batch: int | None = None
+    batch: int | None = attrs.field(default=None, converter=_plain("provenance.batch"))
     """Batch rows a resident budget was counted for."""
     cache_dtype: str | None = None
     """Storage dtype of unquantized K/V, scales and residuals a resident budget was counted in."""
-    measured: dict[str, Any] | None = None
+    measured: dict[str, Any] | None = attrs.field(default=None, converter=_plain("provenance.measured"))
     """What a solver measured end to end on a model (``refine``: every measured move, the exact plan's and the
     final plan's measured KL); None for solvers that only read the profile."""
 
@@ -218,9 +247,9 @@ class AllocationGroup:
 
     allocator: str
     """Registered allocator name."""
-    layers: tuple[int, ...] = attrs.field(converter=tuple)
+    layers: tuple[int, ...] = attrs.field(converter=lambda v: _plain_value(tuple(v), "allocation.layers"))
     """Member layers, ascending; each has a prefill rule with a capacity."""
-    params: dict[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    params: dict[str, Any] = attrs.field(factory=dict, converter=_params("allocation.params"))
     """Allocator parameters; missing ones take its defaults."""
 
     def describe(self) -> str:

@@ -103,6 +103,14 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
                                 hint=f"choose a rule that supports {phase}, or 'full'")
             rule = plugin_instance(cls, op.params, source=source, layer=lp.layer, field=field + ".params",
                                    unchecked=unchecked, hint="fix the value (see `polykv plugins` and docs/rules.md)")
+            check = getattr(rule, "check_capacity", None)
+            if op.capacity is not None and check is not None:  # a ratio is checked when it resolves (runtime)
+                try:
+                    check(int(op.capacity))
+                except ValueError as exc:
+                    param = getattr(exc, "param", None)
+                    raise PlanError(str(exc), source=source, layer=lp.layer,
+                                    field=field + (f".params.{param}" if param else ".capacity")) from None
             # A rule built with its parameters may run in fewer phases than its class (a wrapper runs
             # where the rule it wraps runs): check the instance too.
             built_phases = getattr(rule, "phases", cls.phases)

@@ -122,16 +122,13 @@ def default_rules(registry) -> tuple[str, ...]:
 
 
 def tokenizer_params(registry, rules: Sequence[str], tokenizer) -> dict[str, dict]:
-    """``{rule: params}`` for the rules among ``rules`` whose module offers ``prompt_params(tokenizer)``: the
-    parameters (token ids of its probe's prompts) a probe rule needs for this tokenizer."""
-    import sys
-
+    """``{rule: params}`` for the rules among ``rules`` that declare ``tokenizer_params``: the parameters (token
+    ids of a probe's prompts) the rule builds for this tokenizer (``params_for_tokenizer``)."""
     out = {}
     for rule in rules:
         cls = registry.operator(rule)
-        build = getattr(sys.modules.get(cls.__module__), "prompt_params", None) if cls.declares_probe() else None
-        if callable(build):
-            out[rule] = dict(build(tokenizer))
+        if getattr(cls, "tokenizer_params", ()):
+            out[rule] = dict(cls.params_for_tokenizer(tokenizer))
     return out
 
 

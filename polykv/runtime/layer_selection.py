@@ -23,6 +23,7 @@ from polykv.contract.checks import checked_selection
 from polykv.contract.rules import SelectionContext
 from polykv.contract.selection import Selection, ragged_top_k
 from polykv.contract.state import AccumulatedAttention, QueryWindow
+from polykv.errors import RuntimeConfigError
 from polykv.runtime.layer_spec import ForwardStep
 from polykv.runtime.storage import StorageView
 
@@ -168,6 +169,14 @@ class LayerSelection:
                            head_capacity=None if head_capacity is None
                            else head_capacity.to(view.positions.device).expand(B, Hkv))
         op = getattr(self.spec.plan, phase)
+        check = getattr(rule, "check_capacity", None)
+        if check is not None and head_capacity is None:  # a capacity resolved from a ratio: known only now
+            try:
+                check(int(capacity))
+            except ValueError as exc:
+                ratio = "" if op.capacity_ratio is None else \
+                    f" (capacity_ratio {op.capacity_ratio:g} of {self.tokens_seen} tokens)"
+                raise RuntimeConfigError(f"layer {self.layer_idx} ({phase}): {exc}{ratio}") from None
         sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
                                 where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
         for st in self.observing_states():

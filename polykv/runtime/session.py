@@ -31,6 +31,7 @@ from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
                                         check_rank_rules, check_seed, check_stores, plan_model_data)
 from polykv.runtime.support import SERVED, attention_modules, check_servable, model_type
+from polykv.runtime.tokenizer_params import check_token_ids, check_tokenizer, fill_tokenizer_params
 
 SUPPORTED_ATTN = ("sdpa", "eager")
 _MISSING = object()
@@ -71,6 +72,10 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     over the offline corpus with ``tokenizer`` (default: the one saved beside a model loaded from a
     folder), notes the cost in one line and caches it; ``"refuse"`` raises, naming the files looked for.
 
+    Rule parameters that come from the model's tokenizer (KVzip's prompt token ids, a rule's
+    ``tokenizer_params``) and that the plan leaves unset are built from ``tokenizer`` (a tokenizer object; default:
+    the one saved beside a model loaded from a local folder), and token ids are checked against the vocabulary.
+
     ``storage_dtype`` (e.g. ``torch.bfloat16`` while the model computes in float32) is the dtype the
     cache keeps unquantized K/V, quantizer scales and residuals in; attention reads them back in the
     compute dtype. None keeps them in the compute dtype.
@@ -99,6 +104,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         raise RuntimeConfigError(f"apply(model, plan) needs a polykv Plan, got a {type(plan).__name__}; load a plan "
                                  f"file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
     check_seed(seed)
+    check_tokenizer(tokenizer)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
     if impl == attention.NAME:
@@ -109,6 +115,8 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
     check_probe_phases(plan, registry)
+    plan = fill_tokenizer_params(plan, registry, model, tokenizer)
+    check_token_ids(plan, registry, model)
     check_rank_rules(plan, registry)
     if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point):
         raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "

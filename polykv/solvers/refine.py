@@ -34,8 +34,10 @@ import attrs
 import numpy as np
 
 from polykv.contract.params import ParamSpec
-from polykv.errors import SolverError
+from polykv.errors import ProfileError, SolverError, StudyError
+from polykv.models.corpus import corpus_documents
 from polykv.profiling.budget import Budget, bits_to_bytes
+from polykv.profiling.plan_meter import calibration_draw
 from polykv.profiling.profile import Profile, check_measured_on
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
@@ -264,16 +266,12 @@ class Refine(Solver):
                    f"{validation['refine_kl']:.6g}" if validation else ""))
         return attrs.evolve(plan, provenance=attrs.evolve(plan.provenance, note=note, measured=record))
 
-    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols, whole):
-        import torch
-
-        from polykv.models.geometry import geometry_of_model
-        from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
-
-        geometry = geometry_of_model(on.model)
-        check_measured_on(profile.model if whole is None else whole, geometry, profile.source)
-        draw = calibration_draw(profile)
-        prov = profile.provenance
+    def held_out(self, profile: Profile, p: Mapping[str, Any], max_positions: int | None = None) -> tuple[int, int]:
+        """(context, follow-up) tokens of each held-out sequence: ``tokens`` (else the profile's calibration
+        context) and ``follow_up`` (else what the calibration draw had after it, else 128). Refused, naming the
+        options, when the sequences pass ``max_positions`` (the model's max_position_embeddings) or when the offline
+        corpus holds too few texts long enough for ``sequences + validate`` of them."""
+        draw, prov = calibration_draw(profile), profile.provenance
         tokens = p["tokens"] if p["tokens"] is not None else prov.context_tokens
         if tokens is None:
             raise SolverError(f"solver 'refine': {profile.source} records no calibration context length; give the "
@@ -282,10 +280,37 @@ class Refine(Solver):
         if follow is None:
             known = draw is not None and prov.context_tokens is not None and draw.tokens > prov.context_tokens
             follow = draw.tokens - prov.context_tokens if known else 128
+        if max_positions is not None and tokens + follow > int(max_positions):
+            given = "the profile's calibration context" if p["tokens"] is None else \
+                f"--tokens / --param tokens={tokens}"
+            after = "--param follow_up, by default" if p["follow_up"] is None else f"--param follow_up={follow}"
+            raise SolverError(f"solver 'refine': each held-out sequence is {tokens} context tokens ({given}) + "
+                              f"{follow} follow-up tokens ({after}) = {tokens + follow} positions, more than "
+                              f"the model's {int(max_positions)} (max_position_embeddings); lower --tokens or "
+                              f"--param follow_up")
+        try:
+            corpus_documents(p["corpus"], p["sequences"] + p["validate"], min_chars=4 * (tokens + follow),
+                             seed=p["seed"])
+        except StudyError:
+            raise _too_few(p, tokens + follow) from None
+        return tokens, follow
+
+    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols, whole):
+        import torch
+
+        from polykv.models.geometry import geometry_of_model
+        from polykv.profiling.plan_meter import PlanMeter, heldout_sequences
+
+        geometry = geometry_of_model(on.model)
+        check_measured_on(profile.model if whole is None else whole, geometry, profile.source)
+        tokens, follow = self.held_out(profile, p, geometry.max_positions)
         tokenize = lambda text: on.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         n = p["sequences"]
-        seqs, desc = heldout_sequences(tokenize, n + p["validate"], tokens + follow, seed=p["seed"], profile=profile,
-                                       kind=p["corpus"])
+        try:
+            seqs, desc = heldout_sequences(tokenize, n + p["validate"], tokens + follow, seed=p["seed"],
+                                           profile=profile, kind=p["corpus"])
+        except (ProfileError, StudyError):
+            raise _too_few(p, tokens + follow) from None
         dtype = on.storage_dtype
         if dtype is None and budget.resident:
             dtype = getattr(torch, budget.cache_dtype)
@@ -294,6 +319,12 @@ class Refine(Solver):
         meters = [PlanMeter(on.model, part, tokens, model_data=on.model_data, registry=self.registry,
                             storage_dtype=dtype, layer_menu=menu) if part else None for part in (seqs[:n], seqs[n:])]
         return meters[0], meters[1], desc, tokens, follow
+
+
+def _too_few(p: Mapping[str, Any], length: int) -> SolverError:
+    return SolverError(f"solver 'refine': the offline corpus ({p['corpus']}) holds too few texts for "
+                       f"{p['sequences'] + p['validate']} held-out sequences of {length} tokens (--param "
+                       f"sequences={p['sequences']} + --param validate={p['validate']}); lower them, or --tokens")
 
 
 def _apply(choice: list[int], move) -> list[int]:

@@ -36,6 +36,8 @@ import attrs
 import torch
 
 from polykv.plan import Plan
+from polykv.registry import get_registry
+from polykv.runtime.tokenizer_params import fill_tokenizer_params
 from polykv.studies.designs import Policy, build_policies
 from polykv.studies.prompt import PromptEncoder
 from polykv.studies.results import ResultsWriter
@@ -268,6 +270,10 @@ class LoadedStudy:
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
+        # rule parameters built from the tokenizer (KVzip's prompt ids) where a plan leaves them unset
+        plugins = registry or get_registry()
+        policies = [attrs.evolve(pol, plan=fill_tokenizer_params(pol.plan, plugins, model, tokenizer))
+                    for pol in policies]
         model_data = policy_model_data(model, tokenizer, policies, spec.profile, registry=registry)
         encoder = PromptEncoder(tokenizer, bos=spec.bos, prompt_format=spec.prompt_format, where=spec.source)
         return cls(spec=spec, policies=policies, model=model, tokenizer=tokenizer, geometry=geo,

@@ -35,13 +35,13 @@ def test_missing_prompt_ids_are_refused_before_the_model_runs(model):
     geo = geometry_of_model(model)
     plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=8), decode="full")
     calls, handle = _not_run(model)
-    try:
-        with polykv.apply(model, plan) as session, pytest.raises(RuntimeConfigError) as err:
-            session.prefill(token_ids(1, 20))
+    try:  # no tokenizer to build them from: apply refuses, before any forward
+        with pytest.raises(RuntimeConfigError) as err:
+            polykv.apply(model, plan)
     finally:
         handle.remove()
     msg = str(err.value)
-    assert "\n" not in msg and "layer 0: rule 'kvzip'" in msg and "repeat_ids" in msg and "prompt_params" in msg
+    assert "\n" not in msg and "layer 0 (prefill): rule 'kvzip'" in msg and "repeat_ids" in msg and "tokenizer=" in msg
     assert calls == []
 
 

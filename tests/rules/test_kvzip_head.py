@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import polykv
-from polykv.adapters.rules.kvzip import CALIBRATION_SINK, KVzipRule, compute_head_scores, prompt_params
+from polykv.adapters.rules.kvzip import KVzipRule, prompt_params
+from polykv.adapters.rules.kvzip_head import CALIBRATION_SINK, compute_head_scores
 from polykv.models.geometry import geometry_of_model
 from polykv.models.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
