@@ -3,6 +3,7 @@
 from polykv.contract.hookspecs import hookimpl
 from polykv.studies.tasks.continuation import ContinuationTask
 from polykv.studies.tasks.files import LongBenchFileTask, RulerFileTask
+from polykv.studies.tasks.jsonl import JsonlFileTask
 from polykv.studies.tasks.niah import NeedleMultiKeyTask, NeedleMultiValueTask, NeedleSingleTask, NeedleTask
 from polykv.studies.tasks.passkey import PasskeyTask
 from polykv.studies.tasks.variable_tracking import VariableTrackingTask
@@ -17,6 +18,7 @@ TASKS: tuple = (
     ContinuationTask,
     LongBenchFileTask,
     RulerFileTask,
+    JsonlFileTask,
 )
 
 
