@@ -8,8 +8,9 @@ answer depends on the whole context rather than on one needle; both are scored w
 
 - **cwe**: ``num_cw`` (10) common words occur ``freq_cw`` (30) times each and the other words ``freq_ucw`` (3)
   times, shuffled into one numbered line "1. w 2. w ...". One worked example comes first (40 words, 10 / 3
-  repeats, with its answer). Below a 4,096-token ``length`` RULER's short form applies: 6 / 1 repeats, and an
-  example of 20 words with 3 / 1 repeats. The number of words is the largest that fits ``length``. Words come
+  repeats, with its answer). When ``length`` + ``max_new_tokens`` (RULER's ``max_seq_length``, which counts the
+  generated tokens) is below 4,096, RULER's short form applies: 6 / 1 repeats, and an example of 20 words with
+  3 / 1 repeats. The number of words is the largest that fits ``length``. Words come
   from a fixed list shipped with polykv (``polykv/data/ruler_words.txt``: 2,654 lower-case words drawn from the
   offline corpus's prose, the template's own words left out), not from the ``wonderwords`` package RULER reads,
   so polykv needs no download; it holds enough distinct words for about 32k tokens. The example's words and the
@@ -68,8 +69,8 @@ class CommonWordsTask(Task):
     defaults: Mapping[str, Any] = {
         "length": 4096,        # prompt tokens as the runner feeds them: BOS, context, question
         "num_cw": 10,          # common words (the answer)
-        "freq_cw": None,       # repeats of each common word; null = RULER's 30 (6 below 4,096 tokens)
-        "freq_ucw": None,      # repeats of every other word; null = RULER's 3 (1 below 4,096 tokens)
+        "freq_cw": None,       # repeats of each common word; null = RULER's 30 (6 below 4,096 tokens in all)
+        "freq_ucw": None,      # repeats of every other word; null = RULER's 3 (1 below 4,096 tokens in all)
         "max_new_tokens": 120,
     }
     param_specs = {
@@ -83,7 +84,7 @@ class CommonWordsTask(Task):
     @staticmethod
     def repeats(params: Mapping[str, Any]) -> tuple[int, int, tuple[int, int, int]]:
         """(freq_cw, freq_ucw, (example words, example freq_cw, example freq_ucw)) for ``params``."""
-        short = int(params["length"]) < 4096
+        short = int(params["length"]) + int(params["max_new_tokens"]) < 4096   # RULER's max_seq_length
         cw = params["freq_cw"] if params["freq_cw"] is not None else (6 if short else 30)
         ucw = params["freq_ucw"] if params["freq_ucw"] is not None else (1 if short else 3)
         return int(cw), int(ucw), ((20, 3, 1) if short else (40, 10, 3))
