@@ -20,7 +20,7 @@ import random
 from typing import Any, Mapping
 
 from polykv.errors import StudyError
-from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
+from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack, param_error
 from polykv.studies.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
@@ -77,8 +77,8 @@ class NeedleTask(Task):
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         if params["num_queries"] > params["num_keys"]:
-            raise StudyError(f"task '{self.name}': num_queries ({params['num_queries']}) must not exceed num_keys "
-                             f"({params['num_keys']})")
+            raise param_error("num_queries", f"task '{self.name}': num_queries ({params['num_queries']}) must not "
+                                             f"exceed num_keys ({params['num_keys']})")
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:
         nk, nv, nq = int(params["num_keys"]), int(params["num_values"]), int(params["num_queries"])
