@@ -157,15 +157,19 @@ def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}
         all_classes = rec["all_classes"]
         if all_classes is not None and not isinstance(all_classes, list):
             raise StudyError(f"{path} line {lineno}: field 'all_classes' must be a list or null")
-        known = base in LONGBENCH_MAXLEN
-        span = stop if stop is not None else (
-            ("\n",) if base in LONGBENCH_FIRST_LINE else None) if known else OTHER_STOP
+        if stop is not None:
+            span = stop
+        elif base in LONGBENCH_MAXLEN:  # LongBench's own protocol for its datasets
+            span = ("\n",) if base in LONGBENCH_FIRST_LINE else ()
+        else:
+            span = OTHER_STOP
         meta = {"dataset": dataset, "all_classes": all_classes, "length": rec["length"], "source": path,
                 "line": lineno}
         if span:
             meta["stop"] = tuple(span)
         items.append(TaskItem(
-            task=LongBenchFileTask.name, id=str(rec["_id"]), context=text_field(rec["context"], path, lineno, "context"),
+            task=LongBenchFileTask.name, id=str(rec["_id"]),
+            context=text_field(rec["context"], path, lineno, "context"),
             question=question_template.format(input=text_field(rec["input"], path, lineno, "input")),
             answers=_str_list(rec["answers"], path, lineno, "answers"), metric=chosen,
             max_new_tokens=max_new_tokens or LONGBENCH_MAXLEN.get(base, OTHER_MAXLEN), meta=meta))
