@@ -19,6 +19,10 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder for report.md and the figures")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="profile for the sensitivity heatmap (default: the study's own profile)")
+    p.add_argument("--csv", action="store_true",
+                   help="also write policies.csv (one row per task and policy: items, mean score, Wilson interval, "
+                        "measured bytes, ratio to a 16-bit full cache, paired difference to full) and items.csv (one "
+                        "row per result, with the generated text) into DIR")
     p.set_defaults(func=run)
 
 
@@ -50,11 +54,20 @@ def check_profile_model(results: list[str], profile_path: str) -> None:
 
 
 def run(args) -> int:
+    from polykv.studies.export import check_csv_outputs, csv_texts, write_csv
     from polykv.studies.report import check_report_folder, write_report
 
-    check_report_folder(args.output, "-o", inputs=[*args.results, args.profile])
+    inputs = [*args.results, args.profile]
+    check_report_folder(args.output, "-o", inputs=inputs)
     if args.profile is not None and os.path.isfile(args.profile):
         check_profile_model(args.results, args.profile)
-    for path in write_report(args.results, args.output, profile_path=args.profile, option="-o"):
+    texts = None
+    if args.csv:  # every output is checked and every table computed before anything is written
+        check_csv_outputs(args.output, "-o", inputs)
+        texts = csv_texts(args.results)
+    written = write_report(args.results, args.output, profile_path=args.profile, option="-o")
+    if texts is not None:
+        written += write_csv(args.results, args.output, option="-o", texts=texts)
+    for path in written:
         print(f"wrote {path}")
     return 0

@@ -3,9 +3,12 @@
 from polykv.contract.hookspecs import hookimpl
 from polykv.studies.tasks.continuation import ContinuationTask
 from polykv.studies.tasks.files import LongBenchFileTask, RulerFileTask
-from polykv.studies.tasks.niah import NeedleMultiKeyTask, NeedleMultiValueTask, NeedleSingleTask, NeedleTask
+from polykv.studies.tasks.jsonl import JsonlFileTask
+from polykv.studies.tasks.niah import (NeedleMultiKeyTask, NeedleMultiQueryTask, NeedleMultiValueTask, NeedleSingleTask,
+                                       NeedleTask)
 from polykv.studies.tasks.passkey import PasskeyTask
 from polykv.studies.tasks.variable_tracking import VariableTrackingTask
+from polykv.studies.tasks.words import CommonWordsTask, FrequentWordsTask
 
 TASKS: tuple = (
     PasskeyTask,
@@ -13,10 +16,14 @@ TASKS: tuple = (
     NeedleSingleTask,
     NeedleMultiKeyTask,
     NeedleMultiValueTask,
+    NeedleMultiQueryTask,
     VariableTrackingTask,
+    CommonWordsTask,
+    FrequentWordsTask,
     ContinuationTask,
     LongBenchFileTask,
     RulerFileTask,
+    JsonlFileTask,
 )
 
 

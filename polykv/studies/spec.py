@@ -334,6 +334,11 @@ def _task_entries(raw: Any, base: str, r: FieldReader, registry, digests: dict) 
         params = dict(r.obj(e.get("params", {}), f + ".params", optional=cls.defaults))
         samples = r.int_(e.get("samples", 20), f + ".samples", minimum=1)
         seed = r.int_(e.get("seed", 0), f + ".seed", minimum=0)
+        try:
+            cls().params(**params)
+        except PolykvError as exc:
+            raise r.error(str(exc), field=f + ".params" + (f".{exc.param}" if getattr(exc, "param", None) else "")) \
+                from None
         if "path" in cls.defaults:  # a file task: read and check the file now, before any model loads
             params["path"] = _path(base, params.get("path"), r, f + ".params.path")
             digests[params["path"]] = _digest(params["path"])
@@ -341,11 +346,6 @@ def _task_entries(raw: Any, base: str, r: FieldReader, registry, digests: dict) 
                 cls().make_items(None, samples, seed, **params)
             except PolykvError as exc:
                 raise r.error(str(exc), field=f + ".params.path") from None
-        else:
-            try:
-                cls().params(**params)
-            except PolykvError as exc:
-                raise r.error(str(exc), field=f + ".params") from None
         out.append(TaskEntry(task=cls.name, params=params, samples=samples, seed=seed))
     if len(set(t.task for t in out)) != len(out):
         r.fail("each task may appear once (results are keyed by task name)", field="tasks")

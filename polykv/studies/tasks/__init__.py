@@ -8,6 +8,7 @@ and ``score(item, generated_text)``; see :mod:`polykv.studies.tasks.base`. Built
 from polykv.studies.tasks.base import (GENERATE, TEACHER_FORCED, CharTokenizer, Task, TaskItem, WhitespaceTokenizer,
                                        count_tokens, prompt_length)
 from polykv.studies.tasks.files import load_longbench, load_ruler
+from polykv.studies.tasks.jsonl import load_jsonl
 
 __all__ = ["Task", "TaskItem", "GENERATE", "TEACHER_FORCED", "WhitespaceTokenizer", "CharTokenizer",
-           "count_tokens", "prompt_length", "load_longbench", "load_ruler"]
+           "count_tokens", "prompt_length", "load_longbench", "load_ruler", "load_jsonl"]

@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
 
+from polykv.contract.params import ParamError, check_params
 from polykv.errors import StudyError
 from polykv.studies.corpus import filler_text
 from polykv.studies.prompt import as_encoder
@@ -75,18 +76,17 @@ class Task:
         if unknown:
             raise StudyError(f"task '{self.name}' has no parameter(s) {unknown}; its parameters are "
                              f"{dict(self.defaults)}")
-        from polykv.contract.params import ParamError, check_params
-
         try:
             check_params(self.param_specs, overrides, owner=f"task '{self.name}'")
         except ParamError as exc:
-            raise StudyError(str(exc)) from None
+            raise param_error(exc.param, str(exc)) from None
         merged = {**self.defaults, **overrides}
         self.check_params(merged)
         return merged
 
     def check_params(self, params: Mapping[str, Any]) -> None:
-        """Checks across parameters (each one's own type and range are in ``param_specs``); raise StudyError."""
+        """Checks across parameters (each one's own type and range are in ``param_specs``); raise a
+        :func:`param_error` naming the parameter to fix."""
 
     def make_items(self, tokenizer, n: int, seed: int = 0, **params) -> list[TaskItem]:
         """``n`` items, deterministic in ``seed`` (item i is independent of n)."""
@@ -99,8 +99,29 @@ class Task:
         raise NotImplementedError
 
     def score(self, item: TaskItem, generated_text: str) -> float:
-        """Score in [0, 1] of ``generated_text`` for ``item`` with the item's own metric."""
+        """Score in [0, 1] of ``generated_text`` for ``item`` with the item's own metric; an item whose
+        ``meta["stop"]`` lists stop strings is scored on its :func:`answer_span` only."""
+        stop = item.meta.get("stop")
+        if stop is not None:
+            generated_text = answer_span(generated_text, stop)
         return metrics.score(item.metric, generated_text, item)
+
+
+def param_error(param: str, message: str) -> StudyError:
+    """A :class:`StudyError` about the task parameter ``param``; its ``param`` attribute lets a study spec
+    name the field (``tasks[i].params.<param>``)."""
+    err = StudyError(message)
+    err.param = param
+    return err
+
+
+def answer_span(text: str, stop: Sequence[str]) -> str:
+    """The answer part of a generation: leading whitespace dropped, then everything before the first stop
+    string (``("\\n",)``: the first line). A model that goes on to repeat the context past its answer is
+    scored on the answer alone."""
+    text = text.lstrip()
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 # -- offline tokenizers ---------------------------------------------------------------------------

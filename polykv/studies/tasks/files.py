@@ -10,6 +10,11 @@ RULER (Hsieh et al., 2024) lines carry ``input`` (context and question in one pr
 question on its own last line, so the question is everything after the last ``question_separator``;
 the answer prefix, when present, is appended to it.
 
+Every file task (these two and :mod:`~polykv.studies.tasks.jsonl`'s ``jsonl_file``) takes ``metric``,
+``max_new_tokens`` and ``stop``: an item with stop strings is scored on its answer span (the generation up to
+the first stop string, :func:`~polykv.studies.tasks.base.answer_span`), so that text generated after the
+answer (a model going on to repeat the context) earns nothing.
+
 A malformed line is a :class:`~polykv.errors.StudyError` naming the file, the line number and the field.
 """
 
@@ -17,13 +22,18 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Iterator, Mapping
+import string
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
-from polykv.errors import StudyError
+from polykv.atomic import check_readable_file
 from polykv.contract.params import ParamSpec
+from polykv.errors import OutputError, StudyError
 from polykv.strict_json import JsonInputError, loads_strict
-from polykv.studies.tasks.base import Task, TaskItem
+from polykv.studies.tasks.base import Task, TaskItem, param_error
 from polykv.studies.tasks.metrics import METRICS
+
+USER_DATA_HINT = ("For your own data (lines with 'context', 'question' and 'answers') use the task 'jsonl_file' "
+                  "(docs/tasks.md).")
 
 LONGBENCH_FIELDS = ("context", "input", "answers", "all_classes", "length", "dataset", "_id")
 RULER_FIELDS = ("input", "outputs", "length", "index")
@@ -37,6 +47,8 @@ LONGBENCH_METRIC = {
 }
 # LongBench's eval.py scores only the first line of the prediction for these datasets.
 LONGBENCH_FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})
+# A dataset outside LongBench's tables: answer within 32 tokens, scored on the first line.
+OTHER_MAXLEN, OTHER_STOP = 32, ("\n",)
 LONGBENCH_MAXLEN = {
     "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
     "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
@@ -44,12 +56,11 @@ LONGBENCH_MAXLEN = {
 }
 
 
-def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, dict]]:
+def read_lines(path: str, fields: Sequence[str], fmt: str, hint: str | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of the JSONL file ``path``; a line that is not a JSON
+    object holding ``fields`` is an error naming the file and line (``hint`` ends a missing-field message)."""
     if not path:
         raise StudyError(f"a {fmt} task needs path= pointing at a {fmt} JSONL file on disk")
-    from polykv.atomic import check_readable_file
-    from polykv.errors import OutputError
-
     if not os.path.lexists(path):
         raise StudyError(f"{path}: no such {fmt} JSONL file")
     try:
@@ -80,12 +91,14 @@ def _lines(path: str, fields: tuple[str, ...], fmt: str) -> Iterator[tuple[int, 
                              f"got {type(record).__name__}")
         missing = [f for f in fields if f not in record]
         if missing:
-            raise StudyError(f"{path} line {lineno}: missing field(s) {missing}; {fmt} lines carry "
-                             f"{list(fields)}. Is this a {fmt} file?")
+            if hint is None:
+                hint = f"{fmt} lines carry {list(fields)}. Is this a {fmt} file? {USER_DATA_HINT}"
+            raise StudyError(f"{path} line {lineno}: missing field(s) {missing} (the line has {sorted(record)}); "
+                             + hint)
         yield lineno, record
 
 
-def _unique_id(seen: dict[str, int], item_id: str, path: str, lineno: int, field: str) -> None:
+def unique_id(seen: dict[str, int], item_id: str, path: str, lineno: int, field: str) -> None:
     """Results are keyed by item id: a repeated id would silently drop an item from every report."""
     if item_id in seen:
         raise StudyError(f"{path} line {lineno}: field '{field}' is {item_id!r}, the id of line {seen[item_id]} "
@@ -99,14 +112,15 @@ def _str_list(value, path: str, lineno: int, field: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def _text(value, path: str, lineno: int, field: str) -> str:
+def text_field(value, path: str, lineno: int, field: str) -> str:
     if not isinstance(value, str):
         raise StudyError(f"{path} line {lineno}: field '{field}' must be a string; got {type(value).__name__}")
     return value
 
 
 def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}\nAnswer:",
-                   metric: str | None = None) -> list[TaskItem]:
+                   metric: str | None = None, max_new_tokens: int | None = None,
+                   stop: Sequence[str] | None = None) -> list[TaskItem]:
     """Every item of a LongBench JSONL file, in file order.
 
     Parameters
@@ -119,14 +133,20 @@ def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}
         Force a metric from :data:`~polykv.studies.tasks.metrics.METRICS`; by default LongBench's own
         metric for the line's dataset (Chinese datasets need an explicit choice: LongBench scores them
         with jieba word segmentation, which polykv does not ship).
+    max_new_tokens : int, optional
+        Tokens to generate; by default LongBench's length for the dataset, 32 for a dataset outside its table.
+    stop : sequence of str, optional
+        Score the generation up to the first of these strings; by default LongBench's rule (the first line
+        for trec, triviaqa, samsum and lsht, the whole generation otherwise) and the first line for a
+        dataset outside LongBench's table.
     """
-    if metric is not None and metric not in METRICS:
-        raise StudyError(f"unknown metric {metric!r} for LongBench file {path}; available: {sorted(METRICS)}")
+    check_file_options(LongBenchFileTask, metric=metric, max_new_tokens=max_new_tokens, stop=stop,
+                       question_template=question_template)
     items, seen = [], {}
-    for lineno, rec in _lines(path, LONGBENCH_FIELDS, "LongBench"):
-        dataset = _text(rec["dataset"], path, lineno, "dataset")
-        _unique_id(seen, str(rec["_id"]), path, lineno, "_id")
-        if not _text(rec["context"], path, lineno, "context").strip():
+    for lineno, rec in read_lines(path, LONGBENCH_FIELDS, "LongBench"):
+        dataset = text_field(rec["dataset"], path, lineno, "dataset")
+        unique_id(seen, str(rec["_id"]), path, lineno, "_id")
+        if not text_field(rec["context"], path, lineno, "context").strip():
             raise StudyError(f"{path} line {lineno}: field 'context' is empty; every item needs a context to "
                              "compress")
         base = dataset[:-2] if dataset.endswith("_e") else dataset
@@ -137,18 +157,27 @@ def load_longbench(path: str, *, question_template: str = "\n\nQuestion: {input}
         all_classes = rec["all_classes"]
         if all_classes is not None and not isinstance(all_classes, list):
             raise StudyError(f"{path} line {lineno}: field 'all_classes' must be a list or null")
+        if stop is not None:
+            span = stop
+        elif base in LONGBENCH_MAXLEN:  # LongBench's own protocol for its datasets
+            span = ("\n",) if base in LONGBENCH_FIRST_LINE else ()
+        else:
+            span = OTHER_STOP
+        meta = {"dataset": dataset, "all_classes": all_classes, "length": rec["length"], "source": path,
+                "line": lineno}
+        if span:
+            meta["stop"] = tuple(span)
         items.append(TaskItem(
-            task=LongBenchFileTask.name, id=str(rec["_id"]), context=_text(rec["context"], path, lineno, "context"),
-            question=question_template.format(input=_text(rec["input"], path, lineno, "input")),
+            task=LongBenchFileTask.name, id=str(rec["_id"]),
+            context=text_field(rec["context"], path, lineno, "context"),
+            question=question_template.format(input=text_field(rec["input"], path, lineno, "input")),
             answers=_str_list(rec["answers"], path, lineno, "answers"), metric=chosen,
-            max_new_tokens=LONGBENCH_MAXLEN.get(base, 128),
-            meta={"dataset": dataset, "all_classes": all_classes, "length": rec["length"], "source": path,
-                  "line": lineno, "first_line_only": base in LONGBENCH_FIRST_LINE}))
+            max_new_tokens=max_new_tokens or LONGBENCH_MAXLEN.get(base, OTHER_MAXLEN), meta=meta))
     return items
 
 
 def load_ruler(path: str, *, metric: str = "string_match_all", question_separator: str = "\n",
-               max_new_tokens: int = 128) -> list[TaskItem]:
+               max_new_tokens: int = 128, stop: Sequence[str] = ()) -> list[TaskItem]:
     """Every item of a RULER JSONL file, in file order, with the question split off the prompt.
 
     Parameters
@@ -161,15 +190,15 @@ def load_ruler(path: str, *, metric: str = "string_match_all", question_separato
         The question starts after the last occurrence of this string in ``input``.
     max_new_tokens : int
         Tokens to generate (RULER uses 128 for niah, 30 for vt, 32 for qa).
+    stop : sequence of str
+        Score the generation up to the first of these strings; none by default (RULER scores the whole
+        stripped generation).
     """
-    if metric not in METRICS:
-        raise StudyError(f"unknown metric {metric!r} for RULER file {path}; available: {sorted(METRICS)}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise StudyError(f"RULER file {path}: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_file_options(RulerFileTask, metric=metric, max_new_tokens=max_new_tokens, stop=stop)
     items, seen = [], {}
-    for lineno, rec in _lines(path, RULER_FIELDS, "RULER"):
-        prompt = _text(rec["input"], path, lineno, "input")
-        _unique_id(seen, str(rec["index"]), path, lineno, "index")
+    for lineno, rec in read_lines(path, RULER_FIELDS, "RULER"):
+        prompt = text_field(rec["input"], path, lineno, "input")
+        unique_id(seen, str(rec["index"]), path, lineno, "index")
         cut = prompt.rstrip().rfind(question_separator)
         if cut <= 0:
             raise StudyError(f"{path} line {lineno}: field 'input' has no {question_separator!r} before its last "
@@ -182,11 +211,11 @@ def load_ruler(path: str, *, metric: str = "string_match_all", question_separato
             task=RulerFileTask.name, id=str(rec["index"]), context=prompt[:cut], question=prompt[cut:] + prefix,
             answers=_str_list(rec["outputs"], path, lineno, "outputs"), metric=metric,
             max_new_tokens=int(max_new_tokens),
-            meta={"length": rec["length"], "source": path, "line": lineno}))
+            meta={"length": rec["length"], "source": path, "line": lineno, **({"stop": tuple(stop)} if stop else {})}))
     return items
 
 
-def _choose(items: list[TaskItem], n: int | None, seed: int, task: str, path: str) -> list[TaskItem]:
+def choose_items(items: list[TaskItem], n: int | None, seed: int, task: str, path: str) -> list[TaskItem]:
     if n is None or n == len(items):
         return items
     if n < 0 or n > len(items):
@@ -195,43 +224,86 @@ def _choose(items: list[TaskItem], n: int | None, seed: int, task: str, path: st
     return [items[i] for i in keep]
 
 
-class LongBenchFileTask(Task):
+class FileTask(Task):
+    """A task reading items from a JSONL file (``path=``): n items drawn by seed, kept in file order.
+
+    Subclasses name their ``metrics`` (the choices of ``params.metric``) and the ``placeholder`` their
+    ``question_template`` must hold; :meth:`check_params` checks the options every file task shares.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = tuple(m for m in sorted(METRICS) if m != "fidelity")
+    placeholder: ClassVar[str | None] = None
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        metric = params.get("metric")
+        if metric is not None and metric not in self.metrics:
+            raise param_error("metric", f"task '{self.name}': params.metric {metric!r} is not one of its metrics "
+                                        f"{list(self.metrics)}; pick one (docs/tasks.md describes them)")
+        stop = params.get("stop")
+        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x
+                                                                                 for x in stop)):
+            raise param_error("stop", f"task '{self.name}': params.stop must be a list of non-empty strings (the "
+                                      f"answer ends at the first one found), e.g. [\"\\n\"]; got {stop!r}")
+        if self.placeholder is not None:
+            check_template(self.name, params["question_template"], self.placeholder)
+
+
+def check_template(task: str, template: Any, placeholder: str) -> None:
+    """``template`` must be a format string whose only field is ``{placeholder}``."""
+    where = f"task '{task}': params.question_template {template!r}"
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise param_error("question_template", f"{where} is not a valid format string ({exc}); write "
+                          f"{{{placeholder}}} where the question goes and double literal braces ({{{{ }}}})") from None
+    if fields != {placeholder}:
+        raise param_error("question_template", f"{where} must hold the field {{{placeholder}}} and no other "
+                          f"(found {sorted(fields)}); double literal braces ({{{{ }}}})")
+
+
+def check_file_options(cls: type[FileTask], **options) -> None:
+    """The shared options given to a loader function, checked as the task checks its parameters."""
+    task = cls()
+    task.params(**{k: v for k, v in options.items() if v is not None or task.defaults.get(k) is None})
+
+
+class LongBenchFileTask(FileTask):
     """Items from a LongBench JSONL file on disk (``path=``); n items drawn by seed, in file order."""
 
     name = "longbench_file"
     description = "LongBench items from a JSONL file on disk"
+    placeholder = "input"
     defaults: Mapping[str, Any] = {"path": None, "question_template": "\n\nQuestion: {input}\nAnswer:",
-                                   "metric": None}
+                                   "metric": None, "max_new_tokens": None, "stop": None}
     param_specs = {"path": ParamSpec(str, description="LongBench JSONL file"),
                    "question_template": ParamSpec(str, description="format string with {input}"),
-                   "metric": ParamSpec(str, choices=tuple(sorted(METRICS)), nullable=True,
-                                       description="null = LongBench's metric of the dataset")}
+                   "metric": ParamSpec(str, choices=FileTask.metrics, nullable=True,
+                                       description="null = LongBench's metric of the dataset"),
+                   "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, nullable=True,
+                                               description="null = LongBench's length of the dataset"),
+                   }
 
     def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
         p = self.params(**params)
-        items = load_longbench(p["path"], question_template=p["question_template"], metric=p["metric"])
-        return _choose(items, n, seed, self.name, p["path"])
-
-    def score(self, item: TaskItem, generated_text: str) -> float:
-        if item.meta.get("first_line_only"):
-            generated_text = generated_text.lstrip("\n").split("\n")[0]
-        return super().score(item, generated_text)
+        items = load_longbench(p["path"], question_template=p["question_template"], metric=p["metric"],
+                               max_new_tokens=p["max_new_tokens"], stop=p["stop"])
+        return choose_items(items, n, seed, self.name, p["path"])
 
 
-class RulerFileTask(Task):
+class RulerFileTask(FileTask):
     """Items from a RULER JSONL file on disk (``path=``); n items drawn by seed, in file order."""
 
     name = "ruler_file"
     description = "RULER items from a JSONL file on disk"
     defaults: Mapping[str, Any] = {"path": None, "metric": "string_match_all", "question_separator": "\n",
-                                   "max_new_tokens": 128}
+                                   "max_new_tokens": 128, "stop": ()}
     param_specs = {"path": ParamSpec(str, description="RULER JSONL file"),
-                   "metric": ParamSpec(str, choices=tuple(sorted(METRICS))),
+                   "metric": ParamSpec(str, choices=FileTask.metrics),
                    "question_separator": ParamSpec(str, description="the question starts after its last occurrence"),
                    "max_new_tokens": ParamSpec(int, low=1, high=1 << 16, description="tokens generated")}
 
     def make_items(self, tokenizer, n: int | None, seed: int = 0, **params) -> list[TaskItem]:
         p = self.params(**params)
         items = load_ruler(p["path"], metric=p["metric"], question_separator=p["question_separator"],
-                           max_new_tokens=p["max_new_tokens"])
-        return _choose(items, n, seed, self.name, p["path"])
+                           max_new_tokens=p["max_new_tokens"], stop=p["stop"])
+        return choose_items(items, n, seed, self.name, p["path"])

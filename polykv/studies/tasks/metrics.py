@@ -5,7 +5,8 @@ Models?"): ``string_match_all`` (fraction of references found in the prediction,
 ``string_match_part`` (1 when any reference is found). LongBench's English metrics (Bai et al., 2023,
 "LongBench: A Bilingual, Multitask Benchmark for Long Context Understanding", ``metrics.py``): token F1,
 classification, passage retrieval, passage count, code similarity and ROUGE-L; each is the maximum over
-the item's accepted answers, as LongBench's evaluator takes it.
+the item's accepted answers, as LongBench's evaluator takes it. SQuAD's exact match (Rajpurkar et al., 2016)
+compares the normalised prediction with each answer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def normalize_answer(s: str) -> str:
     s = "".join(ch for ch in s if ch not in set(string.punctuation))
     s = re.sub(r"\b(a|an|the)\b", " ", s)
     return " ".join(s.split())
+
+
+def exact_match(pred: str, refs, item=None) -> float:
+    """SQuAD exact match: 1.0 when the prediction equals a reference after :func:`normalize_answer`."""
+    return float(any(normalize_answer(pred) == normalize_answer(r) for r in refs))
 
 
 def _f1(pred_tokens: list[str], ref_tokens: list[str]) -> float:
@@ -137,6 +143,7 @@ METRICS: dict[str, Callable[..., float]] = {
     "string_match_all": string_match_all,
     "string_match_part": string_match_part,
     "first_number": first_number,
+    "exact_match": exact_match,
     "qa_f1": qa_f1,
     "classification": classification,
     "retrieval": retrieval,

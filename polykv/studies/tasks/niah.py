@@ -5,7 +5,8 @@ After Hsieh et al. (2024), "RULER: What's the Real Context Size of Your Long-Con
 {value}."; keys are adjective-noun words, values 7-digit numbers. ``num_keys`` needles carry distinct
 keys (the extra ones are distractors), each queried key holds ``num_values`` values, and the question
 asks for all values of ``num_queries`` keys; the score is RULER's ``string_match_all``. RULER's
-variants map to: single = (1 key, 1 value), multikey = (4 keys, 1 value), multivalue = (1 key, 4 values).
+variants map to: single = (1 key, 1 value), multikey = (4 keys, 1 value), multivalue = (1 key, 4 values),
+multiquery = (4 keys, 1 value, all 4 asked for: "k1, k2, k3, and k4").
 ``question="direct"`` asks in passkey style instead ("What is the special magic number for {key}? The special
 magic number for {key} is"): RULER's answer prefix ("... mentioned in the provided text are") leads small models
 to restate the question instead of answering (SmolLM2-135M does so on most items even with the full cache), so
@@ -19,7 +20,7 @@ import random
 from typing import Any, Mapping
 
 from polykv.errors import StudyError
-from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
+from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack, param_error
 from polykv.studies.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
@@ -43,7 +44,8 @@ QUESTION_STYLES = ("ruler", "direct")
 
 
 def _join(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+    """RULER's list of queried keys: "k1, k2, k3, and k4"."""
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + ", and " + words[-1]
 
 
 class NeedleTask(Task):
@@ -75,8 +77,8 @@ class NeedleTask(Task):
 
     def check_params(self, params: Mapping[str, Any]) -> None:
         if params["num_queries"] > params["num_keys"]:
-            raise StudyError(f"task '{self.name}': num_queries ({params['num_queries']}) must not exceed num_keys "
-                             f"({params['num_keys']})")
+            raise param_error("num_queries", f"task '{self.name}': num_queries ({params['num_queries']}) must not "
+                                             f"exceed num_keys ({params['num_keys']})")
 
     def make_item(self, tokenizer, index: int, rng: random.Random, params: Mapping[str, Any]) -> TaskItem:
         nk, nv, nq = int(params["num_keys"]), int(params["num_values"]), int(params["num_queries"])
@@ -135,3 +137,11 @@ class NeedleMultiValueTask(NeedleTask):
     name = "niah_multivalue"
     description = "RULER niah_multivalue: one key with four values"
     defaults = {**NeedleTask.defaults, "num_values": 4}
+
+
+class NeedleMultiQueryTask(NeedleTask):
+    """RULER niah_multiquery: four needles with distinct keys, all four queried."""
+
+    name = "niah_multiquery"
+    description = "RULER niah_multiquery: four keys with one value each, all asked for"
+    defaults = {**NeedleTask.defaults, "num_keys": 4, "num_queries": 4}
