@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import unicodedata
 from typing import Any, Mapping
 
 import attrs
@@ -56,6 +57,8 @@ _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "basel
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
+LABEL_MAX = 128
+"""Longest study or policy name: a label in reports and file names, well inside a file system's name limit."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -163,6 +166,24 @@ def _digest(path: str) -> str:
         return hashlib.sha256(fh.read()).hexdigest()
 
 
+def check_label(value: Any, r: FieldReader, field: str, what: str, hint: str | None = None) -> str:
+    """``value`` when it is a name polykv may print and use in one file name: a non-empty string of at most
+    :data:`LABEL_MAX` characters on one line, never a path (no ``/`` or ``\\``, not ``.`` or ``..``); else the
+    spec's StudyError naming ``field``."""
+    if not isinstance(value, str) or not value.strip():
+        r.fail(f"expected a non-empty {what}, got {value!r}", field=field, hint=hint)
+    control = next((c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if control is not None:
+        r.fail(f"{what} {value!r} holds the control character {control!r}; a name is one line of printable text",
+               field=field, hint=hint)
+    if "/" in value or "\\" in value or value in (".", ".."):
+        r.fail(f"{what} {value!r} is a path; a name is a label, never a path (no '/', '\\', '.' or '..')",
+               field=field, hint=hint)
+    if len(value) > LABEL_MAX:
+        r.fail(f"{what} of {len(value)} characters; a name has at most {LABEL_MAX}", field=field, hint=hint)
+    return value
+
+
 def _path(base: str, value: Any, r: FieldReader, field: str) -> str:
     if not isinstance(value, str) or not value:
         r.fail(f"expected a file path, got {value!r}", field=field)
@@ -181,7 +202,12 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     r = FieldReader(source, study_error)
     raw = r.obj(raw, "", optional=_TOP)
     digests: dict[str, str] = {}
-    name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "study")
+    if "name" in raw:
+        name = check_label(raw["name"], r, "name", "study name",
+                           hint="use a plain name; --results chooses where the results go")
+    else:
+        name = check_label(os.path.splitext(os.path.basename(source))[0] or "study", r, "name",
+                           "study name (the spec file's name)", hint="add a \"name\" to the spec")
     model = raw.get("model", "default")
     from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
@@ -215,6 +241,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     from polykv.plan import load_plan
 
     for pname, value in list(plans.items()):
+        check_label(pname, r, "plans", "plan name")
         path = _path(base, value, r, f"plans.{pname}")
         try:
             load_plan(path, registry=registry)
@@ -253,7 +280,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         r.fail("policy names must be unique across plans, solvers and 'full'", field="solvers")
     if not (plans or solvers or baseline):
         r.fail("the spec names no policy", field="plans", hint="add plans, solvers or \"baseline\": true")
-    return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
+    return StudySpec(name=name, model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
                      baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
                      chunk_size=r.int_(raw.get("chunk_size"), "chunk_size", minimum=1, optional=True), bos=bos,
                      prompt_format=prompt_format, source=source, digests=digests,
@@ -285,7 +312,8 @@ def _solver_entries(raw: Any, r: FieldReader, registry) -> tuple[SolverEntry, ..
     for i, e in enumerate(raw):
         f = f"solvers[{i}]"
         e = r.obj(e, f, optional=_SOLVER)
-        if not isinstance(e.get("name"), str) or not e["name"] or any(c in e["name"] for c in "@#"):
+        check_label(e.get("name"), r, f + ".name", "solver entry name")
+        if any(c in e["name"] for c in "@#"):
             r.fail(f"expected a name without '@' or '#', got {e.get('name')!r}", field=f + ".name")
         try:
             cls = registry.solver(e.get("solver"))
