@@ -22,7 +22,7 @@ from polykv.atomic import FileLock, LockBusy, append_line_durable
 from polykv.errors import OutputError, StudyError
 
 from polykv.strict_json import JsonInputError, loads_strict
-from polykv.studies.records import FORMAT, VERSION, BadField, RecordChecker
+from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
 
 
 HEADER_PREFIX = b'{"format": "polykv-study-results"'
@@ -95,6 +95,9 @@ def _read_lines(path: str) -> tuple[list[dict], int | None]:
             raise _damaged(path, i + 1, problem) from None
         try:
             records.append(checker.check(rec, i + 1))
+        except NewerVersion as exc:  # not damaged: this polykv is too old for it
+            raise StudyError(f"{path} line {i + 1}, field 'version': {exc.problem}; upgrade polykv to read or "
+                             "resume it, or pass another results file") from None
         except BadField as exc:
             raise _damaged(path, i + 1, exc.problem, exc.field) from None
         offset += len(line) + 1
