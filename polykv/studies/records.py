@@ -17,8 +17,9 @@ import math
 from typing import Any, Callable
 
 FORMAT = "polykv-study-results"
-VERSION = 1
-"""The format version this polykv writes; it reads every version from 1 up to this one."""
+VERSION = 2
+"""The format version this polykv writes; it reads every version from 1 up to this one. Version 2 headers add
+``files``, the sha256 of every file the study reads (plans, profile, task files and the side files they name)."""
 
 
 class BadField(ValueError):
@@ -139,6 +140,8 @@ HEADER: dict[str, tuple[bool, Check]] = {
     "version": (REQUIRED, lambda v: None if type(v) is int and 1 <= v <= VERSION else
                 f"expected a format version from 1 to {VERSION}, got {v!r}"),
     "spec_hash": (REQUIRED, text()), "spec": (REQUIRED, obj),
+    "files": (OPTIONAL, lambda v: None if isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) else
+              "expected an object of file path -> sha256"),
 }
 
 POLICY: dict[str, tuple[bool, Check]] = {

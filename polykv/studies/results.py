@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 import numpy as np
@@ -24,6 +24,9 @@ from polykv.errors import OutputError, StudyError
 from polykv.strict_json import JsonInputError, loads_strict
 from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
 
+
+if TYPE_CHECKING:
+    from polykv.studies.spec import StudySpec
 
 HEADER_PREFIX = b'{"format": "polykv-study-results"'
 """How polykv writes every header (sorted keys, so ``format`` comes first): how a torn header is recognised."""
@@ -139,17 +142,31 @@ class ResultsWriter:
             self._checker.check(rec, i + 1)
 
     @classmethod
-    def check(cls, path: str, spec_hash: str) -> list[dict]:
+    def check(cls, path: str, spec_hash: str, *, files: dict[str, str] | None = None,
+              legacy_hash: str | None = None) -> list[dict]:
         """Records of an existing file of this study ([] when there is none); else a StudyError.
 
         Refuses a file that is not a results file (never deleting it), a damaged one, one of another
-        study, and one another process is writing right now.
+        study, and one another process is writing right now. ``files`` (path -> sha256 of every file the
+        study reads) names the file that changed when the header recorded other contents; a header without
+        them (format version 1) resumes under ``legacy_hash``, the hash of that version.
         """
         ResultsLock.probe(path)
-        return cls._existing(path, spec_hash)[0]
+        return cls._existing(path, spec_hash, files, legacy_hash)[0]
+
+    @classmethod
+    def check_study(cls, path: str, spec: "StudySpec") -> list[dict]:
+        """:meth:`check` for the study ``spec``."""
+        return cls.check(path, spec.hash, files=spec.files, legacy_hash=spec.legacy_hash)
+
+    @classmethod
+    def for_study(cls, path: str, spec: "StudySpec") -> "ResultsWriter":
+        """:meth:`open` for the study ``spec``: its hash, its spec and the sha256 of every file it reads."""
+        return cls.open(path, spec.hash, spec.as_dict(), files=spec.files, legacy_hash=spec.legacy_hash)
 
     @staticmethod
-    def _existing(path: str, spec_hash: str) -> tuple[list[dict], int | None]:
+    def _existing(path: str, spec_hash: str, files: dict[str, str] | None = None,
+                  legacy_hash: str | None = None) -> tuple[list[dict], int | None]:
         """(records of this study, offset of a torn last line); ([], None) when the file may start afresh."""
         if os.path.isdir(path):
             raise StudyError(f"{path}: is a folder; --results names the results file (JSONL) to write")
@@ -159,32 +176,33 @@ class ResultsWriter:
             records, torn = _read_lines(path)
         except StudyError:
             header = _header_of(path)
-            if header is not None and header["spec_hash"] != spec_hash:  # not ours to check or resume
-                raise _other_study(path, header["spec_hash"], spec_hash) from None
+            if header is not None and not _resumes(header, spec_hash, legacy_hash):  # not ours to check or resume
+                raise _other_study(path, header, spec_hash, files) from None
             raise
         if not records:
             return [], None  # an empty file, or only a torn header: start afresh
-        theirs = records[0]["spec_hash"]
-        if theirs != spec_hash:
+        if not _resumes(records[0], spec_hash, legacy_hash):
             if not any(r["kind"] == "result" for r in records):
                 return [], None  # a run refused before its first result (the spec was fixed since): nothing to lose
-            raise _other_study(path, theirs, spec_hash)
+            raise _other_study(path, records[0], spec_hash, files)
         return records, torn
 
     @classmethod
-    def open(cls, path: str, spec_hash: str, spec: dict[str, Any]) -> "ResultsWriter":
-        """Lock the file, then create it with its header or reopen it to resume (dropping a torn last line)."""
+    def open(cls, path: str, spec_hash: str, spec: dict[str, Any], *, files: dict[str, str] | None = None,
+             legacy_hash: str | None = None) -> "ResultsWriter":
+        """Lock the file, then create it with its header or reopen it to resume (dropping a torn last line);
+        ``files`` go into a new header (see :meth:`check`)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         lock = ResultsLock.acquire(path)
         try:
-            records, torn = cls._existing(path, spec_hash)
+            records, torn = cls._existing(path, spec_hash, files, legacy_hash)
             if records:
                 if torn is not None:
                     with open(path, "r+b") as fh:
                         fh.truncate(torn)
             else:
                 header = {"kind": "header", "format": FORMAT, "version": VERSION, "spec_hash": spec_hash,
-                          "spec": spec}
+                          "spec": spec, **({"files": dict(files)} if files is not None else {})}
                 line = _checked_line(header, RecordChecker(), path, 1)
                 with open(path, "wb"):  # empty, or only our own torn header (checked above)
                     pass
@@ -218,9 +236,36 @@ class ResultsWriter:
             self.policies[record["policy"]] = record
 
 
-def _other_study(path: str, theirs: str, spec_hash: str) -> StudyError:
+def _resumes(header: dict, spec_hash: str, legacy_hash: str | None) -> bool:
+    """The study of ``spec_hash`` may resume the file of ``header``: the same hash, or a version-1 header (no
+    ``files``) under the hash that version gave the same study (it did not cover side files)."""
+    theirs = header["spec_hash"]
+    return theirs == spec_hash or (legacy_hash is not None and "files" not in header and theirs == legacy_hash)
+
+
+def _other_study(path: str, header: dict, spec_hash: str, files: dict[str, str] | None) -> StudyError:
+    theirs = header["spec_hash"]
+    changed = _changed_file(header.get("files"), files)
+    if changed:
+        return StudyError(f"{path}: this results file belongs to another study: {changed} since it was begun (spec "
+                          f"hash {theirs}, now {spec_hash}), so its results came from other data; restore that file, "
+                          "or pass another results path to start over")
     return StudyError(f"{path}: this results file belongs to another study (spec hash {theirs}, this spec is "
                       f"{spec_hash}); pass another results path, or delete the file to start over")
+
+
+def _changed_file(recorded: dict[str, str] | None, files: dict[str, str] | None) -> str | None:
+    """What differs between the files a header recorded and the study's files now (the first path), or None."""
+    if recorded is None or files is None:
+        return None
+    for path in sorted(set(recorded) | set(files)):
+        if path not in files:
+            return f"{path} is gone"
+        if path not in recorded:
+            return f"{path} appeared"
+        if recorded[path] != files[path]:
+            return f"{path} changed"
+    return None
 
 
 def _header_of(path: str) -> dict | None:
