@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 import attrs
 import numpy as np
 
-from polykv.atomic import FileLock, LockBusy, append_line_durable
-from polykv.errors import OutputError, StudyError
+from polykv.atomic import append_line_durable
+from polykv.errors import StudyError
 
 from polykv.strict_json import JsonInputError, loads_strict
 from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
+from polykv.studies.results_lock import ResultsLock
 
 
 if TYPE_CHECKING:
@@ -294,46 +295,6 @@ def _checked_line(record: Any, checker: RecordChecker, path: str, line: int) -> 
         raise StudyError(f"{path}: refusing to write line {line}" + (f", field '{exc.field}'" if exc.field else "")
                          + f": {exc.problem}; nothing was written (this is a bug in whatever made the record: "
                            "please report it)") from None
-
-
-class ResultsLock:
-    """An exclusive advisory lock on ``<results>.lock`` beside the resolved results path, naming its holder.
-
-    The lock file is keyed by the results file's resolved path, so a symlink to a results file and the
-    file itself share one lock. See :class:`polykv.atomic.FileLock`: the lock file is created
-    exclusively, never followed through a symlink, and an existing file that is not a polykv lock is
-    refused untouched.
-    """
-
-    def __init__(self, path: str, lock: FileLock):
-        self.path, self._lock = path, lock
-
-    @staticmethod
-    def lock_path(results: str) -> str:
-        return os.path.realpath(results) + ".lock"
-
-    @classmethod
-    def acquire(cls, results: str, *, record: bool = True) -> "ResultsLock":
-        path = cls.lock_path(results)
-        try:
-            lock = FileLock.acquire(path, record=record, what="results lock file")
-        except LockBusy as exc:
-            raise StudyError(f"{results}: another polykv study is writing this results file ({exc.holder}); wait "
-                             "for it to finish, or pass another --results path") from None
-        except OutputError as exc:
-            raise StudyError(f"{exc} (--results {results})") from None
-        return cls(path, lock)
-
-    @classmethod
-    def probe(cls, results: str) -> None:
-        """Raise the lock's StudyError when another process holds it (or the lock file is not ours);
-        hold nothing afterwards."""
-        if not os.path.lexists(cls.lock_path(results)):
-            return
-        cls.acquire(results, record=False).release(clear=False)
-
-    def release(self, clear: bool = True) -> None:
-        self._lock.release(clear=clear)
 
 
 @attrs.define
