@@ -129,8 +129,9 @@ def read_records(path: str) -> list[dict]:
 class ResultsWriter:
     """Append-only results of one study; refuses a file written by another study.
 
-    The writer holds an advisory lock (``fcntl.flock``) on ``<results>.lock`` from :meth:`open` to
-    :meth:`close`, so a second writer of the same file is refused with the holder's pid and host.
+    The writer holds an advisory lock (``fcntl.flock``) on ``<results>.lock`` and on the results file itself
+    from :meth:`open` to :meth:`close` (:class:`~polykv.studies.results_lock.ResultsLock`), so a second writer of
+    the same file, by any of its names, is refused.
     """
 
     def __init__(self, path: str, spec_hash: str, records: list[dict], lock: "ResultsLock | None" = None):
