@@ -208,12 +208,15 @@ def check_label(value: Any, r: FieldReader, field: str, what: str, hint: str | N
     return value
 
 
-def _side_digests(paths, out: dict[str, str]) -> None:
+def _side_digests(paths, out: dict[str, str], r: FieldReader, field: str) -> None:
     """Add the sha256 of each of ``paths`` that is a file to ``out`` (a side file that is absent is read from
     elsewhere or computed; one that appears later changes the study's hash all the same)."""
     for path in paths:
         if os.path.isfile(path):
-            out[path] = _digest(path)
+            try:
+                out[path] = _digest(path)
+            except OSError as exc:
+                r.fail(f"cannot read {path} ({exc.strerror})", field=field, hint="make the file readable")
 
 
 def _path(base: str, value: Any, r: FieldReader, field: str) -> str:
@@ -281,7 +284,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         except PolykvError as exc:
             raise r.error(str(exc), field=f"plans.{pname}") from None
         plans[pname], digests[path] = path, _digest(path)
-        _side_digests(plan.model_data.values(), side)
+        _side_digests(plan.model_data.values(), side, r, f"plans.{pname}")
     solvers = _solver_entries(raw.get("solvers", []), r, registry)
     profile = raw.get("profile")
     if profile is not None:
@@ -294,7 +297,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         except PolykvError as exc:
             raise r.error(str(exc), field="profile") from None
         suffixes = {need.suffix for need in registered_needs(registry)} | {KV_BASES_SUFFIX}
-        _side_digests([side_file(profile, suffix) for suffix in sorted(suffixes)], side)
+        _side_digests([side_file(profile, suffix) for suffix in sorted(suffixes)], side, r, "profile")
     if solvers and profile is None:
         r.fail("solver entries need a profile file", field="profile", hint="add \"profile\": \"path.json\"")
     if solvers and not budgets:
