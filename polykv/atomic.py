@@ -328,6 +328,38 @@ class FileLock:
         self.fd = None
 
 
+def lock_file_itself(path: str, what: str, *, create: bool = False, probe: bool = False) -> int | None:
+    """An fd of the regular file ``path`` holding an advisory lock (``fcntl.flock``) on the file itself, so every
+    name of it (a hard link, a symlink, another mount) meets the same lock; None when ``path`` does not exist
+    (created empty first with ``create``). ``probe`` takes a shared lock, only to learn that nobody holds it.
+
+    Raises :class:`LockBusy` when another open of the file holds the lock (in this process too), and
+    :class:`OutputError` when ``path`` cannot be opened or is not a regular file.
+    """
+    import fcntl
+
+    flags = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+             | (os.O_CREAT if create else 0))
+    try:
+        fd = os.open(path, flags, 0o666)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot open the {what} ({exc.strerror}); choose another path") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"{path}: not a regular file (a pipe, socket or device); choose another path for the "
+                              f"{what}")
+        fcntl.flock(fd, (fcntl.LOCK_SH if probe else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockBusy(f"{path}: another process holds the {what}", "holder unknown") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _lock_error(path: str, what: str, exc: OSError) -> OutputError:
     import errno
 

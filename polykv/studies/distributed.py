@@ -125,7 +125,7 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
     from polykv.studies.results import ResultsWriter
 
     spec = prepared.spec
-    writer = ResultsWriter.open(prepared.results_path, spec.hash, spec.as_dict())
+    writer = ResultsWriter.for_study(prepared.results_path, spec)
     started_here = not ray.is_initialized()
     remote_cls = ray.remote(StudyWorker)
     slots: list[_Slot] = []

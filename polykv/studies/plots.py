@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Sequence
 
@@ -21,6 +22,16 @@ FULL_COLOUR = "#bbbbbb"
 """The keep-everything op's colour."""
 
 
+def _plain_text(draw):
+    """Draw with every text taken literally: a name from a results file that holds ``$`` is no mathtext (an
+    unparsable one, ``$\\frac$``, would stop the report)."""
+    @functools.wraps(draw)
+    def wrapper(*args, **kwargs):
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return draw(*args, **kwargs)
+    return wrapper
+
+
 def rule_colour(rule: str, registry=None) -> str:
     """A stable colour per rule: grey for the keep-everything op; otherwise the palette entry at the rule's
     place among the registered rule names in sorted order (a name no plugin registers: a palette entry picked
@@ -36,6 +47,7 @@ def rule_colour(rule: str, registry=None) -> str:
     return PALETTE[index % len(PALETTE)]
 
 
+@_plain_text
 def score_vs_memory(points: Sequence[dict], path: str, *, title: str, full: dict | None = None) -> str:
     """One line per method: accuracy (Wilson 95% bars) against mean measured KV bytes.
 
@@ -73,6 +85,7 @@ def score_vs_memory(points: Sequence[dict], path: str, *, title: str, full: dict
     return _save(fig, path)
 
 
+@_plain_text
 def route_strip(rows: Sequence[dict], path: str, *, context_tokens: int, title: str) -> str:
     """Per-layer route strips, one row per policy: rule colour, capacity bar, K/V bits.
 
@@ -111,6 +124,7 @@ def route_strip(rows: Sequence[dict], path: str, *, context_tokens: int, title: 
     return _save(fig, path)
 
 
+@_plain_text
 def sensitivity_heatmap(table: np.ndarray, labels: Sequence[str], path: str, *, title: str,
                         stat: tuple[np.ndarray, Sequence[str], str] | None = None) -> str:
     """Heatmap of a profile's metric table [L, C] (log10), and optionally a statistic table [L, R]."""

@@ -17,7 +17,9 @@ import math
 from typing import Any, Callable
 
 FORMAT = "polykv-study-results"
-VERSION = 1
+VERSION = 2
+"""The format version this polykv writes; it reads every version from 1 up to this one. Version 2 headers add
+``files``, the sha256 of every file the study reads (plans, profile, task files and the side files they name)."""
 
 
 class BadField(ValueError):
@@ -26,6 +28,15 @@ class BadField(ValueError):
     def __init__(self, problem: str, field: str | None = None):
         super().__init__(problem)
         self.problem, self.field = problem, field
+
+
+class NewerVersion(BadField):
+    """A header of a format version past :data:`VERSION`: written by a newer polykv, not damaged."""
+
+    def __init__(self, version: int):
+        super().__init__(f"written by a newer polykv (results format version {version}; this polykv reads up to "
+                         f"version {VERSION})", "version")
+        self.version = version
 
 
 Check = Callable[[Any], str | None]
@@ -126,9 +137,11 @@ SPEC_FIELDS: dict[str, Check] = {
 
 HEADER: dict[str, tuple[bool, Check]] = {
     "kind": (REQUIRED, equal("header")), "format": (REQUIRED, equal(FORMAT)),
-    "version": (REQUIRED, lambda v: None if type(v) is int and v == VERSION else
-                f"this polykv reads version {VERSION}, the file says {v!r} (use the polykv that wrote it)"),
+    "version": (REQUIRED, lambda v: None if type(v) is int and 1 <= v <= VERSION else
+                f"expected a format version from 1 to {VERSION}, got {v!r}"),
     "spec_hash": (REQUIRED, text()), "spec": (REQUIRED, obj),
+    "files": (OPTIONAL, lambda v: None if isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) else
+              "expected an object of file path -> sha256"),
 }
 
 POLICY: dict[str, tuple[bool, Check]] = {
@@ -202,6 +215,8 @@ class RecordChecker:
         if not first and kind == "header":
             raise BadField("a second header (a results file has one, on line 1; was another results file "
                            "appended to this one?)", "kind")
+        if kind == "header" and type(rec.get("version")) is int and rec["version"] > VERSION:
+            raise NewerVersion(rec["version"])  # its other fields may be ones this polykv does not know yet
         check_fields(rec, TABLES[kind])
         if kind == "header":
             for name, value in rec["spec"].items():

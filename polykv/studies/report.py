@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polykv.studies import designs, plots, predicted, stats
+from polykv.studies.markdown import cell, code, line
 from polykv.studies.results import Results
 
 
@@ -68,8 +69,8 @@ def _table(rows: list[dict]) -> list[str]:
         acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
         nom = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
         pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") and r.get("full16") else "-"
-        out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['role'] or '-'} | {r['n']} | {acc} | "
-                   f"{_mib(r['bytes'])} | {r['ratio']:.2f}x | {pred} | {nom} | {r.get('basis') or '-'} |")
+        out.append(f"| {cell(r['policy'])} | {cell(r['budget'] or '-')} | {cell(r['role'] or '-')} | {r['n']} | "
+                   f"{acc} | {_mib(r['bytes'])} | {r['ratio']:.2f}x | {pred} | {nom} | {cell(r.get('basis') or '-')} |")
     return out
 
 
@@ -88,7 +89,7 @@ def _context_notes(res: Results, task: str) -> list[str]:
         plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
         note = context_note(plan, int(round(float(np.mean(T)))))
         if note:
-            out.append(f"- `{name}`: {note} (mean context of the items)")
+            out.append(f"- {code(name)}: {note} (mean context of the items)")
     return (["Context length:"] + out + [""]) if out else []
 
 
@@ -118,7 +119,8 @@ def _fidelity_table(rows: list[dict]) -> list[str]:
            "| policy | budget | items | positions | top-1 agreement | mean KL | max KL (mean over items) | ppl | "
            "full ppl | measured MiB (with metadata) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['policy']} | {r['budget'] or '-'} | {r['n']} | {r['positions']} | {r['top1']:.3f} | "
+        out.append(f"| {cell(r['policy'])} | {cell(r['budget'] or '-')} | {r['n']} | {r['positions']} | "
+                   f"{r['top1']:.3f} | "
                    f"{r['kl']:.4f} | {r['kl_max']:.3f} | {r['ppl']:.2f} | {r['ppl_full']:.2f} | "
                    f"{_mib(r['bytes'])} |")
     return out
@@ -134,12 +136,12 @@ def _pairs(res: Results, task: str, budget: str) -> list[str]:
             iv = designs.paired_vs(res, task, a, b)
             ratio = designs.mean_held_bytes(res, a, task) / designs.mean_held_bytes(res, b, task)
             flag = " (!)" if b != "full" and abs(ratio - 1) > designs.BYTES_TOLERANCE else ""
-            out.append(f"| {a} | {b} | {_diff(iv)} | {ratio:.2f}{flag} |")
+            out.append(f"| {cell(a)} | {cell(b)} | {_diff(iv)} | {ratio:.2f}{flag} |")
     compared = [n for n in names if n != "full"]
     warnings = designs.unequal_memory(res, task, compared)
     if warnings:
         out += ["", f"(!) Warning: {len(warnings)} pair(s) at this budget differ by more than "
-                    f"{designs.BYTES_TOLERANCE:.0%} in measured bytes:"] + [f"- {w}" for w in warnings]
+                    f"{designs.BYTES_TOLERANCE:.0%} in measured bytes:"] + [f"- {line(w)}" for w in warnings]
     return out
 
 
@@ -159,17 +161,17 @@ def _matched(res: Results, task: str) -> list[str]:
             budget = res.policies[a].get("budget")
             listed = budget is not None and budget == res.policies[b].get("budget")  # in the per-budget table
             if 1 / MATCHED <= ratio <= MATCHED and not listed:
-                out.append(f"| {a} | {b} | {ratio:.2f} | {_diff(designs.paired_vs(res, task, a, b))} |")
+                out.append(f"| {cell(a)} | {cell(b)} | {ratio:.2f} | {_diff(designs.paired_vs(res, task, a, b))} |")
                 rows += 1
     return out if rows else []
 
 
 def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval]) -> list[str]:
-    out = [f"**{title}** — policies: " + ", ".join(f"{k} = `{v}`" for k, v in policies.items()), "",
+    out = [f"**{title}** — policies: " + ", ".join(f"{cell(k)} = {code(v)}" for k, v in policies.items()), "",
            "| contrast | estimate [95% interval] | bootstrap p |", "|---|---|---|"]
     for name, iv in intervals.items():
         p = "-" if iv.p_value is None else f"{iv.p_value:.3f}"
-        out.append(f"| {name} | {_diff(iv)} | {p} |")
+        out.append(f"| {cell(name)} | {_diff(iv)} | {p} |")
     return out + [""]
 
 
@@ -184,7 +186,8 @@ def _optimality(rows: list[dict]) -> list[str]:
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         gap = "-" if r["gap"] is None else f"{r['gap']:+.1%}"
-        out.append(f"| {r['policy']} | {r['solver']} | {', '.join(r['rules']) if r['rules'] else 'all'} | "
+        rules = ", ".join(r["rules"]) if r["rules"] else "all"
+        out.append(f"| {cell(r['policy'])} | {cell(r['solver'])} | {cell(rules)} | "
                    f"{f(r['loss'])} | {f(r['exact_same_rules'])} | {gap} | {f(r['exact_all_rules'])} |")
     return out + [""]
 
@@ -198,20 +201,20 @@ def _predicted_vs_measured(pvm: dict | None) -> list[str]:
            f"evidence)" if n < predicted.PREDICTED_VS_MEASURED_MIN else "")
     head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
             f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
-                          f"exactly as they score)" if sp is not None else f"undefined ({pvm['note']})") + few)
+                          f"exactly as they score)" if sp is not None else f"undefined ({line(pvm['note'])})") + few)
     out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
     for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
         loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
-        source = r["source"] or "not in the profile"
+        source = cell(r["source"] or "not in the profile")
         if r.get("same_plan_as"):
-            source += f"; the same plan as {r['same_plan_as']}, counted once"
-        out.append(f"| {r['policy']} | {r['solver'] or '-'} | {loss} | {source} | {r['accuracy']:.3f} |")
+            source += f"; the same plan as {cell(r['same_plan_as'])}, counted once"
+        out.append(f"| {cell(r['policy'])} | {cell(r['solver'] or '-')} | {loss} | {source} | {r['accuracy']:.3f} |")
     return out + [""]
 
 
 def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
     rows = policy_rows(res, task)
-    lines = [f"## Task `{task}` ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
+    lines = [f"## Task {code(task)} ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
     lines += _context_notes(res, task)
     forced = fidelity_rows(res, task)
     if forced:
@@ -227,7 +230,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
     if matched:
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
-        lines += [f"### Budget {b}", "", "Paired differences (`*`: the interval excludes 0 over at least "
+        lines += [f"### Budget {cell(b)}", "", "Paired differences (`*`: the interval excludes 0 over at least "
                   f"{stats.min_units_for_difference()} items, the fewest that can show a difference at 95%):", ""]
         lines += _pairs(res, task, b) + [""]
         chain = designs.moend_chain(res, task, b)
@@ -235,7 +238,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             lines += _intervals("MoE-nD ablation chain (d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d)",
                                 chain["policies"], chain["intervals"])
             warn = designs.unequal_memory(res, task, [v for k, v in chain["policies"].items() if k != "full"])
-            lines += ([f"(!) The chain compares unequal memory: {w}" for w in warn] + [""]) if warn else []
+            lines += ([f"(!) The chain compares unequal memory: {line(w)}" for w in warn] + [""]) if warn else []
         if profile is not None:
             lines += _optimality(predicted.loss_vs_exact(res, b, profile))
         lines += _predicted_vs_measured(predicted.predicted_vs_measured(res, task, b, profile))
@@ -246,22 +249,23 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
         pl = designs.placement(res, task, b)
         if pl:
             c = pl["control"]
-            lines += [f"**Placement control** — guided `{pl['guided']}` scores {c.guided:.3f}; rank {c.rank} of "
+            lines += [f"**Placement control** — guided {code(pl['guided'])} scores {c.guided:.3f}; rank {c.rank} of "
                       f"{c.total} among count-matched random placements (mean {c.random_mean:.3f}); one-sided "
                       f"Monte Carlo p = {c.p_value:.3f}.", ""]
             sp = pl["spearman"]
             lines += [f"**Profile validation** — Spearman rho between profile score and accuracy over "
                       f"{len(pl['profile_scores'])} routes: " + (f"{sp.r:+.3f}, one-sided permutation p = "
                                                                    f"{sp.p_value:.3f}" if sp is not None else
-                                                                   f"undefined ({pl['spearman_note']})"), ""]
+                                                                   f"undefined ({line(pl['spearman_note'])})"), ""]
     sweeps = designs.budget_sweep(res, task)
     for method, pts in sweeps.items():
-        lines += [f"### Fixed-route budget sweep: `{method}`", "", "| budget | accuracy | measured MiB (with metadata) |",
+        lines += [f"### Fixed-route budget sweep: {code(method)}", "",
+                  "| budget | accuracy | measured MiB (with metadata) |",
                   "|---|---|---|"]
         for b, name in pts:
             r = next(x for x in rows if x["policy"] == name)
             acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
-            lines.append(f"| {b} | {acc} | {_mib(r['bytes'])} |")
+            lines.append(f"| {cell(b)} | {acc} | {_mib(r['bytes'])} |")
         lines.append("")
     return lines
 
@@ -274,7 +278,7 @@ def prompt_line(res: Results) -> str:
         return "Prompt: plain completion, no special tokens (written before the prompt rule was recorded)."
     firsts = {(r["task"], r["item"]): r["bos_first"] for r in res.results if "bos_first" in r}
     bos = {True: "true", False: "false"}.get(spec["bos"], spec["bos"])
-    return (f"Prompt: `{spec.get('prompt_format', 'plain')}` format, `bos`: `{bos}`; the first stored token is "
+    return (f"Prompt: {code(spec.get('prompt_format', 'plain'))} format, `bos`: {code(bos)}; the first stored token is "
             f"the tokenizer's BOS in {sum(firsts.values())} of {len(firsts)} items.")
 
 
@@ -368,11 +372,12 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
     results_path = res.path
     spec = res.header["spec"]
     figures = Figures(out_dir)
-    lines = [f"# Study `{spec.get('name')}`", "",
-             f"Results: `{results_path}` (spec hash `{res.header['spec_hash']}`); model: `{spec.get('model')}` "
-             f"({spec.get('dtype')}); budgets refer to a {spec.get('context_tokens')}-token context.", "",
-             f"Cache storage dtype: {spec.get('storage_dtype') or spec.get('dtype')}; solver budgets counted on the "
-             f"{spec.get('basis', 'nominal')} basis.", "",
+    lines = [f"# Study {code(spec.get('name'))}", "",
+             f"Results: {code(results_path)} (spec hash {code(res.header['spec_hash'])}); model: "
+             f"{code(spec.get('model'))} ({cell(spec.get('dtype'))}); budgets refer to a "
+             f"{spec.get('context_tokens')}-token context.", "",
+             f"Cache storage dtype: {cell(spec.get('storage_dtype') or spec.get('dtype'))}; solver budgets counted on "
+             f"the {cell(spec.get('basis', 'nominal'))} basis.", "",
              "Protocol: the context is prefilled and compressed by the policy, then the question is fed through "
              "the compressed cache, then the answer is generated greedily. Measured bytes are what the cache holds "
              "after compressing the context: key/value stores (codes, scales, minima, full-precision residuals) "
@@ -404,7 +409,7 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
         if rows:
             fig = figures.add(f"routes-{b}", lambda path, rows=rows, T=T, b=b: plots.route_strip(
                 rows, path, context_tokens=T, title=f"per-layer plans at budget {b} (T = {T})"))
-            lines += [f"![routes at {b}]({fig})", ""]
+            lines += [f"![routes at {cell(b)}]({fig})", ""]
     if prof is not None:
         stat = None
         if prof.stats:

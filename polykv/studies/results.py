@@ -13,17 +13,21 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 import numpy as np
 
-from polykv.atomic import FileLock, LockBusy, append_line_durable
-from polykv.errors import OutputError, StudyError
+from polykv.atomic import append_line_durable
+from polykv.errors import StudyError
 
 from polykv.strict_json import JsonInputError, loads_strict
-from polykv.studies.records import FORMAT, VERSION, BadField, RecordChecker
+from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
+from polykv.studies.results_lock import ResultsLock
 
+
+if TYPE_CHECKING:
+    from polykv.studies.spec import StudySpec
 
 HEADER_PREFIX = b'{"format": "polykv-study-results"'
 """How polykv writes every header (sorted keys, so ``format`` comes first): how a torn header is recognised."""
@@ -95,6 +99,9 @@ def _read_lines(path: str) -> tuple[list[dict], int | None]:
             raise _damaged(path, i + 1, problem) from None
         try:
             records.append(checker.check(rec, i + 1))
+        except NewerVersion as exc:  # not damaged: this polykv is too old for it
+            raise StudyError(f"{path} line {i + 1}, field 'version': {exc.problem}; upgrade polykv to read or "
+                             "resume it, or pass another results file") from None
         except BadField as exc:
             raise _damaged(path, i + 1, exc.problem, exc.field) from None
         offset += len(line) + 1
@@ -122,8 +129,9 @@ def read_records(path: str) -> list[dict]:
 class ResultsWriter:
     """Append-only results of one study; refuses a file written by another study.
 
-    The writer holds an advisory lock (``fcntl.flock``) on ``<results>.lock`` from :meth:`open` to
-    :meth:`close`, so a second writer of the same file is refused with the holder's pid and host.
+    The writer holds an advisory lock (``fcntl.flock``) on ``<results>.lock`` and on the results file itself
+    from :meth:`open` to :meth:`close` (:class:`~polykv.studies.results_lock.ResultsLock`), so a second writer of
+    the same file, by any of its names, is refused.
     """
 
     def __init__(self, path: str, spec_hash: str, records: list[dict], lock: "ResultsLock | None" = None):
@@ -136,17 +144,31 @@ class ResultsWriter:
             self._checker.check(rec, i + 1)
 
     @classmethod
-    def check(cls, path: str, spec_hash: str) -> list[dict]:
+    def check(cls, path: str, spec_hash: str, *, files: dict[str, str] | None = None,
+              legacy_hash: str | None = None) -> list[dict]:
         """Records of an existing file of this study ([] when there is none); else a StudyError.
 
         Refuses a file that is not a results file (never deleting it), a damaged one, one of another
-        study, and one another process is writing right now.
+        study, and one another process is writing right now. ``files`` (path -> sha256 of every file the
+        study reads) names the file that changed when the header recorded other contents; a header without
+        them (format version 1) resumes under ``legacy_hash``, the hash of that version.
         """
         ResultsLock.probe(path)
-        return cls._existing(path, spec_hash)[0]
+        return cls._existing(path, spec_hash, files, legacy_hash)[0]
+
+    @classmethod
+    def check_study(cls, path: str, spec: "StudySpec") -> list[dict]:
+        """:meth:`check` for the study ``spec``."""
+        return cls.check(path, spec.hash, files=spec.files, legacy_hash=spec.legacy_hash)
+
+    @classmethod
+    def for_study(cls, path: str, spec: "StudySpec") -> "ResultsWriter":
+        """:meth:`open` for the study ``spec``: its hash, its spec and the sha256 of every file it reads."""
+        return cls.open(path, spec.hash, spec.as_dict(), files=spec.files, legacy_hash=spec.legacy_hash)
 
     @staticmethod
-    def _existing(path: str, spec_hash: str) -> tuple[list[dict], int | None]:
+    def _existing(path: str, spec_hash: str, files: dict[str, str] | None = None,
+                  legacy_hash: str | None = None) -> tuple[list[dict], int | None]:
         """(records of this study, offset of a torn last line); ([], None) when the file may start afresh."""
         if os.path.isdir(path):
             raise StudyError(f"{path}: is a folder; --results names the results file (JSONL) to write")
@@ -156,32 +178,33 @@ class ResultsWriter:
             records, torn = _read_lines(path)
         except StudyError:
             header = _header_of(path)
-            if header is not None and header["spec_hash"] != spec_hash:  # not ours to check or resume
-                raise _other_study(path, header["spec_hash"], spec_hash) from None
+            if header is not None and not _resumes(header, spec_hash, legacy_hash):  # not ours to check or resume
+                raise _other_study(path, header, spec_hash, files) from None
             raise
         if not records:
             return [], None  # an empty file, or only a torn header: start afresh
-        theirs = records[0]["spec_hash"]
-        if theirs != spec_hash:
+        if not _resumes(records[0], spec_hash, legacy_hash):
             if not any(r["kind"] == "result" for r in records):
                 return [], None  # a run refused before its first result (the spec was fixed since): nothing to lose
-            raise _other_study(path, theirs, spec_hash)
+            raise _other_study(path, records[0], spec_hash, files)
         return records, torn
 
     @classmethod
-    def open(cls, path: str, spec_hash: str, spec: dict[str, Any]) -> "ResultsWriter":
-        """Lock the file, then create it with its header or reopen it to resume (dropping a torn last line)."""
+    def open(cls, path: str, spec_hash: str, spec: dict[str, Any], *, files: dict[str, str] | None = None,
+             legacy_hash: str | None = None) -> "ResultsWriter":
+        """Lock the file, then create it with its header or reopen it to resume (dropping a torn last line);
+        ``files`` go into a new header (see :meth:`check`)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         lock = ResultsLock.acquire(path)
         try:
-            records, torn = cls._existing(path, spec_hash)
+            records, torn = cls._existing(path, spec_hash, files, legacy_hash)
             if records:
                 if torn is not None:
                     with open(path, "r+b") as fh:
                         fh.truncate(torn)
             else:
                 header = {"kind": "header", "format": FORMAT, "version": VERSION, "spec_hash": spec_hash,
-                          "spec": spec}
+                          "spec": spec, **({"files": dict(files)} if files is not None else {})}
                 line = _checked_line(header, RecordChecker(), path, 1)
                 with open(path, "wb"):  # empty, or only our own torn header (checked above)
                     pass
@@ -215,9 +238,36 @@ class ResultsWriter:
             self.policies[record["policy"]] = record
 
 
-def _other_study(path: str, theirs: str, spec_hash: str) -> StudyError:
+def _resumes(header: dict, spec_hash: str, legacy_hash: str | None) -> bool:
+    """The study of ``spec_hash`` may resume the file of ``header``: the same hash, or a version-1 header (no
+    ``files``) under the hash that version gave the same study (it did not cover side files)."""
+    theirs = header["spec_hash"]
+    return theirs == spec_hash or (legacy_hash is not None and "files" not in header and theirs == legacy_hash)
+
+
+def _other_study(path: str, header: dict, spec_hash: str, files: dict[str, str] | None) -> StudyError:
+    theirs = header["spec_hash"]
+    changed = _changed_file(header.get("files"), files)
+    if changed:
+        return StudyError(f"{path}: this results file belongs to another study: {changed} since it was begun (spec "
+                          f"hash {theirs}, now {spec_hash}), so its results came from other data; restore that file, "
+                          "or pass another results path to start over")
     return StudyError(f"{path}: this results file belongs to another study (spec hash {theirs}, this spec is "
                       f"{spec_hash}); pass another results path, or delete the file to start over")
+
+
+def _changed_file(recorded: dict[str, str] | None, files: dict[str, str] | None) -> str | None:
+    """What differs between the files a header recorded and the study's files now (the first path), or None."""
+    if recorded is None or files is None:
+        return None
+    for path in sorted(set(recorded) | set(files)):
+        if path not in files:
+            return f"{path} is gone"
+        if path not in recorded:
+            return f"{path} appeared"
+        if recorded[path] != files[path]:
+            return f"{path} changed"
+    return None
 
 
 def _header_of(path: str) -> dict | None:
@@ -246,46 +296,6 @@ def _checked_line(record: Any, checker: RecordChecker, path: str, line: int) -> 
         raise StudyError(f"{path}: refusing to write line {line}" + (f", field '{exc.field}'" if exc.field else "")
                          + f": {exc.problem}; nothing was written (this is a bug in whatever made the record: "
                            "please report it)") from None
-
-
-class ResultsLock:
-    """An exclusive advisory lock on ``<results>.lock`` beside the resolved results path, naming its holder.
-
-    The lock file is keyed by the results file's resolved path, so a symlink to a results file and the
-    file itself share one lock. See :class:`polykv.atomic.FileLock`: the lock file is created
-    exclusively, never followed through a symlink, and an existing file that is not a polykv lock is
-    refused untouched.
-    """
-
-    def __init__(self, path: str, lock: FileLock):
-        self.path, self._lock = path, lock
-
-    @staticmethod
-    def lock_path(results: str) -> str:
-        return os.path.realpath(results) + ".lock"
-
-    @classmethod
-    def acquire(cls, results: str, *, record: bool = True) -> "ResultsLock":
-        path = cls.lock_path(results)
-        try:
-            lock = FileLock.acquire(path, record=record, what="results lock file")
-        except LockBusy as exc:
-            raise StudyError(f"{results}: another polykv study is writing this results file ({exc.holder}); wait "
-                             "for it to finish, or pass another --results path") from None
-        except OutputError as exc:
-            raise StudyError(f"{exc} (--results {results})") from None
-        return cls(path, lock)
-
-    @classmethod
-    def probe(cls, results: str) -> None:
-        """Raise the lock's StudyError when another process holds it (or the lock file is not ours);
-        hold nothing afterwards."""
-        if not os.path.lexists(cls.lock_path(results)):
-            return
-        cls.acquire(results, record=False).release(clear=False)
-
-    def release(self, clear: bool = True) -> None:
-        self._lock.release(clear=clear)
 
 
 @attrs.define

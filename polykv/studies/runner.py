@@ -62,9 +62,12 @@ def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
     spec's model (from its config); loads no model weights."""
     from polykv.studies.designs import check_policies_fit
 
-    ResultsWriter.check(results_path, spec.hash)
+    records = ResultsWriter.check_study(results_path, spec)
     policies = build_policies(spec, registry=registry)
     notes = check_policies_fit(spec, policies, registry=registry)
+    if records and "files" not in records[0] and spec.side_digests:
+        notes.append(f"{results_path}: begun by a polykv that did not record the side files a study reads; resuming "
+                     f"without checking that {', '.join(sorted(spec.side_digests))} are unchanged since")
     return Prepared(spec=spec, policies=policies, results_path=results_path, warnings=notes)
 
 
@@ -191,7 +194,7 @@ def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool 
 
     The results file is locked for the whole run (a second writer is refused).
     """
-    writer = ResultsWriter.open(prepared.results_path, prepared.spec.hash, prepared.spec.as_dict())
+    writer = ResultsWriter.for_study(prepared.results_path, prepared.spec)
     try:
         return _run_locked(prepared, writer, model=model, tokenizer=tokenizer, progress=progress,
                            on_result=on_result, registry=registry)

@@ -38,11 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import unicodedata
 from typing import Any, Mapping
 
 import attrs
 
+from polykv.contract.model_data import registered_needs, side_file
 from polykv.errors import PolykvError, StudyError
+from polykv.models.kv_bases import KV_BASES_SUFFIX
 from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
 from polykv.strict_json import FieldReader
 from polykv.studies.corpus import corpus_id
@@ -56,6 +59,8 @@ _TOP = {"name", "model", "dtype", "context_tokens", "profile", "budgets", "basel
 _SOLVER = {"name", "solver", "params", "role", "count", "guided"}
 _TASK = {"task", "params", "samples", "seed"}
 DTYPES = ("float32", "bfloat16", "float16")
+LABEL_MAX = 128
+"""Longest study or policy name: a label in reports and file names, well inside a file system's name limit."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -111,6 +116,15 @@ class StudySpec:
     source: str = "<spec>"
     digests: dict[str, str] = attrs.field(factory=dict)
     """sha256 of every file the spec reads (plans, profile, task files), keyed by path."""
+    side_digests: dict[str, str] = attrs.field(factory=dict)
+    """sha256 of every existing file those name or keep beside them, keyed by path: each plan's ``model_data``
+    files (query statistics, head scores, key/value bases) and the profile's side files."""
+
+    @property
+    def files(self) -> dict[str, str]:
+        """sha256 of every file the study reads, side files included, keyed by path (the results header's
+        ``files``)."""
+        return {**self.digests, **self.side_digests}
 
     @property
     def cache_dtype(self) -> str:
@@ -126,18 +140,28 @@ class StudySpec:
     def as_dict(self) -> dict[str, Any]:
         """The spec as written (paths resolved), for the results header."""
         d = attrs.asdict(self, recurse=True)
-        d.pop("source")
-        d.pop("digests")
+        for key in ("source", "digests", "side_digests"):
+            d.pop(key)
         return d
 
     @property
     def hash(self) -> str:
-        """``spec-<16 hex>``: content of the spec, of every file it reads, and of what makes its items.
+        """``spec-<16 hex>``: content of the spec, of every file it reads (side files included), and of what
+        makes its items.
 
         Task parameters are hashed with the task's defaults filled in, together with the offline
         corpus recipe, so a changed default or corpus never resumes into results made from other items.
         """
-        text = json.dumps({"spec": self.as_dict(), "files": sorted(self.digests.values()),
+        return self._hash(self.files)
+
+    @property
+    def legacy_hash(self) -> str:
+        """The hash polykv gave this spec before it covered side files (results files of format version 1):
+        equal to :attr:`hash` when the study reads no side file."""
+        return self._hash(self.digests)
+
+    def _hash(self, files: dict[str, str]) -> str:
+        text = json.dumps({"spec": self.as_dict(), "files": sorted(files.values()),
                            "tasks": [_resolved_task_params(t) for t in self.tasks], "corpus": corpus_id()},
                           sort_keys=True, default=str)
         return "spec-" + hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -159,8 +183,40 @@ def study_error(message: str, *, source: str, field: str | None = None, layer: i
 
 
 def _digest(path: str) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_label(value: Any, r: FieldReader, field: str, what: str, hint: str | None = None) -> str:
+    """``value`` when it is a name polykv may print and use in one file name: a non-empty string of at most
+    :data:`LABEL_MAX` characters on one line, never a path (no ``/`` or ``\\``, not ``.`` or ``..``); else the
+    spec's StudyError naming ``field``."""
+    if not isinstance(value, str) or not value.strip():
+        r.fail(f"expected a non-empty {what}, got {value!r}", field=field, hint=hint)
+    control = next((c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if control is not None:
+        r.fail(f"{what} {value!r} holds the control character {control!r}; a name is one line of printable text",
+               field=field, hint=hint)
+    if "/" in value or "\\" in value or value in (".", ".."):
+        r.fail(f"{what} {value!r} is a path; a name is a label, never a path (no '/', '\\', '.' or '..')",
+               field=field, hint=hint)
+    if len(value) > LABEL_MAX:
+        r.fail(f"{what} of {len(value)} characters; a name has at most {LABEL_MAX}", field=field, hint=hint)
+    return value
+
+
+def _side_digests(paths, out: dict[str, str], r: FieldReader, field: str) -> None:
+    """Add the sha256 of each of ``paths`` that is a file to ``out`` (a side file that is absent is read from
+    elsewhere or computed; one that appears later changes the study's hash all the same)."""
+    for path in paths:
+        if os.path.isfile(path):
+            try:
+                out[path] = _digest(path)
+            except OSError as exc:
+                r.fail(f"cannot read {path} ({exc.strerror})", field=field, hint="make the file readable")
 
 
 def _path(base: str, value: Any, r: FieldReader, field: str) -> str:
@@ -181,7 +237,13 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     r = FieldReader(source, study_error)
     raw = r.obj(raw, "", optional=_TOP)
     digests: dict[str, str] = {}
-    name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "study")
+    side: dict[str, str] = {}
+    if "name" in raw:
+        name = check_label(raw["name"], r, "name", "study name",
+                           hint="use a plain name; --results chooses where the results go")
+    else:
+        name = check_label(os.path.splitext(os.path.basename(source))[0] or "study", r, "name",
+                           "study name (the spec file's name)", hint="add a \"name\" to the spec")
     model = raw.get("model", "default")
     from polykv.models import MODEL_ALIASES, NAMED_MODELS
 
@@ -215,12 +277,14 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     from polykv.plan import load_plan
 
     for pname, value in list(plans.items()):
+        check_label(pname, r, "plans", "plan name")
         path = _path(base, value, r, f"plans.{pname}")
         try:
-            load_plan(path, registry=registry)
+            plan = load_plan(path, registry=registry)
         except PolykvError as exc:
             raise r.error(str(exc), field=f"plans.{pname}") from None
         plans[pname], digests[path] = path, _digest(path)
+        _side_digests(plan.model_data.values(), side, r, f"plans.{pname}")
     solvers = _solver_entries(raw.get("solvers", []), r, registry)
     profile = raw.get("profile")
     if profile is not None:
@@ -232,6 +296,8 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
             load_profile(profile)
         except PolykvError as exc:
             raise r.error(str(exc), field="profile") from None
+        suffixes = {need.suffix for need in registered_needs(registry)} | {KV_BASES_SUFFIX}
+        _side_digests([side_file(profile, suffix) for suffix in sorted(suffixes)], side, r, "profile")
     if solvers and profile is None:
         r.fail("solver entries need a profile file", field="profile", hint="add \"profile\": \"path.json\"")
     if solvers and not budgets:
@@ -253,10 +319,10 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         r.fail("policy names must be unique across plans, solvers and 'full'", field="solvers")
     if not (plans or solvers or baseline):
         r.fail("the spec names no policy", field="plans", hint="add plans, solvers or \"baseline\": true")
-    return StudySpec(name=str(name), model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
+    return StudySpec(name=name, model=model, dtype=dtype, context_tokens=T, profile=profile, budgets=budgets,
                      baseline=baseline, plans=plans, solvers=solvers, tasks=tasks, reuse_prefill=reuse,
                      chunk_size=r.int_(raw.get("chunk_size"), "chunk_size", minimum=1, optional=True), bos=bos,
-                     prompt_format=prompt_format, source=source, digests=digests,
+                     prompt_format=prompt_format, source=source, digests=digests, side_digests=side,
                      storage_dtype=storage_dtype, basis=basis)
 
 
@@ -285,7 +351,8 @@ def _solver_entries(raw: Any, r: FieldReader, registry) -> tuple[SolverEntry, ..
     for i, e in enumerate(raw):
         f = f"solvers[{i}]"
         e = r.obj(e, f, optional=_SOLVER)
-        if not isinstance(e.get("name"), str) or not e["name"] or any(c in e["name"] for c in "@#"):
+        check_label(e.get("name"), r, f + ".name", "solver entry name")
+        if any(c in e["name"] for c in "@#"):
             r.fail(f"expected a name without '@' or '#', got {e.get('name')!r}", field=f + ".name")
         try:
             cls = registry.solver(e.get("solver"))
