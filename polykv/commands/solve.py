@@ -6,6 +6,7 @@ import json
 import math
 
 from polykv.errors import SolverError
+from polykv.models.devices import check_device
 
 
 def register(subparsers) -> None:
@@ -114,6 +115,7 @@ def measuring_model(args, profile, params: dict):
     if not args.model:
         raise SolverError(f"--solver {args.solver} measures its candidate plans on the model: add --model default "
                           "(SmolLM2-135M, offline) or --model FOLDER (a local model with its tokenizer)")
+    check_device(args.device, error=SolverError)
     registry.solver(args.solver)(registry=registry).params(params)  # bad parameters are refused before the load
     from polykv.commands.calibrate import load_model
     from polykv.contract.model_data import load_side_files, needs_of_rules
