@@ -37,6 +37,7 @@ from polykv.contract.model_data import needs_of_rules, side_file
 from polykv.errors import DeviceFallbackWarning, PolykvError
 from polykv.models.devices import check_device
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
+from polykv.plan import load_plan
 from polykv.registry import get_registry
 
 try:
@@ -58,41 +59,52 @@ HF_ARGS = ("max_length", "max_batch_size", "add_bos_token", "truncation", "logit
 OWN_ARGS = ("pretrained", "plan", "dtype", "device", "tokenizer", "profile", "batch_size")
 
 
-def check_model_args(extra: dict) -> None:
-    """Refuse, in one line, model arguments the polykv model would otherwise ignore or hand on unread."""
-    unknown = sorted(set(extra) - set(HF_ARGS))
+def check_args(*, pretrained: Any = "default", plan: Any = FULL, dtype: Any = "float32", device: str | None = None,
+               profile: Any = None, batch_size: Any = 1, **extra) -> str:
+    """Check the polykv model's arguments that need no model (``polykv lm-eval`` runs this before lm-eval starts,
+    :class:`PolykvLM` again): unknown arguments, batch size, device and dtype, the model folder, the profile and
+    the plan file it serves. Returns the dtype's torch name."""
+    unknown = sorted(set(extra) - set(HF_ARGS) - {"tokenizer"})
     if unknown:
         raise PolykvError(f"the polykv lm-eval model got unknown model argument(s) {', '.join(unknown)}; it accepts "
                           f"{', '.join(OWN_ARGS + HF_ARGS)} (docs/integrations.md)")
+    if str(batch_size) != "1":
+        raise PolykvError(f"the polykv lm-eval model runs one request at a time (a plan cache holds one "
+                          f"sequence); got batch_size={batch_size}, pass batch_size 1")
+    name = check_device(device or "cpu", dtype, device_option="model argument device",
+                        dtype_option="model argument dtype")
+    if (isinstance(pretrained, str) or hasattr(pretrained, "__fspath__")) and not is_model_name(str(pretrained)):
+        check_model_folder(str(pretrained), weights=True)
+    if profile is not None:
+        if not os.path.isfile(str(profile)):
+            raise PolykvError(f"profile={profile}: no such file; give the profile whose side files hold the plan's "
+                              "per-model data, or leave profile out to compute that data on the offline corpus")
+        if isinstance(plan, (str, os.PathLike)) and str(plan) != FULL:
+            plan = load_plan(str(plan), registry=get_registry())
+        check_profile(profile, None if plan is None or isinstance(plan, str) else plan, get_registry())
+    return name
+
+
+def check_profile(profile: Any, plan, registry) -> None:
+    """``profile=`` is read for the per-model data beside it: refuse one whose side file a rule of ``plan`` (None:
+    the full plan) reads is missing (the data would be computed instead, silently), or one nothing reads."""
+    needs = [] if plan is None else needs_of_rules(registry, sorted(plan.rules_used()))
+    unread = [need for need in needs if need.key not in plan.model_data]
+    if not unread:
+        raise PolykvError(f"profile={profile}: the plan reads no per-model data from beside a profile (none of its "
+                          "rules needs any, or its model_data names every file), so the profile would go unread; "
+                          "leave profile out")
+    for need in unread:
+        if not os.path.isfile(side_file(str(profile), need.suffix)):
+            raise PolykvError(f"profile={profile}: no {need.description or need.key} beside it "
+                              f"({side_file(str(profile), need.suffix)}); write it with polykv model-data, or leave "
+                              "profile out to compute it on the offline corpus")
 
 
 def load_pretrained(pretrained: Any, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer): ``"default"`` is SmolLM2-135M-Instruct, a name (``gemma3-270m``) that model; else a local
     Hugging Face model folder (checked: config, safetensors weights, tokenizer; never downloaded)."""
     return load_by_name(str(pretrained), dtype=dtype, device=device)
-
-
-def check_profile_file(profile: Any) -> None:
-    if profile is not None and not os.path.isfile(str(profile)):
-        raise PolykvError(f"profile={profile}: no such file; give the profile whose side files hold the plan's "
-                          "per-model data, or leave profile out to compute that data on the offline corpus")
-
-
-def check_profile(profile: Any, plan, registry) -> None:
-    """``profile=`` is read for the per-model data beside it: refuse one that does not exist, one whose side file a
-    rule of ``plan`` reads is missing (the data would be computed instead, silently), or one nothing reads."""
-    if profile is None:
-        return
-    check_profile_file(profile)
-    needs = needs_of_rules(registry, sorted(plan.rules_used()))
-    if not needs:
-        raise PolykvError(f"profile={profile}: no rule of the plan reads per-model data, so the profile would go "
-                          "unread; leave profile out")
-    for need in needs:
-        if need.key not in plan.model_data and not os.path.isfile(side_file(str(profile), need.suffix)):
-            raise PolykvError(f"profile={profile}: no {need.description or need.key} beside it "
-                              f"({side_file(str(profile), need.suffix)}); write it with polykv model-data, or leave "
-                              "profile out to compute it on the offline corpus")
 
 
 def resolve_plan(plan: Any, model):
@@ -120,20 +132,13 @@ class PolykvLM(HFLM):
     def __init__(self, pretrained: Any = "default", plan: Any = FULL, dtype: str = "float32",
                  tokenizer: Any = None, profile: str | None = None, batch_size: int | str = 1,
                  device: str | None = None, **kwargs):
-        if str(batch_size) != "1":
-            raise PolykvError(f"the polykv lm-eval model runs one request at a time (a plan cache holds one "
-                              f"sequence); got batch_size={batch_size}, pass batch_size 1")
-        check_model_args(kwargs)
         by_name = isinstance(pretrained, (str, bytes)) or hasattr(pretrained, "__fspath__")
         if device == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
             warnings.warn(f"device {device} (lm-eval's default when --device is not given) is not available on this "
                           "machine: running on cpu; pass --device cpu to say so", DeviceFallbackWarning, stacklevel=2)
             device = "cpu"
-        dtype = check_device(device or "cpu", dtype, device_option="model argument device",
-                             dtype_option="model argument dtype")
-        check_profile_file(profile)
-        if by_name and not is_model_name(str(pretrained)):
-            check_model_folder(str(pretrained), weights=True)
+        dtype = check_args(pretrained=pretrained, plan=plan, dtype=dtype, device=device, profile=profile,
+                           batch_size=batch_size, **kwargs)
         if by_name:
             model, tok = load_pretrained(pretrained, dtype, device or "cpu")
             self.model_name = str(pretrained)
@@ -145,7 +150,6 @@ class PolykvLM(HFLM):
         if tokenizer is not None:
             tok = tokenizer
         self.plan = resolve_plan(plan, model)
-        check_profile(profile, self.plan, get_registry())
         super().__init__(pretrained=model, tokenizer=tok, batch_size=1, **kwargs)
         self.plan_source = plan if isinstance(plan, str) else (self.plan.provenance.note or "Plan object")
         from polykv.studies.runner import plan_model_data
