@@ -20,7 +20,7 @@ import sys
 import warnings
 
 from polykv import __version__
-from polykv.errors import PolykvError
+from polykv.errors import PolykvError, PolykvWarning
 
 DEBUG_ENV = "POLYKV_DEBUG"
 """Environment variable: set to 1 to see the traceback behind an error line."""
@@ -94,13 +94,14 @@ def _verb(args) -> str:
 
 @contextlib.contextmanager
 def _one_line_warnings(verb: str):
-    """polykv's own input warnings (unchecked plugin parameters) as one stderr line each."""
+    """polykv's own warnings (unchecked plugin parameters, a cache it could not write, a device
+    it replaced) as one stderr line each."""
     from polykv.contract.params import UncheckedParamsWarning
 
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, UncheckedParamsWarning):
+        if issubclass(category, (UncheckedParamsWarning, PolykvWarning)):
             print(f"polykv {verb}: warning: {_one_line(message)}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

@@ -59,3 +59,16 @@ class PluginContractError(RuntimeConfigError):
 
     The message is one line naming the plugin, the layer, the phase and what was expected vs got.
     """
+
+
+class PolykvWarning(UserWarning):
+    """A one-line note before polykv does something other than asked (the command line prints it as one line)."""
+
+
+class CacheWriteWarning(PolykvWarning):
+    """A cache (converted models, computed per-model data) could not be written: the run goes on with what it
+    computed, and the next run computes it again. The message names the folder and why."""
+
+
+class DeviceFallbackWarning(PolykvWarning):
+    """A default device that this machine lacks (lm-eval's ``cuda:0``) is replaced by the CPU."""

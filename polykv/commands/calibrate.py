@@ -8,6 +8,8 @@ import sys
 import attrs
 
 from polykv.errors import PolykvError, ProfileError
+from polykv.models.devices import check_device
+from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.plan import DEFAULT_QUANTIZER
 
 
@@ -130,34 +132,10 @@ def _check_rules(settings) -> None:
         raise ProfileError("--rules: empty list; name at least one rule, e.g. --rules snapkv,tova")
 
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16", "half": "float16"}
-
-
 def load_model(name: str, device: str, dtype: str = "float32"):
     """(model, tokenizer) for 'default', a model name (gemma3-270m) or a local Hugging Face folder, in
     ``dtype``, SDPA attention."""
-    import torch
-
-    from polykv.models import MODEL_ALIASES, NAMED_MODELS
-
-    torch_dtype = getattr(torch, dtype)
-    if name == "default":
-        from polykv.models import load_default_model
-
-        model, tokenizer = load_default_model(dtype=torch_dtype)
-    elif name in NAMED_MODELS or name in MODEL_ALIASES:
-        from polykv.models import load_model as load_named
-
-        model, tokenizer = load_named(name, dtype=torch_dtype)
-    else:
-        check_model_folder(name)
-        import transformers
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype,
-                                                                  attn_implementation="sdpa").eval()
-    return model.to(device), tokenizer
+    return load_by_name(name, dtype=dtype, device=device, error=ProfileError)
 
 
 def copy_side_files(base: str, output: str, *, skip: set) -> None:
@@ -177,18 +155,7 @@ def copy_side_files(base: str, output: str, *, skip: set) -> None:
 
 
 def check_model_folder(name: str) -> None:
-    if not os.path.isdir(name):
-        raise ProfileError(f"model {name!r}: not 'default' and not a local folder; give a folder holding a "
-                           "Hugging Face model (config.json, weights, tokenizer)")
-    if not os.path.lexists(os.path.join(name, "config.json")):
-        raise ProfileError(f"model {name!r}: the folder holds no config.json; give a folder holding a Hugging Face "
-                           "model (config.json, weights, tokenizer)")
-    from polykv.models import read_local_config
-
-    try:
-        read_local_config(name)
-    except PolykvError as exc:
-        raise ProfileError(f"model {name!r}: {exc}") from None
+    check_folder(name, error=ProfileError)
 
 
 def model_geometry(name: str):
@@ -228,25 +195,7 @@ def check_args(args) -> dict:
     if args.delta_ppl > args.sequences:
         raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
                            "the first N calibration sequences")
-    if args.dtype not in DTYPES:
-        raise ProfileError(f"--dtype {args.dtype!r}: use float32, bfloat16 (bf16) or float16 (fp16)")
-    args.dtype = DTYPES[args.dtype]
-    import torch
-
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ProfileError(f"--device {args.device!r}: not a torch device (use cpu, cuda, cuda:1, mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ProfileError(f"--device {args.device}: CUDA is not available on this machine (torch "
-                           f"{torch.__version__}); use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ProfileError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ProfileError(f"--device {args.device}: MPS is not available on this machine; use --device cpu")
-    if device.type == "cpu" and args.dtype == "float16":
-        raise ProfileError("--dtype float16 on --device cpu: CPU half-precision kernels are slow and incomplete; "
-                           "calibrate float16 on a GPU, or use bfloat16 or float32 on the CPU")
+    args.dtype = check_device(args.device, args.dtype, error=ProfileError, half_on_cpu=False)
     keeps = _floats(args.keeps, "keeps")
     bad = [k for k in keeps if not 0.0 < k <= 1.0]
     if not keeps or bad:

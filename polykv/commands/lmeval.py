@@ -36,9 +36,10 @@ def run(args) -> int:
     except ImportError:
         raise PolykvError("lm-evaluation-harness is not installed; install it with: "
                           "pip install 'polykv-compose[lm-eval]'") from None
+    argv = check_polykv_model(args.lm_eval_args, lm_harness)
     before = len(lm_harness.PolykvLM.instances)
     saved = sys.argv
-    sys.argv = ["polykv lm-eval", *args.lm_eval_args]
+    sys.argv = ["polykv lm-eval", *argv]
     try:
         cli_evaluate()
     except SystemExit as exc:  # lm-eval's --help, or its own argument errors
@@ -48,3 +49,23 @@ def run(args) -> int:
     for lm in lm_harness.PolykvLM.instances[before:]:
         print(lm.kv_report())
     return 0
+
+
+def check_polykv_model(argv: list[str], lm_harness) -> list[str]:
+    """With ``--model polykv``: check its ``--model_args`` (and ``--device``, ``--batch_size``) before lm-eval starts,
+    so a bad one is one line and not lm-eval's log; without ``--device``, add ``--device cpu`` (polykv's default
+    everywhere; lm-eval's own is cuda:0). Returns the arguments for lm-eval."""
+    from lm_eval.utils import simple_parse_args_string
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--model", "-m")
+    p.add_argument("--model_args", "--model-args", "-a", default="")
+    p.add_argument("--device")
+    p.add_argument("--batch_size", "--batch-size", "-b")
+    known, _ = p.parse_known_args(argv)
+    if known.model != "polykv":
+        return argv
+    model_args = simple_parse_args_string(known.model_args) if isinstance(known.model_args, str) else {}
+    given = {"device": known.device, "batch_size": known.batch_size}
+    lm_harness.check_args(**{**{k: v for k, v in given.items() if v is not None}, **model_args})
+    return argv if known.device is not None else [*argv, "--device", "cpu"]

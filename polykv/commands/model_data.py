@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import time
 
-from polykv.errors import PolykvError
+from polykv.errors import OutputError, PolykvError
+from polykv.models.devices import check_device
+from polykv.models.local_folder import check_model_folder, is_model_name
 
 
 def register(subparsers) -> None:
@@ -28,8 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="file to write (atomically)")
     p.add_argument("--list", action="store_true", help="list the kinds of per-model data and the rules that read them")
     p.add_argument("--device", default="cpu", metavar="DEV", help="device to compute on (default cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="model dtype (default float32)")
+    p.add_argument("--dtype", default="float32", metavar="DTYPE",
+                   help="model dtype: float32 (default), bfloat16 (bf16) or float16 (fp16)")
     p.set_defaults(func=run)
 
 
@@ -70,13 +72,23 @@ def run(args) -> int:
         return True
 
     check_output(args.output, what=f"{need.description or need.key} file", option="-o", recognise=recognise)
+    args.dtype = check_device(args.device, args.dtype)
+    if not is_model_name(args.model):
+        check_model_folder(args.model, weights=True)
+    # kvzip-head's scores are measured through the runtime's probe pass, which importing the runtime installs
+    import polykv.runtime  # noqa: F401
     from polykv.commands.calibrate import load_model
     from polykv.contract.model_data import compute_over_corpus
 
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     start = time.perf_counter()
     data, batches = compute_over_corpus(need, model, tokenizer)
-    data.save(args.output)
+    try:
+        data.save(args.output)
+    except Exception as exc:  # noqa: BLE001 - a full disk reaches a plugin's writer as anything; nothing is left
+        reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise OutputError(f"{args.output}: cannot write the {need.description or need.key} ({reason}); nothing was "
+                          "written: free disk space or choose another -o") from None
     tokens = sum(int(b.shape[-1]) for b in batches)
     print(f"{args.output}: {need.description or need.key} ('{need.key}') of {args.model} over the offline corpus "
           f"({len(batches)} texts, {tokens} tokens) in {time.perf_counter() - start:.1f} s; beside a profile name it "

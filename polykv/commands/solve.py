@@ -6,6 +6,7 @@ import json
 import math
 
 from polykv.errors import SolverError
+from polykv.models.devices import check_device
 
 
 def register(subparsers) -> None:
@@ -120,6 +121,7 @@ def measuring_model(args, profile, params: dict, geometry=None):
     if not args.model:
         raise SolverError(f"--solver {args.solver} measures its candidate plans on the model: add --model default "
                           "(SmolLM2-135M, offline) or --model FOLDER (a local model with its tokenizer)")
+    check_device(args.device, error=SolverError)
     solver = registry.solver(args.solver)(registry=registry)
     checked = solver.params(params)  # bad parameters are refused before the load
     if hasattr(solver, "held_out"):

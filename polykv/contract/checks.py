@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch
 
-from polykv.errors import PluginContractError
+from polykv.errors import PluginContractError, RuntimeConfigError
 from polykv.plan import PASSTHROUGH_BITS
 from polykv.storage.reserve import reserved_stream_bytes
 from polykv.contract.selection import Selection, as_selection
@@ -69,6 +69,14 @@ def check_deciding_scores(rule, scores: torch.Tensor, ctx) -> None:
     """Expensive: no NaN among the scores that decide (protected columns already +inf, padding -inf)."""
     if bool(torch.isnan(scores).any()):
         bad = torch.isnan(scores).sum().item()
+        stored = [t for t in (getattr(ctx, "keys", None), getattr(ctx, "values", None)) if isinstance(t, torch.Tensor)]
+        broken = sum(int((~torch.isfinite(t)).sum()) for t in stored)
+        if broken:  # the model's own activations overflowed: no rule can score them
+            raise RuntimeConfigError(
+                f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)}: the model's keys/values hold {broken} "
+                f"non-finite value(s) (inf or NaN) before the rule scored them: the model overflows in "
+                f"{stored[0].dtype} (Gemma 3 does in float16, without polykv too); load it in torch.bfloat16 or "
+                f"torch.float32")
         raise PluginContractError(f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)} score() returned {bad} "
                                   f"NaN score(s) on stored tokens; expected finite scores or +-inf "
                                   f"(fix the rule's score())")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from polykv.errors import PolykvError, RuntimeConfigError
+from polykv.errors import CacheWriteWarning, PolykvError, RuntimeConfigError
 
 class ModelDataError(RuntimeConfigError):
     """Per-model data a plan's rules need is missing or belongs to another model."""
@@ -222,9 +222,15 @@ def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None
     seconds = time.perf_counter() - start
     saved = ""
     if cached is not None:
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        data.save(cached)
-        saved = f", cached at {cached}"
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            data.save(cached)
+            saved = f", cached at {cached}"
+        except Exception as exc:  # noqa: BLE001 - a full disk reaches a plugin's writer as anything; the data is kept
+            reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+            warnings.warn(f"{need.description or need.key} ('{need.key}') not cached: cannot write {cached} "
+                          f"({reason}); this run uses the computed data, the next computes it again; set "
+                          f"POLYKV_CACHE to a writable folder", CacheWriteWarning, stacklevel=_caller_level())
     tokens = sum(int(b.shape[-1]) for b in batches)
     warnings.warn(f"polykv: computed {need.description or need.key} ('{need.key}') over the offline corpus "
                   f"({len(batches)} texts, {tokens} tokens) in {seconds:.1f} s{saved}", ModelDataNote,

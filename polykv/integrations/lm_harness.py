@@ -27,11 +27,18 @@ kept per request and reported under ``config.polykv`` of lm-eval's results (see 
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
 
-from polykv.errors import PolykvError
+from polykv.contract.model_data import needs_of_rules, side_file
+from polykv.errors import DeviceFallbackWarning, PolykvError
+from polykv.models.devices import check_device
+from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
+from polykv.plan import load_plan
+from polykv.registry import get_registry
 
 try:
     from lm_eval.api.registry import register_model
@@ -44,18 +51,60 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 FULL = "full"
 
 
-def load_pretrained(pretrained: Any, dtype: str = "float32"):
-    """(model, tokenizer): ``"default"`` is SmolLM2-135M-Instruct; else a local Hugging Face model folder."""
-    import transformers
+LM_EVAL_DEFAULT_DEVICE = "cuda:0"
+"""The device lm-eval passes when its ``--device`` is not given."""
+HF_ARGS = ("max_length", "max_batch_size", "add_bos_token", "truncation", "logits_cache", "prefix_token_id",
+           "think_end_token", "enable_thinking", "chat_template_args")
+"""lm-eval ``hf`` model arguments the polykv model passes on (``max_batch_size`` is moot: one request at a time)."""
+OWN_ARGS = ("pretrained", "plan", "dtype", "device", "tokenizer", "profile", "batch_size")
 
-    torch_dtype = getattr(torch, dtype)
-    if pretrained == "default":
-        from polykv.models import load_default_model
 
-        return load_default_model(dtype=torch_dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained), dtype=torch_dtype,
-                                                              attn_implementation="sdpa")
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(str(pretrained))
+def check_args(*, pretrained: Any = "default", plan: Any = FULL, dtype: Any = "float32", device: str | None = None,
+               profile: Any = None, batch_size: Any = 1, **extra) -> str:
+    """Check the polykv model's arguments that need no model (``polykv lm-eval`` runs this before lm-eval starts,
+    :class:`PolykvLM` again): unknown arguments, batch size, device and dtype, the model folder, the profile and
+    the plan file it serves. Returns the dtype's torch name."""
+    unknown = sorted(set(extra) - set(HF_ARGS) - {"tokenizer"})
+    if unknown:
+        raise PolykvError(f"the polykv lm-eval model got unknown model argument(s) {', '.join(unknown)}; it accepts "
+                          f"{', '.join(OWN_ARGS + HF_ARGS)} (docs/integrations.md)")
+    if str(batch_size) != "1":
+        raise PolykvError(f"the polykv lm-eval model runs one request at a time (a plan cache holds one "
+                          f"sequence); got batch_size={batch_size}, pass batch_size 1")
+    name = check_device(device or "cpu", dtype, device_option="model argument device",
+                        dtype_option="model argument dtype")
+    if (isinstance(pretrained, str) or hasattr(pretrained, "__fspath__")) and not is_model_name(str(pretrained)):
+        check_model_folder(str(pretrained), weights=True)
+    if profile is not None:
+        if not os.path.isfile(str(profile)):
+            raise PolykvError(f"profile={profile}: no such file; give the profile whose side files hold the plan's "
+                              "per-model data, or leave profile out to compute that data on the offline corpus")
+        if isinstance(plan, (str, os.PathLike)) and str(plan) != FULL:
+            plan = load_plan(str(plan), registry=get_registry())
+        check_profile(profile, None if plan is None or isinstance(plan, str) else plan, get_registry())
+    return name
+
+
+def check_profile(profile: Any, plan, registry) -> None:
+    """``profile=`` is read for the per-model data beside it: refuse one whose side file a rule of ``plan`` (None:
+    the full plan) reads is missing (the data would be computed instead, silently), or one nothing reads."""
+    needs = [] if plan is None else needs_of_rules(registry, sorted(plan.rules_used()))
+    unread = [need for need in needs if need.key not in plan.model_data]
+    if not unread:
+        raise PolykvError(f"profile={profile}: the plan reads no per-model data from beside a profile (none of its "
+                          "rules needs any, or its model_data names every file), so the profile would go unread; "
+                          "leave profile out")
+    for need in unread:
+        if not os.path.isfile(side_file(str(profile), need.suffix)):
+            raise PolykvError(f"profile={profile}: no {need.description or need.key} beside it "
+                              f"({side_file(str(profile), need.suffix)}); write it with polykv model-data, or leave "
+                              "profile out to compute it on the offline corpus")
+
+
+def load_pretrained(pretrained: Any, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer): ``"default"`` is SmolLM2-135M-Instruct, a name (``gemma3-270m``) that model; else a local
+    Hugging Face model folder (checked: config, safetensors weights, tokenizer; never downloaded)."""
+    return load_by_name(str(pretrained), dtype=dtype, device=device)
 
 
 def resolve_plan(plan: Any, model):
@@ -81,19 +130,27 @@ class PolykvLM(HFLM):
     """Every model made in this process, in order (``polykv lm-eval`` prints their KV bytes)."""
 
     def __init__(self, pretrained: Any = "default", plan: Any = FULL, dtype: str = "float32",
-                 tokenizer: Any = None, profile: str | None = None, batch_size: int | str = 1, **kwargs):
-        if str(batch_size) != "1":
-            raise PolykvError(f"the polykv lm-eval model runs one request at a time (a plan cache holds one "
-                              f"sequence); got batch_size={batch_size}, pass batch_size 1")
-        if isinstance(pretrained, (str, bytes)) or hasattr(pretrained, "__fspath__"):
-            model, tok = load_pretrained(pretrained, dtype)
+                 tokenizer: Any = None, profile: str | None = None, batch_size: int | str = 1,
+                 device: str | None = None, **kwargs):
+        by_name = isinstance(pretrained, (str, bytes)) or hasattr(pretrained, "__fspath__")
+        if device == LM_EVAL_DEFAULT_DEVICE and not torch.cuda.is_available():
+            warnings.warn(f"device {device} (lm-eval's default when --device is not given) is not available on this "
+                          "machine: running on cpu; pass --device cpu to say so", DeviceFallbackWarning, stacklevel=2)
+            device = "cpu"
+        dtype = check_args(pretrained=pretrained, plan=plan, dtype=dtype, device=device, profile=profile,
+                           batch_size=batch_size, **kwargs)
+        if by_name:
+            model, tok = load_pretrained(pretrained, dtype, device or "cpu")
             self.model_name = str(pretrained)
         else:
             model, tok, self.model_name = pretrained, tokenizer, type(pretrained).__name__
+            if device is not None and torch.device(device) != next(model.parameters()).device:
+                raise PolykvError(f"device={device}: the model passed as pretrained is on "
+                                  f"{next(model.parameters()).device}; move it there first, or leave device out")
         if tokenizer is not None:
             tok = tokenizer
-        super().__init__(pretrained=model, tokenizer=tok, batch_size=1, **kwargs)
         self.plan = resolve_plan(plan, model)
+        super().__init__(pretrained=model, tokenizer=tok, batch_size=1, **kwargs)
         self.plan_source = plan if isinstance(plan, str) else (self.plan.provenance.note or "Plan object")
         from polykv.studies.runner import plan_model_data
 
@@ -102,6 +159,19 @@ class PolykvLM(HFLM):
         self.requests: list[dict[str, Any]] = []
         """Per request: type, context tokens, measured KV bytes after the context and at the end."""
         PolykvLM.instances.append(self)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's ``--model_args`` string plus its own settings (``--device``, ``--batch_size``, which it always
+        passes, with defaults); a setting also given in ``--model_args`` is taken from there."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _session(self):

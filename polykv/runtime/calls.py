@@ -39,6 +39,36 @@ def uses_cache(model, kwargs: Mapping[str, Any]) -> bool:
     return getattr(config, "use_cache", True) is not False
 
 
+UNSUPPORTED_GENERATE = {
+    "assistant_model": "assisted decoding crops the cache back after each draft, and a plan cache cannot be cropped",
+    "prompt_lookup_num_tokens": "prompt lookup decoding crops the cache back after each draft, and a plan cache "
+                                "cannot be cropped",
+    "assistant_early_exit": "self-speculative decoding crops the cache back after each draft, and a plan cache "
+                            "cannot be cropped",
+    "cache_implementation": "the plan's cache is the cache: generate() cannot build another one",
+}
+"""``generate()`` arguments a plan cannot serve, and why (:func:`refuse_unsupported_modes`)."""
+
+
+def refuse_unsupported_modes(model, kwargs: Mapping[str, Any]) -> None:
+    """One :class:`RuntimeConfigError` line for a ``generate()`` mode a plan cannot serve (assisted or prompt-lookup
+    decoding, ``cache_implementation``, beam search), set as an argument or in the generation config, before the
+    model runs (transformers would otherwise blame a cache the caller never passed)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    for name, why in UNSUPPORTED_GENERATE.items():
+        value = kwargs.get(name, getattr(config, name, None) if name != "assistant_model" else None)
+        if value is not None:
+            where = f"generate({name}=...)" if name in kwargs else f"the generation config's {name}"
+            raise RuntimeConfigError(f"{where} is not supported under a polykv plan: {why}; generate without it "
+                                     f"inside polykv.apply, or run that mode outside the with-block")
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    if beams is not None and beams != 1:
+        where = "generate(num_beams=...)" if "num_beams" in kwargs else "the generation config's num_beams"
+        raise RuntimeConfigError(f"{where} = {beams}: beam search is not supported under a polykv plan (its layers "
+                                 f"hold different tokens, so beams cannot be reordered); use greedy or sampled "
+                                 f"decoding (num_beams=1) inside polykv.apply")
+
+
 class OneCaller:
     """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
     or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
@@ -101,6 +131,7 @@ class SessionCalls:
             return self._generate_one(*args, **kwargs)
 
     def _generate_one(self, *args, **kwargs):
+        refuse_unsupported_modes(self.model, kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.note_context(ids.shape[1])

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from polykv.errors import PolykvError, StudyError
-from polykv.plan import Plan
+from polykv.plan import Plan, Provenance, full_plan
 from polykv.studies import stats
 from polykv.studies.spec import FULL_POLICY, ROLES, StudySpec
 
@@ -78,19 +78,10 @@ def _route_score(profile, plan: Plan) -> float | None:
     return float(sign * sum(st.values[layer, col[rule]] for layer, rule in enumerate(route)))
 
 
-def _full_plan(spec: StudySpec, profile, registry) -> Plan:
-    """The full cache for the model of the profile, else of the first plan file."""
-    from polykv.plan import LayerPlan, Provenance, full_plan, load_plan
-
-    if profile is not None:
-        return full_plan(profile.model)
-    first = next(iter(spec.plans.values()), None)
-    if first is None:
-        raise StudyError(f"{spec.source}: the full baseline needs the model's shape from a profile or a plan "
-                         "file; add \"profile\" or set \"baseline\": false")
-    plan = load_plan(first, registry=registry)
-    return attrs.evolve(plan, layers=[LayerPlan(layer=i) for i in range(plan.num_layers)],
-                        provenance=Provenance(note="full cache"))
+def _full_plan(spec: StudySpec) -> Plan:
+    """The full cache (every token kept at 16 bits on every layer) for the spec's model, from its geometry alone:
+    nothing of a plan file (model data, allocation groups, trigger) or of a profile carries over."""
+    return attrs.evolve(full_plan(spec_geometry(spec)), provenance=Provenance(note="full cache"))
 
 
 def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
@@ -104,9 +95,6 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
         from polykv.profiling.profile import load_profile
 
         profile = load_profile(spec.profile)
-    if spec.baseline:
-        out.append(Policy(name=FULL_POLICY, method=FULL_POLICY, budget=None, role="full",
-                          plan=_full_plan(spec, profile, registry)))
     for name, path in spec.plans.items():
         out.append(Policy(name=name, method=name, budget=None, role=name if name in ROLES else "",
                           plan=load_plan(path, registry=registry)))
@@ -130,6 +118,8 @@ def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
                 out.append(Policy(name=name, method=entry.name, budget=b, role=entry.role, plan=plan,
                                   solver=entry.solver, index=i, guided=guided,
                                   profile_score=_route_score(profile, plan)))
+    if spec.baseline:  # first in the list, built last: the policies' own errors come before the model's shape
+        out.insert(0, Policy(name=FULL_POLICY, method=FULL_POLICY, budget=None, role="full", plan=_full_plan(spec)))
     return out
 
 
@@ -284,8 +274,8 @@ def spec_geometry(spec: StudySpec):
 def check_policies_fit(spec: StudySpec, policies: list[Policy], *, registry=None) -> list[str]:
     """Check every policy's plan against the spec's model shape before the model loads; return warnings.
 
-    Plan files and solved plans are checked before the full baseline (whose shape is derived from
-    them), so a plan made for another model is blamed by its own file.
+    Plan files and solved plans are checked before the full baseline (built from the model itself), so a plan
+    made for another model is blamed by its own file.
     """
     geo = spec_geometry(spec)
     ordered = [p for p in policies if p.name != FULL_POLICY] + [p for p in policies if p.name == FULL_POLICY]

@@ -35,7 +35,7 @@ def test_calibrate_then_solve(model_dir, tmp_path, capsys):
 def test_clear_errors(model_dir, tmp_path, capsys):
     out = str(tmp_path / "x.profile.json")
     assert main(["calibrate", str(tmp_path / "missing"), "-o", out]) == 2
-    assert "not 'default' and not a local folder" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
     assert main(["calibrate", model_dir, "-o", out, "--tokens", "64", "--prefix", "64"]) == 2
     assert "must exceed --prefix" in capsys.readouterr().err
 
