@@ -156,6 +156,22 @@ def test_the_profile_routes_on_the_weighted_mix_and_round_trips(measured):
     assert '"objective_weights": {"kl": 0.5, "kl_reconstruction": 1.0, "kl_retrieval": 2.0}' in prof.to_json()
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_run_with_objectives_resumes_to_the_same_profile(model, measured, tmp_path):
+    settings, prof = measured
+    folder = str(tmp_path / "x.partial")
+    with pytest.raises(Interrupted):
+        calibrate(model, _held(2, seed=1), settings, heldout=_held(), tokenizer=Words(), checkpoint_dir=folder,
+                  on_layer=lambda layer: (_ for _ in ()).throw(Interrupted()) if layer == 1 else None)
+    resumed = []
+    again = calibrate(model, _held(2, seed=1), settings, heldout=_held(), tokenizer=Words(), checkpoint_dir=folder,
+                      on_layer=resumed.append)
+    assert resumed == [2] and again.profile.fingerprint == prof.fingerprint
+
+
 def test_a_continuation_only_profile_writes_no_objective_fields(model, small_settings):
     settings = small_settings(rules=("streamingllm",), keeps=(0.25, 1.0), bits=(16,), prefix=PREFIX)
     prof = calibrate(model, _held(1, seed=1), settings, heldout=_held(1)).profile
