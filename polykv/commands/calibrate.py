@@ -45,6 +45,13 @@ def register(subparsers) -> None:
     p.add_argument("--kl-configs", default="subset", choices=("subset", "all"),
                    help="configs kl measures: subset (default: every rule x keep at 16/16 bits and full at every "
                         "width pair, the rest composed additively) or all")
+    p.add_argument("--objectives", default="continuation", metavar="A,B",
+                   help="follow-ups the end-to-end KL is measured on, each a metric table: continuation (kl, the "
+                        "default), reconstruction (kl_reconstruction: KVzip's repeat-the-context prompt and a prefix "
+                        "chunk), retrieval (kl_retrieval: facts at spread depths, a question, the answer scored); with "
+                        "several, the profile routes on their weighted sum kl_mix (needs --validate N)")
+    p.add_argument("--objective-weights", default=None, metavar="NAME=W,..",
+                   help="weight of each objective in kl_mix, e.g. continuation=1,retrieval=2 (default 1 each)")
     p.add_argument("--validate-configs", type=int, default=8, metavar="K",
                    help="measured kl configs sampled into stats.kl_sampled, the same on every layer (default 8)")
     p.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
@@ -114,6 +121,39 @@ def parse_ranks(text: str, head_dim: int) -> tuple[int | None, ...]:
         if rank not in out:
             out.append(rank)
     return tuple(out)
+
+
+def parse_objective_args(args) -> tuple[tuple[str, ...], dict[str, float]]:
+    """``--objectives`` and ``--objective-weights`` as checked (objectives, {objective: weight})."""
+    import math
+
+    from polykv.profiling.objectives import parse_objectives
+
+    names = [x.strip() for x in args.objectives.split(",") if x.strip()]
+    if len(set(names)) != len(names):
+        raise ProfileError(f"--objectives {args.objectives!r}: an objective is named twice; name each once")
+    weights = {}
+    for item in [x.strip() for x in (args.objective_weights or "").split(",") if x.strip()]:
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = None
+        if not sep or weight is None or not math.isfinite(weight) or weight < 0 or name.strip() in weights:
+            raise ProfileError(f"--objective-weights {args.objective_weights!r}: {item!r} is not NAME=W with a finite "
+                               f"W >= 0 given once per objective; e.g. continuation=1,retrieval=2")
+        weights[name.strip()] = weight
+    if args.objective_weights is not None and not weights:
+        raise ProfileError(f"--objective-weights {args.objective_weights!r}: no NAME=W given; e.g. "
+                           f"continuation=1,retrieval=2")
+    try:
+        objectives, _ = parse_objectives(names, weights)
+    except ProfileError as exc:
+        raise ProfileError(str(exc).replace("objectives [", "--objectives [", 1)) from None
+    if objectives != ("continuation",) and not args.validate:
+        raise ProfileError(f"--objectives {args.objectives}: the objectives are measured on held-out sequences; "
+                           f"give --validate N (N >= 1) or use --objectives continuation")
+    return objectives, weights
 
 
 def _check_rules(settings) -> None:
@@ -250,12 +290,14 @@ def run(args) -> int:
     from polykv.profiling.calibrate import CalibrationSettings, calibrate, corpus_sequences, query_stats_path
 
     qparams = check_args(args)
+    objectives, weights = parse_objective_args(args)
     settings = CalibrationSettings(
         rules=None if args.rules is None else [r.strip() for r in args.rules.split(",") if r.strip()],
         keeps=tuple(_floats(args.keeps, "keeps")), bits=tuple(int(b) for b in _floats(args.bits, "bits")),
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
         delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
-        quantizer_params=qparams, kl_configs=args.kl_configs, pairs=args.pairs,
+        quantizer_params=qparams, kl_configs=args.kl_configs, pairs=args.pairs, objectives=objectives,
+        objective_weights=weights,
         ranks=() if args.ranks is None else parse_ranks(args.ranks, model_geometry(args.model).head_dim))
     stats_path = args.query_stats or query_stats_path(args.output)
     check_outputs(args, stats_path)

@@ -27,6 +27,7 @@ import os
 import platform
 import random
 import sysconfig
+import warnings
 
 import attrs
 
@@ -182,6 +183,60 @@ def corpus_fingerprint(texts) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()[:16]
+
+
+_RESERVED_DIRS = frozenset({"test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3"})
+"""Skipped folders whose docstrings are the reserved prose (:func:`reserved_text`)."""
+
+
+def _reserved_files() -> list[tuple[str, str]]:
+    """(relative name, absolute path) of the source files under the skipped folders of :data:`_RESERVED_DIRS`."""
+    root, out = _stdlib_dir(), []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS - _RESERVED_DIRS and not d.startswith("config-"))
+        if set(rel_dir.split("/")) & _RESERVED_DIRS:
+            out += [(f"{rel_dir}/{f}", os.path.join(dirpath, f)) for f in sorted(filenames) if f.endswith(".py")]
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus_paragraphs() -> frozenset[str]:
+    return frozenset().union(*(paragraphs(d.text) for d in _prose_documents() + _code_documents()))
+
+
+def paragraphs(text: str) -> set[str]:
+    """The stripped non-empty paragraphs (blocks between blank lines) of ``text``."""
+    return {p.strip() for p in text.split("\n\n") if p.strip()}
+
+
+def reserved_text(min_chars: int, *, seed: int = 0, separator: str = "\n\n") -> str:
+    """At least ``min_chars`` characters of *reserved* prose, text that no corpus document (study filler, calibration
+    sequence) contains: the docstrings (of at least ``_MIN_DOCSTRING`` characters) of the standard library's test
+    suites, IDLE, the turtle demos and lib2to3, folders the recipe skips, read file by file in a seeded order and
+    joined by ``separator``. A docstring copied from the rest of the library (one paragraph in common with any corpus
+    document) is left out. For calibration items that must stay apart from the studies (the retrieval objective's
+    haystacks, :mod:`polykv.profiling.objectives`)."""
+    files = _reserved_files()
+    random.Random(f"{CORPUS_RECIPE}:reserved:{seed}").shuffle(files)
+    taken = _corpus_paragraphs()
+    parts, total = [], 0
+    for rel, path in files:
+        if total >= min_chars:
+            break
+        text = _read(path)
+        with warnings.catch_warnings():  # test suites hold deliberately odd literals (invalid escapes)
+            warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+            docs = _docstrings(rel, text) if text else []
+        for d in docs:
+            if not paragraphs(d.text) & taken:
+                parts.append(d.text.strip())
+                total += len(parts[-1]) + len(separator)
+    if total < min_chars:
+        raise StudyError(f"this Python's standard library ({corpus_id()}) holds only {total} characters of reserved "
+                         f"prose (docstrings of its test suites and IDLE); asked for {min_chars}. Install the "
+                         f"standard library's test suite and IDLE, or ask for less text")
+    return separator.join(parts)
 
 
 def filler_text(min_chars: int, *, kind: str = "prose", seed: int = 0, separator: str = "\n\n") -> str:

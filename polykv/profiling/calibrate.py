@@ -30,14 +30,15 @@ import numpy as np
 import torch
 
 from polykv.errors import ProfileError
-from polykv.contract.model_data import needs_of_rules
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling.calibrate_axes import measure_pairs, rank_pairs, with_ranks
 from polykv.profiling.calibrate_settings import (  # noqa: F401 (re-exported: this module held them)
     CalibrationResult, CalibrationSettings, candidate_configs, corpus_sequences, default_rules, model_data_for,
     query_stats_path, tokenizer_params)
-from polykv.profiling.profile import Profile, ProfileProvenance, StatTable, model_info, now_iso
+from polykv.contract.model_data import needs_of_rules, tokenizer_of
+from polykv.profiling.objectives import METRIC_OF, build as followups, describe as describe_objective, parse_objectives
+from polykv.profiling.profile import MIX_METRIC, Profile, ProfileProvenance, StatTable, mix_tables, model_info, now_iso
 from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
 from polykv.profiling import endtoend as e2e
@@ -93,14 +94,15 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         Calibration token ids, every one longer than ``settings.prefix``.
     heldout : list of LongTensor [T]
         Held-out sequences of the end-to-end ``kl`` metric (:mod:`polykv.profiling.endtoend`; empty = none).
-        With them the profile routes on ``kl`` by default.
+        With them the profile routes on ``kl`` by default; with several ``settings.objectives``
+        (:mod:`polykv.profiling.objectives`) each is a table and the profile routes on their mix, ``kl_mix``.
     checkpoint_dir : str, optional
         Folder of per-layer checkpoints (resume); None keeps everything in memory.
     corpus : str
         Description of where the sequences came from, for the profile's provenance.
     tokenizer : optional
-        The model's tokenizer, for per-model data computed from prompts (kvzip's head scores); None: the
-        tokenizer saved beside the model, if any.
+        The model's tokenizer, for per-model data computed from prompts (kvzip's head scores) and the
+        reconstruction and retrieval objectives; None: the tokenizer saved beside the model, if any.
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
     """
@@ -122,6 +124,10 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     if not 0 <= settings.delta_ppl_sequences <= len(seqs):
         raise ProfileError(f"delta-PPL runs on the first N calibration sequences: N must lie in 0..{len(seqs)}, "
                            f"got {settings.delta_ppl_sequences} (--delta-ppl)")
+    objectives, weights = parse_objectives(settings.objectives, settings.objective_weights)
+    if objectives != ("continuation",) and not held:
+        raise ProfileError(f"the objectives {list(objectives)} are measured on held-out sequences, and none are given; "
+                           f"give held-out sequences (--validate N) or leave the objectives out")
     geometry = geometry_of_model(model)
     if (settings.ranks or settings.pairs) and held:
         raise ProfileError("the rank and layer-pair errors are measured in the l2 metric only, and held-out sequences "
@@ -136,6 +142,8 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"rule_params names rule(s) {unknown} that are not calibrated (rules: {list(rules)}); "
                            f"drop them or add the rules")
     configs = candidate_configs(rules, settings, registry)
+    items = followups(objectives, held, P, tokenizer=tokenizer if tokenizer is not None else tokenizer_of(model),
+                      registry=registry, seed=settings.seed, chunk_tokens=settings.reconstruction_chunk) if held else {}
     quantizer = registry.quantizer(settings.quantizer)(**settings.quantizer_params)
     digest = run_digest({"model": geometry.fingerprint, "settings": attrs.asdict(settings), "rules": rules,
                          "configs": [c.label for c in configs],
@@ -159,20 +167,22 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                        rule_params=settings.rule_params)
     L = geometry.num_layers
     saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
-        ("kl",) if held else ()) + (("rank_l2",) if rpairs else ())
+        tuple(METRIC_OF[o] for o in objectives) if held else ()) + (("rank_l2",) if rpairs else ())
     done = {layer: ckpt.load(layer, required=saved) for layer in range(L)}
     todo = [layer for layer in range(L) if done[layer] is None]
     captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
-    refs = [e2e.KLReference.of(val.reference_logprobs(model, s, P)) for s in held] if todo and held else []
+    measured = _Items([it for o in objectives for it in items.get(o, ())], P)
+    refs = [e2e.KLReference.of(val.reference_logprobs(model, it.ids, P), it.rows) for it in measured.items] \
+        if todo and held else []
     snapshots = below = None
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
-        snapshots = e2e.PrefixSnapshots(model, [s.view(1, -1)[:, :P] for s in held], plans, registry=registry,
-                                        model_data=model_data)
-        below = [e2e.LayerOutputs(model, snap, s, P, layers=todo, registry=registry)
-                 for snap, s in zip(snapshots.plain(), held)]
+        snapshots = e2e.PrefixSnapshots(model, measured.prefixes, plans, registry=registry, model_data=model_data)
+        plain = snapshots.plain()
+        below = [e2e.LayerOutputs(model, plain[k], it.ids, P, layers=todo, registry=registry)
+                 for it, k in zip(measured.items, measured.prompts)]
     if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
         ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
@@ -182,7 +192,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     try:
         for layer in todo:
             units.layer(layer)
-            arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols,
+            arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, measured, refs, kl_cols,
                             snapshots, ppl_seqs, ppl_refs, units.tick, below)
             if rpairs:
                 from polykv.profiling.rank_error import layer_rank_errors
@@ -197,7 +207,8 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         units.close()
 
     profile = _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, len(seqs), len(held),
-                        int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
+                        int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                        objectives=items, weights=weights)
     if rpairs:
         profile = with_ranks(profile, np.stack([done[layer]["rank_l2"] for layer in range(L)]), rpairs, quantizer)
     if settings.pairs:
@@ -219,6 +230,25 @@ def _probe_prefills(model, geometry, layers, rules, seqs, P, settings, registry,
     return prefills
 
 
+class _Items:
+    """The follow-ups of every objective as one list, with their distinct prefixes (each prefilled once per variant)
+    and the index of each item's prefix among them."""
+
+    def __init__(self, items, prefix: int):
+        self.items = list(items)
+        index: dict[bytes, int] = {}
+        self.prompts, self.prefixes = [], []
+        for it in self.items:
+            key = it.ids[:prefix].numpy().tobytes()
+            if key not in index:
+                index[key] = len(self.prefixes)
+                self.prefixes.append(it.ids[:prefix].view(1, -1))
+            self.prompts.append(index[key])
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
 def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, held, refs, kl_cols, snapshots,
            ppl_seqs, ppl_refs, tick, below=None) -> dict[str, np.ndarray]:
     """Every table row of one layer."""
@@ -229,11 +259,14 @@ def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, h
               "entropy": np.asarray([attention_entropy(cap, P)])}
     if ppl_seqs:
         arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
-    if held:
-        arrays["kl"] = e2e.layer_kl(model, geometry, layer, configs, kl_cols, held, refs, snapshots,
-                                    quantizer=settings.quantizer, quantizer_params=settings.quantizer_params,
-                                    model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick,
-                                    below=below)
+    if held:  # every objective's follow-ups through one measurement; one table per objective
+        per = e2e.layer_kl(model, geometry, layer, configs, kl_cols, [it.ids for it in held.items], refs, snapshots,
+                           quantizer=settings.quantizer, quantizer_params=settings.quantizer_params,
+                           model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick,
+                           below=below, rows=[it.rows for it in held.items], prompts=held.prompts, per_sequence=True)
+        kinds = np.array([it.kind for it in held.items])
+        for name in dict.fromkeys(kinds):
+            arrays[METRIC_OF[name]] = per[kinds == name].mean(axis=0)
     return arrays
 
 
@@ -249,7 +282,7 @@ def _delta_ppl(model, geometry, layer, rules, seqs, refs, settings, ctx) -> np.n
 
 
 def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, n_held, tokens, *,
-              dtype: str | None = None) -> Profile:
+              dtype: str | None = None, objectives=None, weights=None) -> Profile:
     L = geometry.num_layers
     table = lambda key: np.stack([done[layer][key] for layer in range(L)])  # noqa: E731
     cap = settings.stat_capacity
@@ -270,6 +303,15 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
                                        description=f"perplexity of the follow-up tokens when only this layer runs "
                                        f"the rule at {cap} prefix tokens (runtime), minus the full model's")
     routing = None
+    for name, items in (objectives or {}).items():
+        if name != "continuation":
+            metrics[METRIC_OF[name]], _ = e2e.compose_additive(
+                configs, {c: table(METRIC_OF[name])[:, j] for j, c in enumerate(kl_cols)}, L)
+            note.append(describe_objective(name, items))
+            routing = routing or METRIC_OF[name]
+    mixed = None
+    if len(objectives or {}) > 1:
+        mixed = dict(weights)
     if "kl" in done[0]:
         kl = table("kl")                                    # [L, len(kl_cols)]
         full_kl, composed = e2e.compose_additive(configs, {c: kl[:, j] for j, c in enumerate(kl_cols)}, L)
@@ -291,10 +333,16 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
             stats["l2_kl_correlation"] = StatTable(columns=("pearson", "spearman"), values=corr,
                                                    higher_is_better=True, description="per-layer correlation "
                                                    "between the l2 metric and the measured columns of metric kl")
+    if mixed is not None:
+        metrics[MIX_METRIC] = mix_tables(metrics, mixed)
+        routing = MIX_METRIC
+        note.append(f"metric {MIX_METRIC} (the routing table): "
+                    + " + ".join(f"{w:g} x {name}" for name, w in sorted(mixed.items())))
     prov = ProfileProvenance(dtype=dtype, corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
                              context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
                                              f" compressed, {tokens - settings.prefix} follow-up queries; quantizer "
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
     return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
-                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params, routing_metric=routing)
+                   quantizer=settings.quantizer, quantizer_params=settings.quantizer_params, routing_metric=routing,
+                   objective_weights=mixed)

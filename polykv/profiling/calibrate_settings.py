@@ -66,6 +66,13 @@ class CalibrationSettings:
     pairs: bool = False
     """Measure the error of sharing every adjacent pair of full-attention layers (:mod:`polykv.profiling.share_error`)
     into the profile's pair table."""
+    objectives: tuple[str, ...] = attrs.field(default=("continuation",), converter=tuple)
+    """The follow-ups the end-to-end KL is measured on, each its own metric table
+    (:mod:`polykv.profiling.objectives`): ``continuation`` (``kl``), ``reconstruction``, ``retrieval``."""
+    objective_weights: Mapping[str, float] = attrs.field(factory=dict, converter=dict)
+    """Weight of each objective (by objective name; 1.0 unless given) in the routing table ``kl_mix`` of several."""
+    reconstruction_chunk: int = 64
+    """Prefix tokens per chunk of the reconstruction objective's follow-ups."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

@@ -334,10 +334,10 @@ class KLReference:
         self.neg_entropy = (self.probs * logprobs).sum(-1)              # [F-1]
 
     @classmethod
-    def of(cls, reference: torch.Tensor) -> "KLReference":
+    def of(cls, reference: torch.Tensor, rows: Sequence[int] | None = None) -> "KLReference":
         """From :func:`~polykv.profiling.validation.reference_logprobs` (all F positions; the first, predicted by
-        the prefill before any layer compresses, is left out)."""
-        return cls(reference[1:])
+        the prefill before any layer compresses, is left out), at follow-up prediction ``rows`` only (None: all)."""
+        return cls(reference[1:] if rows is None else reference[1:][list(rows)])
 
     def kl(self, logits: torch.Tensor) -> float:
         """Mean over positions of KL(p_full || softmax(``logits``)); ``logits`` [F-1, V]."""
@@ -355,27 +355,37 @@ class KLReference:
 def layer_kl(model, geometry, layer: int, configs: Sequence[CandidateConfig], columns: Sequence[int],
              sequences: Sequence[torch.Tensor], references: Sequence[torch.Tensor], snapshots: PrefixSnapshots,
              *, quantizer: str, quantizer_params: Mapping[str, Any], model_data=None, registry=None, seed: int = 0,
-             tick: Callable[[], None] | None = None, below: Sequence[LayerOutputs] | None = None) -> np.ndarray:
+             tick: Callable[[], None] | None = None, below: Sequence[LayerOutputs] | None = None,
+             rows: Sequence[Sequence[int]] | None = None, prompts: Sequence[int] | None = None,
+             per_sequence: bool = False) -> np.ndarray:
     """KL of each config in ``columns`` on ``layer`` (module docstring), one value per column; ``references``
     are a :class:`KLReference` of each sequence (or its :func:`~polykv.profiling.validation.reference_logprobs`, all F
     positions). With ``below`` (one :class:`LayerOutputs` per sequence) the follow-up forwards run only layers
-    ``layer`` .. L-1."""
-    references = [r if isinstance(r, KLReference) else KLReference.of(r) for r in references]
-    out = np.zeros(len(columns))
+    ``layer`` .. L-1.
+
+    A sequence may be any prefix + follow-up (:mod:`polykv.profiling.objectives`): ``rows`` gives, per sequence, the
+    follow-up prediction rows scored (its reference built on them: ``KLReference.of(reference, rows)``; None: every
+    row) and ``prompts`` the index of its prefix among the snapshots' prompts (None: the sequence's own index).
+    ``per_sequence`` returns [sequences, columns] instead of the mean over sequences."""
+    references = [r if isinstance(r, KLReference) else KLReference.of(r, None if rows is None else rows[i])
+                  for i, r in enumerate(references)]
+    out = np.zeros((len(sequences), len(columns)))
     used = set()
     for j, col in enumerate(columns):
         plan = val.config_plan(geometry, layer, configs[col], quantizer=quantizer, quantizer_params=quantizer_params)
         key = snapshots.key(plan, layer)
         used.add(key)
-        for i, (s, ref, snap) in enumerate(zip(sequences, references, snapshots.get(key))):
+        snaps = snapshots.get(key)
+        for i, (s, ref) in enumerate(zip(sequences, references)):
             entering = None if below is None else below[i].entering(layer)
+            snap = snaps[i if prompts is None else prompts[i]]
             logits = followup_logits(model, plan, snap, s, snapshots.prefix, model_data=model_data, registry=registry,
                                      seed=seed, layer=layer, entering=entering)
-            out[j] += ref.kl(logits) / len(sequences)
+            out[i, j] = ref.kl(logits if rows is None else logits[list(rows[i])])
         if tick is not None:
             tick()
     snapshots.release(used)
-    return out
+    return out if per_sequence else out.mean(axis=0)
 
 
 def one_layer_plans(geometry, layers: Sequence[int], configs: Sequence[CandidateConfig], columns: Sequence[int], *,

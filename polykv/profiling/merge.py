@@ -61,6 +61,7 @@ def merge_profiles(base: Profile, extra: Profile) -> Profile:
     _same(base, extra, "quantizer", base.quantizer, extra.quantizer)
     _same(base, extra, "quantizer_params", base.quantizer_params, extra.quantizer_params)
     _same(base, extra, "metrics", sorted(base.metrics), sorted(extra.metrics))
+    _same(base, extra, "objective_weights", base.objective_weights, extra.objective_weights)
     if extra.pairs is not None:
         raise ProfileError(f"{extra.source}: has a layer-pair table; merge only rule configs into a profile "
                            f"(calibrate the pairs into the base)")

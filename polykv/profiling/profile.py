@@ -32,6 +32,13 @@ MIN_KEEP = 1e-7
 """Smallest keep ratio: below it a config keeps less than one token of any context a budget may name."""
 DTYPES = ("float32", "bfloat16", "float16")
 FULL_RULE = "full"
+MIX_METRIC = "kl_mix"
+"""The metric table mixing several calibration objectives' tables (:attr:`Profile.objective_weights`)."""
+
+
+def mix_tables(metrics: Mapping[str, Any], weights: Mapping[str, float]) -> np.ndarray:
+    """The ``kl_mix`` table: ``sum weights[name] * metrics[name]`` over the weighted tables, in float64."""
+    return sum(float(w) * np.asarray(metrics[name], dtype=np.float64) for name, w in sorted(weights.items()))
 
 
 def profile_error(message: str, *, source: str, field: str | None = None, layer: int | None = None,
@@ -188,6 +195,10 @@ class Profile:
     routing_metric: str | None = None
     """The metric solvers route on by default (e.g. ``"kl"`` when calibration measured it end to end); None (every
     profile of before): ``l2`` when present, else the first by name."""
+    objective_weights: dict[str, float] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else dict(v))
+    """Metric table -> weight of the calibration objectives mixed into the table ``kl_mix`` (its values are
+    ``sum w * table``; :mod:`polykv.profiling.objectives`); None (every profile of before): no mix."""
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from polykv.plan import MAX_CONTEXT_TOKENS, MAX_LOSS
-from polykv.profiling.profile import (BITS, DTYPES, FULL_RULE, MIN_KEEP, PHASES, SCHEMA_VERSION, PairTable, Profile,
+from polykv.profiling.profile import (BITS, DTYPES, FULL_RULE, MIN_KEEP, MIX_METRIC, PHASES, SCHEMA_VERSION, PairTable,
+                                      Profile, mix_tables,
                                       ProfileModel, ProfileProvenance, raise_profile_error)
 
 
@@ -69,8 +70,40 @@ def check(p: Profile, source: str) -> None:
         _check_range(source, f + ".values", st.values, -MAX_LOSS, "a statistic")
     if p.pairs is not None:
         _check_pairs(source, p.pairs, m.num_layers)
+    _check_mix(source, p)
     _check_model(source, m)
     _check_provenance(source, p.provenance)
+
+
+def _check_mix(source: str, p: Profile) -> None:
+    """``objective_weights`` names metric tables (not the mix itself) with finite weights >= 0, not all 0, and the
+    table ``kl_mix`` is their weighted sum; a ``kl_mix`` table needs the weights."""
+    weights = p.objective_weights
+    if weights is None:
+        if MIX_METRIC in p.metrics:
+            raise_profile_error(source, f"metrics.{MIX_METRIC}", "the objective mix table has no objective_weights",
+                                "give objective_weights (metric table -> weight), or rename the table")
+        return
+    if not weights:
+        raise_profile_error(source, "objective_weights", "no weights", "give each mixed metric table a weight, or "
+                            "leave the field out")
+    for name, w in weights.items():
+        field = f"objective_weights.{name}"
+        if name == MIX_METRIC or name not in p.metrics:
+            raise_profile_error(source, field, f"names metric {name!r}, which is not a table the mix can read",
+                                f"use the profile's tables: {', '.join(sorted(set(p.metrics) - {MIX_METRIC}))}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w) or w < 0:
+            raise_profile_error(source, field, f"weight {w!r} is not a finite number >= 0", "use e.g. 1.0")
+    if not any(weights.values()):
+        raise_profile_error(source, "objective_weights", "every weight is 0", "give one table a positive weight")
+    if MIX_METRIC not in p.metrics:
+        raise_profile_error(source, f"metrics.{MIX_METRIC}", "missing: objective_weights mix the tables into it",
+                            "re-run polykv calibrate, or leave objective_weights out")
+    expected = mix_tables(p.metrics, weights)
+    if expected.shape == p.metrics[MIX_METRIC].shape and not np.allclose(p.metrics[MIX_METRIC], expected,
+                                                                         rtol=1e-9, atol=1e-12):
+        raise_profile_error(source, f"metrics.{MIX_METRIC}", "is not the objective_weights' weighted sum of "
+                            f"{', '.join(sorted(weights))}", "re-run polykv calibrate; edit no table by hand")
 
 
 def _check_pairs(source: str, pairs: PairTable, num_layers: int) -> None:

@@ -30,6 +30,8 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
     if p.quantizer != DEFAULT_QUANTIZER or p.quantizer_params:
         quantizer = {"quantizer": {"name": p.quantizer, "params": dict(sorted(p.quantizer_params.items()))}}
     routing = {} if p.routing_metric is None else {"routing_metric": p.routing_metric}
+    if p.objective_weights is not None:
+        routing["objective_weights"] = dict(sorted(p.objective_weights.items()))
     return {
         "schema_version": p.schema_version,
         "format": FORMAT,
@@ -81,7 +83,7 @@ def dumps(p: Profile) -> str:
         return "[\n" + ",\n".join(indent + "  " + enc(r) for r in items) + "\n" + indent + "]"
 
     lines = ["{"]
-    for key in ("schema_version", "format", "quantizer", "routing_metric", "model", "provenance"):
+    for key in ("schema_version", "format", "quantizer", "routing_metric", "objective_weights", "model", "provenance"):
         if key in d:
             lines.append(f"  {enc(key)}: {enc(d[key])},")
     lines.append(f'  "configs": {rows(d["configs"], "  ")},')
@@ -145,7 +147,7 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
     r = FieldReader(source, profile_error)
     r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer",
-                                                                   "routing_metric", "pairs"])
+                                                                   "routing_metric", "objective_weights", "pairs"])
     version = raw["schema_version"]
     if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
@@ -187,6 +189,12 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     routing = raw.get("routing_metric")
     if routing is not None:
         r.str_(routing, "routing_metric", nonempty=True)
+    weights = raw.get("objective_weights")
+    if weights is not None:
+        for name, w in r.dict_(weights, "objective_weights").items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)):
+                r.fail(f"expected a number, got {w!r}", field=f"objective_weights.{name}",
+                       hint="give each mixed metric table a weight >= 0")
     pairs = None
     if raw.get("pairs") is not None:
         praw_ = r.obj(raw["pairs"], "pairs", ["uppers", "values"], ["share_params", "description"])
@@ -200,6 +208,6 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
         pairs = PairTable(uppers=ups, values=vals, share_params=r.dict_(praw_.get("share_params", {}),
                                                                         "pairs.share_params"),
                           description=str(praw_.get("description", "")))
-    return Profile(pairs=pairs, routing_metric=routing, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+    return Profile(pairs=pairs, routing_metric=routing, objective_weights=weights, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
                    schema_version=version, source=source)
