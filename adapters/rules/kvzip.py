@@ -136,8 +136,8 @@ PROMPT_PARAMS = ("repeat_ids", "continue_ids", "suffix_ids")
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
-def _ids_spec(what: str) -> ParamSpec:
-    return ParamSpec(list, default=None, nullable=True, items=int, low=0, high=MAX_TOKEN_ID, min_items=1,
+def _ids_spec(what: str, min_items: int = 1) -> ParamSpec:
+    return ParamSpec(list, default=None, nullable=True, items=int, low=0, high=MAX_TOKEN_ID, min_items=min_items,
                      token_ids=True, description=f"token ids of {what}; null: built from the model's tokenizer")
 
 
@@ -188,7 +188,8 @@ class KVzipRule(ScoredRule):
         "prefix_tokens": ParamSpec(int, default=0, low=0, high=1 << 30, description="prompt tokens before the context"),
         "repeat_ids": _ids_spec("the first chunk's prompt"),
         "continue_ids": _ids_spec("later chunks' prompt"),
-        "suffix_ids": _ids_spec("the assistant header"),
+        # a tokenizer may spell the plain "\n" header as no tokens: the chunk then follows the prompt directly
+        "suffix_ids": _ids_spec("the assistant header", min_items=0),
     }
     paper = ("Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction "
              "(arXiv:2505.23416)")

@@ -24,6 +24,8 @@ for _name in ("repeat_ids", "continue_ids", "suffix_ids"):
     for _kind, _value in BAD_IDS.items():
         if _name != "repeat_ids" and _kind not in ("empty", "negative"):
             continue
+        if _name == "suffix_ids" and _kind == "empty":   # no assistant header is a valid header
+            continue
         add(f"silent-kvzip-{_name.replace('_', '-')}-{_kind}", "plan",
             _validate(_rule_plan("kvzip", dict(IDS, **{_name: _value}))), f"layers[0].prefill.params.{_name}")
 

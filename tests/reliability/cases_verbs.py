@@ -73,7 +73,8 @@ def _refine(d: Path, *extra: str) -> list[str]:
 for _id, _expect in DEVICES:
     add(f"verbs-refine-device-{_id}", "cli", lambda d, i=_id: _refine(d, "--model", "default", "--device",
                                                                    DEVICE_ARG[i]), _expect, ("out.plan.json",))
-add("verbs-refine-pickled-weights", "cli", lambda d: _refine(d, "--model", pickled_folder(d)), "pytorch_model.bin",
+add("verbs-refine-pickled-weights", "cli", lambda d: _refine(d, "--model", pickled_folder(d), "--tokens", "64"),
+    "pytorch_model.bin",
     ("out.plan.json",))
 
 # -- calibrate: the devices its check did not know --------------------------------------------------------
