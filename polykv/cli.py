@@ -94,13 +94,14 @@ def _verb(args) -> str:
 
 @contextlib.contextmanager
 def _one_line_warnings(verb: str):
-    """polykv's own input warnings (unchecked plugin parameters) as one stderr line each."""
+    """polykv's own input warnings (unchecked plugin parameters, notes on per-model data) as one stderr line each."""
+    from polykv.contract.model_data import ModelDataNote
     from polykv.contract.params import UncheckedParamsWarning
 
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, UncheckedParamsWarning):
+        if issubclass(category, (UncheckedParamsWarning, ModelDataNote)):
             print(f"polykv {verb}: warning: {_one_line(message)}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

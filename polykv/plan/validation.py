@@ -214,9 +214,6 @@ def check_side_files(plan: Plan, registry, source: str) -> None:
         need = needs.get(key)
         if need is None:
             continue  # refused by _validate_model_data
-        if folder is not None and os.path.commonpath([folder, os.path.abspath(path)]) != folder:
-            warnings.warn(f"{source}: field {field}: {path} is outside the plan's folder {folder}", ModelDataNote,
-                          stacklevel=2)
         if not os.path.isfile(path):
             raise PlanError(f"{path} {side_file_problem(path)}", source=source, field=field,
                             hint=f"name a {need.description or key} file (paths are relative to the plan file)")
@@ -229,6 +226,10 @@ def check_side_files(plan: Plan, registry, source: str) -> None:
             raise PlanError(f"{path} is not a usable {need.description or key} file: {exc}", source=source,
                             field=field) from None
         _check_side_shape(plan, data, path, field, source)
+        # noted once the file passed its checks (a refused file gets its one error line only)
+        if folder is not None and os.path.commonpath([folder, os.path.abspath(path)]) != folder:
+            warnings.warn(f"{source}: field {field}: {path} is outside the plan's folder {folder}", ModelDataNote,
+                          stacklevel=2)
         if not getattr(data, "fingerprint", None):
             warnings.warn(f"{source}: field {field}: {path} carries no model fingerprint, so it cannot be matched to "
                           "a model", ModelDataNote, stacklevel=2)

@@ -106,3 +106,19 @@ def test_damaged_query_statistics_are_refused_when_loaded(tmp_path, stats, expec
     with pytest.raises(ProfileError) as err:
         QueryStats.load(path)
     assert "\n" not in str(err.value) and expect in str(err.value)
+
+
+def test_a_valid_side_file_outside_the_plans_folder_or_without_fingerprint_gets_one_note(model, tmp_path):
+    from polykv.plan.validation import check_side_files
+
+    (tmp_path / "plans").mkdir()
+    HeadScores(scores=torch.rand(2, 2), fingerprint=None, num_tokens=8).save(str(tmp_path / "s.kvzip-heads.safetensors"))
+    plan = _head_plan(model, tmp_path, name="s.kvzip-heads.safetensors")
+    source = str(tmp_path / "plans" / "p.json")
+    plan.save(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_side_files(plan, get_registry(), source)
+    notes = [str(w.message) for w in caught if issubclass(w.category, ModelDataNote)]
+    assert len(notes) == 2 and all("\n" not in n and "model_data.kvzip-head" in n for n in notes)
+    assert "outside the plan's folder" in notes[0] and "no model fingerprint" in notes[1]
