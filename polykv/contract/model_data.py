@@ -191,8 +191,10 @@ def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mappin
                 # a file the plan names is never silently replaced: refuse, or say what is used instead
                 reason = side_file_problem(path)
                 if missing == "refuse":
+                    cache = f" ({cached_file(need, fingerprint)})" if fingerprint else ""
                     raise ModelDataError(f"{path} ({origin}): {what}: {reason}; restore the file, fix the path, or "
-                                         f"pass missing_model_data='compute' to use the cache or the offline corpus")
+                                         f"pass missing_model_data='compute' to use the cache{cache} or the offline "
+                                         f"corpus instead")
                 unusable.append(f"{path} ({origin}) {reason}")
         if need.key in out:
             continue
