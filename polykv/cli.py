@@ -94,14 +94,15 @@ def _verb(args) -> str:
 
 @contextlib.contextmanager
 def _one_line_warnings(verb: str):
-    """polykv's own warnings (unchecked plugin parameters, a cache it could not write, a device
-    it replaced) as one stderr line each."""
+    """polykv's own warnings (unchecked plugin parameters, notes on per-model data, a cache it could not
+    write, a device it replaced) as one stderr line each."""
+    from polykv.contract.model_data import ModelDataNote
     from polykv.contract.params import UncheckedParamsWarning
 
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, (UncheckedParamsWarning, PolykvWarning)):
+        if issubclass(category, (UncheckedParamsWarning, ModelDataNote, PolykvWarning)):
             print(f"polykv {verb}: warning: {_one_line(message)}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

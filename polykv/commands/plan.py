@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 from polykv.errors import PolykvError
+from polykv.plan.validation import check_side_files
+from polykv.registry import get_registry
 
 DEFAULT_SHOW_CONTEXT = 2048
 
@@ -103,7 +105,7 @@ def check_for_model(plan, geometry, source: str, context: int) -> None:
     needs = {n.key: n for n in needs_of_rules(registry, sorted(plan.rules_used()))}
     for key, path in sorted(plan.model_data.items()):
         if key not in needs or not os.path.isfile(path):
-            continue
+            continue  # plan validate refuses it (check_side_files); plan show leaves it to the runtime
         try:
             data = needs[key].load(path)
         except PolykvError as exc:
@@ -136,6 +138,7 @@ def check_for_model(plan, geometry, source: str, context: int) -> None:
 def run_validate(args) -> int:
     geometry = model_geometry(args.model) if args.model else None
     plan = _load(args.plan, geometry)
+    check_side_files(plan, get_registry(), args.plan)
     target = ""
     if geometry is not None:
         _memory(plan, geometry, args.plan, plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT)

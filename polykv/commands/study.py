@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from polykv.plan.validation import check_side_files
+from polykv.registry import get_registry
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -90,6 +93,8 @@ def run(args) -> int:
     print(f"{args.spec}: {len(prepared.policies)} policies x {sum(t.samples for t in spec.tasks)} items "
           f"({spec.hash}) -> {results}")
     if args.check:
+        for pol in prepared.policies:
+            check_side_files(pol.plan, get_registry(), f"{args.spec} (policy {pol.name})")
         for pol in prepared.policies:
             print(f"  {pol.name}: {pol.plan.provenance.note or pol.method}")
         return 0

@@ -119,7 +119,8 @@ CORPUS_TOKENS = 512
 
 
 class ModelDataNote(UserWarning):
-    """Per-model data was computed on the fly (one line: what, for which model, the cost, where it is cached)."""
+    """Per-model data was computed on the fly, or a file the plan names was unusable and other data is used (one
+    line: what, for which model, the cost or the replacement)."""
 
 
 def cache_dir() -> str:
@@ -178,22 +179,32 @@ def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mappin
     for need in needs:
         if need.key in out:
             continue
-        looked = []
+        looked, unusable = [], []
+        what = f"{need.description or 'data'} '{need.key}'" + (f" for {used_by[need.key]}" if used_by and
+                                                                need.key in used_by else "")
         for path, origin in (files or {}).get(need.key, ()):
             looked.append(f"{path} ({origin})")
             if os.path.isfile(path):
                 out[need.key] = _load_checked(need, path, model, origin)
                 break
+            if origin.startswith("plan"):
+                # a file the plan names is never silently replaced: refuse, or say what is used instead
+                reason = side_file_problem(path)
+                if missing == "refuse":
+                    cache = f" ({cached_file(need, fingerprint)})" if fingerprint else ""
+                    raise ModelDataError(f"{path} ({origin}): {what}: {reason}; restore the file, fix the path, or "
+                                         f"pass missing_model_data='compute' to use the cache{cache} or the offline "
+                                         f"corpus instead")
+                unusable.append(f"{path} ({origin}) {reason}")
         if need.key in out:
             continue
         cached = cached_file(need, fingerprint) if fingerprint else None
         if cached is not None:
             looked.append(f"{cached} (cache)")
             if os.path.isfile(cached):
+                _warn_replaced(unusable, f"the cached copy {cached}")
                 out[need.key] = _load_checked(need, cached, model, "cache")
                 continue
-        what = f"{need.description or 'data'} '{need.key}'" + (f" for {used_by[need.key]}" if used_by and
-                                                                need.key in used_by else "")
         where = "; looked for " + ", ".join(looked) if looked else "; no file was named for it"
         if missing == "refuse":
             raise ModelDataError(f"{what}: not found{where}; pass model_data={{'{need.key}': ...}} or "
@@ -201,8 +212,28 @@ def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mappin
         if tokenizer is None:
             raise ModelDataError(f"{what}: not found{where}; pass tokenizer=... to compute it from the offline "
                                  f"corpus, or model_data={{'{need.key}': ...}}")
+        _warn_replaced(unusable, "data computed from the offline corpus")
         out[need.key] = _compute(need, model, tokenizer, cached)
     return out
+
+
+def side_file_problem(path: str) -> str:
+    """Why a side file a plan names cannot be read (checked with ``stat``, without opening it): missing, a dangling
+    symlink, or not a regular file."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"is a symlink to {os.readlink(path)}, which does not exist"
+    if not os.path.exists(path):
+        return "does not exist"
+    if not os.path.isfile(path):
+        return "is not a regular file (a folder, FIFO or device)"
+    return "cannot be read"
+
+
+def _warn_replaced(unusable: list[str], instead: str) -> None:
+    import warnings
+
+    for note in unusable:
+        warnings.warn(f"polykv: {note}; using {instead} instead", ModelDataNote, stacklevel=_caller_level())
 
 
 def compute_over_corpus(need: ModelDataNeed, model: Any, tokenizer: Any) -> tuple[Any, list]:

@@ -40,6 +40,8 @@ KV_BASES_SUFFIX = ".kvbases.safetensors"
 DEFAULT_OFFSETS = 16
 """Position offsets the key moments are averaged over (spread over the model's position range)."""
 _ARRAYS = ("key", "value", "key_energy", "value_energy")
+ORTHONORMAL_TOL = 1e-3
+"""Largest ``|B^T B - I|`` entry a loaded basis may have (float32 eigenvectors are orthonormal to ~1e-6)."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -140,8 +142,23 @@ class KVBases:
                                f"polykv.models.kv_bases.compute_kv_bases(model, batches).save(path)")
         arrays, meta = read_tagged(path, _ARRAYS, fmt=FORMAT, version=FORMAT_VERSION, what="key/value bases",
                                    fix="recompute the bases")
-        return cls(**arrays, fingerprint=meta.get("fingerprint") or None, num_tokens=int(meta.get("num_tokens", 0)),
-                   positions=int(meta.get("positions", 0)))
+        bases = cls(**arrays, fingerprint=meta.get("fingerprint") or None, num_tokens=int(meta.get("num_tokens", 0)),
+                    positions=int(meta.get("positions", 0)))
+        bases.check_orthonormal(path)
+        return bases
+
+    def check_orthonormal(self, source: str) -> None:
+        """Each layer's and head's key and value basis is orthonormal to :data:`ORTHONORMAL_TOL` (``B^T B = I``),
+        else one line naming the stream, layer, head and the largest deviation."""
+        for stream in ("key", "value"):
+            b = getattr(self, stream)
+            eye = torch.eye(b.shape[-1], dtype=b.dtype)
+            dev = (b.transpose(-1, -2) @ b - eye).abs().amax(dim=(-1, -2))     # [L, Hkv]
+            if b.numel() and float(dev.max()) > ORTHONORMAL_TOL:
+                layer, head = divmod(int(dev.argmax()), dev.shape[1])
+                raise ProfileError(f"{source}: the {stream} basis of layer {layer}, KV head {head} is not "
+                                   f"orthonormal (|B^T B - I| up to {float(dev.max()):.3g}, tolerance "
+                                   f"{ORTHONORMAL_TOL}); recompute the bases")
 
 
 def bytes_of_bases(ranks: Iterable[tuple[int | None, int | None]], *, num_kv_heads: int, head_dim: int,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from polykv.errors import ProfileError
+from polykv.models.tagged_tensors import check_tensors
 
 FORMAT = "polykv-query-stats"
 QUERY_STATS_SUFFIX = ".qstats.safetensors"
@@ -175,6 +176,8 @@ class QueryStats:
         if not os.path.exists(path):
             raise ProfileError(f"{path}: no such query statistics file; create it with "
                                f"polykv.models.query_stats.compute_query_stats(model, batches).save(path)")
+        if not os.path.isfile(path):
+            raise ProfileError(f"{path}: not a regular file (a FIFO, device or folder); name a query statistics file")
         try:
             if kind == "safetensors":
                 from safetensors import safe_open
@@ -191,6 +194,7 @@ class QueryStats:
         if meta.get("format") != FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
             raise ProfileError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r} "
                                f"is not {FORMAT!r} version {FORMAT_VERSION}; recompute the statistics")
+        check_tensors(path, arrays, fix="recompute the statistics", nonnegative=("mean_abs", "inv_freq"))
         return cls(**{n: a.float() for n, a in arrays.items()}, attention_scaling=float(meta["attention_scaling"]),
                    fingerprint=meta.get("fingerprint") or None, num_tokens=int(meta["num_tokens"]),
                    pairing=meta["pairing"])

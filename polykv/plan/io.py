@@ -217,7 +217,9 @@ def _parse_model_data(r: FieldReader, raw: Any) -> dict[str, str]:
         return {}
     r.dict_(raw, "model_data")
     for key, path in raw.items():
-        if not key or not isinstance(path, str) or not path:
+        if not key:
+            r.fail("the data key is empty", field="model_data", hint="name the data a rule reads, e.g. \"triattention\"")
+        if not isinstance(path, str) or not path:
             r.fail(f"expected a non-empty file path, got {path!r}", field=f"model_data.{key}",
                    hint="e.g. \"triattention\": \"../profiles/x.qstats.safetensors\" (relative to the plan file)")
     return dict(raw)

@@ -199,3 +199,57 @@ def _check_bases_file(plan: Plan, geometry, source: str) -> None:
         KVBases.load(path).check_geometry(geometry)
     except ProfileError as exc:
         raise PlanError(str(exc), source=source, field=f"model_data.{KV_BASES_KEY}") from None
+
+
+def check_side_files(plan: Plan, registry, source: str) -> None:
+    """Open and check every side file ``plan.model_data`` names (what ``plan validate`` and ``study --check`` run):
+    a regular file (checked with ``stat`` before it is opened), readable as the data its key names (each loader
+    checks dtypes, finite and non-negative values, orthonormal bases), of the plan's layers (and KV heads and head
+    dim when the plan names its model). A file outside the plan's folder, or one without a model fingerprint, gets
+    a one-line note."""
+    import warnings
+
+    from polykv.contract.model_data import ModelDataNote, needs_of_rules, side_file_problem
+    from polykv.errors import PolykvError
+    from polykv.models.kv_bases import KV_BASES_NEED
+
+    needs = {n.key: n for n in needs_of_rules(registry, sorted(plan.rules_used()))}
+    if plan.low_rank:
+        needs[KV_BASES_NEED.key] = KV_BASES_NEED
+    folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+    for key, path in sorted(plan.model_data.items()):
+        field = f"model_data.{key}"
+        need = needs.get(key)
+        if need is None:
+            continue  # refused by _validate_model_data
+        if not os.path.isfile(path):
+            raise PlanError(f"{path} {side_file_problem(path)}", source=source, field=field,
+                            hint=f"name a {need.description or key} file (paths are relative to the plan file)")
+        if os.stat(path).st_size == 0:   # also what /proc and /sys files report: never opened
+            raise PlanError(f"{path} is empty, not a {need.description or key} file", source=source, field=field,
+                            hint=f"name a {need.description or key} file (paths are relative to the plan file)")
+        try:
+            data = need.load(path)
+        except (PolykvError, ValueError, OSError) as exc:
+            raise PlanError(f"{path} is not a usable {need.description or key} file: {exc}", source=source,
+                            field=field) from None
+        _check_side_shape(plan, data, path, field, source)
+        # noted once the file passed its checks (a refused file gets its one error line only)
+        if folder is not None and os.path.commonpath([folder, os.path.abspath(path)]) != folder:
+            warnings.warn(f"{source}: field {field}: {path} is outside the plan's folder {folder}", ModelDataNote,
+                          stacklevel=2)
+        if not getattr(data, "fingerprint", None):
+            warnings.warn(f"{source}: field {field}: {path} carries no model fingerprint, so it cannot be matched to "
+                          "a model", ModelDataNote, stacklevel=2)
+
+
+def _check_side_shape(plan: Plan, data, path: str, field: str, source: str) -> None:
+    """The side file's layers (and KV heads, head dim when the plan names its model) are the plan's."""
+    want = {"num_layers": plan.num_layers}
+    if plan.model is not None:
+        want.update(num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim)
+    for name, expected in want.items():
+        got = getattr(data, name, None)
+        if isinstance(got, int) and got != expected:
+            raise PlanError(f"{path} holds data for {name} {got} but the plan has {expected}", source=source,
+                            field=field, hint="use the side file measured on the plan's model")
