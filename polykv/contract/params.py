@@ -89,25 +89,24 @@ class ParamSpec:
             text = "an odd integer"
         if self.choices is not None:
             text = "one of " + ", ".join(repr(c) for c in self.choices)
-        elif self.low is not None and self.high is not None:
-            text += f" in [{_num(self.low)}, {_num(self.high)}]"
-        elif self.low is not None:
-            text += f" >= {_num(self.low)}"
-        elif self.high is not None:
-            text += f" <= {_num(self.high)}"
+        else:
+            text += self._describe_range()
         return text + (" or null" if self.nullable else "")
+
+    def _describe_range(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f" in [{_num(self.low)}, {_num(self.high)}]"
+        if self.low is not None:
+            return f" >= {_num(self.low)}"
+        if self.high is not None:
+            return f" <= {_num(self.high)}"
+        return ""
 
     def _describe_list(self) -> str:
         what = "token ids" if self.token_ids else ("integers" if self.items is int else "numbers")
         text = (f"a list of {what}" if self.min_items < 1 else
                 f"a non-empty list of {what}" if self.min_items == 1 else f"a list of at least {self.min_items} {what}")
-        if self.low is not None and self.high is not None:
-            text += f" in [{_num(self.low)}, {_num(self.high)}]"
-        elif self.low is not None:
-            text += f" >= {_num(self.low)}"
-        elif self.high is not None:
-            text += f" <= {_num(self.high)}"
-        return text + (" or null" if self.nullable else "")
+        return text + self._describe_range() + (" or null" if self.nullable else "")
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` when it fits this spec; else a :class:`ParamError` naming ``name``."""

@@ -23,14 +23,6 @@ def model():
     return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=64)
 
 
-@pytest.fixture
-def forwards(model):
-    calls = []
-    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _head_plan(model, **extra):
     geo = geometry_of_model(model)
     plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip-head", capacity_ratio=0.5), decode="full")

@@ -21,14 +21,6 @@ def model():
     return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32)
 
 
-@pytest.fixture
-def forwards(model):
-    calls = []
-    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _ids(n: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 128, (96,), generator=g) for _ in range(n)]

@@ -32,14 +32,6 @@ def model():
     return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, max_position_embeddings=256)
 
 
-@pytest.fixture
-def forwards(model):
-    calls = []
-    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _kvzip(model, capacity=None, ratio=None, **params):
     op = OpSpec(rule="kvzip", capacity=capacity, capacity_ratio=ratio, params=params)
     return polykv.uniform_plan(geometry_of_model(model), prefill=op, decode="full")

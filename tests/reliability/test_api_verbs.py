@@ -42,14 +42,6 @@ def model():
     return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
 
 
-@pytest.fixture
-def forwards(model):
-    calls = []
-    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _compressing_plan(model):
     return polykv.uniform_plan(geometry_of_model(model), prefill=polykv.OpSpec(rule="snapkv", capacity=8),
                                decode="full")
