@@ -167,9 +167,7 @@ def run_show(args) -> int:
     report = _memory(plan, geometry, args.plan, context)
     if args.model:
         check_for_model(plan, geometry, args.plan, context)
-    print(format_plan(plan, args.plan, context, context_note, geometry=geometry))
-    print()
-    print(report.format_table())
+    print(format_plan(plan, args.plan, context, context_note, geometry=geometry, report=report))
     return 0
 
 
@@ -258,11 +256,40 @@ def share_summary(plan, context: int) -> str:
             + "; decode tokens are stored per layer, unmerged")
 
 
-def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None) -> str:
+MEMORY_COLUMNS = ("KEPT", "NOMINAL_B", "RESIDENT_B", "METADATA_B")
+
+
+def _memory_cells(row) -> tuple[str, ...]:
+    """A layer's memory cells: kept tokens (``<=`` for an allocator's bound), nominal, resident, metadata bytes."""
+    return (("<=" if row.bound else "") + f"{row.kept_tokens:,}", f"{row.nominal_bytes:,}", f"{row.resident_bytes:,}",
+            f"{row.metadata_bytes:,}" + ("" if None not in row.metadata.values() else "+?"))
+
+
+def budget_phrase(prov) -> str:
+    """The plan's budget in words: ``8x of the 16-bit cache (resident basis)``; ``-`` when it records none."""
+    if not prov.budget:
+        return "-"
+    basis = f" ({prov.basis} basis)" if prov.basis else ""
+    parts = []
+    for kind, value in prov.budget.items():
+        if kind == "ratio":
+            parts.append(f"{value:g}x of the 16-bit cache{basis}")
+        elif kind == "bytes":
+            parts.append(f"{int(value):,} bytes{basis}")
+        elif kind == "tokens_per_layer":
+            parts.append(f"{int(value):,} tokens per layer")
+        else:
+            parts.append(f"{kind} {value}")
+    return "; ".join(parts)
+
+
+def format_plan(plan, source: str, context: int, context_note: str = "", geometry=None, report=None) -> str:
     """Header, provenance and one row per layer: ops with capacities resolved at ``context``.
 
     With a model ``geometry`` that has sliding-window or chunked layers, an ``ATTENTION`` column marks
     them with their bound (``sliding<=511``): they keep at most that many tokens whatever the plan says.
+    With the plan's memory ``report`` (:func:`polykv.memory.memory_report` at ``context``), each layer's row also
+    gives its kept tokens and bytes, followed by the totals and ratios: every layer is listed once.
     """
     prov = plan.provenance
     lines = [f"plan {source}  (schema {plan.written_schema_version}, {plan.num_layers} layers)"]
@@ -270,7 +297,8 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
         m = plan.model
         lines.append(f"model    {m.name or '?'}  kv_heads={m.num_kv_heads} head_dim={m.head_dim} "
                      f"fingerprint={m.fingerprint or '-'}")
-    lines.append(f"solver   {prov.solver or 'hand-made'}  budget={prov.budget or '-'}")
+    lines.append(f"solver   {prov.solver or 'hand-made'}")
+    lines.append(f"budget   {budget_phrase(prov)}")
     if prov.budget:
         lines.append("basis    " + budget_basis(prov))
     if prov.predicted_loss is not None or prov.predicted_bytes is not None:
@@ -278,9 +306,10 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
                      f"({prov.basis or 'nominal'}) at {prov.context_tokens} tokens")
     tokens = absolute_capacities(plan)
     if tokens:
-        lines.append(f"capacity {tokens} op(s) keep absolute token counts, budgeted for "
-                     f"{prov.context_tokens or 'an unrecorded'}-token contexts: at other lengths they hold another "
-                     f"share of the cache")
+        budgeted = (f"budgeted for {prov.context_tokens}-token contexts" if prov.context_tokens
+                    else "budgeted for a context length the plan does not record")
+        lines.append(f"capacity {tokens} op(s) keep absolute token counts, {budgeted}: at other lengths they hold "
+                     f"another share of the cache")
     if prov.note:
         lines.append(f"note     {prov.note}")
     lines.append(f"decode eviction fires past capacity + {plan.trigger.decode_slack} tokens")
@@ -294,8 +323,10 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
     pair_of = {layer: f"{lo}-{hi}" for lo, hi in pairs for layer in (lo, hi)}
     windowed = geometry is not None and hasattr(geometry, "windowed_layers") and geometry.windowed_layers()
     ranks = plan.low_rank
+    memory = {r.layer: r for r in report.rows} if report is not None else None
     rows = [("LAYER", "PREFILL", "DECODE", "K", "V", "QUANTIZER") + (("K_RANK", "V_RANK") if ranks else ())
-            + (("ATTENTION",) if windowed else ()) + (("SHARE",) if pairs else ())]
+            + (("ATTENTION",) if windowed else ()) + (("SHARE",) if pairs else ())
+            + (MEMORY_COLUMNS if memory is not None else ())]
     for lp in plan.layers:
         ops = []
         for op in (lp.prefill, lp.decode):
@@ -307,11 +338,21 @@ def format_plan(plan, source: str, context: int, context_note: str = "", geometr
             bound = geometry.token_bound(lp.layer)
             attention = (kind if bound is None else f"{kind}<={bound}",)
         rank = tuple("full" if r is None else str(r) for r in (lp.k_rank, lp.v_rank)) if ranks else ()
-        rows.append((str(lp.layer), ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
+        mark = "w" if memory is not None and memory[lp.layer].window_bound is not None else ""
+        rows.append((str(lp.layer) + mark, ops[0], ops[1], str(lp.k_bits), str(lp.v_bits),
                      lp.quantizer if lp.quantized else "-") + rank + attention
-                    + ((pair_of.get(lp.layer, "-"),) if pairs else ()))
+                    + ((pair_of.get(lp.layer, "-"),) if pairs else ())
+                    + (_memory_cells(memory[lp.layer]) if memory is not None else ()))
+    if memory is not None:
+        rows.append(("total",) + ("",) * (len(rows[0]) - 1 - len(MEMORY_COLUMNS)) + (
+            "", f"{report.nominal_total:,}", f"{report.resident_total:,}",
+            f"{report.metadata_total:,}" + ("" if report.metadata_complete else "+?")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    right = len(rows[0]) - len(MEMORY_COLUMNS) if memory is not None else len(rows[0])
+    lines.extend("  ".join(c.rjust(w) if i >= right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 .rstrip() for r in rows)
+    if memory is not None:
+        lines.extend(report.footer_lines())
     if ranks:
         lines.append("K_RANK/V_RANK: channels of the stored key/value codes on the layer's offline bases (full = the "
                      "head dim, no basis)")

@@ -21,6 +21,8 @@ class MemoryReport:
     phase: str
     group_bounds: tuple[tuple[str, int], ...] = attrs.field(default=(), converter=tuple)
     """Per allocation group: (``allocator[first..last]``, most tokens per KV head over all its layers)."""
+    group_layers: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=tuple)
+    """Per allocation group (same order as ``group_bounds``): the layers it allocates over."""
     bases_bytes: int = 0
     """Bytes of the key/value bases the low-rank layers project with (compute dtype), held once per model
     whatever the batch and context: stated apart from the cache, in no total or ratio above."""
@@ -54,6 +56,28 @@ class MemoryReport:
         return self.full_total / self.resident_total
 
     @property
+    def expected_resident_total(self) -> int | None:
+        """Resident K+V bytes with each allocation group at its budget rather than every layer at its bound: a
+        group's bound rows scaled by (group tokens / the sum of their bounds); None without allocation groups."""
+        if not any(r.bound for r in self.rows) or len(self.group_layers) != len(self.group_bounds):
+            return None
+        by_layer = {r.layer: r for r in self.rows}
+        grouped = {i for layers in self.group_layers for i in layers}
+        total = sum(r.resident_bytes for r in self.rows if r.layer not in grouped)
+        for (_, tokens), layers in zip(self.group_bounds, self.group_layers):
+            rows = [by_layer[i] for i in layers]
+            bound = sum(r.kept_tokens for r in rows)
+            share = min(1.0, tokens / bound) if bound else 1.0
+            total += round(sum(r.resident_bytes for r in rows) * share)
+        return total
+
+    @property
+    def expected_ratio(self) -> float | None:
+        """Full cache bytes / :attr:`expected_resident_total` (the allocator's budget); None without groups."""
+        expected = self.expected_resident_total
+        return self.full_total / expected if expected else None
+
+    @property
     def ratio_with_metadata(self) -> float:
         """Full cache bytes / (resident K+V + counted metadata)."""
         return self.full_total / (self.resident_total + self.metadata_total)
@@ -65,7 +89,6 @@ class MemoryReport:
 
     def format_table(self) -> str:
         """A plain-text table: one line per layer, then totals and ratios."""
-        ranks = any(r.k_rank is not None or r.v_rank is not None for r in self.rows)
         head = ("layer", "prefill", "decode", "K", "V", "kept", "nominal B", "resident B", "metadata B")
         body = [(str(r.layer) + ("w" if r.window_bound is not None else ""), r.prefill, r.decode,
                  str(r.k_bits) + (f"r{r.k_rank}" if r.k_rank is not None else ""),
@@ -79,11 +102,19 @@ class MemoryReport:
         lines = _align([head] + body + [total], right_from=3)
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
-        lines += [
+        return "\n".join(lines + self.footer_lines())
+
+    def footer_lines(self) -> list[str]:
+        """The lines under the table: context, full-cache bytes and ratios, and what the marks mean."""
+        ranks = any(r.k_rank is not None or r.v_rank is not None for r in self.rows)
+        lines = [
             f"context {self.context_tokens:,} tokens, batch {self.batch}, {self.dtype_bytes}-byte compute dtype, "
             f"phase {self.phase} ({'right after prefill' if self.phase == 'prefill' else 'decode bound'})",
             f"full cache (whole context, compute dtype) {self.full_total:,} B; compression {self.ratio:.2f}x resident "
-            f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal",
+            f"({self.ratio_with_metadata:.2f}x with metadata), {self.nominal_ratio:.2f}x nominal"
+            + ("" if self.expected_ratio is None else
+               f"; about {self.expected_ratio:.2f}x resident at its allocators' budgets (the ratios before it "
+               f"count every allocated layer at its bound)"),
         ]
         bounded = [r for r in self.rows if r.window_bound is not None]
         if bounded:
@@ -99,7 +130,7 @@ class MemoryReport:
                          f"once per model (not in the totals)")
         for name, tokens in self.group_bounds:
             lines.append(f"allocation group {name}: at most {tokens:,} tokens per KV head over all its layers")
-        return "\n".join(lines)
+        return lines
 
 
 def _align(rows: Sequence[Sequence[str]], right_from: int) -> list[str]:
@@ -124,12 +155,13 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
                             registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
                             new_tokens=new_tokens, head_counts=head_counts, allocations=allocations)
     registry = registry if registry is not None else get_registry()
-    groups = []
+    groups, members = [], []
     for g in getattr(plan, "allocation", ()):
         caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
         groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
+        members.append(tuple(g.layers))
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
-                        group_bounds=groups, bases_bytes=bases_bytes(plan, geometry, dtype_bytes))
+                        group_bounds=groups, group_layers=members, bases_bytes=bases_bytes(plan, geometry, dtype_bytes))
 
 
 def bases_bytes(plan: Any, geometry: Any, dtype_bytes: int) -> int:

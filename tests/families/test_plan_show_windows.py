@@ -24,5 +24,6 @@ def test_plan_show_marks_sliding_layers(tmp_path, capsys):
     assert "ATTENTION" in out and out.count("sliding<=63") == 2 and "full" in out
     assert "2 window-bounded layers keep at most their model's window" in out
     rows = [r for r in (line.split() for line in out.splitlines()) if r[:1] in (["0w"], ["1w"], ["2"]) and len(r) >= 9 and r[1] != "window-bounded"]
-    assert [r[5] for r in rows] == ["63", "63", "100"]          # kept tokens: the window bounds the sliding layers
+    assert [r[7] for r in rows] == ["63", "63", "100"]          # kept tokens: the window bounds the sliding layers
+    assert [line.split()[0] for line in out.splitlines()].count("0w") == 1   # each layer is listed once
     assert "w = window-bounded layer (2 of 3)" in out

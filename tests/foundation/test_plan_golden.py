@@ -70,7 +70,7 @@ def test_valid_plan_validates_and_shows_through_the_cli(path, model_folder, caps
     assert err == ""
     assert "context  1000 tokens" in out
     layer_rows = [ln for ln in out.splitlines() if ln.split()[:1] in (["0"], ["1"])]
-    assert len(layer_rows) >= 4, out  # the plan table and the memory table each list both layers
+    assert len(layer_rows) == 2, out  # one table: each layer listed once, with its ops and its bytes
 
 
 def test_show_needs_a_model_shape(capsys):
