@@ -26,6 +26,10 @@ class MemoryReport:
     bases_bytes: int = 0
     """Bytes of the key/value bases the low-rank layers project with (compute dtype), held once per model
     whatever the batch and context: stated apart from the cache, in no total or ratio above."""
+    expected_resident: int | None = None
+    """Resident K+V bytes with every allocated layer at its planned capacity (the allocator's budget is their
+    sum: it moves tokens between layers and heads, so the measured bytes differ from this only by the parts of
+    a layer's bytes that do not grow with its tokens); None without allocation groups."""
 
     @property
     def nominal_total(self) -> int:
@@ -57,19 +61,8 @@ class MemoryReport:
 
     @property
     def expected_resident_total(self) -> int | None:
-        """Resident K+V bytes with each allocation group at its budget rather than every layer at its bound: a
-        group's bound rows scaled by (group tokens / the sum of their bounds); None without allocation groups."""
-        if not any(r.bound for r in self.rows) or len(self.group_layers) != len(self.group_bounds):
-            return None
-        by_layer = {r.layer: r for r in self.rows}
-        grouped = {i for layers in self.group_layers for i in layers}
-        total = sum(r.resident_bytes for r in self.rows if r.layer not in grouped)
-        for (_, tokens), layers in zip(self.group_bounds, self.group_layers):
-            rows = [by_layer[i] for i in layers]
-            bound = sum(r.kept_tokens for r in rows)
-            share = min(1.0, tokens / bound) if bound else 1.0
-            total += round(sum(r.resident_bytes for r in rows) * share)
-        return total
+        """:attr:`expected_resident` (the allocation groups at their budgets, not every layer at its bound)."""
+        return self.expected_resident if any(r.bound for r in self.rows) else None
 
     @property
     def expected_ratio(self) -> float | None:
@@ -155,13 +148,21 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
                             registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
                             new_tokens=new_tokens, head_counts=head_counts, allocations=allocations)
     registry = registry if registry is not None else get_registry()
-    groups, members = [], []
+    groups, members, planned = [], [], {}
     for g in getattr(plan, "allocation", ()):
         caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
         groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
         members.append(tuple(g.layers))
+        planned.update({i: {"budget": cap} for i, cap in zip(g.layers, caps)})
+    expected = None
+    if planned and allocations is None:
+        at_budget = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
+                                     registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
+                                     new_tokens=new_tokens, head_counts=head_counts, allocations=planned)
+        expected = sum(r.resident_bytes for r in at_budget)
     return MemoryReport(rows=rows, context_tokens=context_tokens, batch=batch, dtype_bytes=dtype_bytes, phase=phase,
-                        group_bounds=groups, group_layers=members, bases_bytes=bases_bytes(plan, geometry, dtype_bytes))
+                        group_bounds=groups, group_layers=members, bases_bytes=bases_bytes(plan, geometry, dtype_bytes),
+                        expected_resident=expected)
 
 
 def bases_bytes(plan: Any, geometry: Any, dtype_bytes: int) -> int:

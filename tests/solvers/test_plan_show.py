@@ -41,12 +41,18 @@ def test_budget_is_words_not_a_dict(capsys, tmp_path):
     assert "budget   8x of the 16-bit cache (resident basis)\n" in _show(capsys, path)
 
 
-def test_allocator_plan_states_its_expected_ratio_beside_the_bound(capsys):
+def test_allocator_plan_states_its_expected_ratio_beside_the_bound(capsys, tmp_path):
     out = _show(capsys, ALLOCATOR_PLAN)
     line = next(x for x in out.splitlines() if x.startswith("full cache"))
     bound, expected = (float(x) for x in re.findall(r"([\d.]+)x resident", line))
-    # 30 layers bounded at 2,048 tokens each, the group at 20,760: the expected bytes are that share of the bound
-    assert bound == 3.15 and abs(expected - round(47_185_920 / (14_999_040 * 20_760 / 61_440), 2)) < 0.006
+    # the expected bytes: every allocated layer at its planned capacity, i.e. the same plan without its group
+    raw = json.loads(ALLOCATOR_PLAN.read_text())
+    raw.pop("allocation")
+    unallocated = tmp_path / "no-group.plan.json"
+    unallocated.write_text(json.dumps(raw))
+    plain = next(x for x in _show(capsys, unallocated).splitlines() if x.startswith("full cache"))
+    assert bound == 3.15 and expected == float(re.search(r"compression ([\d.]+)x resident", plain).group(1))
+    assert expected > 8.0
     assert "at its allocators' budgets" in line
 
 
