@@ -129,3 +129,15 @@ def test_a_bad_plugin_is_one_line_and_registers_nothing(plugin_folder, capsys):
     assert main(["--plugins", "cli_plugin_mod:plugin,cli_plugin_mod:nope", "plugins"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("polykv plugins: error: --plugins: plugin 'cli_plugin_mod:nope'")
+
+
+@pytest.mark.parametrize("value,expect", [
+    ("cli_plugin_mod", "POLYKV_PLUGINS: plugin 'cli_plugin_mod' is not MODULE:OBJ"),
+    ("no_such_cli_mod:plugin", "POLYKV_PLUGINS: plugin 'no_such_cli_mod:plugin': module 'no_such_cli_mod' cannot"),
+])
+def test_a_bad_env_var_is_one_line_naming_the_variable(plugin_folder, capsys, monkeypatch, value, expect):
+    monkeypatch.setenv(PLUGINS_ENV, value)
+    assert main(["plugins"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and lines[0].startswith(f"polykv plugins: error: {expect}")
