@@ -5,7 +5,8 @@ A command module defines ``register(subparsers)``, which adds its parser and set
 stderr, ``polykv VERB: error: <file or field>: <what to do>``, and exit status 2: polykv's own
 errors (:class:`polykv.errors.PolykvError`), argument errors, and the OSError, UnicodeDecodeError,
 OverflowError and ValueError that bad input raises deeper down. ``POLYKV_DEBUG=1`` re-raises them
-with the traceback. A closed stdout (``polykv plugins | head -1``) ends the command quietly.
+with the traceback. The global option ``--plugins MODULE:OBJ[,...]`` (before or after the verb) and the
+environment variable ``POLYKV_PLUGINS`` register plugins for the run (:mod:`polykv.plugin_specs`). A closed stdout (``polykv plugins | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import warnings
 
 from polykv import __version__
 from polykv.errors import PolykvError, PolykvWarning
+from polykv.plugin_specs import PLUGINS_ENV, plugins_registered
+from polykv.registry import get_registry
 
 DEBUG_ENV = "POLYKV_DEBUG"
 """Environment variable: set to 1 to see the traceback behind an error line."""
 
 EXIT_BAD_INPUT = 2
+PLUGINS_OPTION = "--plugins"
 
 
 class UsageError(Exception):
@@ -46,6 +50,9 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="polykv", description="Compose KV-cache compression per layer and phase.")
     parser.add_argument("--version", action="version", version=f"polykv {__version__}")
+    parser.add_argument(PLUGINS_OPTION, action="append", default=[], metavar="MODULE:OBJ[,MODULE:OBJ...]",
+                        help=f"register plugins for this run (any verb, before or after it; adds to ${PLUGINS_ENV}): "
+                             "an importable module, the current folder included, and its object with the hooks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     import polykv.commands as commands
 
@@ -122,10 +129,45 @@ def _stdout_closed() -> int:
     return 141
 
 
+def _take_plugin_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` without its ``--plugins X`` / ``--plugins=X`` (anywhere before ``--``), and their values."""
+    rest, values = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        if arg == PLUGINS_OPTION:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise UsageError("polykv", f"argument {PLUGINS_OPTION}: expected MODULE:OBJ[,MODULE:OBJ...]")
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith(PLUGINS_OPTION + "="):
+            values.append(arg[len(PLUGINS_OPTION) + 1:])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, values
+
+
+def _plugin_sources(args) -> list[tuple[str, str]]:
+    """(spec text, where it came from): ``POLYKV_PLUGINS`` first, then each ``--plugins``."""
+    sources = []
+    env = os.environ.get(PLUGINS_ENV, "")
+    if env.strip():
+        sources.append((env, PLUGINS_ENV))
+    sources += [(text, PLUGINS_OPTION) for text in args.plugins]
+    return sources
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
+        argv, plugins = _take_plugin_options(list(sys.argv[1:] if argv is None else argv))
         args = parser.parse_args(argv)
+        args.plugins = [*args.plugins, *plugins]
     except UsageError as exc:
         print(f"{exc.prog}: error: {_one_line(exc.message)} (see {exc.prog} --help)", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -135,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     verb = _verb(args)
     try:
         with _one_line_warnings(verb):
-            code = int(args.func(args) or 0)
+            sources = _plugin_sources(args)
+            with (plugins_registered(get_registry(), sources) if sources else contextlib.nullcontext()):
+                code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
