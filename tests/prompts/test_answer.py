@@ -12,6 +12,7 @@ import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, uniform_plan
 from polykv.runtime.answer import stop_ids
+from polykv.runtime.cache import cache_keyword
 from polykv.runtime.prompt import PromptEncoder
 from polykv.studies.runner import LoadedStudy, prepare, run_study
 from polykv.studies.spec import load_spec
@@ -94,3 +95,29 @@ def test_a_study_items_answer_is_the_apis(tmp_path, model, make_tokenizer):
                             max_new_tokens=item.max_new_tokens)
         assert got.texts == [record["generated"]]
         assert got.context_bytes.total == record["kv_bytes"] and got.end_bytes[0].total == record["kv_bytes_end"]
+
+
+@pytest.mark.model
+def test_a_needle_under_the_full_plan_is_vanilla_with_the_question_fed_after_the_context(default_model):
+    """On SmolLM2 (chat template): the answer through the API under the full plan is plain transformers' greedy
+    answer when the context is prefilled into a DynamicCache and the question fed after it, and finds the needle."""
+    from transformers import DynamicCache
+
+    model, tok = default_model
+    context = ("The garden path winds past the old well and the apple trees. " * 10 + "The vault code is 4172. "
+               + "Bees hum over the lavender while the gardener rests in the shade. " * 10)
+    question = " What is the vault code?"
+    got = polykv.answer(model, polykv.full_plan(geometry_of_model(model)), tok, context=context, questions=question,
+                        max_new_tokens=12, prompt_format="chat")
+    ctx, q = PromptEncoder(tok, prompt_format="chat").prompt_ids(context, question)
+    stop, cache, out = stop_ids(model, tok), DynamicCache(config=model.config), []
+    kw = cache_keyword(model)
+    with torch.no_grad():
+        model(torch.tensor([ctx]), use_cache=True, **{kw: cache})
+        logits = model(torch.tensor([q]), use_cache=True, **{kw: cache}).logits
+        for _ in range(12):
+            out.append(int(logits[0, -1].argmax()))
+            if out[-1] in stop:
+                break
+            logits = model(torch.tensor([[out[-1]]]), use_cache=True, **{kw: cache}).logits
+    assert got.tokens == [out] and "4172" in got.texts[0]
