@@ -21,7 +21,7 @@ ids inside a session; ``polykv study`` runs every item through them, so a study'
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -62,14 +62,16 @@ def compress_context(session, context_ids: torch.Tensor, snapshot=None, chunk_si
     return session.resident_bytes()
 
 
-def generate_answer(session, question_ids: torch.Tensor, max_new_tokens: int, stop: frozenset[int]) -> list[int]:
+def generate_answer(session, question_ids: torch.Tensor, max_new_tokens: int, stop: frozenset[int],
+                    done: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Feed ``question_ids`` [1, q] through the session's compressed cache in one forward, then generate greedily
-    (one decode forward per token) until a token of ``stop`` or ``max_new_tokens``; the generated ids."""
+    (one decode forward per token) until a token of ``stop``, ``max_new_tokens``, or ``done(tokens so far)``
+    (a stop sequence, say); the generated ids."""
     out, tokens = forward(session, question_ids), []
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1:].argmax(-1)                       # (1, 1)
         tokens.append(int(nxt))
-        if tokens[-1] in stop or len(tokens) == max_new_tokens:
+        if tokens[-1] in stop or len(tokens) == max_new_tokens or (done is not None and done(tokens)):
             break
         out = forward(session, nxt)
     return tokens
@@ -88,11 +90,12 @@ class AnswerRun:
 
 
 def answer_from_context(session, context_ids: torch.Tensor, question_ids: torch.Tensor, *, max_new_tokens: int,
-                        stop: frozenset[int], snapshot=None, chunk_size: int | None = None) -> AnswerRun:
+                        stop: frozenset[int], snapshot=None, chunk_size: int | None = None,
+                        done: Callable[[list[int]], bool] | None = None) -> AnswerRun:
     """The protocol for one question inside the active ``session``: :func:`compress_context`, then
     :func:`generate_answer`."""
     kv = compress_context(session, context_ids, snapshot, chunk_size)
-    tokens = generate_answer(session, question_ids, max_new_tokens, stop)
+    tokens = generate_answer(session, question_ids, max_new_tokens, stop, done)
     return AnswerRun(tokens=tokens, context_bytes=kv, end_bytes=session.resident_bytes())
 
 

@@ -54,9 +54,9 @@ def _run(spec_path, results, model, tokenizer, monkeypatch, reuse: bool = True):
         seen["positions"].append([layer.positions[0].tolist() for layer in session.cache.layers])
         return kv
 
-    def spy_greedy(session, question, max_new_tokens, stop):
+    def spy_greedy(session, question, max_new_tokens, stop, done=None):
         seen["question"].append(question[0].tolist())
-        return greedy(session, question, max_new_tokens, stop)
+        return greedy(session, question, max_new_tokens, stop, done)
 
     monkeypatch.setattr(protocol, "compress_context", spy_compress)
     monkeypatch.setattr(protocol, "generate_answer", spy_greedy)
