@@ -21,6 +21,7 @@ ids inside a session; ``polykv study`` runs every item through them, so a study'
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs
@@ -29,6 +30,7 @@ import torch
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.registry import get_registry
+from polykv.runtime.calls import check_chunk_size
 from polykv.runtime.fork import capture_prefill, forward, restore_prefill
 from polykv.runtime.prompt import PromptEncoder
 from polykv.runtime.session import ResidentBytes, apply
@@ -160,6 +162,12 @@ def answer(model, plan: Plan, tokenizer, *, context: str, questions: str | Seque
     if not isinstance(plan, Plan):
         raise RuntimeConfigError(f"answer(model, plan, ...) needs a polykv Plan, got a {type(plan).__name__}; load a "
                                  f"plan file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
+    if tokenizer is None or isinstance(tokenizer, (str, bytes, os.PathLike)) \
+            or not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+        raise RuntimeConfigError(f"answer(model, plan, tokenizer) needs the model's tokenizer object (with encode and "
+                                 f"decode), got the {type(tokenizer).__name__} {tokenizer!r}; load it first, e.g. "
+                                 f"transformers.AutoTokenizer.from_pretrained(folder)")
+    check_chunk_size(chunk_size, "answer")
     registry = registry or get_registry()
     encoder = PromptEncoder(tokenizer, bos=bos, prompt_format=prompt_format, where="answer()")
     device = next(model.parameters()).device
@@ -170,12 +178,12 @@ def answer(model, plan: Plan, tokenizer, *, context: str, questions: str | Seque
     ctx = torch.tensor([parts[0][0]], dtype=torch.long, device=device)
     plan = fill_tokenizer_params(plan, registry, model, tokenizer)
     stop = stop_ids(model, tokenizer)
-    with torch.no_grad():
+    session = apply(model, plan, model_data=model_data, registry=registry, storage_dtype=storage_dtype, seed=seed)
+    with torch.no_grad():                                   # (checked before the model runs over the context)
         snapshot = capture_prefill(model, ctx, [plan], registry=registry, chunk_size=chunk_size,
-                                   model_data=model_data) if len(asked) > 1 else None
+                                   model_data=session.model_data) if len(asked) > 1 else None
         runs = []
-        with apply(model, plan, model_data=model_data, registry=registry, storage_dtype=storage_dtype,
-                   seed=seed) as session:
+        with session:
             for _, q_ids in parts:
                 question = torch.tensor([q_ids], dtype=torch.long, device=device)
                 runs.append(answer_from_context(session, ctx, question, max_new_tokens=max_new_tokens, stop=stop,
