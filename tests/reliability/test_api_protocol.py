@@ -71,3 +71,15 @@ def test_a_plan_that_is_not_a_plan_or_for_another_model_is_refused(model, forwar
         polykv.answer(model, other, TOK, context=CONTEXT, questions="What?")
     assert "layer" in str(err.value) and "\n" not in str(err.value)
     assert forwards == []
+
+
+@pytest.mark.parametrize("chunk_size", [0, -2, 1.5, True])
+def test_capture_prefill_refuses_a_chunk_size_that_is_not_a_positive_count(model, plan, forwards, chunk_size):
+    """0 used to mean 'unchunked' here while prefill refused it: both refuse it now, before the model runs."""
+    import torch
+
+    from polykv.runtime.fork import capture_prefill
+
+    with pytest.raises(RuntimeConfigError, match=r"capture_prefill\(chunk_size=...\) must be a positive whole"):
+        capture_prefill(model, torch.ones(1, 8, dtype=torch.long), [plan], chunk_size=chunk_size)
+    assert forwards == []
