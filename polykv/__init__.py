@@ -29,5 +29,13 @@ def apply(model, plan, **kwargs):
     return _apply(model, plan, **kwargs)
 
 
+def answer(model, plan, tokenizer, **kwargs):
+    """Compress a context once under ``plan`` and answer questions from it; see :func:`polykv.runtime.answer.answer`."""
+    from polykv.runtime.answer import answer as _answer
+
+    return _answer(model, plan, tokenizer, **kwargs)
+
+
 __all__ = ["__version__", "hookimpl", "get_registry", "load_plan", "Plan", "LayerPlan", "OpSpec", "ModelInfo",
-           "Provenance", "TriggerSettings", "FULL_OP", "uniform_plan", "full_plan", "per_layer_plan", "apply"]
+           "Provenance", "TriggerSettings", "FULL_OP", "uniform_plan", "full_plan", "per_layer_plan", "apply",
+           "answer"]

@@ -16,8 +16,12 @@ How the context is compressed, per request type (the protocol of ``polykv study`
   from that prefill's last logits; the rest of the continuation is teacher-forced through the
   compressed cache one token per decode forward (:func:`polykv.studies.fidelity.forced_logprobs`),
   so the decode rule may evict between tokens, as it would while generating that text.
-* ``generate_until``: the whole prompt is the context. It is prefilled and compressed, then tokens
-  are generated greedily, one decode forward each, until a stop sequence, EOS or ``max_gen_toks``.
+* ``generate_until``: lm-eval gives one prompt string, no split. A task that names where its question
+  starts, with ``polykv_question_marker: TEXT`` in its ``generation_kwargs``, gets the protocol of
+  :func:`polykv.answer`: the prompt's tokens before the token holding the marker's last occurrence are
+  the context, prefilled and compressed; the rest (the marker onwards) is fed through the compressed cache
+  (:func:`polykv.runtime.answer.answer_from_context`). Without it the whole prompt is the context. Then
+  tokens are generated greedily, one decode forward each, until a stop sequence, EOS or ``max_gen_toks``.
   Sampling is refused (the runtime's generation here is greedy).
 
 Requests run one at a time (``batch_size`` 1: a plan cache holds one sequence). Measured resident KV
@@ -39,6 +43,7 @@ from polykv.models.devices import check_device
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
 from polykv.plan import load_plan
 from polykv.registry import get_registry
+from polykv.runtime.answer import answer_from_context
 
 try:
     from lm_eval.api.registry import register_model
@@ -49,6 +54,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       "'polykv-compose[lm-eval]'") from exc
 
 FULL = "full"
+QUESTION_MARKER = "polykv_question_marker"
+"""The ``generation_kwargs`` key of a ``generate_until`` task that names where its question starts."""
 
 
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"
@@ -232,6 +239,7 @@ class PolykvLM(HFLM):
         """Greedy generation of one prompt ``context`` [1, T] under the plan: [1, T + new] token ids."""
         from polykv.runtime.fork import forward
 
+        marker = generation_kwargs.pop(QUESTION_MARKER, None)
         mask = generation_kwargs.pop("attention_mask", None)
         if context.shape[0] != 1 or (mask is not None and not bool(mask.all())):
             raise PolykvError("the polykv lm-eval model generates for one unpadded prompt at a time (batch_size 1)")
@@ -241,6 +249,8 @@ class PolykvLM(HFLM):
         eos = self.model.generation_config.eos_token_id
         eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
         criteria = stop_sequences_criteria(self.tokenizer, stop, context.shape[1], 1)
+        if marker is not None:
+            return self._generate_after_question(context, max_length, marker, frozenset(eos), criteria)
         ids = context
         with torch.no_grad(), self._session() as session:
             out = session.prefill(context)
@@ -254,6 +264,24 @@ class PolykvLM(HFLM):
             end = session.resident_bytes()
         self._record("generate_until", int(context.shape[1]), kv, end)
         return ids
+
+    def _generate_after_question(self, context, max_length: int, marker: Any, eos: frozenset[int], criteria):
+        """The prompt ``context`` [1, T] split where ``marker`` last starts: the part before it compressed, the
+        rest fed through the compressed cache, then greedy generation (the protocol of :func:`polykv.answer`)."""
+        cut = question_start(self.tokenizer, context[0].tolist(), marker)
+        T = int(context.shape[1])
+        if max_length <= T:
+            return context
+
+        def done(tokens: list[int]) -> bool:
+            ids = torch.cat([context, torch.tensor([tokens], dtype=context.dtype, device=context.device)], dim=1)
+            return bool(criteria(ids, None).all())
+
+        with torch.no_grad(), self._session() as session:
+            run = answer_from_context(session, context[:, :cut], context[:, cut:], max_new_tokens=max_length - T,
+                                      stop=eos, done=done)
+        self._record("generate_until", cut, run.context_bytes, run.end_bytes)
+        return torch.cat([context, torch.tensor([run.tokens], dtype=context.dtype, device=context.device)], dim=1)
 
     # -- results -------------------------------------------------------------------------------------
     def kv_summary(self) -> dict[str, Any]:
@@ -288,3 +316,27 @@ class PolykvLM(HFLM):
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
                 "model_dtype": str(next(self.model.parameters()).dtype), "model_name": self.model_name,
                 "polykv": self.kv_summary()}
+
+
+def question_start(tokenizer, ids: list[int], marker: Any) -> int:
+    """Index of the first question token of the prompt ``ids``: the token that holds the first character of
+    ``marker``'s last occurrence in the decoded prompt (the tokens are lm-eval's, only where they are split)."""
+    if not isinstance(marker, str) or not marker:
+        raise PolykvError(f"generation_kwargs {QUESTION_MARKER}: expected the non-empty text that starts the "
+                          f"question in every prompt of the task, got {marker!r}")
+    text = tokenizer.decode(ids)
+    at = text.rfind(marker)
+    if at < 0:
+        raise PolykvError(f"generation_kwargs {QUESTION_MARKER}={marker!r}: not in the prompt ending "
+                          f"{text[-60:]!r}; make it the text every prompt of the task puts before its question")
+    lo, hi = 1, len(ids)                     # the shortest prefix whose text reaches past the marker's start
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid])) > at:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo - 1 < 1:
+        raise PolykvError(f"generation_kwargs {QUESTION_MARKER}={marker!r} starts the prompt, so it leaves no "
+                          "context to compress; name the text before the question, not the prompt's start")
+    return lo - 1

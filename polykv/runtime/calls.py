@@ -69,6 +69,13 @@ def refuse_unsupported_modes(model, kwargs: Mapping[str, Any]) -> None:
                                  f"decoding (num_beams=1) inside polykv.apply")
 
 
+def check_chunk_size(chunk_size: Any, where: str) -> None:
+    """Refuse a ``chunk_size`` that is not None or a positive whole number of tokens (``where``: the call)."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise RuntimeConfigError(f"{where}(chunk_size=...) must be a positive whole number of tokens, or None for "
+                                 f"one forward over the whole prompt; got {chunk_size!r}")
+
+
 class OneCaller:
     """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
     or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
@@ -184,10 +191,7 @@ class SessionCalls:
         T = input_ids.shape[1]
         if T < 1:
             raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size < 1):
-            raise RuntimeConfigError(f"prefill(chunk_size=...) must be a positive whole number of tokens, or None for "
-                                     f"one forward over the whole prompt; got {chunk_size!r}")
+        check_chunk_size(chunk_size, "prefill")
         step = chunk_size or T
         if self.probe is not None:
             self.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs

@@ -34,6 +34,7 @@ from polykv.attention.signals import signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.plan import Plan
 from polykv.runtime.cache import PlanCache
+from polykv.runtime.calls import check_chunk_size
 from polykv.runtime.layer_spec import new_rule_states
 from polykv.runtime.probe_pass import run_probe_chunks
 from polykv.runtime.storage import StorageView
@@ -183,11 +184,10 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     from polykv.models.geometry import geometry_of_model
     from polykv.runtime.session import apply
 
+    check_chunk_size(chunk_size, "capture_prefill")
     groups = capture_groups(model, plans, registry=registry, input_ids=input_ids, model_data=model_data)
     T = int(input_ids.shape[1])
     step = chunk_size or T
-    if step < 1:
-        raise RuntimeConfigError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     full = full_plan(geometry_of_model(model))
     session = apply(model, full, registry=registry)
     variants = {}

@@ -2,10 +2,11 @@
 
 Protocol per item (DESIGN.md, evaluation protocol): prefill the *context*, compress it with the
 policy's plan, THEN feed the *question* through the compressed cache in one forward, then generate
-greedily. Token ids follow the spec's prompt rule (:mod:`polykv.studies.prompt`): the context starts
-with the tokenizer's own leading special tokens (its BOS, where it adds one; ``bos`` overrides), the
-question continues without a second BOS, and ``prompt_format`` "chat" wraps both in the chat
-template, split right after the context.
+greedily: :func:`polykv.runtime.answer.answer_from_context`, the code path of :func:`polykv.answer`.
+Token ids follow the spec's prompt rule (:mod:`polykv.studies.prompt`): the context starts with the
+tokenizer's own leading special tokens (its BOS, where it adds one; ``bos`` overrides), the question
+continues without a second BOS, and ``prompt_format`` "chat" wraps both in the chat template, split
+right after the context.
 
 Prefill attention runs on the raw prompt before any eviction, so the prefill itself is the same for
 every policy; with ``reuse_prefill`` (the default) the context runs through the model once
@@ -27,8 +28,6 @@ durable result line per (policy, task, item), skipping those already in the resu
 
 from __future__ import annotations
 
-import inspect
-
 import time
 from typing import Any, Callable, Iterator
 
@@ -39,6 +38,7 @@ from polykv.plan import Plan
 from polykv.registry import get_registry
 from polykv.runtime.tokenizer_params import fill_tokenizer_params
 from polykv.studies.designs import Policy, build_policies
+from polykv.runtime.answer import answer_from_context, compress_context, stop_ids
 from polykv.studies.prompt import PromptEncoder
 from polykv.studies.results import ResultsWriter
 from polykv.errors import StudyError
@@ -149,32 +149,6 @@ def policy_model_data(model, tokenizer, policies: list[Policy], profile: str | N
 
 def _ids(ids: list[int], device) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long, device=device)
-
-
-def stop_ids(model, tokenizer) -> frozenset[int]:
-    """Token ids that end a generation: the tokenizer's EOS and the model's generation-config EOS ids
-    (chat models end a turn with their own token, e.g. Gemma's ``<end_of_turn>``)."""
-    ids = set()
-    cfg = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for value in (getattr(tokenizer, "eos_token_id", None), cfg):
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(v, int) and not isinstance(v, bool):
-                ids.add(int(v))
-    return frozenset(ids)
-
-
-def _greedy(session, question: torch.Tensor, max_new_tokens: int, stop: frozenset[int]) -> list[int]:
-    """Feed ``question`` [1, q] through the compressed cache, then generate greedily."""
-    from polykv.runtime.fork import forward
-
-    out, tokens = forward(session, question), []
-    for _ in range(max_new_tokens):
-        nxt = out.logits[:, -1:].argmax(-1)                       # (1, 1)
-        tokens.append(int(nxt))
-        if tokens[-1] in stop or len(tokens) == max_new_tokens:
-            break
-        out = forward(session, nxt)
-    return tokens
 
 
 def run_study(prepared: Prepared, *, model=None, tokenizer=None, progress: bool = True,
@@ -353,9 +327,9 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,
                       storage_dtype=_storage(spec)) as session:
-        kv = _compress_context(session, ctx, snap, spec.chunk_size)
-        tokens = _greedy(session, question, item.max_new_tokens, stop)
-        end = session.resident_bytes()
+        run = answer_from_context(session, ctx, question, max_new_tokens=item.max_new_tokens, stop=stop,
+                                  snapshot=snap, chunk_size=spec.chunk_size)
+    kv, tokens, end = run.context_bytes, run.tokens, run.end_bytes
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     record = _base_record(pol, task, item, ctx, kv, geo, next(model.parameters()).element_size())
     record.update({"score": float(task.score(item, text)), "generated": text, "answers": list(item.answers),
@@ -363,22 +337,6 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
                    "seconds": time.perf_counter() - start, "prefill_seconds": None,
                    "reused_prefill": snap is not None})
     return record
-
-
-def _compress_context(session, ctx: torch.Tensor, snap, chunk_size: int | None):
-    """Compress ``ctx`` [1, T] with the session's plan, restored from the shared prefill ``snap`` when
-    given; returns the resident bytes of the compressed context (before anything else is fed)."""
-    from polykv.runtime.fork import restore_prefill
-
-    if snap is not None:
-        restore_prefill(session, snap)
-    else:
-        # Only the cache matters here: skip the vocabulary projection of every context position
-        # (2048 x 262,144 logits on Gemma 3) where the model allows it.
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(session.model).forward).parameters \
-            else {}
-        session.prefill(ctx, chunk_size=chunk_size, **keep)
-    return session.resident_bytes()
 
 
 def _base_record(pol: Policy, task, item, ctx: torch.Tensor, kv, geo, elem: int) -> dict[str, Any]:
@@ -404,7 +362,7 @@ def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.T
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,
                       storage_dtype=_storage(spec)) as session:
-        kv = _compress_context(session, ctx, snap, spec.chunk_size)
+        kv = compress_context(session, ctx, snap, spec.chunk_size)
         if ref is None:
             own = fidelity.reference(session, cont, where=where)
             fid = fidelity.of_reference(own)

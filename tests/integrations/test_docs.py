@@ -16,7 +16,7 @@ def test_integrations_page_examples_run(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
-    assert len(blocks) == 2, "the page carries the generate/pipeline and the lm-eval examples"
+    assert len(blocks) == 3, "the page carries the generate/pipeline, the polykv pipeline and the lm-eval examples"
     for block in blocks:
         exec(compile(block, str(PAGE), "exec"), {})
 

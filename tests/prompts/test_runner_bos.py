@@ -10,7 +10,7 @@ import pytest
 from polykv.errors import StudyError
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, uniform_plan
-from polykv.studies import runner
+from polykv.runtime import answer as protocol
 from polykv.studies.report import prompt_line
 from polykv.studies.results import Results, ResultsWriter
 from polykv.studies.runner import prepare, run_study
@@ -46,7 +46,7 @@ def _run(spec_path, results, model, tokenizer, monkeypatch, reuse: bool = True):
     """Run the study, recording per (policy, item) the first context id, the stored positions of every
     layer right after compression, and the question ids fed through the compressed cache."""
     seen = {"ctx": [], "positions": [], "question": []}
-    compress, greedy = runner._compress_context, runner._greedy
+    compress, greedy = protocol.compress_context, protocol.generate_answer
 
     def spy_compress(session, ctx, snap, chunk_size):
         kv = compress(session, ctx, snap, chunk_size)
@@ -54,12 +54,12 @@ def _run(spec_path, results, model, tokenizer, monkeypatch, reuse: bool = True):
         seen["positions"].append([layer.positions[0].tolist() for layer in session.cache.layers])
         return kv
 
-    def spy_greedy(session, question, max_new_tokens, stop):
+    def spy_greedy(session, question, max_new_tokens, stop, done=None):
         seen["question"].append(question[0].tolist())
-        return greedy(session, question, max_new_tokens, stop)
+        return greedy(session, question, max_new_tokens, stop, done)
 
-    monkeypatch.setattr(runner, "_compress_context", spy_compress)
-    monkeypatch.setattr(runner, "_greedy", spy_greedy)
+    monkeypatch.setattr(protocol, "compress_context", spy_compress)
+    monkeypatch.setattr(protocol, "generate_answer", spy_greedy)
     spec = load_spec(spec_path)
     run_study(prepare(spec, results), model=model, tokenizer=tokenizer, progress=False)
     return seen
