@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from cases import add, model_folder, profile_dict, write
+from cases import add, model_folder, mutate, profile_dict, write
 
 BOTH = ["--objectives", "continuation,retrieval"]
 CALIBRATE = [
@@ -50,15 +50,7 @@ def mixed_profile() -> dict:
 
 
 def _with(path: str, value=None, *, delete: bool = False) -> dict:
-    d = mixed_profile()
-    node, keys = d, path.split(".")
-    for k in keys[:-1]:
-        node = node[k]
-    if delete:
-        del node[keys[-1]]
-    else:
-        node[keys[-1]] = value
-    return d
+    return mutate(mixed_profile(), path, value, delete=delete)
 
 
 def _unrouted(d: dict) -> dict:

@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import os
 
-from cases import _study, add, mutate, plan_dict, spec_dict, write
-
-HEAD = {"rule": "kvzip-head", "capacity_ratio": 0.6}
-
-
-def _head_plan(**extra) -> dict:
-    """Both layers kvzip-head in prefill, in one kvzip-head group (the tiny plan: 2 layers, 2 KV heads)."""
-    d = mutate(mutate(plan_dict(), "layers.0.prefill", dict(HEAD)), "layers.1.prefill", dict(HEAD))
-    d["allocation"] = [{"allocator": "kvzip-head", "layers": [0, 1]}]
-    d.update(extra)
-    return d
+from cases import _study, add, spec_dict, write
+from cases_kvzip import _head_plan   # both layers kvzip-head in one group (the tiny plan: 2 layers, 2 KV heads)
 
 
 def _scores(d, name: str = "s.kvzip-heads.safetensors", *, values=None, shape=(2, 2)) -> str:
