@@ -1,4 +1,4 @@
-"""What the plugin contract checks cost per decode step (polykv.contract.checks), in one process.
+"""What the plugin contract checks cost per decode step (polykv.runtime.plugin_results), in one process.
 
 Runs the same greedy decode loop (one model forward per token) under one plan three ways, interleaved
 round by round so that machine noise hits all three alike:
@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 import polykv
-from polykv.contract import checks as contract_checks
+from polykv.runtime import plugin_results as contract_checks
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec, per_layer_plan
 from polykv.testing import tiny_model

@@ -204,7 +204,7 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
 
 
 def _store_check_head(name, bits, stream, what: str) -> str:
-    from polykv.contract.checks import store_head
+    from polykv.runtime.plugin_results import store_head
 
     return f"{store_head(0, 'check', name, bits, stream)} {what}"
 

@@ -144,7 +144,7 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
 #
 # Each runs a plugin class through the real runtime on a tiny random model (its stores and rules driven
 # with random post-RoPE tensors, as decode_soak does) with every contract check of
-# polykv.contract.checks turned on, plus what only a test can afford; a broken plugin fails with the
+# polykv.runtime.plugin_results turned on, plus what only a test can afford; a broken plugin fails with the
 # same one-line polykv.errors.PluginContractError the runtime raises. About a second each.
 
 

@@ -35,7 +35,7 @@ if _threads is None or _threads.isdigit():
 
     torch.set_num_threads(int(_threads or 1))
 
-# Every plugin output is checked in full during tests (polykv.contract.checks: the expensive checks too),
+# Every plugin output is checked in full during tests (polykv.runtime.plugin_results: the expensive checks too),
 # so a built-in or test plugin that breaks its contract fails with one line naming it.
 os.environ.setdefault("POLYKV_CHECK", "1")
 

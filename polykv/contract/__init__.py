@@ -16,7 +16,7 @@ else of polykv. The modules behind it:
 - :mod:`polykv.contract.params` — parameter declarations (:class:`ParamSpec`);
 - :mod:`polykv.contract.model_data` — per-model data files a rule needs (:class:`ModelDataNeed`);
 - :mod:`polykv.contract.hookspecs` — the hooks a plugin implements (:data:`hookimpl`);
-- :mod:`polykv.contract.checks` — the runtime's checks of what plugins return (not for plugins).
+- :mod:`polykv.contract.score_checks` — the checks a scored rule's scores pass.
 
 Modules inside polykv import the submodules above, never this package: it re-exports from modules
 of other packages too (the registry, the query statistics, the PyramidKV schedule), and importing

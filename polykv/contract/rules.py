@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from polykv.attention.signals import attention_probabilities
-from polykv.contract.checks import check_deciding_scores, checked_scores, checks_enabled
+from polykv.contract.score_checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.contract.params import DeclaredParams
 from polykv.contract.probe import ProbeChunk  # noqa: F401 (the type probe_chunks returns)
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from polykv.contract.allocators import AllocationRequest
-from polykv.contract.checks import checked_budgets
+from polykv.runtime.plugin_results import checked_budgets
 from polykv.errors import RuntimeConfigError
 from polykv.contract.rules import SelectionContext  # noqa: F401 (the type allocators receive)
 

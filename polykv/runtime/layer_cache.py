@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from polykv.contract.checks import StoreContract
+from polykv.runtime.plugin_results import StoreContract
 from polykv.errors import RuntimeConfigError
 from polykv.plan import PASSTHROUGH_BITS
 from polykv.storage.reserve import layer_hold, reserve_tokens

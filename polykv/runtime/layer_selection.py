@@ -10,7 +10,7 @@ eviction and merging). A layer in an allocation group waits for its allocator
 after each forward): a windowed layer drops what falls out of its bound; once some head stores more than its
 capacity + ``decode_slack`` the decode rule selects and the storage evicts; a merge is written into the stores
 (:meth:`KVStore.write`) before the gather. Every selection is checked
-(:func:`~polykv.contract.checks.checked_selection`) and every observing state gathers with it.
+(:func:`~polykv.runtime.plugin_results.checked_selection`) and every observing state gathers with it.
 
 Shapes: B batch, Hkv KV heads, T stored tokens, d head dim.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract.checks import checked_selection
+from polykv.runtime.plugin_results import checked_selection
 from polykv.contract.rules import SelectionContext
 from polykv.contract.selection import Selection, ragged_top_k
 from polykv.contract.state import AccumulatedAttention, QueryWindow

@@ -76,7 +76,7 @@ class CacheSettings:
     storage_dtype: torch.dtype | None = None
     """dtype the stores keep K/V, scales and residuals in (None: the compute dtype)."""
     check: bool = False
-    """Run the expensive plugin contract checks (:mod:`polykv.contract.checks`)."""
+    """Run the expensive plugin contract checks (:mod:`polykv.runtime.plugin_results`)."""
     rope_inv_freq: torch.Tensor | None = None
     """[d/2] the model's RoPE inverse frequencies (for rules that undo or redo RoPE), or None."""
     rope_scaling: float = 1.0

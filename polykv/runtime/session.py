@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from polykv.contract.checks import checks_enabled
+from polykv.contract.score_checks import checks_enabled
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
 from polykv.plan import Plan
@@ -81,7 +81,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     compute dtype. None keeps them in the compute dtype.
 
     ``check=True`` runs the expensive plugin contract checks as well as the cheap ones that always run
-    (:mod:`polykv.contract.checks`); None: the environment variable ``POLYKV_CHECK=1`` decides.
+    (:mod:`polykv.runtime.plugin_results`); None: the environment variable ``POLYKV_CHECK=1`` decides.
 
     Raises
     ------

@@ -21,7 +21,7 @@ from typing import Callable
 import attrs
 import torch
 
-from polykv.contract.checks import NoContract
+from polykv.runtime.plugin_results import NoContract
 from polykv.contract.stores import KVStore, WriteCost
 from polykv.storage.reserve import reserve_tokens
 from polykv.contract.selection import Selection
@@ -142,7 +142,7 @@ class LayerStorage:
         grows the buffers to ``reserve_for`` of the new length (another decode slack of room, capped at
         what the layer can hold), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
     contract : StoreContract, optional
-        The checks run after every store call (:class:`polykv.contract.checks.StoreContract`); none by default.
+        The checks run after every store call (:class:`polykv.runtime.plugin_results.StoreContract`); none by default.
     """
 
     def __init__(self, new_store: Callable[[str], KVStore],

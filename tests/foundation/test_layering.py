@@ -84,7 +84,8 @@ REMOVED_PATHS = {
     "polykv.allocators": "polykv.contract.allocators",
     "polykv.model_data": "polykv.contract.model_data",
     "polykv.hookspecs": "polykv.contract.hookspecs",
-    "polykv.contract_checks": "polykv.contract.checks",
+    "polykv.contract_checks": "polykv.runtime.plugin_results",
+    "polykv.contract.checks": "polykv.runtime.plugin_results",
     # storage building blocks (the last five were in the quantizer plugins' folder)
     "polykv.token_buffer": "polykv.storage.token_buffer",
     "polykv.reserve": "polykv.storage.reserve",
