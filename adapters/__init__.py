@@ -1,1 +1,1 @@
-"""Built-in operator adapters, installed as ``polykv.adapters`` (never as a top-level ``adapters``)."""
+"""Built-in plugins (retention rules and quantizers), installed as ``polykv.adapters`` (never as a top-level ``adapters``)."""

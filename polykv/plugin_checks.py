@@ -28,7 +28,7 @@ def _registry_with(kind: str, cls, registry=None, extra: tuple = ()):
     from polykv.registry import Registry
 
     registry = registry if registry is not None else Registry(load_entry_points=False)
-    hooks = {"operator": "register_operators", "quantizer": "register_quantizers", "allocator": "register_allocators"}
+    hooks = {"rule": "register_rules", "quantizer": "register_quantizers", "allocator": "register_allocators"}
     for k, c in ((kind, cls), *extra):
         if registry.has(k, c.name):
             if registry.get(k, c.name) is not c:
@@ -148,7 +148,7 @@ def _helpers(registry=None, kind=None, cls=None):
     """The helper plugins, and ``registry`` (private unless given) holding them and ``cls`` of ``kind``."""
     if not _HELPERS:
         _HELPERS.update(_helper_plugins())
-    extra = (("operator", _HELPERS["keep"]), ("operator", _HELPERS["merge"]), ("allocator", _HELPERS["uneven"]))
+    extra = (("rule", _HELPERS["keep"]), ("rule", _HELPERS["merge"]), ("allocator", _HELPERS["uneven"]))
     return _HELPERS, _registry_with(kind, cls, registry, extra=extra)
 
 
@@ -177,7 +177,7 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
 
     params = dict(params or {})
     rule_class(**params)  # parameters are checked as plan validation would
-    helpers, registry = _helpers(registry, "operator", rule_class)
+    helpers, registry = _helpers(registry, "rule", rule_class)
     model = _contract_model(2, 16)
     geo = geometry_of_model(model)
     op = OpSpec(rule=rule_class.name, capacity=capacity, params=params)
@@ -371,7 +371,7 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     geo = geometry_of_model(model)
     keep = helpers["keep"].name
     if rule is not None:
-        registry = _registry_with("operator", rule, registry)
+        registry = _registry_with("rule", rule, registry)
     prefill = OpSpec(rule=keep if rule is None else rule.name, capacity=capacity, params=dict(rule_params or {}))
     base = uniform_plan(geo, prefill=prefill, decode=OpSpec(rule=keep, capacity=capacity), decode_slack=1)
     bound = allocator.bound([capacity] * layers, prompt)

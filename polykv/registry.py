@@ -1,4 +1,4 @@
-"""The plugin manager: built-in and third-party adapters register through the same hooks.
+"""The plugin manager: built-in and third-party plugins register through the same hooks.
 
 Built-ins are plugin modules like any other: the ``polykv`` package declares them (its
 ``BUILTIN_PLUGINS``) with :func:`declare_builtin_plugins` when it is imported, so this bottom module
@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import os
 import threading
+import warnings
 from typing import Any, Iterator
 
 import attrs
@@ -25,14 +26,18 @@ from polykv.errors import RegistryError
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
 DISABLE_ENV = "POLYKV_NO_PLUGINS"
-KINDS = ("operator", "quantizer", "solver", "task", "allocator")
+KINDS = ("rule", "quantizer", "solver", "task", "allocator")
 _HOOK_FOR_KIND = {
-    "operator": "register_operators",
+    "rule": "register_rules",
     "quantizer": "register_quantizers",
     "solver": "register_solvers",
     "task": "register_tasks",
     "allocator": "register_allocators",
 }
+OLD_KINDS = {"operator": "rule"}
+"""Kind names of 0.1 still accepted by the look-ups (``names("operator")`` is ``names("rule")``)."""
+OLD_HOOKS = {"register_operators": "register_rules"}
+"""Hooks of 0.1 a third-party plugin may still implement; each use warns (DeprecationWarning) once."""
 _builtin_plugins: tuple[str, ...] = ()
 _builtin_version = "0"
 
@@ -64,11 +69,12 @@ class Entry:
 
 
 class Registry:
-    """All registered operators, quantizers, solvers, tasks and allocators, by kind and name."""
+    """All registered rules, quantizers, solvers, tasks and allocators, by kind and name."""
 
     def __init__(self, *, load_entry_points: bool | None = None):
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self.pm.add_hookspecs(hookspecs.Deprecated)
         self._versions: dict[str, str] = {}
         self._entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
         for modname in _builtin_plugins:
@@ -124,11 +130,20 @@ class Registry:
         self._versions.pop(name, None)
         self._collect()
 
+    def _impls(self, kind: str) -> Iterator[Any]:
+        """The implementations of ``kind``'s hook, then those of its old name (each warns: rename the hook)."""
+        yield from getattr(self.pm.hook, _HOOK_FOR_KIND[kind]).get_hookimpls()
+        for old, new in OLD_HOOKS.items():
+            if new == _HOOK_FOR_KIND[kind]:
+                for impl in getattr(self.pm.hook, old).get_hookimpls():
+                    warnings.warn(f"plugin '{impl.plugin_name}' implements {old}, the 0.1 name of {new}; rename "
+                                  f"the hook (the old name goes in 0.3)", DeprecationWarning, stacklevel=2)
+                    yield impl
+
     def _collect(self) -> None:
         entries: dict[str, dict[str, Entry]] = {k: {} for k in KINDS}
-        for kind, hookname in _HOOK_FOR_KIND.items():
-            hook = getattr(self.pm.hook, hookname)
-            for impl in hook.get_hookimpls():
+        for kind in KINDS:
+            for impl in self._impls(kind):
                 plugin_name = impl.plugin_name
 
                 def register(obj: Any, _kind=kind, _plugin=plugin_name) -> None:
@@ -150,27 +165,32 @@ class Registry:
 
     # -- look-ups --------------------------------------------------------------------------------
     def names(self, kind: str) -> list[str]:
-        return sorted(self._entries[kind])
+        return sorted(self._entries[OLD_KINDS.get(kind, kind)])
 
     def entries(self, kind: str | None = None) -> Iterator[Entry]:
-        for k in ([kind] if kind else KINDS):
+        for k in ([OLD_KINDS.get(kind, kind)] if kind else KINDS):
             yield from (self._entries[k][n] for n in sorted(self._entries[k]))
 
     def get(self, kind: str, name: str) -> Any:
-        """The registered class for ``name``; an unknown name lists what is available."""
+        """The registered class for ``name``; an unknown name lists what is available (in the caller's word for
+        the kind)."""
         try:
-            return self._entries[kind][name].obj
+            return self._entries[OLD_KINDS.get(kind, kind)][name].obj
         except KeyError:
             raise RegistryError(unknown_name_message(kind, name, self.names(kind))) from None
 
     def entry(self, kind: str, name: str) -> Entry:
         self.get(kind, name)
-        return self._entries[kind][name]
+        return self._entries[OLD_KINDS.get(kind, kind)][name]
 
     def has(self, kind: str, name: str) -> bool:
-        return name in self._entries[kind]
+        return name in self._entries[OLD_KINDS.get(kind, kind)]
+
+    def rule(self, name: str):
+        return self.get("rule", name)
 
     def operator(self, name: str):
+        """Deprecated: the 0.1 name of :meth:`rule` (and its message says "operator"); use :meth:`rule`."""
         return self.get("operator", name)
 
     def quantizer(self, name: str):

@@ -27,7 +27,7 @@ ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator, KVzipAlloc
 
 
 @hookimpl
-def register_operators(register):
+def register_rules(register):
     for rule in RULES:
         register(rule)
 

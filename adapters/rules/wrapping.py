@@ -23,11 +23,11 @@ def build_inner_rule(wrapper: str, name: Any, params: Mapping[str, Any] | None) 
     if params is not None and not isinstance(params, Mapping):
         raise ParamError("rule_params", f"rule '{wrapper}': parameter 'rule_params' must be an object, got {params!r}")
     registry = get_registry()
-    if not registry.has("operator", name):
+    if not registry.has("rule", name):
         raise ParamError("rule", f"rule '{wrapper}': unknown inner rule {name!r}; available: "
-                                 f"{registry.names('operator')}")
+                                 f"{registry.names('rule')}")
     try:
-        return registry.operator(name)(**dict(params or {}))
+        return registry.rule(name)(**dict(params or {}))
     except (TypeError, ValueError) as exc:
         inner = getattr(exc, "param", None)
         raise ParamError("rule_params" + (f".{inner}" if inner else ""),

@@ -1,4 +1,4 @@
-"""``polykv plugins``: every registered operator, quantizer, solver and task, and who provides it."""
+"""``polykv plugins``: every registered rule, quantizer, solver, task and allocator, and who provides it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def describe_entries(registry) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"kind": entry.kind, "name": entry.name, "plugin": entry.plugin,
                                "version": entry.version}
         obj = entry.obj
-        if entry.kind == "operator":
+        if entry.kind == "rule":
             row["phases"] = sorted(getattr(obj, "phases", ()))
             row["signal"] = getattr(obj, "signal", None)
         elif entry.kind == "quantizer":

@@ -8,8 +8,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def register_operators(register):
+def register_rules(register):
     """Register retention rules: call ``register(RuleClass)`` once per RetentionRule subclass."""
+
 
 
 @hookspec
@@ -31,3 +32,13 @@ def register_allocators(register):
 @hookspec
 def register_tasks(register):
     """Register study tasks: call ``register(TaskClass)`` once per Task subclass."""
+
+
+class Deprecated:
+    """Hooks of 0.1 still called for third-party plugins (the registry warns, DeprecationWarning, when one is
+    implemented); not part of the contract."""
+
+    @staticmethod
+    @hookspec
+    def register_operators(register):
+        """The 0.1 name of :func:`register_rules`."""

@@ -63,9 +63,9 @@ def needs_of_rules(registry: Any, rules: Iterable[str]) -> list[ModelDataNeed]:
     """The distinct needs (by key, first rule first) of the registered rules among ``rules``."""
     out: dict[str, ModelDataNeed] = {}
     for rule in rules:
-        if not registry.has("operator", rule):
+        if not registry.has("rule", rule):
             continue  # an unknown rule is reported where the plan or settings are checked
-        need = need_of(registry.operator(rule))
+        need = need_of(registry.rule(rule))
         if need is not None:
             out.setdefault(need.key, need)
     return list(out.values())
@@ -73,7 +73,7 @@ def needs_of_rules(registry: Any, rules: Iterable[str]) -> list[ModelDataNeed]:
 
 def registered_needs(registry: Any) -> list[ModelDataNeed]:
     """The distinct needs of every registered rule."""
-    return needs_of_rules(registry, registry.names("operator"))
+    return needs_of_rules(registry, registry.names("rule"))
 
 
 def side_file(profile_path: str, suffix: str) -> str:

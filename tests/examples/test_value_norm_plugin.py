@@ -49,7 +49,7 @@ def _run(args: list[str], cwd: Path, pythonpath: Path | None) -> str:
 
 
 def _value_norm_rows(stdout: str) -> list[dict]:
-    return [row for row in json.loads(stdout) if row["kind"] == "operator" and row["name"] == "value-norm"]
+    return [row for row in json.loads(stdout) if row["kind"] == "rule" and row["name"] == "value-norm"]
 
 
 def test_polykv_plugins_lists_the_rule_with_its_distribution(site, tmp_path):
@@ -57,7 +57,7 @@ def test_polykv_plugins_lists_the_rule_with_its_distribution(site, tmp_path):
     assert cli.exists(), f"the polykv console script is missing next to {sys.executable}"
     rows = _value_norm_rows(_run([str(cli), "plugins", "--json"], tmp_path, site))
     (entry_point,) = PYPROJECT["entry-points"]["polykv"]
-    assert rows == [{"kind": "operator", "name": "value-norm", "plugin": entry_point,
+    assert rows == [{"kind": "rule", "name": "value-norm", "plugin": entry_point,
                      "version": PYPROJECT["version"], "phases": ["decode", "prefill"], "signal": "none",
                      "paper": "Guo et al., Value Also Matters (VATP), EMNLP 2024 (arXiv:2406.12335)"}]
     # Without the installed folder the rule is unknown: the entry point, not the checkout, provided it.

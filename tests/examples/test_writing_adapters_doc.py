@@ -34,7 +34,7 @@ def test_python_blocks_run_in_order_in_one_namespace():
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/writing-adapters.md#block{i}", "exec"), namespace)
     assert namespace["ValueNormRule"].name == "value-norm"
-    assert namespace["registry"].entry("operator", "value-norm").plugin == "polykv-value-norm"
+    assert namespace["registry"].entry("rule", "value-norm").plugin == "polykv-value-norm"
 
 
 def test_the_rule_shown_is_the_example_package_module():

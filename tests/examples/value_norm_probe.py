@@ -58,7 +58,7 @@ def check_tensors(rule_cls) -> int:
 
 def main() -> None:
     registry = polykv.get_registry()
-    entry = registry.entry("operator", "value-norm")
+    entry = registry.entry("rule", "value-norm")
     rule_cls = entry.obj
     model = tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=16)
     geo = geometry_of_model(model)

@@ -72,7 +72,7 @@ HOOKS = sorted(name for name, obj in vars(hookspecs).items()
 
 
 def test_hookspecs_are_found():
-    assert "register_operators" in HOOKS and len(HOOKS) >= 4
+    assert "register_rules" in HOOKS and len(HOOKS) >= 4
 
 
 @pytest.mark.parametrize("hook", HOOKS)

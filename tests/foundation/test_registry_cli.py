@@ -28,7 +28,7 @@ class NewestFirstRule(ScoredRule):
 
 class ThrowawayPlugin:
     @polykv.hookimpl
-    def register_operators(self, register):
+    def register_rules(self, register):
         register(NewestFirstRule)
 
 
@@ -38,7 +38,7 @@ class ClashingRule(NewestFirstRule):
 
 class ClashingPlugin:
     @polykv.hookimpl
-    def register_operators(self, register):
+    def register_rules(self, register):
         register(ClashingRule)
 
 
@@ -59,12 +59,12 @@ def test_builtins_are_listed_with_kind_plugin_version_and_phases(capsys):
     rc, out, _ = _run(capsys, "plugins", "--json")
     assert rc == 0
     rows = {(r["kind"], r["name"]): r for r in json.loads(out)}
-    h2o = rows[("operator", "h2o")]
+    h2o = rows[("rule", "h2o")]
     assert h2o["plugin"] == "polykv.adapters.rules" and h2o["version"] == polykv.__version__
     assert set(h2o["phases"]) <= {"prefill", "decode"} and h2o["phases"]
     for (kind, _name), row in rows.items():
         assert ("bits" in row) == (kind == "quantizer"), row
-        assert ("phases" in row) == (kind == "operator"), row
+        assert ("phases" in row) == (kind == "rule"), row
     rc, text, _ = _run(capsys, "plugins")
     assert rc == 0 and "h2o" in text and "polykv.adapters.rules" in text
 
@@ -76,7 +76,7 @@ def test_throwaway_plugin_is_listed_and_usable_in_a_plan(capsys, tmp_path, geome
         rc, out, _ = _run(capsys, "plugins", "--json")
         assert rc == 0
         (row,) = [r for r in json.loads(out) if r["name"] == "throwaway-newest"]
-        assert row == {"kind": "operator", "name": "throwaway-newest", "plugin": "throwaway-plugin",
+        assert row == {"kind": "rule", "name": "throwaway-newest", "plugin": "throwaway-plugin",
                        "version": "9.9", "phases": ["decode", "prefill"], "signal": "none"}
         plan = polykv.uniform_plan(geometry, prefill="throwaway-newest", decode="throwaway-newest",
                                    capacity=8, params={"bias": 1.5})
@@ -93,15 +93,15 @@ def test_throwaway_plugin_is_listed_and_usable_in_a_plan(capsys, tmp_path, geome
 
 def test_duplicate_name_fails_naming_both_plugins():
     reg = get_registry()
-    before = reg.names("operator")
+    before = reg.names("rule")
     with pytest.raises(RegistryError) as exc:
         reg.register_plugin(ClashingPlugin(), name="clashing-plugin")
     msg = str(exc.value)
     assert "'h2o'" in msg and "polykv.adapters.rules" in msg and "clashing-plugin" in msg
     # The failed registration left nothing behind.
-    assert reg.names("operator") == before
+    assert reg.names("rule") == before
     assert reg.pm.get_plugin("clashing-plugin") is None
-    assert reg.entry("operator", "h2o").plugin == "polykv.adapters.rules"
+    assert reg.entry("rule", "h2o").plugin == "polykv.adapters.rules"
 
 
 def test_unknown_rule_in_plan_lists_available_names(capsys, tmp_path, geometry):
@@ -112,7 +112,7 @@ def test_unknown_rule_in_plan_lists_available_names(capsys, tmp_path, geometry):
     assert rc == 2 and out == ""
     assert "Traceback" not in err
     assert "no-such-rule" in err and "layers[0].prefill.rule" in err
-    for available in get_registry().names("operator"):
+    for available in get_registry().names("rule"):
         assert available in err
     assert "pip install" in err
 
@@ -136,7 +136,7 @@ class EntryPointRule(ScoredRule):
         return ctx.positions.float()
 
 @polykv.hookimpl
-def register_operators(register):
+def register_rules(register):
     register(EntryPointRule)
 '''
 
@@ -147,11 +147,11 @@ def test_env_var_skips_entry_points(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv(DISABLE_ENV, raising=False)
     loaded = Registry()
-    assert loaded.entry("operator", "entry-point-rule").plugin == "polykv-fake-ep"
-    assert loaded.entry("operator", "entry-point-rule").version == "0.3"
+    assert loaded.entry("rule", "entry-point-rule").plugin == "polykv-fake-ep"
+    assert loaded.entry("rule", "entry-point-rule").version == "0.3"
 
     monkeypatch.setenv(DISABLE_ENV, "1")
-    assert not Registry().has("operator", "entry-point-rule")
+    assert not Registry().has("rule", "entry-point-rule")
     reset_registry()
     try:
         rc, out, _ = _run(capsys, "plugins", "--json")

@@ -40,5 +40,5 @@ class ValueNormRule(ScoredRule):
 
 
 @hookimpl
-def register_operators(register):
+def register_rules(register):
     register(ValueNormRule)
