@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import KVStore
-from polykv.storage.token_buffer import TokenBuffer
+from polykv.contract import KVStore, storage
 
 
 class CodeBuffers(KVStore):
     """Base of the KIVI stores: named token buffers for the quantized part (see the module docstring)."""
 
-    _buffers: dict[str, TokenBuffer]
+    _buffers: dict[str, storage.TokenBuffer]
     _shape: tuple[int, int, int] | None = None
     residual: torch.Tensor | None = None
     _reserved: bool = False
@@ -39,7 +38,7 @@ class CodeBuffers(KVStore):
         """One empty buffer per name, of the given element dtype, on the store's device. ``grow_in_blocks``:
         past the reserve, grow by whole GROWTH_BLOCK rows (a store that adds a row per token); False: to
         exactly the rows needed (a store that adds whole blocks of rows at a time)."""
-        self._buffers = {name: TokenBuffer(dtype=dt, device=self.device) for name, dt in dtypes.items()}
+        self._buffers = {name: storage.TokenBuffer(dtype=dt, device=self.device) for name, dt in dtypes.items()}
         self._reserved, self._grow_in_blocks = False, grow_in_blocks
 
     @property
@@ -58,7 +57,7 @@ class CodeBuffers(KVStore):
         return None if self._shape is None else self._rows("zero")
 
     @property
-    def buffers(self) -> dict[str, TokenBuffer]:
+    def buffers(self) -> dict[str, storage.TokenBuffer]:
         """The quantized part's buffers by name (``codes``, ``scale``, ``zero``; keys also ``ids``), for
         inspection: their ``capacity`` is the rows reserved, ``length`` the rows in use."""
         return dict(self._buffers)

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
-from polykv.contract import KVStore, ParamError, ParamSpec, Quantizer
+from polykv.contract import KVStore, ParamError, Quantizer, param, storage
 from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
                                                   key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
 from polykv.storage.packing import packed_width
-from polykv.storage.token_buffer import PassthroughStore, passthrough_bytes
 
 STREAMS = ("key", "value")
 
@@ -34,16 +33,13 @@ class KiviQuantizer(Quantizer):
 
     name = "kivi"
     bits = frozenset({2, 4, 8})
-    param_specs = {
-        "group_size": ParamSpec(int, default=32, low=1, high=1 << 16, description="G, tokens or channels per group"),
-        "residual": ParamSpec(int, default=32, low=1, high=1 << 20,
-                              description="R, newest tokens kept in full precision (a multiple of G)"),
-    }
+    group_size: int = param(32, low=1, high=1 << 16, description="G, tokens or channels per group")
+    residual: int = param(32, low=1, high=1 << 20,
+                          description="R, newest tokens kept in full precision (a multiple of G)")
     paper = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024, arXiv 2402.02750"
 
-    def __init__(self, **params: Any):
-        super().__init__(**params)
-        G, R = self.params["group_size"], self.params["residual"]
+    def __attrs_post_init__(self):
+        G, R = self.group_size, self.residual
         if R % G:
             raise ParamError("residual", f"quantizer 'kivi': residual={R} must be a multiple of group_size={G} "
                                          f"(keys are quantized a block of R tokens at a time, in groups of G)")
@@ -60,7 +56,7 @@ class KiviQuantizer(Quantizer):
         self._check(stream, bits)
         if bits != 16:
             packed_width(width, bits)
-        G = self.params["group_size"]
+        G = self.group_size
         if stream == "value" and bits != 16 and width % G:
             raise ValueError(f"quantizer 'kivi' quantizes values in groups of group_size={G} channels, and {width} "
                              f"channels are not a multiple of it")
@@ -69,9 +65,9 @@ class KiviQuantizer(Quantizer):
         """An empty store: :class:`KiviKeyStore` / :class:`KiviValueStore`, or passthrough for 16 bits."""
         self._check(stream, bits)
         if bits == 16:
-            return PassthroughStore(dtype=dtype, device=device)
+            return storage.PassthroughStore(dtype=dtype, device=device)
         cls = KiviKeyStore if stream == "key" else KiviValueStore
-        return cls(bits=bits, group_size=self.params["group_size"], residual=self.params["residual"],
+        return cls(bits=bits, group_size=self.group_size, residual=self.residual,
                    dtype=dtype, device=device)
 
     def predict_bytes(self, stream: str, bits: int, *, batch: int, kv_heads: int, head_dim: int,
@@ -123,8 +119,8 @@ class KiviQuantizer(Quantizer):
         self._check(stream, bits)
         shape["head_dim"] = head_dim
         if bits == 16:
-            return passthrough_bytes(**shape)
-        G, R = self.params["group_size"], self.params["residual"]
+            return storage.passthrough_bytes(**shape)
+        G, R = self.group_size, self.residual
         if stream == "value" and head_dim % G:
             raise ValueError(f"quantizer 'kivi': head_dim {head_dim} is not a multiple of group_size={G}; "
                              f"set quantizer_params.group_size to a divisor of {head_dim}")

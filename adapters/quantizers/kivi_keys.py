@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import WriteCost
+from polykv.contract import storage
 from polykv.storage import minmax
 from polykv.adapters.quantizers.code_buffers import CodeBuffers
 from polykv.storage.token_blocks import PackedStream
 from polykv.storage.packing import pack, packed_width
-from polykv.storage.store_checks import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
-                                         own_copy)
 
 
 class KiviKeyStore(CodeBuffers):
@@ -96,12 +94,12 @@ class KiviKeyStore(CodeBuffers):
     def append(self, x: torch.Tensor) -> None:
         """Append ``x`` [B, Hkv, t, d]; every completed block of ``residual`` keys is quantized."""
         if self._shape is None:
-            self._shape = check_chunk(x, None, "kivi keys")
+            self._shape = storage.check_chunk(x, None, "kivi keys")
             self._init(*self._shape)
-        check_chunk(x, self._shape, "kivi keys")
+        storage.check_chunk(x, self._shape, "kivi keys")
         if not x.shape[2]:
             return
-        x = own_copy(x, dtype=self.dtype, device=self.device)
+        x = storage.own_copy(x, dtype=self.dtype, device=self.device)
         res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
         full = res.shape[2] // self.residual_len * self.residual_len
         if full:
@@ -122,8 +120,8 @@ class KiviKeyStore(CodeBuffers):
                                self.zero.unsqueeze(3), (B, H, Tq // G, G, d))
         else:
             ids = self.group_ids.long()
-            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, gather_tokens(self.scale, ids),
-                               gather_tokens(self.zero, ids), (B, H, Tq, d))
+            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, storage.gather_tokens(self.scale, ids),
+                               storage.gather_tokens(self.zero, ids), (B, H, Tq, d))
         out[:, :, Tq:] = self.residual
         return out
 
@@ -143,7 +141,7 @@ class KiviKeyStore(CodeBuffers):
         that kept fewest, and a head's older residual survivors are quantized now, once, as new
         groups of up to G of them per channel (their first quantization).
         """
-        index = check_index(index.to(self.device), self._shape, len(self), "kivi keys")
+        index = storage.check_index(index.to(self.device), self._shape, len(self), "kivi keys")
         B, H, d = self._shape
         Tq, k, G = self.num_quantized, index.shape[2], self.group_size
         n_res = (index >= Tq).sum(-1)  # (B, H)
@@ -153,7 +151,7 @@ class KiviKeyStore(CodeBuffers):
         promoted = iq >= Tq  # (B, H, nq)
         if Tq:
             at = iq.clamp(max=Tq - 1)
-            codes = gather_tokens(self.codes, at)
+            codes = storage.gather_tokens(self.codes, at)
             ids = torch.gather(self.token_group_ids(), 2, at)
         else:
             codes = torch.zeros(B, H, nq, self.codes.shape[3], dtype=torch.uint8, device=self.device)
@@ -164,13 +162,13 @@ class KiviKeyStore(CodeBuffers):
             codes, ids, scale, zero = self._promote(iq, promoted, n_promoted, codes, ids)
         self._set("codes", codes)
         self._set_groups(*self._compact(ids, scale, zero))
-        self.residual = gather_tokens(self.residual, ir)
+        self.residual = storage.gather_tokens(self.residual, ir)
 
     def _promote(self, iq, promoted, n_promoted, codes, ids):
         """Quantize the residual survivors marked ``promoted`` [B, H, nq] as new groups of up to G."""
         B, H, d = self._shape
         G, Tq, first = self.group_size, self.num_quantized, self.scale.shape[2]
-        x = gather_tokens(self.residual, (iq - Tq).clamp(min=0)).float()  # (B, H, nq, d)
+        x = storage.gather_tokens(self.residual, (iq - Tq).clamp(min=0)).float()  # (B, H, nq, d)
         n_new = -(-n_promoted // G)
         rank = torch.cumsum(promoted, dim=-1) - 1
         slot = torch.where(promoted, rank // G, torch.full_like(rank, n_new))  # n_new = discard row
@@ -182,7 +180,7 @@ class KiviKeyStore(CodeBuffers):
         mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
         pscale, pzero = minmax.group_params(mn, mx, self.bits, self.dtype)  # (B, H, n_new, d)
         row = slot.clamp(max=n_new - 1)
-        q = minmax.encode(x, gather_tokens(pscale, row), gather_tokens(pzero, row), self.bits)
+        q = minmax.encode(x, storage.gather_tokens(pscale, row), storage.gather_tokens(pzero, row), self.bits)
         codes = torch.where(promoted.unsqueeze(-1), pack(q, self.bits), codes)
         ids = torch.where(promoted, first + slot, ids)
         return (codes, ids, torch.cat([self.scale, pscale], dim=2), torch.cat([self.zero, pzero], dim=2))
@@ -200,9 +198,9 @@ class KiviKeyStore(CodeBuffers):
         rows = int(new_ids[..., -1].max()) + 1
         source = torch.zeros(B, H, rows, dtype=torch.long, device=ids.device).scatter_(2, new_ids, ids)
         # Rows past a head's own count repeat row 0's source: padding, never read by that head.
-        return new_ids.to(torch.int32), gather_tokens(scale, source), gather_tokens(zero, source)
+        return new_ids.to(torch.int32), storage.gather_tokens(scale, source), storage.gather_tokens(zero, source)
 
-    def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> storage.WriteCost:
         """Overwrite the tokens where ``mask`` [B, Hkv, T] is True with ``x`` [B, Hkv, T, d].
 
         Keys are quantized per channel over groups of tokens, so every group row holding a written
@@ -211,7 +209,7 @@ class KiviKeyStore(CodeBuffers):
         recomputed. Untouched groups keep their codes; residual tokens are replaced in full precision.
         """
         B, H, d = self._shape
-        check_write(mask, x, (B, H, len(self), d), "kivi keys")
+        storage.check_write(mask, x, (B, H, len(self), d), "kivi keys")
         Tq = self.num_quantized
         mq, mr = mask[..., :Tq], mask[..., Tq:]
         members = rows = 0
@@ -229,11 +227,13 @@ class KiviKeyStore(CodeBuffers):
                                                 mx.masked_fill(~row_hit.unsqueeze(-1), 0.0), self.bits, self.dtype)
             self._set("scale", torch.where(row_hit.unsqueeze(-1), pscale, self.scale))
             self._set("zero", torch.where(row_hit.unsqueeze(-1), pzero, self.zero))
-            q = minmax.encode(new, gather_tokens(self.scale, ids), gather_tokens(self.zero, ids), self.bits)
+            scale, zero = storage.gather_tokens(self.scale, ids), storage.gather_tokens(self.zero, ids)
+            q = minmax.encode(new, scale, zero, self.bits)
             self._set("codes", torch.where(member_hit.unsqueeze(-1), pack(q, self.bits), self.codes))
             members, rows = int(member_hit.sum()), int(row_hit.sum())
         self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
-        return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=members, groups_requantized=rows * d)
+        return storage.WriteCost(tokens_written=int(mask.sum()), tokens_requantized=members,
+                                 groups_requantized=rows * d)
 
     def split_heads(self) -> list["KiviKeyStore"]:
         """One store per (batch row, KV head), row-major, keeping that head's codes (no requantization).
@@ -260,7 +260,7 @@ class KiviKeyStore(CodeBuffers):
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(*self._buffer_tensors(), self.residual)
+        return storage.held_bytes(*self._buffer_tensors(), self.residual)
 
 
 def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,

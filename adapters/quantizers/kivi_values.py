@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import WriteCost
+from polykv.contract import storage
 from polykv.storage import minmax
 from polykv.adapters.quantizers.code_buffers import CodeBuffers
 from polykv.storage.token_blocks import PackedStream
 from polykv.storage.packing import pack, packed_width
-from polykv.storage.reserve import grown_capacity
-from polykv.storage.store_checks import (check_chunk, check_index, check_write, gather_tokens, held_bytes,
-                                         own_copy)
 
 
 class KiviValueStore(CodeBuffers):
@@ -64,12 +61,12 @@ class KiviValueStore(CodeBuffers):
     def append(self, x: torch.Tensor) -> None:
         """Append ``x`` [B, Hkv, t, d]; values older than the last ``residual`` are quantized."""
         if self._shape is None:
-            self._shape = check_chunk(x, None, "kivi values")
+            self._shape = storage.check_chunk(x, None, "kivi values")
             self._init(*self._shape)
-        check_chunk(x, self._shape, "kivi values")
+        storage.check_chunk(x, self._shape, "kivi values")
         if not x.shape[2]:
             return
-        x = own_copy(x, dtype=self.dtype, device=self.device)
+        x = storage.own_copy(x, dtype=self.dtype, device=self.device)
         res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
         excess = res.shape[2] - self.residual_len
         if excess > 0:
@@ -105,7 +102,7 @@ class KiviValueStore(CodeBuffers):
         tokens; every head keeps as many residual tokens as the head that kept fewest (``r``), and
         a head's older residual survivors are quantized now, once (their first quantization).
         """
-        index = check_index(index.to(self.device), self._shape, len(self), "kivi values")
+        index = storage.check_index(index.to(self.device), self._shape, len(self), "kivi values")
         Tq, k = self.num_quantized, index.shape[2]
         n_res = (index >= Tq).sum(-1)  # (B, H) residual survivors per head
         keep_res = int(n_res.min()) if k else 0
@@ -114,9 +111,9 @@ class KiviValueStore(CodeBuffers):
         promoted = iq >= Tq  # (B, H, nq) residual tokens that move to the quantized part
         if Tq:
             at = iq.clamp(max=Tq - 1)
-            codes, scale, zero = (gather_tokens(t, at) for t in (self.codes, self.scale, self.zero))
+            codes, scale, zero = (storage.gather_tokens(t, at) for t in (self.codes, self.scale, self.zero))
         if nq and int(n_res.max()) > keep_res:
-            pcodes, pscale, pzero = self._quantize(gather_tokens(self.residual, (iq - Tq).clamp(min=0)))
+            pcodes, pscale, pzero = self._quantize(storage.gather_tokens(self.residual, (iq - Tq).clamp(min=0)))
             if Tq:
                 m = promoted.unsqueeze(-1)
                 codes, scale, zero = (torch.where(m, p, o) for p, o in
@@ -127,16 +124,16 @@ class KiviValueStore(CodeBuffers):
             codes, scale, zero = self.codes, self.scale, self.zero
         for name, rows in (("codes", codes), ("scale", scale), ("zero", zero)):
             self._set(name, rows)
-        self.residual = gather_tokens(self.residual, ir)
+        self.residual = storage.gather_tokens(self.residual, ir)
 
-    def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
+    def write(self, mask: torch.Tensor, x: torch.Tensor) -> storage.WriteCost:
         """Overwrite the tokens where ``mask`` [B, Hkv, T] is True with ``x`` [B, Hkv, T, d].
 
         Values are quantized per token, so a written quantized token re-encodes only its own
         ``d / G`` groups; residual tokens are replaced in full precision.
         """
         B, H, d = self._shape
-        check_write(mask, x, (B, H, len(self), d), "kivi values")
+        storage.check_write(mask, x, (B, H, len(self), d), "kivi values")
         Tq = self.num_quantized
         mq, mr = mask[..., :Tq], mask[..., Tq:]
         n = int(mq.sum())
@@ -145,7 +142,7 @@ class KiviValueStore(CodeBuffers):
             codes, scale, zero = self._quantize(x[b, h, t].view(1, 1, n, d))
             self.codes[b, h, t], self.scale[b, h, t], self.zero[b, h, t] = codes[0, 0], scale[0, 0], zero[0, 0]
         self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
-        return WriteCost(tokens_written=int(mask.sum()), tokens_requantized=n,
+        return storage.WriteCost(tokens_written=int(mask.sum()), tokens_requantized=n,
                          groups_requantized=n * (d // self.group_size))
 
     def split_heads(self) -> list["KiviValueStore"]:
@@ -165,7 +162,7 @@ class KiviValueStore(CodeBuffers):
         return out
 
     def resident_bytes(self) -> int:
-        return held_bytes(*self._buffer_tensors(), self.residual)
+        return storage.held_bytes(*self._buffer_tensors(), self.residual)
 
 
 def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,
@@ -174,7 +171,7 @@ def value_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_hea
     the store was first asked to ``reserve(reserved)`` (None: never, buffers of exactly their rows)."""
     tq = max(tokens - residual, 0)
     tr = tokens - tq
-    rows = tq if reserved is None else grown_capacity(tq, max(int(reserved) - residual, 0))
+    rows = tq if reserved is None else storage.grown_capacity(tq, max(int(reserved) - residual, 0))
     per_head = (rows * packed_width(head_dim, bits)                     # codes
                 + 2 * rows * (head_dim // group_size) * dtype_bytes     # scale + minimum
                 + tr * head_dim * dtype_bytes)                          # full-precision residual

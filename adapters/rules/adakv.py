@@ -24,8 +24,7 @@ import math
 import torch
 
 from polykv.adapters.rules.wrapping import build_inner_rule
-from polykv.contract import (SIGNAL_WINDOW, ParamError, ParamSpec, RetentionRule, ScoredRule, SelectionContext,
-                             ragged_top_k)
+from polykv.contract import ParamError, RetentionRule, ScoredRule, SelectionContext, param, ragged_top_k
 
 
 def head_budgets(scores: torch.Tensor, average: int, *, floor_alpha: float = 0.2,
@@ -88,29 +87,24 @@ class AdaKVRule(RetentionRule):
 
     name = "adakv"
     phases = frozenset({"prefill"})
-    signal = SIGNAL_WINDOW
-    param_specs = {
-        "rule": ParamSpec(str, default="snapkv", description="the scoring rule whose scores Ada-KV allocates by"),
-        "rule_params": ParamSpec(dict, default={}, description="parameters of that rule"),
-        "floor_alpha": ParamSpec(float, default=0.2, low=0.0, high=1.0,
-                                 description="share of the budget kept as a per-head floor"),
-        "rounding": ParamSpec(str, default="exact", choices=("exact", "reference"), description="budget rounding"),
-    }
+    signal = "observation_window"
+    rule: str = param("snapkv", description="the scoring rule whose scores Ada-KV allocates by")
+    rule_params: dict = param({}, description="parameters of that rule")
+    floor_alpha: float = param(0.2, low=0.0, high=1.0, description="share of the budget kept as a per-head floor")
+    rounding: str = param("exact", choices=("exact", "reference"), description="budget rounding")
     shared_across_heads = False
     paper = ("Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM "
              "Inference, arXiv:2407.11550")
 
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
+    def __attrs_post_init__(self):
+        self.inner = build_inner_rule(self.name, self.rule, self.rule_params)
         self.phases = frozenset({"prefill"}) & self.inner.phases
         self.needs_values = self.inner.needs_values  # the runtime hands values to the rule it calls
         if not self.phases:
-            raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' does not run in prefill, where Ada-KV "
+            raise ParamError("rule", f"rule 'adakv': inner rule '{self.rule}' does not run in prefill, where Ada-KV "
                                      f"allocates")
         if not isinstance(self.inner, ScoredRule):
-            raise ParamError("rule", f"rule 'adakv': inner rule '{p['rule']}' must be a scored rule (score + "
+            raise ParamError("rule", f"rule 'adakv': inner rule '{self.rule}' must be a scored rule (score + "
                                      f"protected), e.g. snapkv, h2o, tova")
 
     def new_state(self):
@@ -127,8 +121,8 @@ class AdaKVRule(RetentionRule):
         if average <= 0 or T - n_first - n_last <= average:
             return self.inner.select(ctx, capacity)
         scores = self.inner.score(ctx).float().expand(B, Hkv, T)
-        counts = head_budgets(scores[..., n_first: T - n_last], average, floor_alpha=float(self.params["floor_alpha"]),
-                              rounding=self.params["rounding"])
+        counts = head_budgets(scores[..., n_first: T - n_last], average, floor_alpha=float(self.floor_alpha),
+                              rounding=self.rounding)
         counts = _trim_heads(counts, Hkv * average)
         keyed = scores.clone()
         keyed[..., :n_first] = math.inf

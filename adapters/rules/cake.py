@@ -29,8 +29,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from polykv.contract import (PHASES, SIGNAL_WINDOW, AllocationRequest, Allocator, ParamSpec, QueryWindow, ScoredRule,
-                             SelectionContext, newest_tokens)
+from polykv.contract import PHASES, Allocator, ScoredRule, SelectionContext, allocators, newest_tokens, param, state
 
 ENTROPY_EPS = 1e-10
 """Inside the log of the entropy, as in the reference."""
@@ -120,23 +119,21 @@ class CAKERule(ScoredRule):
 
     name = "cake"
     phases = frozenset(PHASES)
-    signal = SIGNAL_WINDOW
-    param_specs = {
-        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
-        "gamma": ParamSpec(float, default=200.0, low=0.0, high=1e12, description="weight of the attention variance"),
-        "kernel_size": ParamSpec(int, default=5, low=1, high=1 << 12, odd=True, description="pooling kernel"),
-    }
+    signal = "observation_window"
+    window: int = param(32, low=1, high=1 << 20, description="observation window in tokens")
+    gamma: float = param(200.0, low=0.0, high=1e12, description="weight of the attention variance")
+    kernel_size: int = param(5, low=1, high=1 << 12, odd=True, description="pooling kernel")
     shared_across_heads = False
     paper = ("Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences, ICLR 2025 "
              "(arXiv:2503.12491)")
 
     def _window(self, ctx: SelectionContext) -> int:
-        return min(int(self.params["window"]), ctx.num_stored)
+        return min(int(self.window), ctx.num_stored)
 
     def _attention(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.queries is None:
             raise ValueError(
-                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'cake' needs the last {self.params['window']} "
+                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'cake' needs the last {self.window} "
                 f"queries (ctx.queries); the runtime must keep signal '{self.signal}' for this layer")
         rows = 1 if ctx.phase == "decode" else min(self._window(ctx), ctx.queries.shape[2])
         return ctx.window_attention(rows)                                 # (B, H, rows, T)
@@ -144,8 +141,8 @@ class CAKERule(ScoredRule):
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Indicator of the non-window tokens, +inf on the window: [B, Hkv, T] float32."""
         w = self._window(ctx)
-        ind = eviction_indicator(self._attention(ctx), w, ctx.num_kv_heads, gamma=float(self.params["gamma"]),
-                                 kernel_size=int(self.params["kernel_size"]))
+        ind = eviction_indicator(self._attention(ctx), w, ctx.num_kv_heads, gamma=float(self.gamma),
+                                 kernel_size=int(self.kernel_size))
         return torch.cat([ind, ind.new_full((*ind.shape[:2], w), math.inf)], dim=-1)
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor:
@@ -179,11 +176,9 @@ class CAKEAllocator(Allocator):
     """
 
     name = "cake"
-    param_specs = {
-        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
-        "tau1": ParamSpec(float, default=1.0, low=1e-6, high=1e6, description="preference exponent of the entropy"),
-        "tau2": ParamSpec(float, default=1.0, low=1e-6, high=1e6, description="preference exponent of the variance"),
-    }
+    window: int = param(32, low=1, high=1 << 20, description="observation window in tokens")
+    tau1: float = param(1.0, low=1e-6, high=1e6, description="preference exponent of the entropy")
+    tau2: float = param(1.0, low=1e-6, high=1e6, description="preference exponent of the variance")
     paper = CAKERule.paper
     one_row = True
     """Budgets from the prompt's statistics, one per layer for every row: batches of one row only."""
@@ -193,24 +188,24 @@ class CAKEAllocator(Allocator):
         if op.rule != CAKERule.name:
             return None
         rule_window = op.params.get("window", CAKERule.defaults["window"])
-        if rule_window != self.params["window"]:
+        if rule_window != self.window:
             return ("params.window", f"rule 'cake' keeps a window of {rule_window} tokens but allocator 'cake' "
-                    f"budgets a window of {self.params['window']}; the two must be equal")
+                    f"budgets a window of {self.window}; the two must be equal")
         return None
 
-    def new_state(self) -> QueryWindow:
-        return QueryWindow(int(self.params["window"]))
+    def new_state(self) -> state.QueryWindow:
+        return state.QueryWindow(int(self.window))
 
     def layer_statistic(self, ctx: SelectionContext) -> float:
-        state = ctx.state
-        if not isinstance(state, QueryWindow) or state.queries is None:
+        held = ctx.state
+        if not isinstance(held, state.QueryWindow) or held.queries is None:
             raise ValueError(f"layer {ctx.layer_idx}: allocator 'cake' needs the last prompt queries (its QueryWindow)")
-        w = min(int(self.params["window"]), ctx.num_stored, state.queries.shape[2])
-        view = attrs.evolve(ctx, queries=state.queries, query_positions=state.positions)
-        return layer_preference(view.window_attention(w), w, float(self.params["tau1"]), float(self.params["tau2"]))
+        w = min(int(self.window), ctx.num_stored, held.queries.shape[2])
+        view = attrs.evolve(ctx, queries=held.queries, query_positions=held.positions)
+        return layer_preference(view.window_attention(w), w, float(self.tau1), float(self.tau2))
 
-    def allocate(self, request: AllocationRequest) -> torch.Tensor:
-        n, w, S = len(request.layers), int(self.params["window"]), request.context_tokens
+    def allocate(self, request: allocators.AllocationRequest) -> torch.Tensor:
+        n, w, S = len(request.layers), int(self.window), request.context_tokens
         w = min(w, S)
         total = request.total * n // len(request.group_layers)
         if total < w * n:

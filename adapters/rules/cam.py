@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.wrapping import build_inner_rule
-from polykv.contract import (PHASES, SIGNAL_ACCUMULATED, AccumulatedAttention, CompositeState, Merge, ParamSpec,
-                             RetentionRule, RuleState, Selection, SelectionContext, as_selection)
+from polykv.contract import PHASES, RetentionRule, RuleState, Selection, SelectionContext, param, selection, state
 
 
 def merge_weights(kept: torch.Tensor, accumulated: torch.Tensor, *, merge_window: int,
@@ -75,7 +74,7 @@ def merge_values(values: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor
     return (base + torch.matmul(weights.float(), values.float())).to(values.dtype)
 
 
-def as_merge(kept: torch.Tensor, weights: torch.Tensor) -> Merge:
+def as_merge(kept: torch.Tensor, weights: torch.Tensor) -> selection.Merge:
     """The matrix form of :func:`merge_weights` as a :class:`~polykv.contract.selection.Merge` of values.
 
     Every evicted column (E = T - C per head) lists the kept columns of its window as targets, with
@@ -88,7 +87,7 @@ def as_merge(kept: torch.Tensor, weights: torch.Tensor) -> Merge:
     width = max(1, int((cols != 0).sum(-1).max()) if cols.numel() else 1)
     w, slot = torch.topk(cols, width, dim=-1)                                  # non-zero weights first
     targets = kept.unsqueeze(2).expand(B, Hkv, T - C, C).gather(-1, slot)
-    return Merge(evicted=evicted, targets=targets, weights=w.float(), streams={"value"})
+    return selection.Merge(evicted=evicted, targets=targets, weights=w.float(), streams={"value"})
 
 
 class CaMRule(RetentionRule):
@@ -109,33 +108,30 @@ class CaMRule(RetentionRule):
 
     name = "cam"
     phases = frozenset(PHASES)
-    signal = SIGNAL_ACCUMULATED
-    param_specs = {
-        "rule": ParamSpec(str, default="streamingllm", description="the rule choosing which tokens stay"),
-        "rule_params": ParamSpec(dict, default={}, description="parameters of that rule"),
-        "merge_window": ParamSpec(int, default=32, low=1, high=1 << 20,
-                                  description="tokens an evicted one may merge into"),
-        "divide_by": ParamSpec(str, default="window", choices=("window", "m"), description="merge weight normaliser"),
-    }
+    signal = "accumulated_attention"
+    rule: str = param("streamingllm", description="the rule choosing which tokens stay")
+    rule_params: dict = param({}, description="parameters of that rule")
+    merge_window: int = param(32, low=1, high=1 << 20, description="tokens an evicted one may merge into")
+    divide_by: str = param("window", choices=("window", "m"), description="merge weight normaliser")
     shared_across_heads = False
     paper = "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference, ICML 2024"
 
-    def __init__(self, **params):
-        super().__init__(**params)
-        p = self.params
-        self.inner = build_inner_rule(self.name, p["rule"], p["rule_params"])
+    def __attrs_post_init__(self):
+        self.inner = build_inner_rule(self.name, self.rule, self.rule_params)
         self.phases = self.inner.phases
         self.needs_values = True
 
     def new_state(self) -> RuleState:
         inner = self.inner.new_state()
-        if inner is not None and inner.component(AccumulatedAttention) is not None:
+        if inner is not None and inner.component(state.AccumulatedAttention) is not None:
             return inner
-        return AccumulatedAttention() if inner is None else CompositeState(inner, AccumulatedAttention())
+        if inner is None:
+            return state.AccumulatedAttention()
+        return state.CompositeState(inner, state.AccumulatedAttention())
 
     def select(self, ctx: SelectionContext, capacity: int) -> Selection:
         if ctx.phase not in self.inner.phases:
-            raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' wraps '{self.params['rule']}', which does not run "
+            raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' wraps '{self.rule}', which does not run "
                              f"in the {ctx.phase} phase")
         if ctx.valid is not None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' merges along storage order and needs every head to "
@@ -146,12 +142,12 @@ class CaMRule(RetentionRule):
         if ctx.generator is None:
             raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'cam' draws its merge mask from "
                              f"ctx.generator; the runtime must pass a seeded generator")
-        inner = as_selection(self.inner.select(ctx, capacity))
+        inner = selection.as_selection(self.inner.select(ctx, capacity))
         if inner.ragged or inner.merge is not None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'cam' needs a plain selection from its inner rule "
-                             f"'{self.params['rule']}' (no ragged heads, no merge of its own)")
+                             f"'{self.rule}' (no ragged heads, no merge of its own)")
         B, Hkv, T = ctx.positions.shape
         kept = inner.index.expand(B, Hkv, -1)
-        W = merge_weights(kept, ctx.accumulated, merge_window=int(self.params["merge_window"]),
-                          generator=ctx.generator, divide_by=self.params["divide_by"])
+        W = merge_weights(kept, ctx.accumulated, merge_window=int(self.merge_window),
+                          generator=ctx.generator, divide_by=self.divide_by)
         return Selection(index=kept, merge=as_merge(kept, W))

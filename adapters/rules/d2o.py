@@ -29,9 +29,8 @@ from typing import Sequence
 
 import torch
 
-from polykv.contract import (COLUMN_SUMS_PER_HEAD, PHASES, SIGNAL_ACCUMULATED, AccumulatedAttention,
-                             AllocationRequest, Allocator, CompositeState, Merge, Observation, ParamSpec, RuleState,
-                             ScoredRule, Selection, SelectionContext, as_selection)
+from polykv.contract import (PHASES, Allocator, RuleState, ScoredRule, Selection, SelectionContext, allocators, param,
+                             selection, state)
 
 VARIANCE_EPS = 1e-6
 
@@ -126,7 +125,7 @@ def merge_matrix(kept: torch.Tensor, slot: torch.Tensor, sim: torch.Tensor, evic
     return M / denom.unsqueeze(-1)
 
 
-def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: torch.Tensor) -> Merge:
+def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: torch.Tensor) -> selection.Merge:
     """The matrix form of :func:`merge_matrix` as a :class:`~polykv.contract.selection.Merge` of keys and values.
 
     Each evicted column has one target, its nearest kept column; ``target_scale`` rescales the kept
@@ -140,8 +139,8 @@ def as_merge(kept: torch.Tensor, slot: torch.Tensor, evicted: torch.Tensor, M: t
     weight = cols.gather(2, target_slot.unsqueeze(2)).squeeze(2)                                   # M[b, h, slot_e, e]
     self_w = M.gather(-1, kept.unsqueeze(-1)).squeeze(-1)                                          # (B, Hkv, C)
     scale = torch.ones(B, Hkv, T, dtype=torch.float32, device=kept.device).scatter_(-1, kept, self_w.float())
-    return Merge(evicted=ev, targets=kept.gather(-1, target_slot).unsqueeze(-1), weights=weight.float().unsqueeze(-1),
-                 target_scale=scale, streams={"key", "value"})
+    return selection.Merge(evicted=ev, targets=kept.gather(-1, target_slot).unsqueeze(-1),
+                           weights=weight.float().unsqueeze(-1), target_scale=scale, streams={"key", "value"})
 
 
 class MergeThreshold(RuleState):
@@ -183,24 +182,21 @@ class D2ORule(ScoredRule):
 
     name = "d2o"
     phases = frozenset(PHASES)
-    signal = SIGNAL_ACCUMULATED
-    param_specs = {
-        "recent_ratio": ParamSpec(float, default=0.5, low=0.0, high=1.0, description="share kept for recent tokens"),
-        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
-        "variant": ParamSpec(str, default="code", choices=("code", "paper"), description="threshold update"),
-        "alpha": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the old tau"),
-        "beta": ParamSpec(float, default=0.5, low=-1e6, high=1e6, description="code variant: weight of the mean"),
-        "paper_beta": ParamSpec(float, default=0.7, low=0.0, high=1.0,
-                                description="paper variant: weight of the max"),
-        "paper_c": ParamSpec(float, default=0.1, low=1e-12, high=1e6, description="paper variant: kept token weight"),
-    }
+    signal = "accumulated_attention"
+    recent_ratio: float = param(0.5, low=0.0, high=1.0, description="share kept for recent tokens")
+    n_sink: int = param(4, low=0, high=1 << 20, description="attention-sink tokens kept")
+    variant: str = param("code", choices=("code", "paper"), description="threshold update")
+    alpha: float = param(0.5, low=-1e6, high=1e6, description="code variant: weight of the old tau")
+    beta: float = param(0.5, low=-1e6, high=1e6, description="code variant: weight of the mean")
+    paper_beta: float = param(0.7, low=0.0, high=1.0, description="paper variant: weight of the max")
+    paper_c: float = param(0.1, low=1e-12, high=1e6, description="paper variant: kept token weight")
     shared_across_heads = False
     paper = ("Wan et al., D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large "
              "Language Models, ICLR 2025 (arXiv:2406.13035)")
 
-    def new_state(self) -> CompositeState:
+    def new_state(self) -> state.CompositeState:
         """H2O's accumulated attention (shared with any other rule of the layer) and the threshold."""
-        return CompositeState(AccumulatedAttention(), MergeThreshold())
+        return state.CompositeState(state.AccumulatedAttention(), MergeThreshold())
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.accumulated is None:
@@ -209,8 +205,8 @@ class D2ORule(ScoredRule):
         return ctx.accumulated.float()
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
-        recent = math.floor(float(self.params["recent_ratio"]) * capacity + 1e-9)
-        return int(self.params["n_sink"]), recent
+        recent = math.floor(float(self.recent_ratio) * capacity + 1e-9)
+        return int(self.n_sink), recent
 
     def select(self, ctx: SelectionContext, capacity: int) -> Selection:
         if ctx.valid is not None or ctx.head_capacity is not None:
@@ -222,13 +218,12 @@ class D2ORule(ScoredRule):
         if state is None:
             raise ValueError(f"layer {ctx.layer_idx}: rule 'd2o' keeps its merge threshold in ctx.state "
                              f"(a MergeThreshold from new_state())")
-        kept = as_selection(super().select(ctx, capacity)).index
+        kept = selection.as_selection(super().select(ctx, capacity)).index
         slot, sim, evicted = nearest_kept(ctx.keys, kept)
-        p = self.params
-        code = p["variant"] == "code"
-        state.tau = row_thresholds(state.tau, sim, evicted, variant=p["variant"], alpha=float(p["alpha"]),
-                                   beta=float(p["beta"] if code else p["paper_beta"]))
-        M = merge_matrix(kept, slot, sim, evicted, state.tau, variant=p["variant"], c=float(p["paper_c"]))
+        code = self.variant == "code"
+        state.tau = row_thresholds(state.tau, sim, evicted, variant=self.variant, alpha=float(self.alpha),
+                                   beta=float(self.beta if code else self.paper_beta))
+        M = merge_matrix(kept, slot, sim, evicted, state.tau, variant=self.variant, c=float(self.paper_c))
         return Selection(index=kept, merge=as_merge(kept, slot, evicted, M))
 
 
@@ -236,7 +231,7 @@ class ColumnSumsPerHead(RuleState):
     """Column sums of a layer's prefill attention per query head: ``sums`` [B, H, T] float32 (D2O's allocator)."""
 
     share_key = "column_sums_per_head"
-    needs = frozenset({COLUMN_SUMS_PER_HEAD})
+    needs = frozenset({state.COLUMN_SUMS_PER_HEAD})
 
     def reset(self) -> None:
         self.sums: torch.Tensor | None = None
@@ -244,7 +239,7 @@ class ColumnSumsPerHead(RuleState):
     def __init__(self):
         self.reset()
 
-    def observe(self, obs: Observation) -> None:
+    def observe(self, obs: state.Observation) -> None:
         if obs.phase != "prefill":
             return
         sums = obs.column_sums_per_head()                                   # (B, H, K), read-only
@@ -284,6 +279,6 @@ class D2OAllocator(Allocator):
             raise ValueError(f"layer {ctx.layer_idx}: allocator 'd2o' cannot read a ragged layer")
         return layer_score(sums)
 
-    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+    def allocate(self, request: allocators.AllocationRequest) -> torch.Tensor:
         budgets = layer_budgets(list(request.statistics), request.context_tokens, request.total)
         return torch.tensor(budgets, dtype=torch.int64)

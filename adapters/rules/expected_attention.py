@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from polykv.contract import (PHASES, CompositeState, Observation, ParamSpec, QueryWindow, RuleState, ScoredRule,
-                             SelectionContext)
+from polykv.contract import PHASES, RuleState, ScoredRule, SelectionContext, param, state
 
 
 def undo_rope(query: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -50,7 +49,7 @@ class QueryMoments(RuleState):
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(post-RoPE queries [B, H, q, d], positions [q]) not folded yet (no frequencies known)."""
 
-    def observe(self, obs: Observation) -> None:
+    def observe(self, obs: state.Observation) -> None:
         if obs.phase != "prefill":
             return  # decode scores from the query buffer
         pos = torch.arange(obs.first_position, obs.first_position + obs.num_new, device=obs.query.device)
@@ -93,7 +92,7 @@ class QueryMoments(RuleState):
         return 0  # emptied after prefill
 
 
-class QueryBuffer(QueryWindow):
+class QueryBuffer(state.QueryWindow):
     """The last ``window`` post-RoPE queries the layer processed (decode's query buffer); no attention rows."""
 
     needs = frozenset()
@@ -188,26 +187,22 @@ class ExpectedAttentionRule(ScoredRule):
     phases = frozenset(PHASES)
     needs_values = True
     reads_rope = True
-    param_specs = {
-        "n_future_positions": ParamSpec(int, default=512, low=1, high=1 << 24,
-                                        description="future positions the RoPE rotation is averaged over"),
-        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="first tokens always kept"),
-        "use_covariance": ParamSpec(bool, default=True, description="add the query covariance term"),
-        "use_vnorm": ParamSpec(bool, default=True, description="rescale by the value norm"),
-        "epsilon": ParamSpec(float, default=0.0, low=0.0, high=1e6,
-                             description="added before the value-norm rescaling"),
-        "query_buffer": ParamSpec(int, default=256, low=1, high=1 << 20,
-                                  description="decode: recent queries the statistics come from"),
-    }
+    n_future_positions: int = param(512, low=1, high=1 << 24,
+                                    description="future positions the RoPE rotation is averaged over")
+    n_sink: int = param(4, low=0, high=1 << 20, description="first tokens always kept")
+    use_covariance: bool = param(True, description="add the query covariance term")
+    use_vnorm: bool = param(True, description="rescale by the value norm")
+    epsilon: float = param(0.0, low=0.0, high=1e6, description="added before the value-norm rescaling")
+    query_buffer: int = param(256, low=1, high=1 << 20, description="decode: recent queries the statistics come from")
     paper = ("Devoto, Jeblick, Jégou, Expected Attention: KV Cache Compression by Estimating Attention from "
              "Future Queries Distribution, arXiv:2510.00636 (2025)")
 
     def new_state(self) -> RuleState:
         # Prompt moments for prefill, the recent-query buffer for decode (the moments are dropped after prefill).
-        return CompositeState(QueryMoments(int(self.params["n_sink"])), QueryBuffer(int(self.params["query_buffer"])))
+        return state.CompositeState(QueryMoments(int(self.n_sink)), QueryBuffer(int(self.query_buffer)))
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
-        return int(self.params["n_sink"]), 0
+        return int(self.n_sink), 0
 
     def _inv_freq(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.rope_inv_freq is None:
@@ -225,7 +220,7 @@ class ExpectedAttentionRule(ScoredRule):
         inv = self._inv_freq(ctx)
         state = ctx.state
         moments = None if state is None else state.component(QueryMoments)
-        n_sink = int(self.params["n_sink"])
+        n_sink = int(self.n_sink)
         if ctx.phase == "prefill" and moments is not None:
             if ctx.queries is None:
                 raise ValueError(f"layer {ctx.layer_idx} (prefill): rule 'expected-attention' has no queries")
@@ -238,17 +233,16 @@ class ExpectedAttentionRule(ScoredRule):
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """(mean over the group of softmax_j z_hj + epsilon) * ||v_j||: [B, Hkv, T] float32."""
-        p = self.params
-        n_sink = int(p["n_sink"])
+        n_sink = int(self.n_sink)
         B, Hkv, T, d = ctx.keys.shape
         mu, cov = self.query_statistics(ctx)                                # (B, H, d), (B, H, d, d)
         H = mu.shape[1]
         G = H // Hkv
-        R = mean_future_rotation(self._inv_freq(ctx), ctx.tokens_seen, int(p["n_future_positions"])).to(mu.device)
+        R = mean_future_rotation(self._inv_freq(ctx), ctx.tokens_seen, int(self.n_future_positions)).to(mu.device)
         mu = (mu @ R.T).float().view(B, Hkv, G, d)                         # mu' = R̄ mu
         k = ctx.keys.float()                                                # (B, Hkv, T, d)
         z = torch.einsum("bkgd,bktd->bkgt", mu, k) / math.sqrt(d)          # (B, Hkv, G, T)
-        if p["use_covariance"]:
+        if self.use_covariance:
             cov = (R @ cov @ R.T).float().view(B, Hkv, G, d, d)             # Sigma' = R̄ Sigma R̄^T
             z = z + torch.einsum("bkti,bkgij,bktj->bkgt", k, cov, k) / (2 * d)
         if ctx.valid is None:
@@ -259,8 +253,8 @@ class ExpectedAttentionRule(ScoredRule):
             candidate = ctx.valid & (rank >= n_sink)
         z = z.masked_fill(~candidate.unsqueeze(2), -math.inf)
         a = torch.softmax(z, dim=-1).nan_to_num(0.0).mean(dim=2)          # (B, Hkv, T)
-        if p["use_vnorm"]:
-            a = (a + float(p["epsilon"])) * ctx.values.float().norm(dim=-1)
+        if self.use_vnorm:
+            a = (a + float(self.epsilon)) * ctx.values.float().norm(dim=-1)
         a = a.masked_fill(~candidate, 0.0)
         sink = (rank < n_sink) if ctx.valid is None else (ctx.valid & (rank < n_sink))
         top = a.amax(dim=-1, keepdim=True) + 1.0                            # sinks: max + 1 of their head

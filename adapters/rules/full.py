@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_NONE, RetentionRule, SelectionContext
+from polykv.contract import PHASES, RetentionRule, SelectionContext
 
 
 class FullRule(RetentionRule):
@@ -21,7 +21,7 @@ class FullRule(RetentionRule):
 
     name = "full"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
+    signal = "none"
     defaults = {}
     shared_across_heads = False
     paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017 (arXiv:1706.03762)"

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_ACCUMULATED, ParamSpec, ScoredRule, SelectionContext
+from polykv.contract import PHASES, ScoredRule, SelectionContext, param
 
 
 class H2ORule(ScoredRule):
@@ -37,12 +37,10 @@ class H2ORule(ScoredRule):
 
     name = "h2o"
     phases = frozenset(PHASES)
-    signal = SIGNAL_ACCUMULATED
-    param_specs = {
-        "recent_ratio": ParamSpec(float, default=0.5, low=0.0, high=1.0,
-                                  description="share of the capacity kept for the most recent tokens"),
-        "normalize": ParamSpec(bool, default=False, description="divide accumulated attention by the query count"),
-    }
+    signal = "accumulated_attention"
+    recent_ratio: float = param(0.5, low=0.0, high=1.0,
+                                description="share of the capacity kept for the most recent tokens")
+    normalize: bool = param(False, description="divide accumulated attention by the query count")
     shared_across_heads = False
     paper = ("Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large "
              "Language Models, NeurIPS 2023 (arXiv:2306.14048)")
@@ -55,7 +53,7 @@ class H2ORule(ScoredRule):
                 f"(ctx.accumulated [B, Hkv, T]); the runtime must track signal '{self.signal}' for this layer"
             )
         acc = ctx.accumulated.float()
-        if not self.params["normalize"]:
+        if not self.normalize:
             return acc
         if ctx.query_counts is None:
             raise ValueError(
@@ -66,4 +64,4 @@ class H2ORule(ScoredRule):
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(0, recent) with ``recent = floor(recent_ratio * capacity)``."""
-        return 0, math.floor(float(self.params["recent_ratio"]) * capacity + 1e-9)  # guard 0.29 * 100 = 28.999...
+        return 0, math.floor(float(self.recent_ratio) * capacity + 1e-9)  # guard 0.29 * 100 = 28.999...

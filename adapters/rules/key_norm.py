@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.contract import PHASES, ScoredRule, SelectionContext
 
 
 class KeyNormRule(ScoredRule):
@@ -20,7 +20,7 @@ class KeyNormRule(ScoredRule):
 
     name = "key-norm"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
+    signal = "none"
     defaults = {}
     shared_across_heads = False
     paper = ("Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, "

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polykv.contract import (PHASES, SIGNAL_NONE, ParamSpec, ScoredRule, Selection, SelectionContext, ragged_top_k,
-                             top_k_sorted)
+from polykv.contract import PHASES, ScoredRule, Selection, SelectionContext, param, ragged_top_k, top_k_sorted
 
 
 def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,11 +76,9 @@ class KeyDiffRule(ScoredRule):
 
     name = "keydiff"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
-    param_specs = {
-        "block_size": ParamSpec(int, default=0, low=0, high=1 << 20,
-                                description="0: score all stored tokens at once; n > 0: kvpress BlockPress blocks"),
-    }
+    signal = "none"
+    block_size: int = param(0, low=0, high=1 << 20,
+                            description="0: score all stored tokens at once; n > 0: kvpress BlockPress blocks")
     shared_across_heads = False
     paper = ("Park et al., KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
              "in Resource-Constrained Environments (arXiv:2504.15364)")
@@ -92,7 +89,7 @@ class KeyDiffRule(ScoredRule):
 
     def select(self, ctx: SelectionContext, capacity: int) -> torch.Tensor | Selection:
         """Top ``capacity`` scores per head, or with ``block_size`` the block-wise choice."""
-        block = int(self.params["block_size"])
+        block = int(self.block_size)
         if block == 0:
             return super().select(ctx, capacity)
         B, Hkv, T = ctx.keys.shape[0], ctx.num_kv_heads, ctx.num_stored

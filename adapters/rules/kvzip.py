@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import (SIGNAL_NONE, AllocationRequest, Allocator, ParamError, ParamSpec, ProbeChunk, RuleState,
-                             ScoredRule, SelectionContext)
+from polykv.contract import Allocator, ParamError, RuleState, ScoredRule, SelectionContext, allocators, param, probe
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 """P_0, the reconstruction prompt of the first chunk (reference and kvpress)."""
@@ -136,9 +135,10 @@ PROMPT_PARAMS = ("repeat_ids", "continue_ids", "suffix_ids")
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
-def _ids_spec(what: str, min_items: int = 1) -> ParamSpec:
-    return ParamSpec(list, default=None, nullable=True, items=int, low=0, high=MAX_TOKEN_ID, min_items=min_items,
-                     token_ids=True, description=f"token ids of {what}; null: built from the model's tokenizer")
+def _ids_param(what: str, min_items: int = 1):
+    """A ``list[int] | None`` parameter of prompt token ids (null until the model's tokenizer builds them)."""
+    return param(None, low=0, high=MAX_TOKEN_ID, min_items=min_items, token_ids=True,
+                 description=f"token ids of {what}; null: built from the model's tokenizer")
 
 
 def check_sink_capacity(name: str, params: dict, capacity: int, *, tokens_kept: bool) -> None:
@@ -177,20 +177,18 @@ class KVzipRule(ScoredRule):
 
     name = "kvzip"
     phases = frozenset({"prefill"})
-    signal = SIGNAL_NONE
+    signal = "none"
     shared_across_heads = False
-    param_specs = {
-        "chunk_size": ParamSpec(int, default=2048, low=1, high=1 << 20, description="context tokens per chunk"),
-        "carry_tokens": ParamSpec(int, default=8, low=0, high=1 << 12,
-                                  description="previous chunk's last ids repeated in the next prompt"),
-        "sink": ParamSpec(str, default="tokens", choices=SINKS, description="attention sinks: n_sink tokens or the prefix"),
-        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens"),
-        "prefix_tokens": ParamSpec(int, default=0, low=0, high=1 << 30, description="prompt tokens before the context"),
-        "repeat_ids": _ids_spec("the first chunk's prompt"),
-        "continue_ids": _ids_spec("later chunks' prompt"),
-        # a tokenizer may spell the plain "\n" header as no tokens: the chunk then follows the prompt directly
-        "suffix_ids": _ids_spec("the assistant header", min_items=0),
-    }
+    chunk_size: int = param(2048, low=1, high=1 << 20, description="context tokens per chunk")
+    carry_tokens: int = param(8, low=0, high=1 << 12,
+                              description="previous chunk's last ids repeated in the next prompt")
+    sink: str = param("tokens", choices=SINKS, description="attention sinks: n_sink tokens or the prefix")
+    n_sink: int = param(4, low=0, high=1 << 20, description="attention-sink tokens")
+    prefix_tokens: int = param(0, low=0, high=1 << 30, description="prompt tokens before the context")
+    repeat_ids: list[int] | None = _ids_param("the first chunk's prompt")
+    continue_ids: list[int] | None = _ids_param("later chunks' prompt")
+    # a tokenizer may spell the plain "\n" header as no tokens: the chunk then follows the prompt directly
+    suffix_ids: list[int] | None = _ids_param("the assistant header", min_items=0)
     paper = ("Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction "
              "(arXiv:2505.23416)")
     tokenizer_params = PROMPT_PARAMS
@@ -203,19 +201,17 @@ class KVzipRule(ScoredRule):
         check_sink_capacity(self.name, self.params, capacity, tokens_kept=False)
 
     def new_state(self) -> ReconstructionScores:
-        p = self.params
-        return ReconstructionScores(sink=p["sink"], n_sink=p["n_sink"], prefix_tokens=p["prefix_tokens"])
+        return ReconstructionScores(sink=self.sink, n_sink=self.n_sink, prefix_tokens=self.prefix_tokens)
 
-    def probe_chunks(self, prompt_ids: torch.Tensor) -> list[ProbeChunk]:
+    def probe_chunks(self, prompt_ids: torch.Tensor) -> list[probe.ProbeChunk]:
         """``P_i + suffix + c_i`` for each context chunk c_i of ``prompt_ids`` [B, T] after the prefix."""
-        p = self.params
-        missing = [k for k in PROMPT_PARAMS if p[k] is None]
+        missing = [k for k in PROMPT_PARAMS if getattr(self, k) is None]
         if missing:
             raise ValueError(f"parameters {missing} are not set: they hold the token ids of the reconstruction "
                              f"prompts for this model's tokenizer; pass polykv.apply(model, plan, tokenizer=tok) "
                              f"(or set them from polykv.adapters.rules.kvzip.prompt_params(tokenizer))")
         B, T = prompt_ids.shape
-        prefix, size, carry = int(p["prefix_tokens"]), int(p["chunk_size"]), int(p["carry_tokens"])
+        prefix, size, carry = int(self.prefix_tokens), int(self.chunk_size), int(self.carry_tokens)
         if prefix >= T:
             raise ValueError(f"parameter 'prefix_tokens' is {prefix} but the prompt has {T} tokens: no context is left "
                              f"to reconstruct")
@@ -223,14 +219,14 @@ class KVzipRule(ScoredRule):
         def row(ids):
             return torch.tensor(ids, dtype=torch.long, device=prompt_ids.device).view(1, -1).expand(B, -1)
 
-        repeat, cont, suffix = row(p["repeat_ids"]), row(p["continue_ids"]), row(p["suffix_ids"])
+        repeat, cont, suffix = row(self.repeat_ids), row(self.continue_ids), row(self.suffix_ids)
         prompt_ids = prompt_ids.long()
         out, prev = [], None
         for i, start in enumerate(range(prefix, T, size)):
             end = min(start + size, T)
             chunk = prompt_ids[:, start:end]
             head = repeat if prev is None else torch.cat([cont, prev[:, prev.shape[1] - min(carry, prev.shape[1]):]], 1)
-            out.append(ProbeChunk(ids=torch.cat([head, suffix, chunk], dim=1), span=(start, end), index=i))
+            out.append(probe.ProbeChunk(ids=torch.cat([head, suffix, chunk], dim=1), span=(start, end), index=i))
             prev = chunk
         return out
 
@@ -271,7 +267,7 @@ class KVzipAllocator(Allocator):
             raise ValueError(f"layer {ctx.layer_idx}: allocator 'kvzip' cannot read a ragged layer")
         return state.scores[0]                                                   # (Hkv, T)
 
-    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+    def allocate(self, request: allocators.AllocationRequest) -> torch.Tensor:
         scores = torch.stack([s.float() for s in request.statistics])            # (n, Hkv, T)
         n, Hkv, T = scores.shape
         keep = min(int(request.total) * Hkv, n * Hkv * T)

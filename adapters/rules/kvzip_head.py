@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.kvzip import SINKS, KVzipRule, check_sink_capacity, prompt_params
-from polykv.contract import (HEAD_SCORES_SUFFIX, SIGNAL_NONE, AllocationRequest, Allocator, HeadScores, ModelDataNeed,
-                             ParamSpec, RuleState, ScoredRule, SelectionContext, ragged_top_k, run_probe, tokenizer_of)
+from polykv.contract import (Allocator, ModelDataNeed, RuleState, ScoredRule, SelectionContext, allocators, model_data,
+                             param, probe, ragged_top_k)
+from polykv.models.kvzip_heads import HEAD_SCORES_SUFFIX, HeadScores
 
 HEAD_SCORES_KEY = "kvzip-head"
 CALIBRATION_SINK = 4
@@ -27,7 +28,7 @@ def compute_head_scores(model, token_batches, tokenizer=None, *, chunk_size: int
     rest (its prompts built from ``tokenizer``: :func:`prompt_params`; else the tokenizer saved beside the
     model) and the maximum reconstruction probability of each layer and KV head over the context is kept.
     """
-    tokenizer = tokenizer if tokenizer is not None else tokenizer_of(model)
+    tokenizer = tokenizer if tokenizer is not None else model_data.tokenizer_of(model)
     if tokenizer is None:
         raise ValueError("kvzip head scores need the model's tokenizer for the reconstruction prompts; pass "
                          "tokenizer=... (polykv.apply(..., tokenizer=tok) or compute_head_scores(..., tokenizer=tok))")
@@ -37,7 +38,7 @@ def compute_head_scores(model, token_batches, tokenizer=None, *, chunk_size: int
                          f"{CALIBRATION_SINK}")
     params = dict(prompt_params(tokenizer), chunk_size=int(chunk_size), n_sink=CALIBRATION_SINK,
                   prefix_tokens=CALIBRATION_SINK, sink="tokens")
-    states = run_probe(model, "kvzip", params, ids.to(next(model.parameters()).device))
+    states = probe.run_probe(model, "kvzip", params, ids.to(next(model.parameters()).device))
     scores = torch.stack([st.scores[0, :, CALIBRATION_SINK:].amax(dim=-1) for st in states]).float().cpu()
     return HeadScores.measured(scores, model, num_tokens=int(ids.shape[1]) - CALIBRATION_SINK)
 
@@ -88,22 +89,19 @@ class KVzipHeadRule(ScoredRule):
 
     name = "kvzip-head"
     phases = frozenset({"prefill"})
-    signal = SIGNAL_NONE
+    signal = "none"
     shared_across_heads = False
     model_data_need = HEAD_SCORES
-    param_specs = {
-        "sink": ParamSpec(str, default="tokens", choices=SINKS, description="kept in every head: n_sink tokens or the prefix"),
-        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens"),
-        "prefix_tokens": ParamSpec(int, default=0, low=0, high=1 << 30, description="prompt tokens before the context"),
-    }
+    sink: str = param("tokens", choices=SINKS, description="kept in every head: n_sink tokens or the prefix")
+    n_sink: int = param(4, low=0, high=1 << 20, description="attention-sink tokens")
+    prefix_tokens: int = param(0, low=0, high=1 << 30, description="prompt tokens before the context")
     paper = KVzipRule.paper
 
     def check_capacity(self, capacity: int) -> None:
         check_sink_capacity(self.name, self.params, capacity, tokens_kept=True)
 
     def new_state(self) -> HeadSinks:
-        p = self.params
-        return HeadSinks(sink=p["sink"], n_sink=p["n_sink"], prefix_tokens=p["prefix_tokens"])
+        return HeadSinks(sink=self.sink, n_sink=self.n_sink, prefix_tokens=self.prefix_tokens)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """s[l, h] for every stored context token of head h, +inf for the sink tokens: [B, Hkv, T] float32."""
@@ -174,7 +172,7 @@ class KVzipHeadAllocator(Allocator):
         """A kept head holds its whole context, whatever the group's total."""
         return [int(context_tokens) for _ in capacities]
 
-    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+    def allocate(self, request: allocators.AllocationRequest) -> torch.Tensor:
         scores = torch.stack([s for s, _ in request.statistics])                 # (n, Hkv)
         floors = torch.tensor([max(k, 1) for _, k in request.statistics]).view(-1, 1).expand_as(scores)
         counts = whole_heads(scores.flatten(), floors.flatten(), int(request.context_tokens),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from polykv.adapters.rules.snapkv import SnapKVRule
-from polykv.contract import AllocationRequest, Allocator, ParamSpec, pyramid_capacities, trim_to, with_defaults
+from polykv.contract import Allocator, allocators, param, schedules
 
 
 class PyramidKVRule(SnapKVRule):
@@ -43,7 +43,9 @@ class PyramidKVRule(SnapKVRule):
     """
 
     name = "pyramidkv"
-    param_specs = with_defaults(SnapKVRule.param_specs, window=8, kernel_size=7, pooling="max")
+    window = 8
+    kernel_size = 7
+    pooling = "max"
     paper = ("Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information "
              "Funneling, arXiv:2406.02069")
 
@@ -57,10 +59,10 @@ def pyramid_budgets(num_layers: int, context_tokens: int, total_tokens: int, *, 
     one at a time from the largest layers (lowest index first) so the total is never exceeded.
     """
     M = total_tokens // num_layers
-    caps = pyramid_capacities(num_layers, context_tokens, M, window=window, beta=beta)
+    caps = schedules.pyramid_capacities(num_layers, context_tokens, M, window=window, beta=beta)
     if caps is None:
         return [min(context_tokens, M)] * num_layers
-    caps, _ = trim_to([min(c, context_tokens) for c in caps], total_tokens)
+    caps, _ = schedules.trim_to([min(c, context_tokens) for c in caps], total_tokens)
     return caps
 
 
@@ -79,20 +81,18 @@ class PyramidKVAllocator(Allocator):
     """
 
     name = "pyramidkv"
-    param_specs = {
-        "window": ParamSpec(int, default=8, low=0, high=1 << 20, description="window included in every budget"),
-        "beta": ParamSpec(int, default=20, low=1, high=1 << 20, description="largest to smallest budget spread"),
-    }
+    window: int = param(8, low=0, high=1 << 20, description="window included in every budget")
+    beta: int = param(20, low=1, high=1 << 20, description="largest to smallest budget spread")
     paper = PyramidKVRule.paper
 
     def layer_statistic(self, ctx) -> None:
         return None
 
     def _budgets(self, layers: int, context_tokens: int, total: int) -> list[int]:
-        return pyramid_budgets(layers, context_tokens, total, window=int(self.params["window"]),
-                               beta=int(self.params["beta"]))
+        return pyramid_budgets(layers, context_tokens, total, window=int(self.window),
+                               beta=int(self.beta))
 
-    def allocate(self, request: AllocationRequest) -> torch.Tensor:
+    def allocate(self, request: allocators.AllocationRequest) -> torch.Tensor:
         caps = self._budgets(len(request.group_layers), request.context_tokens, request.total)
         where = {layer: i for i, layer in enumerate(request.group_layers)}
         return torch.tensor([caps[where[layer]] for layer in request.layers], dtype=torch.int64)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_NONE, ScoredRule, SelectionContext
+from polykv.contract import PHASES, ScoredRule, SelectionContext
 
 
 class RandomRule(ScoredRule):
@@ -20,7 +20,7 @@ class RandomRule(ScoredRule):
 
     name = "random"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
+    signal = "none"
     defaults = {}
     shared_across_heads = False
     paper = "Random-eviction baseline (Zhang et al., H2O, NeurIPS 2023, arXiv:2306.14048; kvpress RandomPress)"

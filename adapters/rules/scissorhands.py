@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import (LAST_ROWS, PHASES, SIGNAL_NONE, Observation, ParamError, ParamSpec, RuleState,
-                             ScoredRule, SelectionContext)
+from polykv.contract import PHASES, ParamError, RuleState, ScoredRule, SelectionContext, param, state
 
 
 def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, *,
@@ -59,7 +58,7 @@ def unimportant_events(attn: torch.Tensor, query_positions: torch.Tensor, key_po
     return events.view(B, Hkv, G, r, T).sum(dim=2).to(torch.uint8)
 
 
-def history_attention(obs: Observation, rows: int) -> torch.Tensor:
+def history_attention(obs: state.Observation, rows: int) -> torch.Tensor:
     """Softmax attention of the last ``rows`` new queries of ``obs`` over its keys: [B, H, rows, K] float32.
 
     Each query sees the keys at positions up to its own (padding of a ragged layer never): the rows
@@ -76,7 +75,7 @@ class UnimportantHistory(RuleState):
     enter with 0 events in older rows (those queries could not see them); eviction gathers columns.
     """
 
-    needs = frozenset({LAST_ROWS})
+    needs = frozenset({state.LAST_ROWS})
 
     def __init__(self, history: int, threshold: str, quantile: float):
         self.history, self.threshold, self.quantile = int(history), threshold, float(quantile)
@@ -87,7 +86,7 @@ class UnimportantHistory(RuleState):
     def reset(self) -> None:
         self.events: torch.Tensor | None = None
 
-    def observe(self, obs: Observation) -> None:
+    def observe(self, obs: state.Observation) -> None:
         rows = min(self.history, obs.num_new)
         attn = history_attention(obs, rows)
         qpos = torch.arange(obs.first_position + obs.num_new - rows, obs.first_position + obs.num_new,
@@ -139,27 +138,23 @@ class ScissorhandsRule(ScoredRule):
 
     name = "scissorhands"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
-    param_specs = {
-        "history": ParamSpec(int, default=400, low=1, high=1 << 20, description="attention rows remembered"),
-        "recent": ParamSpec(int, default=10, low=0, high=1 << 20, description="recent tokens always kept"),
-        "threshold": ParamSpec(str, default="average", choices=("average", "quantile"), description="importance cut"),
-        "quantile": ParamSpec(float, default=0.9, low=0.0, high=1.0, description="quantile of the quantile cut"),
-    }
+    signal = "none"
+    history: int = param(400, low=1, high=1 << 20, description="attention rows remembered")
+    recent: int = param(10, low=0, high=1 << 20, description="recent tokens always kept")
+    threshold: str = param("average", choices=("average", "quantile"), description="importance cut")
+    quantile: float = param(0.9, low=0.0, high=1.0, description="quantile of the quantile cut")
     shared_across_heads = False
     paper = ("Liu et al., Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache "
              "Compression at Test Time, NeurIPS 2023 (arXiv:2305.17118)")
 
-    def __init__(self, **params):
-        super().__init__(**params)
-        quantile = float(self.params["quantile"])
+    def __attrs_post_init__(self):
+        quantile = float(self.quantile)
         if not 0.0 < quantile < 1.0:                          # the spec's bounds are inclusive: exclude 0 and 1
             raise ParamError("quantile", f"rule 'scissorhands': parameter 'quantile' must lie in (0, 1), "
                                          f"got {quantile}")
 
     def new_state(self) -> UnimportantHistory:
-        p = self.params
-        return UnimportantHistory(int(p["history"]), p["threshold"], float(p["quantile"]))
+        return UnimportantHistory(int(self.history), self.threshold, float(self.quantile))
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Minus the unimportant counts: [B, Hkv, T] float32."""
@@ -170,4 +165,4 @@ class ScissorhandsRule(ScoredRule):
         return -ctx.state.counts().float()
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
-        return 0, int(self.params["recent"])
+        return 0, int(self.recent)

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from polykv.contract import SIGNAL_WINDOW, ParamSpec, ScoredRule, SelectionContext, newest_tokens
+from polykv.contract import ScoredRule, SelectionContext, newest_tokens, param
 
 
 class SnapKVRule(ScoredRule):
@@ -37,25 +37,23 @@ class SnapKVRule(ScoredRule):
 
     name = "snapkv"
     phases = frozenset({"prefill"})
-    signal = SIGNAL_WINDOW
-    param_specs = {
-        "window": ParamSpec(int, default=32, low=1, high=1 << 20, description="observation window in tokens"),
-        "kernel_size": ParamSpec(int, default=7, low=1, high=1 << 12, odd=True, description="pooling kernel"),
-        "pooling": ParamSpec(str, default="max", choices=("max", "avg"), description="pooling of the votes"),
-    }
+    signal = "observation_window"
+    window: int = param(32, low=1, high=1 << 20, description="observation window in tokens")
+    kernel_size: int = param(7, low=1, high=1 << 12, odd=True, description="pooling kernel")
+    pooling: str = param("max", choices=("max", "avg"), description="pooling of the votes")
     shared_across_heads = False
     paper = ("Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 "
              "(arXiv:2404.14469)")
 
     def _window(self, ctx: SelectionContext) -> int:
-        return min(int(self.params["window"]), ctx.num_stored)
+        return min(int(self.window), ctx.num_stored)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         """Pooled votes of the prefix, +inf on the window: [B, Hkv, T] float32."""
-        k, pooling = int(self.params["kernel_size"]), self.params["pooling"]
+        k, pooling = int(self.kernel_size), self.pooling
         if ctx.queries is None:
             raise ValueError(
-                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'snapkv' needs the last {self.params['window']} "
+                f"layer {ctx.layer_idx} ({ctx.phase}): rule 'snapkv' needs the last {self.window} "
                 f"queries (ctx.queries); the runtime must keep signal '{self.signal}' for this layer"
             )
         w = self._window(ctx)

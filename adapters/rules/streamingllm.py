@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_NONE, ParamSpec, ScoredRule, SelectionContext
+from polykv.contract import PHASES, ScoredRule, SelectionContext, param
 
 
 class StreamingLLMRule(ScoredRule):
@@ -27,10 +27,8 @@ class StreamingLLMRule(ScoredRule):
 
     name = "streamingllm"
     phases = frozenset(PHASES)
-    signal = SIGNAL_NONE
-    param_specs = {
-        "n_sink": ParamSpec(int, default=4, low=0, high=1 << 20, description="attention-sink tokens kept"),
-    }
+    signal = "none"
+    n_sink: int = param(4, low=0, high=1 << 20, description="attention-sink tokens kept")
     shared_across_heads = True
     paper = ("Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 "
              "(arXiv:2309.17453)")
@@ -45,7 +43,7 @@ class StreamingLLMRule(ScoredRule):
 
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         """(n_sink, capacity - n_sink): sinks first, the rest of the budget is the recent window."""
-        n_sink = int(self.params["n_sink"])
+        n_sink = int(self.n_sink)
         if n_sink < 0:
             raise ValueError(f"rule 'streamingllm': n_sink must be >= 0, got {n_sink}")
         return n_sink, max(capacity - n_sink, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract import PHASES, SIGNAL_LAST_QUERY, ScoredRule, SelectionContext
+from polykv.contract import PHASES, ScoredRule, SelectionContext
 
 
 class TOVARule(ScoredRule):
@@ -21,7 +21,7 @@ class TOVARule(ScoredRule):
 
     name = "tova"
     phases = frozenset(PHASES)
-    signal = SIGNAL_LAST_QUERY
+    signal = "last_query"
     defaults = {}
     shared_across_heads = True
     paper = "Oren et al., Transformers are Multi-State RNNs, EMNLP 2024 (arXiv:2401.06104)"

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from polykv.contract import (PHASES, QUERY_STATS_SUFFIX, SIGNAL_PREROPE_STATS, ModelDataNeed, ParamSpec, QueryStats,
-                             ScoredRule, SelectionContext, compute_query_stats)
+from polykv.contract import PHASES, ModelDataNeed, ScoredRule, SelectionContext, param
+from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 
 STATS_KEY = "triattention"
 
@@ -53,10 +53,8 @@ class TriAttentionRule(ScoredRule):
 
     name = "triattention"
     phases = frozenset(PHASES)
-    signal = SIGNAL_PREROPE_STATS
-    param_specs = {
-        "max_offset": ParamSpec(int, default=65536, low=1, high=1 << 31, description="largest future offset scored"),
-    }
+    signal = "prerope_key_stats"
+    max_offset: int = param(65536, low=1, high=1 << 31, description="largest future offset scored")
     shared_across_heads = False
     model_data_need = QUERY_STATISTICS
     paper = ("Mao et al., TriAttention: Efficient Long Reasoning with Trigonometric KV Compression, "
@@ -64,7 +62,7 @@ class TriAttentionRule(ScoredRule):
 
     def offsets(self) -> list[int]:
         """The future offsets delta_j: powers of two from 1 to ``max_offset``."""
-        m = int(self.params["max_offset"])
+        m = int(self.max_offset)
         if m < 1:
             raise ValueError(f"rule 'triattention': max_offset must be >= 1, got {m}")
         return [2 ** j for j in range(int(math.log2(m)) + 1)]

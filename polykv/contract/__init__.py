@@ -1,65 +1,77 @@
 """The plugin contract: everything a retention rule, quantizer or allocator plugin imports.
 
-A plugin imports from here (``from polykv.contract import ScoredRule, SelectionContext, hookimpl``)
-and from the storage building blocks (:mod:`polykv.storage`) if it stores tokens itself; nothing
-else of polykv. The modules behind it:
+A plugin imports from this package only (``from polykv.contract import ScoredRule, param, hookimpl``), and
+:mod:`polykv.errors`. A minimal rule is a :class:`ScoredRule` with a ``name``, its parameters as typed fields
+(:func:`param`) and a ``score`` method, registered by a :data:`hookimpl` ``register_rules``. The front door:
 
-- :mod:`polykv.contract.rules` — retention rules (:class:`RetentionRule`, :class:`ScoredRule`), the
-  context a rule decides in (:class:`SelectionContext`), phases and the signals a rule declares;
-- :mod:`polykv.contract.selection` — what a rule returns (:class:`Selection`, :class:`Merge`) and
-  top-k helpers;
-- :mod:`polykv.contract.state` — what a rule remembers between forwards (:class:`RuleState` and the
-  built-in states);
-- :mod:`polykv.contract.probe` — a model pass after prefill a rule declares (:class:`ProbeChunk`);
-- :mod:`polykv.contract.stores` — quantizers and their stores (:class:`Quantizer`, :class:`KVStore`);
-- :mod:`polykv.contract.allocators` — run-time budget allocators (:class:`Allocator`);
-- :mod:`polykv.contract.params` — parameter declarations (:class:`ParamSpec`);
-- :mod:`polykv.contract.model_data` — per-model data files a rule needs (:class:`ModelDataNeed`);
-- :mod:`polykv.contract.hookspecs` — the hooks a plugin implements (:data:`hookimpl`);
-- :mod:`polykv.contract.score_checks` — the checks a scored rule's scores pass.
+- rules: :class:`RetentionRule`, :class:`ScoredRule`, the :class:`SelectionContext` they decide in, what they
+  return (:class:`Selection`, or indices from :func:`top_k_sorted`, :func:`ragged_top_k`, :func:`newest_tokens`),
+  what they remember (:class:`RuleState`), the phases (:data:`PHASES`);
+- quantizers and their stores: :class:`Quantizer`, :class:`KVStore`;
+- allocators: :class:`Allocator`;
+- parameters: :func:`param`, :class:`ParamError`; per-model data: :class:`ModelDataNeed`;
+- registration: :data:`hookimpl`; a rule wrapping another finds it with :func:`registered_rule`.
 
-Modules inside polykv import the submodules above, never this package: it re-exports from modules
-of other packages too (the registry, the query statistics, the PyramidKV schedule), and importing
-it from them would wait on itself.
+The building blocks that only some plugins need are the contract's modules, imported through this package
+(``from polykv.contract import state``): :mod:`~polykv.contract.state` (the built-in rule states),
+:mod:`~polykv.contract.selection` (merges), :mod:`~polykv.contract.probe` (a model pass after prefill),
+:mod:`~polykv.contract.allocators` (what an allocator is asked), :mod:`~polykv.contract.schedules` (PyramidKV's
+staircase), :mod:`~polykv.contract.model_data` (side files, the model's tokenizer) and
+:mod:`~polykv.contract.storage` (the token buffer a store fills, the 16-bit store, shape checks).
+
+Names of 0.1 that left the front door still import from here, with a DeprecationWarning naming the module
+they live in. Modules inside polykv import the submodules, never this package.
 """
 
-from polykv.contract.allocators import AllocationRequest, Allocator
-from polykv.contract.hookspecs import PROJECT, hookimpl
-from polykv.contract.model_data import ModelDataNeed, need_of, side_file, tokenizer_of
-from polykv.contract.probe import ProbeChunk, probe_tokens, run_probe
-from polykv.contract.params import (NO_DEFAULT, DeclaredParams, ParamError, ParamSpec, UncheckedParamsWarning,
-                                    check_params, resolve_params, unchecked_params, with_defaults)
-from polykv.contract.rules import (PHASES, SIGNAL_ACCUMULATED, SIGNAL_LAST_QUERY, SIGNAL_NONE, SIGNAL_PREROPE_STATS,
-                                   SIGNAL_WINDOW, SIGNALS, Register, RetentionRule, ScoredRule, SelectionContext,
-                                   window_rows)
-from polykv.contract.selection import (STREAMS, Merge, Selection, as_selection, newest_tokens, ragged_top_k,
-                                       top_k_sorted)
-from polykv.contract.state import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS, AccumulatedAttention,
-                                   CompositeState, Observation, QueryWindow, RuleState, attention_probabilities,
-                                   state_bytes)
-from polykv.contract.stores import KVStore, Quantizer, WriteCost
-from polykv.memory.schedules import pyramid_capacities, trim_to
-from polykv.models.kvzip_heads import HEAD_SCORES_SUFFIX, HeadScores
-from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
-from polykv.registry import get_registry
+import importlib
+import warnings
+
+from polykv.contract import allocators, model_data, probe, schedules, selection, state, storage
+from polykv.contract.allocators import Allocator
+from polykv.contract.hookspecs import hookimpl
+from polykv.contract.model_data import ModelDataNeed
+from polykv.contract.params import ParamError, param
+from polykv.contract.rules import PHASES, RetentionRule, ScoredRule, SelectionContext, registered_rule
+from polykv.contract.selection import Selection, newest_tokens, ragged_top_k, top_k_sorted
+from polykv.contract.state import RuleState
+from polykv.contract.stores import KVStore, Quantizer
 
 __all__ = [
-    # rules
-    "PHASES", "SIGNALS", "SIGNAL_NONE", "SIGNAL_LAST_QUERY", "SIGNAL_WINDOW", "SIGNAL_ACCUMULATED",
-    "SIGNAL_PREROPE_STATS", "SelectionContext", "RetentionRule", "ScoredRule", "window_rows", "Register",
-    # what a rule returns
-    "Selection", "Merge", "as_selection", "top_k_sorted", "ragged_top_k", "newest_tokens", "STREAMS",
-    # what a rule remembers
-    "RuleState", "QueryWindow", "AccumulatedAttention", "Observation", "CompositeState", "state_bytes",
-    "NEEDS", "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS", "attention_probabilities",
-    # a model pass after prefill
-    "ProbeChunk", "probe_tokens", "run_probe",
-    # quantizers and stores
-    "Quantizer", "KVStore", "WriteCost",
-    # allocators and their shared schedule
-    "Allocator", "AllocationRequest", "pyramid_capacities", "trim_to",
-    # parameters, model data, hooks, the registry
-    "ParamSpec", "ParamError", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults",
-    "resolve_params", "unchecked_params", "UncheckedParamsWarning", "ModelDataNeed", "need_of", "side_file", "tokenizer_of",
-    "QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "HeadScores", "HEAD_SCORES_SUFFIX", "PROJECT", "hookimpl", "get_registry",
+    # rules: what they are, where they decide, what they return and remember
+    "RetentionRule", "ScoredRule", "SelectionContext", "Selection", "RuleState", "PHASES",
+    "top_k_sorted", "ragged_top_k", "newest_tokens", "registered_rule",
+    # quantizers, allocators, parameters, per-model data, registration
+    "Quantizer", "KVStore", "Allocator", "param", "ParamError", "ModelDataNeed", "hookimpl",
+    # building blocks some plugins need
+    "state", "selection", "probe", "allocators", "schedules", "model_data", "storage",
 ]
+
+_MOVED = {
+    **dict.fromkeys(("SIGNALS", "SIGNAL_NONE", "SIGNAL_LAST_QUERY", "SIGNAL_WINDOW", "SIGNAL_ACCUMULATED",
+                     "SIGNAL_PREROPE_STATS", "window_rows", "Register"), "polykv.contract.rules"),
+    **dict.fromkeys(("Merge", "as_selection", "STREAMS"), "polykv.contract.selection"),
+    **dict.fromkeys(("QueryWindow", "AccumulatedAttention", "Observation", "CompositeState", "state_bytes", "NEEDS",
+                     "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS", "attention_probabilities"),
+                    "polykv.contract.state"),
+    **dict.fromkeys(("ProbeChunk", "probe_tokens", "run_probe"), "polykv.contract.probe"),
+    "WriteCost": "polykv.contract.stores",
+    "AllocationRequest": "polykv.contract.allocators",
+    **dict.fromkeys(("pyramid_capacities", "trim_to"), "polykv.contract.schedules"),
+    **dict.fromkeys(("ParamSpec", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults", "resolve_params",
+                     "unchecked_params", "UncheckedParamsWarning"), "polykv.contract.params"),
+    **dict.fromkeys(("need_of", "side_file", "tokenizer_of"), "polykv.contract.model_data"),
+    **dict.fromkeys(("QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX"), "polykv.models.query_stats"),
+    **dict.fromkeys(("HeadScores", "HEAD_SCORES_SUFFIX"), "polykv.models.kvzip_heads"),
+    "PROJECT": "polykv.contract.hookspecs",
+    "get_registry": "polykv.registry",
+}
+"""Names polykv.contract exported in 0.1 -> the module that holds them now."""
+
+
+def __getattr__(name: str):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polykv.contract' has no attribute {name!r}")
+    warnings.warn(f"polykv.contract.{name} left the plugin contract's front door in 0.2; import it from {module} "
+                  f"(it goes from polykv.contract in 0.3)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

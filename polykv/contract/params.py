@@ -20,6 +20,7 @@ polykv.contract.params.ParamError: parameter 'window' must be >= 1, got -3 (obse
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
 import attrs
@@ -181,28 +182,102 @@ def with_defaults(specs: Mapping[str, ParamSpec], **defaults: Any) -> dict[str, 
     return {n: attrs.evolve(s, default=defaults[n]) if n in defaults else s for n, s in specs.items()}
 
 
+_SPEC_KEY = "polykv_param"
+"""Key of an :func:`param` field's attrs metadata holding its :class:`ParamSpec`."""
+
+_KINDS = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}
+
+
+def param(default: Any, *, low: float | None = None, high: float | None = None, choices: Any = None,
+          description: str = "", odd: bool = False, min_items: int = 0, token_ids: bool = False) -> Any:
+    """A plugin parameter, declared as a typed field of its class::
+
+        class SnapKV(ScoredRule):
+            window: int = param(32, low=1, description="observation window")
+
+    The annotation gives the type (``int``, ``float``, ``bool``, ``str``, ``dict``, ``list`` or ``list[int]`` /
+    ``list[float]``, ``| None`` for a nullable one); ``default`` is the value a plan that gives none gets; ``low`` /
+    ``high`` (inclusive), ``choices``, ``odd``, ``min_items`` and ``token_ids`` bound it as in :class:`ParamSpec`.
+    A plan's value is checked when the plugin is built (``Rule(window=-3)`` is a :class:`ParamError` naming
+    ``window``); the rule reads it as ``self.window``. A subclass changes an inherited parameter's default by
+    assigning it (``window = 8``).
+    """
+    spec = ParamSpec(object, low=low, high=high, choices=choices, description=description, default=default, odd=odd,
+                     min_items=min_items, token_ids=token_ids)
+    return attrs.field(default=default, metadata={_SPEC_KEY: spec})
+
+
+def _spec_of_field(owner: str, name: str, spec: ParamSpec, annotation: Any) -> ParamSpec:
+    """``spec`` with the kind, items and nullability the field's annotation declares."""
+    text = annotation if isinstance(annotation, str) else (
+        annotation.__name__ if isinstance(annotation, type) else repr(annotation))
+    parts = [p.strip() for p in text.split("|")]
+    nullable = "None" in parts
+    parts = [p for p in parts if p != "None"]
+    kind = items = None
+    if len(parts) == 1 and parts[0].startswith("list[") and parts[0].endswith("]"):
+        items = _KINDS.get(parts[0][5:-1])
+        kind = list if items in (int, float) else None
+    elif len(parts) == 1:
+        kind = _KINDS.get(parts[0])
+    if kind is None:
+        raise TypeError(f"{owner}: parameter {name!r} is annotated {text!r}; annotate it with int, float, bool, str, "
+                        "dict, list, list[int] or list[float] (add '| None' to allow null)")
+    return attrs.evolve(spec, kind=kind, items=items, nullable=nullable)
+
+
 class DeclaredParams:
     """Parameters of a plugin class (rule, quantizer, allocator), declared once.
 
-    A subclass declares ``param_specs`` (name -> :class:`ParamSpec` with its ``default``); the
-    ``defaults`` mapping is derived from it. A class that declares ``defaults`` itself (the older
-    form, kept for third-party plugins) keeps them: its specs, own or inherited, take their defaults
-    from that mapping, and names without a spec are not checked (plan validation warns about them,
-    :func:`unchecked_params`). Building an instance refuses unknown names and values outside their
-    specs, with a :class:`ParamError` naming the plugin and the parameter.
+    A subclass declares each parameter as a typed field (:func:`param`); the class attributes ``param_specs``
+    (name -> :class:`ParamSpec`) and ``defaults`` (name -> default) are derived from them, and the class
+    becomes an attrs class (``attrs.fields(cls)`` lists the parameters; ``repr`` shows their values). Building
+    an instance (``cls(**params)``, as plan validation and the runtime do) refuses unknown names and values
+    outside their specs with a :class:`ParamError` naming the plugin and the parameter, sets each parameter as
+    an attribute, then calls ``__attrs_post_init__`` (checks across parameters) when the class has one.
+    ``params`` is a read-only mapping of every parameter's value.
+
+    The 0.1 form (``param_specs = {...}`` of :class:`ParamSpec` with defaults, or a bare ``defaults`` mapping, read
+    as ``self.params[...]``) still works for third-party plugins; names without a spec are not checked (plan
+    validation warns about them, :func:`unchecked_params`).
     """
 
     plugin_kind: ClassVar[str] = "plugin"
     """``"rule"``, ``"quantizer"`` or ``"allocator"``: the word error messages use."""
     defaults: ClassVar[Mapping[str, Any]] = {}
-    """Parameter name -> default (derived from ``param_specs`` when the class declares only those)."""
+    """Parameter name -> default (derived from the fields, or from ``param_specs``)."""
     param_specs: ClassVar[Mapping[str, ParamSpec]] = {}
     """Parameter name -> :class:`ParamSpec` (type, range or choices, default); values are checked."""
+    _field_names: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
         own = vars(cls)
+        owner = f"{getattr(cls, 'plugin_kind', 'plugin')} {cls.__qualname__}"
+        fields = {n: v for n, v in own.items() if isinstance(v, type(attrs.field()))}
+        if fields and ("param_specs" in own or "defaults" in own):
+            raise TypeError(f"{owner}: declare parameters either as fields (param(...)) or in param_specs, not both")
         specs = dict(cls.param_specs)
+        if fields:
+            notes = getattr(cls, "__annotations__", {}) if "__annotations__" in own else {}
+            for name, field in fields.items():
+                spec = field.metadata.get(_SPEC_KEY)
+                if spec is None or name not in notes:
+                    raise TypeError(f"{owner}: field {name!r} must be a typed param(...), e.g. "
+                                    f"{name}: int = param(DEFAULT, ...)")
+                specs[name] = _spec_of_field(owner, name, spec, notes[name])
+                delattr(cls, name)
+        overrides = [n for n in cls._field_names if n in own and n not in fields]
+        for name in overrides:             # an inherited field given a new default: ``window = 8``
+            specs[name] = attrs.evolve(specs[name], default=specs[name].check(name, own[name]))
+            delattr(cls, name)
+        if fields or overrides:
+            cls._field_names = tuple(dict.fromkeys((*cls._field_names, *fields)))
+            cls.param_specs = specs
+            cls.defaults = {n: specs[n].default for n in cls._field_names}
+            attrs.define(cls, these={n: attrs.field(default=specs[n].default) for n in cls._field_names},
+                         init=False, eq=False, slots=False, repr=True)
+            return
         if "param_specs" in own and "defaults" not in own:
             missing = sorted(n for n, s in specs.items() if not s.has_default and n not in cls.defaults)
             if missing:
@@ -214,7 +289,18 @@ class DeclaredParams:
             not s.has_default or s.default is not defaults[n]) else s for n, s in specs.items()}
 
     def __init__(self, **params: Any):
-        self.params = resolve_params(type(self), params)
+        values = resolve_params(type(self), params)
+        for name in self._field_names:
+            object.__setattr__(self, name, values[name])
+        self._other_params = {n: v for n, v in values.items() if n not in self._field_names}
+        post = getattr(self, "__attrs_post_init__", None)
+        if post is not None:
+            post()
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """Every parameter's value (read-only)."""
+        return MappingProxyType({**self._other_params, **{n: getattr(self, n) for n in self._field_names}})
 
 
 def resolve_params(cls: Any, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 
 from polykv.attention.signals import attention_probabilities
 from polykv.contract.score_checks import check_deciding_scores, checked_scores, checks_enabled
-from polykv.contract.params import DeclaredParams
+from polykv.contract.params import DeclaredParams, ParamError
 from polykv.contract.probe import ProbeChunk  # noqa: F401 (the type probe_chunks returns)
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
 from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
@@ -174,6 +174,14 @@ class RetentionRule(DeclaredParams):
     unset (null), ``polykv.apply`` fills from :meth:`params_for_tokenizer` with the tokenizer it is given, else the
     one saved beside the model."""
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if cls.signal not in SIGNALS:
+            raise TypeError(f"rule {cls.__qualname__}: signal {cls.signal!r} is not one of {list(SIGNALS)}")
+        if not isinstance(cls.phases, frozenset) or not cls.phases or not cls.phases <= set(PHASES):
+            raise TypeError(f"rule {cls.__qualname__}: phases must be a non-empty frozenset of {list(PHASES)}, "
+                            f"got {cls.phases!r}")
+
     @classmethod
     def params_for_tokenizer(cls, tokenizer: Any) -> dict[str, Any]:
         """The values of :attr:`tokenizer_params` for ``tokenizer`` (the default: none)."""
@@ -285,3 +293,16 @@ class ScoredRule(RetentionRule):
 
 
 Register = Callable[[type], None]
+
+
+def registered_rule(name: str) -> type[RetentionRule]:
+    """The rule class registered under ``name`` in the process registry, for a rule that wraps another (CaM,
+    Ada-KV); an unknown name is a :class:`~polykv.contract.params.ParamError` (``param`` = ``"rule"``) listing
+    the registered rules."""
+    # the registry imports this package for its hook specifications: it is imported here, when a rule is built
+    from polykv.registry import get_registry
+
+    registry = get_registry()
+    if not registry.has("rule", name):
+        raise ParamError("rule", f"unknown rule {name!r}; available: {registry.names('rule')}")
+    return registry.rule(name)

@@ -25,7 +25,7 @@ from polykv.contract.params import ParamSpec
 from polykv.plan import FULL_OP, MAX_CONTEXT_TOKENS, OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
-from polykv.memory.schedules import pyramid_capacities, trim_to
+from polykv.contract.schedules import pyramid_capacities, trim_to
 from polykv.solvers.base import Solver, min_bytes_message
 
 

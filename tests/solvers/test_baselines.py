@@ -11,7 +11,7 @@ from polykv.memory import nominal_bytes
 from polykv.profiling.budget import Budget, full_cache_bytes
 from polykv.profiling.profile import CandidateConfig, Profile
 from polykv.solvers import solve
-from polykv.memory.schedules import pyramid_capacities, trim_to
+from polykv.contract.schedules import pyramid_capacities, trim_to
 
 
 @pytest.fixture(scope="module")

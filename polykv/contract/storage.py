@@ -1,0 +1,21 @@
+"""The storage a quantizer's store builds on: what a quantizer plugin imports (as ``polykv.contract.storage``).
+
+- :class:`TokenBuffer` — a preallocated buffer of token rows a store fills (append, gather, reserve);
+- :class:`PassthroughStore` and :func:`passthrough_bytes` — the 16-bit store, for a stream left unquantized;
+- :class:`WriteCost` — what a store's ``write`` returns;
+- :func:`grown_capacity` — how many rows a growing buffer reserves next (the runtime's reserve policy);
+- :func:`check_chunk`, :func:`check_index`, :func:`check_write` — the shape checks of a store's inputs, one line
+  naming the store; :func:`gather_tokens`, :func:`held_bytes` and :func:`own_copy` — gathering token rows,
+  counting bytes held, copying an input the store keeps.
+
+The definitions live in :mod:`polykv.storage` (the runtime's own stores use them too) and
+:mod:`polykv.contract.stores`.
+"""
+
+from polykv.contract.stores import WriteCost
+from polykv.storage.reserve import grown_capacity
+from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes, own_copy
+from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, passthrough_bytes
+
+__all__ = ["TokenBuffer", "PassthroughStore", "passthrough_bytes", "WriteCost", "grown_capacity", "check_chunk",
+           "check_index", "check_write", "gather_tokens", "held_bytes", "own_copy"]
