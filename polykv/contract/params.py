@@ -226,6 +226,14 @@ def _spec_of_field(owner: str, name: str, spec: ParamSpec, annotation: Any) -> P
     return attrs.evolve(spec, kind=kind, items=items, nullable=nullable)
 
 
+def _check_default(owner: str, name: str, spec: ParamSpec) -> None:
+    """A field's default must fit its own declaration (a plan that gives none gets it): TypeError naming both."""
+    try:
+        spec.check(name, spec.default)
+    except ParamError as exc:
+        raise TypeError(f"{owner}: the default of {exc}; fix the default or the declaration") from None
+
+
 class DeclaredParams:
     """Parameters of a plugin class (rule, quantizer, allocator), declared once.
 
@@ -256,7 +264,7 @@ class DeclaredParams:
         owner = f"{getattr(cls, 'plugin_kind', 'plugin')} {cls.__qualname__}"
         fields = {n: v for n, v in own.items() if isinstance(v, type(attrs.field()))}
         if fields and ("param_specs" in own or "defaults" in own):
-            raise TypeError(f"{owner}: declare parameters either as fields (param(...)) or in param_specs, not both")
+            raise TypeError(f"{owner}: declare parameters either as fields (param(...)) or in param_specs/defaults, not both")
         specs = dict(cls.param_specs)
         if fields:
             notes = getattr(cls, "__annotations__", {}) if "__annotations__" in own else {}
@@ -266,10 +274,12 @@ class DeclaredParams:
                     raise TypeError(f"{owner}: field {name!r} must be a typed param(...), e.g. "
                                     f"{name}: int = param(DEFAULT, ...)")
                 specs[name] = _spec_of_field(owner, name, spec, notes[name])
+                _check_default(owner, name, specs[name])
                 delattr(cls, name)
         overrides = [n for n in cls._field_names if n in own and n not in fields]
         for name in overrides:             # an inherited field given a new default: ``window = 8``
-            specs[name] = attrs.evolve(specs[name], default=specs[name].check(name, own[name]))
+            specs[name] = attrs.evolve(specs[name], default=own[name])
+            _check_default(owner, name, specs[name])
             delattr(cls, name)
         if fields or overrides:
             cls._field_names = tuple(dict.fromkeys((*cls._field_names, *fields)))
