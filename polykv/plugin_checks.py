@@ -1,12 +1,29 @@
 """Plugin contract checks: :func:`check_rule`, :func:`check_quantizer` and :func:`check_allocator` run a plugin
 class through the runtime on a tiny random-weight model and the contract's invariants, failing with
-:class:`~polykv.errors.PluginContractError` naming what broke. They are what ``polykv.testing`` offers plugin
-authors (and re-exports); the tiny models and the vanilla-equality checks stay in :mod:`polykv.testing`.
+:class:`~polykv.errors.PluginContractError` naming what broke: a plugin's own tests import them from here. The tiny
+models and the vanilla-equality checks stay in :mod:`polykv.testing`.
 """
 
 from __future__ import annotations
 
+import types
+
+import attrs
 import torch
+
+from polykv.contract.allocators import Allocator
+from polykv.contract.hookspecs import hookimpl
+from polykv.contract.model_data import need_of
+from polykv.contract.rules import PHASES, ScoredRule
+from polykv.contract.selection import Merge, Selection
+from polykv.contract.stores import WriteCost
+from polykv.errors import PluginContractError, RegistryError
+from polykv.models.geometry import geometry_of_model
+from polykv.plan import AllocationGroup, OpSpec, per_layer_plan, uniform_plan
+from polykv.registry import Registry
+from polykv.runtime.plugin_results import store_head
+from polykv.runtime.session import apply
+from polykv.testing import tiny_model
 
 _CHECK_MODELS: dict = {}
 
@@ -14,30 +31,22 @@ _CHECK_MODELS: dict = {}
 def _contract_model(layers: int, head_dim: int):
     key = (layers, head_dim)
     if key not in _CHECK_MODELS:
-        from polykv.testing import tiny_model  # (polykv.testing re-exports these checks: imported when used)
-
         _CHECK_MODELS[key] = tiny_model("llama", layers=layers, heads=4, kv_heads=2, head_dim=head_dim, seed=0)
     return _CHECK_MODELS[key]
 
 
 def _registry_with(kind: str, cls, registry=None, extra: tuple = ()):
     """A registry holding ``cls`` under its name (registered on a private registry unless it is there already)."""
-    import types
-
-    import polykv
-    from polykv.registry import Registry
 
     registry = registry if registry is not None else Registry(load_entry_points=False)
     hooks = {"rule": "register_rules", "quantizer": "register_quantizers", "allocator": "register_allocators"}
     for k, c in ((kind, cls), *extra):
         if registry.has(k, c.name):
             if registry.get(k, c.name) is not c:
-                from polykv.errors import RegistryError
-
                 raise RegistryError(f"{k} name '{c.name}' is already registered by "
                                     f"'{registry.entry(k, c.name).plugin}' for another class; rename the plugin")
             continue
-        hook = polykv.hookimpl(lambda register, _c=c: register(_c))
+        hook = hookimpl(lambda register, _c=c: register(_c))
         registry.register_plugin(types.SimpleNamespace(**{hooks[k]: hook}), name=f"checked-{k}-{c.name}")
     return registry
 
@@ -56,14 +65,12 @@ def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int =
                  storage_dtype=None, counted: tuple = ()):
     """Prefill ``prompt`` random tokens and decode ``steps`` under ``plan`` with every check on; returns the
     session (closed) and how often each counted rule object's ``select`` ran, per phase."""
-    import polykv
-    from polykv.models.geometry import geometry_of_model
 
     geo = geometry_of_model(model)
     calls = {"prefill": 0, "decode": 0}
     gen = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    with torch.no_grad(), polykv.apply(model, plan, registry=registry, model_data=model_data, check=True,
+    with torch.no_grad(), apply(model, plan, registry=registry, model_data=model_data, check=True,
                                        storage_dtype=storage_dtype) as session:
         for spec in session.layer_specs:
             for phase, rule in (("prefill", spec.prefill_rule), ("decode", spec.decode_rule)):
@@ -98,9 +105,6 @@ def _helper_plugins():
     """The checkers' own plugins (no built-in is named): a rule keeping the largest key norms, a rule keeping
     the newest tokens that merges each evicted value into the newest kept one, and an allocator giving the
     two halves of a layer's KV heads unequal budgets (per-head budgets, ragged storage)."""
-    from polykv.contract.allocators import Allocator
-    from polykv.contract.rules import ScoredRule
-    from polykv.contract.selection import Merge, Selection
 
     class KeepLargeKeys(ScoredRule):
         name = "polykv-testing-keep"
@@ -168,12 +172,6 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     a score, selection or merge breaks the contract, and when ``select`` never ran in a phase the rule
     declares.
     """
-    import attrs as _attrs
-
-    from polykv.errors import PluginContractError
-    from polykv.models.geometry import geometry_of_model
-    from polykv.contract.model_data import need_of
-    from polykv.plan import AllocationGroup, OpSpec, per_layer_plan
 
     params = dict(params or {})
     rule_class(**params)  # parameters are checked as plan validation would
@@ -182,13 +180,13 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     geo = geometry_of_model(model)
     op = OpSpec(rule=rule_class.name, capacity=capacity, params=params)
     phases = rule_class.phases
-    first = {ph: op for ph in ("prefill", "decode") if ph in phases}
+    first = {ph: op for ph in PHASES if ph in phases}
     second = dict(first)
     if "prefill" not in phases:
         second["prefill"] = OpSpec(rule=helpers["keep"].name, capacity=capacity)
     plan = per_layer_plan(geo, [first, second if ragged else {}], decode_slack=1)
     if ragged:
-        plan = _attrs.evolve(plan, allocation=(AllocationGroup(allocator=helpers["uneven"].name, layers=(1,)),))
+        plan = attrs.evolve(plan, allocation=(AllocationGroup(allocator=helpers["uneven"].name, layers=(1,)),))
     need = need_of(rule_class)
     if need is not None and model_data is None:
         gen = torch.Generator().manual_seed(seed)
@@ -204,8 +202,6 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
 
 
 def _store_check_head(name, bits, stream, what: str) -> str:
-    from polykv.runtime.plugin_results import store_head
-
     return f"{store_head(0, 'check', name, bits, stream)} {what}"
 
 
@@ -213,7 +209,6 @@ def check_quantizer(quantizer_class, params=None, *, bits=None, tokens: int = 70
                     registry=None, seed: int = 0) -> list[tuple[str, int]]:
     """Check quantizer ``quantizer_class`` (with ``params``) against the store contract, for every width of
     ``bits`` (default: all it declares) and both streams, on random [1, 2, tokens, head_dim] tensors:
-
     * ``predict_bytes`` equals ``resident_bytes()`` after ``tokens`` appends in two chunkings, which
       store the same codes; ``predict_reserved_bytes`` equals it after ``reserve`` (below and above);
     * ``len``, ``dequantize()`` shape and dtype, in float32 and (as ``storage_dtype``) bfloat16;
@@ -228,10 +223,6 @@ def check_quantizer(quantizer_class, params=None, *, bits=None, tokens: int = 70
     Returns the (stream, bits) pairs checked. Raises :class:`~polykv.errors.PluginContractError`, one line
     naming the quantizer, stream and width.
     """
-    from polykv.errors import PluginContractError
-    from polykv.models.geometry import geometry_of_model
-    from polykv.contract.stores import WriteCost
-    from polykv.plan import OpSpec, per_layer_plan
 
     params = dict(params or {})
     quantizer = quantizer_class(**params)
@@ -357,11 +348,6 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
     allocator that ranks a particular rule's own state (``reads_rule_state``, e.g. ``kvzip``); ``model_data``
     is the per-model data that rule reads.
     """
-    import attrs as _attrs
-
-    from polykv.errors import PluginContractError
-    from polykv.models.geometry import geometry_of_model
-    from polykv.plan import AllocationGroup, OpSpec, uniform_plan
 
     params = dict(params or {})
     allocator = allocator_class(**params)
@@ -380,7 +366,7 @@ def check_allocator(allocator_class, params=None, *, capacity: int = 10, prompt:
                                   f"expected {layers} positive token counts (fix bound())")
     report = None
     for group in (tuple(range(layers)), tuple(range(1, layers, 2))):
-        plan = _attrs.evolve(base, allocation=(AllocationGroup(allocator=name, layers=group, params=params),))
+        plan = attrs.evolve(base, allocation=(AllocationGroup(allocator=name, layers=group, params=params),))
         session, _, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, seed=seed,
                                      model_data=model_data)
         alloc = {i: a for i, a in session.allocations().items()}

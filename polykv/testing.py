@@ -1,9 +1,15 @@
 """Tiny random-weight decoder models for tests and examples (built from a config, no download), the full plan's
-vanilla-equality checks, and (from :mod:`polykv.plugin_checks`) the plugin contract checks."""
+vanilla-equality checks and decode soaks. The plugin contract checks are :mod:`polykv.plugin_checks`."""
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import torch
+
+from polykv.memory import predict_resident
+from polykv.models.geometry import geometry_of_model
 
 
 def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
@@ -69,8 +75,6 @@ def decode_soak(model, plan, *, context_tokens: int, steps: int, model_data=None
     the predicted bound, and how many forwards ended above it.
     """
     import polykv
-    from polykv.models.geometry import geometry_of_model
-    from polykv.memory import predict_resident
 
     geo = geometry_of_model(model)
     elem = next(model.parameters()).element_size()
@@ -140,13 +144,14 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
             (more - ref[:, split:]).abs().max().item())
 
 
-# -- contract checkers for plugin authors ------------------------------------------------------------
-#
-# Each runs a plugin class through the real runtime on a tiny random model (its stores and rules driven
-# with random post-RoPE tensors, as decode_soak does) with every contract check of
-# polykv.runtime.plugin_results turned on, plus what only a test can afford; a broken plugin fails with the
-# same one-line polykv.errors.PluginContractError the runtime raises. About a second each.
+# The contract checkers for plugin authors (check_rule, check_quantizer, check_allocator) live in
+# polykv.plugin_checks, which builds its models here.
+_MOVED = ("check_rule", "check_quantizer", "check_allocator", "feed_random")
 
 
-# Plugin authors' checks live in polykv.plugin_checks; they are offered here too.
-from polykv.plugin_checks import check_allocator, check_quantizer, check_rule, feed_random  # noqa: E402,F401
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'polykv.testing' has no attribute {name!r}")
+    warnings.warn(f"polykv.testing.{name} moved to polykv.plugin_checks in 0.2; import it from there (it goes from "
+                  f"polykv.testing in 0.3)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("polykv.plugin_checks"), name)

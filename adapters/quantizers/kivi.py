@@ -11,8 +11,6 @@ dtype. 16 bits means passthrough (:class:`PassthroughStore`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from polykv.contract import KVStore, ParamError, Quantizer, param, storage
@@ -32,7 +30,7 @@ class KiviQuantizer(Quantizer):
     """
 
     name = "kivi"
-    bits = frozenset({2, 4, 8})
+    bits = frozenset(storage.QUANTIZED_BITS)
     group_size: int = param(32, low=1, high=1 << 16, description="G, tokens or channels per group")
     residual: int = param(32, low=1, high=1 << 20,
                           description="R, newest tokens kept in full precision (a multiple of G)")
@@ -47,24 +45,25 @@ class KiviQuantizer(Quantizer):
     def _check(self, stream: str, bits: int) -> None:
         if stream not in STREAMS:
             raise ValueError(f"quantizer 'kivi': unknown stream {stream!r}; use one of {STREAMS}")
-        if bits != 16 and bits not in self.bits:
-            raise ValueError(f"quantizer 'kivi' stores {sorted(self.bits)} bits (or 16 = unquantized), not {bits}")
+        if bits != storage.UNQUANTIZED_BITS and bits not in self.bits:
+            raise ValueError(f"quantizer 'kivi' stores {sorted(self.bits)} bits (or {storage.UNQUANTIZED_BITS} = "
+                             f"unquantized), not {bits}")
 
     def check_width(self, stream: str, bits: int, width: int) -> None:
         """Codes are packed into whole bytes (a width that ``8 / bits`` divides), and values are quantized per token
         in groups of ``group_size`` channels (a multiple of it); keys are quantized per channel over tokens."""
         self._check(stream, bits)
-        if bits != 16:
+        if bits != storage.UNQUANTIZED_BITS:
             packed_width(width, bits)
         G = self.group_size
-        if stream == "value" and bits != 16 and width % G:
+        if stream == "value" and bits != storage.UNQUANTIZED_BITS and width % G:
             raise ValueError(f"quantizer 'kivi' quantizes values in groups of group_size={G} channels, and {width} "
                              f"channels are not a multiple of it")
 
     def new_store(self, stream: str, bits: int, *, dtype: torch.dtype, device: torch.device | str) -> KVStore:
         """An empty store: :class:`KiviKeyStore` / :class:`KiviValueStore`, or passthrough for 16 bits."""
         self._check(stream, bits)
-        if bits == 16:
+        if bits == storage.UNQUANTIZED_BITS:
             return storage.PassthroughStore(dtype=dtype, device=device)
         cls = KiviKeyStore if stream == "key" else KiviValueStore
         return cls(bits=bits, group_size=self.group_size, residual=self.residual,
@@ -118,7 +117,7 @@ class KiviQuantizer(Quantizer):
         """``key_fn`` / ``value_fn`` of this store's layout (16 bits: the passthrough count)."""
         self._check(stream, bits)
         shape["head_dim"] = head_dim
-        if bits == 16:
+        if bits == storage.UNQUANTIZED_BITS:
             return storage.passthrough_bytes(**shape)
         G, R = self.group_size, self.residual
         if stream == "value" and head_dim % G:

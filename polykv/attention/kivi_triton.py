@@ -19,10 +19,14 @@ tests). Install Triton with the ``kernels`` extra: ``pip install -e '.[kernels]'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from polykv.attention.online_softmax import check_lengths
-from polykv.storage.token_blocks import PackedStream
+
+if TYPE_CHECKING:  # the packed layout calls this kernel (polykv.storage.token_blocks): only named in annotations
+    from polykv.storage.token_blocks import PackedStream
 
 try:
     import triton

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from polykv.registry import get_registry
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plugins", help="list registered rules, quantizers, solvers and tasks",
@@ -35,8 +37,6 @@ def describe_entries(registry) -> list[dict[str, Any]]:
 
 
 def run(args) -> int:
-    from polykv.registry import get_registry
-
     rows = describe_entries(get_registry())
     if args.json:
         print(json.dumps(rows, indent=2))

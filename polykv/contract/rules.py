@@ -22,10 +22,9 @@ import torch
 from polykv.attention.signals import attention_probabilities
 from polykv.contract.score_checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.contract.params import DeclaredParams, ParamError
-from polykv.contract.probe import ProbeChunk  # noqa: F401 (the type probe_chunks returns)
+from polykv.contract.probe import ProbeChunk
+from polykv.contract.selection import Selection, ragged_top_k, top_k_sorted
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
-from polykv.contract.stores import KVStore, Quantizer, WriteCost  # noqa: F401 (re-exported: this module held them before)
-from polykv.contract.selection import Merge, Selection, as_selection, ragged_top_k, top_k_sorted  # noqa: F401 (re-exported)
 
 PHASES = ("prefill", "decode")
 

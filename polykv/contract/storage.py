@@ -2,7 +2,8 @@
 
 - :class:`TokenBuffer` — a preallocated buffer of token rows a store fills (append, gather, reserve);
 - :class:`PassthroughStore` and :func:`passthrough_bytes` — the 16-bit store, for a stream left unquantized;
-- :class:`WriteCost` — what a store's ``write`` returns;
+- :class:`WriteCost` — what a store's ``write`` returns; :data:`UNQUANTIZED_BITS` (16, the passthrough width) and
+  :data:`QUANTIZED_BITS` (8, 4, 2);
 - :func:`grown_capacity` — how many rows a growing buffer reserves next (the runtime's reserve policy);
 - :func:`check_chunk`, :func:`check_index`, :func:`check_write` — the shape checks of a store's inputs, one line
   naming the store; :func:`gather_tokens`, :func:`held_bytes` and :func:`own_copy` — gathering token rows,
@@ -12,10 +13,10 @@ The definitions live in :mod:`polykv.storage` (the runtime's own stores use them
 :mod:`polykv.contract.stores`.
 """
 
-from polykv.contract.stores import WriteCost
+from polykv.contract.stores import QUANTIZED_BITS, UNQUANTIZED_BITS, WriteCost
 from polykv.storage.reserve import grown_capacity
 from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes, own_copy
 from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, passthrough_bytes
 
-__all__ = ["TokenBuffer", "PassthroughStore", "passthrough_bytes", "WriteCost", "grown_capacity", "check_chunk",
+__all__ = ["UNQUANTIZED_BITS", "QUANTIZED_BITS", "TokenBuffer", "PassthroughStore", "passthrough_bytes", "WriteCost", "grown_capacity", "check_chunk",
            "check_index", "check_write", "gather_tokens", "held_bytes", "own_copy"]

@@ -60,6 +60,14 @@ class KVStore:
         raise NotImplementedError
 
 
+BIT_WIDTHS = (16, 8, 4, 2)
+"""The widths a plan may store a stream at, widest first."""
+UNQUANTIZED_BITS = 16
+"""The width that means "not quantized": the stream stays in the compute dtype (the 16-bit store)."""
+QUANTIZED_BITS = tuple(b for b in BIT_WIDTHS if b != UNQUANTIZED_BITS)
+"""The widths a quantizer codes (8, 4, 2)."""
+
+
 @attrs.define(frozen=True)
 class WriteCost:
     """What one :meth:`KVStore.write` cost: tokens written, and tokens/groups re-encoded because of it.
@@ -79,9 +87,10 @@ class WriteCost:
 
 
 class Quantizer(DeclaredParams):
-    """Base class of quantizers. ``bits`` are the widths it stores; 16 always means passthrough.
+    """Base class of quantizers. ``bits`` are the widths it stores (of :data:`QUANTIZED_BITS`);
+    :data:`UNQUANTIZED_BITS` (16) always means passthrough and never reaches a quantizer's store.
 
-    Parameters are declared in ``param_specs`` (see :class:`polykv.contract.params.DeclaredParams`).
+    Parameters are typed fields (:func:`polykv.contract.params.param`), as a rule's.
     """
 
     plugin_kind = "quantizer"

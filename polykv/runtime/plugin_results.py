@@ -24,10 +24,10 @@ from typing import Any
 import attrs
 import torch
 
-from polykv.contract.score_checks import checks_enabled, where
+from polykv.contract.score_checks import where
 from polykv.contract.selection import Selection, as_selection
-from polykv.errors import PluginContractError, RuntimeConfigError
-from polykv.plan import PASSTHROUGH_BITS
+from polykv.contract.stores import UNQUANTIZED_BITS
+from polykv.errors import PluginContractError
 from polykv.storage.reserve import reserved_stream_bytes
 
 
@@ -189,7 +189,7 @@ class StoreContract:
         quantizer = None
         for stream in ("key", "value"):
             bits = plan_layer.k_bits if stream == "key" else plan_layer.v_bits
-            if bits == PASSTHROUGH_BITS:
+            if bits == UNQUANTIZED_BITS:
                 streams[stream] = StreamSpec(None, bits)
                 continue
             if quantizer is None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
-PACKABLE_BITS = (2, 4, 8)
+from polykv.contract.stores import QUANTIZED_BITS
+
+PACKABLE_BITS = tuple(sorted(QUANTIZED_BITS))
+"""The widths that pack into whole bytes: every quantized width."""
 
 
 def per_byte(bits: int) -> int:

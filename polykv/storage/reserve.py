@@ -28,6 +28,8 @@ A ragged layer (per-head stores) applies the same policy per head with ``hold = 
 
 from __future__ import annotations
 
+DEFAULT_DECODE_SLACK = 128
+"""Tokens a decode op may go past its capacity before it evicts (a plan's ``trigger.decode_slack`` default)."""
 GROWTH_BLOCK = 16
 """Token rows a keep-everything buffer grows by (and rounds to)."""
 

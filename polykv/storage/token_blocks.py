@@ -23,6 +23,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from polykv.contract.stores import UNQUANTIZED_BITS
 from polykv.storage import minmax
 from polykv.storage.store_checks import gather_tokens
 
@@ -37,7 +38,7 @@ class PackedStream:
     """``"channel"`` (per-channel key groups), ``"token"`` (per-token value groups) or ``"none"``."""
     residual: torch.Tensor
     """[B, Hkv, Tr, d] full-precision tokens in the compute dtype."""
-    bits: int = 16
+    bits: int = UNQUANTIZED_BITS
     group_size: int = 1
     codes: torch.Tensor | None = None
     scale: torch.Tensor | None = None
@@ -167,7 +168,7 @@ class PackedStream:
         """Whether :meth:`fused_decode` runs for ``query``: a CUDA query and Triton installed."""
         if query.device.type != "cuda":
             return False
-        from polykv.attention import kivi_triton
+        from polykv.attention import kivi_triton   # imports Triton (a second): only when a CUDA decode asks
 
         return kivi_triton.available()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract.stores import KVStore, WriteCost
-from polykv.storage.reserve import grown_capacity
+from polykv.contract.stores import UNQUANTIZED_BITS, KVStore, WriteCost
+from polykv.storage.reserve import capacity_after, grown_capacity
 from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes
+from polykv.storage.token_blocks import PackedStream
 
 
 class TokenBuffer:
@@ -123,7 +124,7 @@ class PassthroughStore(KVStore):
         Where the tensors live; appended chunks are copied here.
     """
 
-    bits = 16
+    bits = UNQUANTIZED_BITS
 
     def __init__(self, *, dtype: torch.dtype, device: torch.device | str):
         self.dtype = dtype
@@ -167,10 +168,7 @@ class PassthroughStore(KVStore):
         return self._data()
 
     def token_blocks(self):
-        """The stored tokens as a token-blocks view (a ``PackedStream`` with no codes; no copy). The
-        view type lives with the quantizers' packed layouts, imported only when a block reader asks."""
-        from polykv.storage.token_blocks import PackedStream
-
+        """The stored tokens as a token-blocks view (a ``PackedStream`` with no codes; no copy)."""
         return PackedStream(layout="none", residual=self._data())
 
     def gather(self, index: torch.Tensor) -> None:
@@ -208,6 +206,4 @@ def passthrough_bytes(*, batch: int, kv_heads: int, head_dim: int, tokens: int, 
                       reserved: int = 0) -> int:
     """Resident bytes of a :class:`PassthroughStore` that reserved ``reserved`` tokens (0: none) and then
     received ``tokens`` tokens without eviction (:func:`polykv.storage.reserve.capacity_after`)."""
-    from polykv.storage.reserve import capacity_after
-
     return batch * kv_heads * capacity_after(tokens, reserved) * head_dim * dtype_bytes

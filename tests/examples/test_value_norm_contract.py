@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from polykv.errors import PluginContractError
-from polykv.testing import check_rule
+from polykv.plugin_checks import check_rule
 
 MODULE = Path(__file__).resolve().parents[2] / "examples" / "polykv-value-norm" / "polykv_value_norm" / "__init__.py"
 

@@ -143,3 +143,13 @@ def test_a_plugin_imports_only_the_contract_the_errors_and_its_own_package(path)
 def test_every_pending_import_is_still_there():
     found = {(str(p.relative_to(PLUGIN_ROOT)), m) for p in PLUGIN_ROOT.rglob("*.py") for _, m, _ in _plugin_imports(p)}
     assert PENDING <= found, f"moved into the plugin: drop {sorted(PENDING - found)} from PENDING"
+
+
+def test_the_contract_checkers_moved_from_polykv_testing_with_a_warning():
+    import polykv.plugin_checks
+    import polykv.testing
+
+    with pytest.warns(DeprecationWarning, match=r"polykv.testing.check_rule moved to polykv.plugin_checks in 0.2"):
+        assert polykv.testing.check_rule is polykv.plugin_checks.check_rule
+    with pytest.raises(AttributeError, match="no attribute 'check_nothing'"):
+        polykv.testing.check_nothing

@@ -26,7 +26,8 @@ from polykv.contract.stores import KVStore, Quantizer
 from polykv.plan import AllocationGroup, OpSpec, per_layer_plan, uniform_plan
 from polykv.registry import Registry
 from polykv.contract.selection import Merge, Selection
-from polykv.testing import check_allocator, check_quantizer, check_rule, tiny_model
+from polykv.plugin_checks import check_allocator, check_quantizer, check_rule
+from polykv.testing import tiny_model
 
 
 # -- bad rules -------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_cam_rule_keeps_the_inner_selection_and_merges_values(make_ctx, inner, p
     state = rule.new_state()
     ctx.generator = torch.Generator().manual_seed(11)
     sel = rule.select(ctx, 6)
-    plain = get_registry().operator(inner)(**params).select(ctx, 6)
+    plain = get_registry().rule(inner)(**params).select(ctx, 6)
     assert sel.index.tolist() == plain.expand(2, 2, 6).tolist()
     draws = torch.rand(2, 2, 16, generator=torch.Generator().manual_seed(11))
     want = naive_cam(ctx.values, sel.index.tolist(), ctx.accumulated, 3, draws, "window")

@@ -15,7 +15,8 @@ from polykv.contract.rules import SelectionContext
 from polykv.contract.state import Observation
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
-from polykv.testing import check_rule, tiny_model, token_ids
+from polykv.plugin_checks import check_rule
+from polykv.testing import tiny_model, token_ids
 
 # -- plain-Python reference -------------------------------------------------------------------------------
 

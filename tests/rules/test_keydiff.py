@@ -14,7 +14,8 @@ from polykv.adapters.rules.keydiff import KeyDiffRule
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.runtime.cache import cache_keyword
-from polykv.testing import check_rule, tiny_model, token_ids
+from polykv.plugin_checks import check_rule
+from polykv.testing import tiny_model, token_ids
 
 
 def naive_keydiff_scores(keys, valid=None):

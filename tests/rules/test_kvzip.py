@@ -16,7 +16,8 @@ import polykv
 from polykv.adapters.rules.kvzip import KVzipRule, prompt_params
 from polykv.plan import OpSpec
 from polykv.runtime.cache import cache_keyword
-from polykv.testing import check_rule, tiny_model, token_ids
+from polykv.plugin_checks import check_rule
+from polykv.testing import tiny_model, token_ids
 from polykv.models.geometry import geometry_of_model
 
 IDS = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10, 11]}

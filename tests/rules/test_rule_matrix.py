@@ -15,8 +15,8 @@ from polykv.contract.state import Observation
 from polykv.contract.selection import as_selection
 
 REGISTRY = Registry(load_entry_points=False)
-NAMES = REGISTRY.names("operator")
-CASES = [(n, p) for n in NAMES for p in PHASES if p in REGISTRY.operator(n).phases]
+NAMES = REGISTRY.names("rule")
+CASES = [(n, p) for n in NAMES for p in PHASES if p in REGISTRY.rule(n).phases]
 
 
 def stats(L=1, H=4, d=8):
@@ -36,7 +36,7 @@ def test_every_builtin_rule_is_registered_and_declared():
         assert rule.phases and rule.phases <= set(PHASES)
         assert rule.signal in SIGNALS
         assert rule.paper, f"{rule.name} must cite its paper"
-        assert REGISTRY.entry("operator", rule.name).plugin == "polykv.adapters.rules"
+        assert REGISTRY.entry("rule", rule.name).plugin == "polykv.adapters.rules"
         rule(**rule.defaults)  # every default is an accepted parameter
 
 
@@ -60,7 +60,7 @@ def observed_state(rule, ctx):
 @pytest.mark.parametrize("name,phase", CASES)
 @pytest.mark.parametrize("capacity", [1, 7, 15])
 def test_selection_shape_and_order(make_ctx, name, phase, capacity):
-    rule = REGISTRY.operator(name)()
+    rule = REGISTRY.rule(name)()
     ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
                    model_data={"triattention": stats(), "kvzip-head": HeadScores(scores=torch.tensor([[0.2, 0.7]]))},
                    rope_inv_freq=stats().inv_freq)
@@ -91,5 +91,5 @@ PREFILL_ONLY = ("snapkv", "pyramidkv", "adakv", "kvzip", "kvzip-head")  # kvzip:
 
 def test_observation_window_rules_are_prefill_only():
     for name in PREFILL_ONLY:
-        assert REGISTRY.operator(name).phases == frozenset({"prefill"})
-    assert all(REGISTRY.operator(n).phases == frozenset(PHASES) for n in NAMES if n not in PREFILL_ONLY)
+        assert REGISTRY.rule(name).phases == frozenset({"prefill"})
+    assert all(REGISTRY.rule(n).phases == frozenset(PHASES) for n in NAMES if n not in PREFILL_ONLY)

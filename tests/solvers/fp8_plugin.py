@@ -11,7 +11,8 @@ import torch
 
 import polykv
 from polykv.contract.allocators import Allocator
-from polykv.contract.rules import KVStore, Quantizer, ScoredRule
+from polykv.contract.rules import ScoredRule
+from polykv.contract.stores import KVStore, Quantizer
 from polykv.contract.params import ParamSpec
 
 FP8 = torch.float8_e4m3fn
