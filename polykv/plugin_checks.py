@@ -23,7 +23,7 @@ from polykv.plan import AllocationGroup, OpSpec, per_layer_plan, uniform_plan
 from polykv.registry import Registry
 from polykv.runtime.plugin_results import store_head
 from polykv.runtime.session import apply
-from polykv.testing import tiny_model
+from polykv.testing import feed_random, tiny_model
 
 _CHECK_MODELS: dict = {}
 
@@ -51,21 +51,10 @@ def _registry_with(kind: str, cls, registry=None, extra: tuple = ()):
     return registry
 
 
-def feed_random(cache, geo, q: int, gen: torch.Generator, dtype: torch.dtype, batch: int = 1) -> None:
-    """One forward of ``q`` tokens through every layer of a plan ``cache``, without the model: random post-RoPE
-    keys, values [batch, Hkv, q, d] and queries [batch, H, q, d] through the attention and eviction path."""
-    H, Hkv, d, B = geo.num_heads, geo.num_kv_heads, geo.head_dim, batch
-    for i, layer in enumerate(cache.layers):
-        k, v = (torch.randn(B, Hkv, q, d, generator=gen).to(dtype) for _ in range(2))
-        step = cache.begin(k, v, i)
-        layer.after_attention(step, torch.randn(B, H, q, d, generator=gen).to(dtype), d ** -0.5)
-
-
 def _run_checked(model, plan, registry, *, prompt: int, steps: int, batch: int = 1, model_data=None, seed: int = 0,
                  storage_dtype=None, counted: tuple = ()):
     """Prefill ``prompt`` random tokens and decode ``steps`` under ``plan`` with every check on; returns the
     session (closed) and how often each counted rule object's ``select`` ran, per phase."""
-
     geo = geometry_of_model(model)
     calls = {"prefill": 0, "decode": 0}
     gen = torch.Generator().manual_seed(seed)

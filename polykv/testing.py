@@ -144,9 +144,19 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
             (more - ref[:, split:]).abs().max().item())
 
 
+def feed_random(cache, geo, q: int, gen: torch.Generator, dtype: torch.dtype, batch: int = 1) -> None:
+    """One forward of ``q`` tokens through every layer of a plan ``cache``, without the model: random post-RoPE
+    keys, values [batch, Hkv, q, d] and queries [batch, H, q, d] through the attention and eviction path."""
+    H, Hkv, d, B = geo.num_heads, geo.num_kv_heads, geo.head_dim, batch
+    for i, layer in enumerate(cache.layers):
+        k, v = (torch.randn(B, Hkv, q, d, generator=gen).to(dtype) for _ in range(2))
+        step = cache.begin(k, v, i)
+        layer.after_attention(step, torch.randn(B, H, q, d, generator=gen).to(dtype), d ** -0.5)
+
+
 # The contract checkers for plugin authors (check_rule, check_quantizer, check_allocator) live in
 # polykv.plugin_checks, which builds its models here.
-_MOVED = ("check_rule", "check_quantizer", "check_allocator", "feed_random")
+_MOVED = ("check_rule", "check_quantizer", "check_allocator")
 
 
 def __getattr__(name: str):
