@@ -37,7 +37,7 @@ from polykv.plan import Plan, full_plan
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.calls import check_chunk_size
 from polykv.runtime.probe_pass import run_probe_chunks
-from polykv.runtime.session import apply
+from polykv.runtime import session as sessions  # sessions.apply: looked up when called, so it can be wrapped
 from polykv.runtime.storage import StorageView
 
 
@@ -143,7 +143,7 @@ def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: to
     probes: dict[tuple, list] = {}
     data: dict[tuple, dict] = {}
     for plan in plans:
-        session = apply(model, plan, registry=registry, model_data=model_data)
+        session = sessions.apply(model, plan, registry=registry, model_data=model_data)
         per_layer = plan_states(session)
         chunks = session_probe(session, input_ids) if input_ids is not None else []
         key = (attention_signature(per_layer), probe_key(chunks), plan_ranks(plan))
@@ -184,11 +184,11 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     T = int(input_ids.shape[1])
     step = chunk_size or T
     full = full_plan(geometry_of_model(model))
-    session = apply(model, full, registry=registry)
+    session = sessions.apply(model, full, registry=registry)
     variants = {}
     for key, (states, chunks, data) in groups.items():
         ranks = key[2]
-        run = session if ranks is None else apply(  # the plan's ranks: its prefill attends in code space
+        run = session if ranks is None else sessions.apply(  # the plan's ranks: its prefill attends in code space
             model, attrs.evolve(full, layers=[attrs.evolve(lp, k_rank=k, v_rank=v) for lp, (k, v) in
                                               zip(full.layers, ranks)]), registry=registry, model_data=data)
         variants[key] = _capture_one(model, run, input_ids, states, step, chunks)
