@@ -6,12 +6,12 @@ layer's cache ``update``, with the ``key``/``value`` that ``update`` returned, a
 5.24: the keyword arguments are ``dropout``, ``scaling``, ``position_ids``, ``use_cache``, ``sliding_window``,
 ``softcap``, ``s_aux`` and router flags; some families, e.g. StableLM, pass none of the model call's keyword
 arguments on). So the hand-off rides on the tensors themselves: a polykv cache layer's ``update`` returns its
-keys and values as :class:`HandedKeys` (no copy; :func:`hand_over`) carrying an *attend* callable, and
+keys as :class:`HandedKeys` (no copy; :func:`hand_over`) carrying an *attend* callable, and
 :func:`polykv_attention` calls it::
 
     attend(module, query, key, value, attention_mask, *, scaling, dropout, **kwargs) -> output [B, q, H, d]
 
-with ``key``/``value`` plain tensors again. Keys the model changed between the update and attention (an
+with ``key`` a plain tensor again. Keys the model changed between the update and attention (an
 operation on handed keys gives handed keys without ``attend``) are refused in one line: what the cache stores
 would not be what attention reads. The runtime's session (its plan cache's layers), the masked reference
 (:mod:`polykv.models.reference`) and calibration capture (:mod:`polykv.profiling.capture`) all attach through
@@ -37,7 +37,7 @@ NAME = "polykv"
 
 
 class HandedKeys(torch.Tensor):
-    """Keys or values a cache layer's ``update`` returned, carrying what attention does with them (``attend``).
+    """Keys a cache layer's ``update`` returned, carrying what attention does with them (``attend``).
     An operation on them gives a :class:`HandedKeys` without it, so a changed tensor is told from the handed one
     and from one no polykv cache handed over."""
 
@@ -51,13 +51,11 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 
 def hand_over(keys: torch.Tensor, values: torch.Tensor, attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys``, ``values`` (the same storage, no copy) carrying ``attend`` to :func:`polykv_attention`."""
-    out = []
-    for x in (keys, values):
-        handed = _plain(x).as_subclass(HandedKeys)
-        handed.attend = attend
-        out.append(handed)
-    return out[0], out[1]
+    """``keys`` (the same storage, no copy) carrying ``attend`` to :func:`polykv_attention`, and ``values``.
+    Only the keys carry it: one small object per layer and forward."""
+    handed = keys.as_subclass(HandedKeys)
+    handed.attend = attend
+    return handed, values
 
 
 def _attend_of(x) -> Callable | None:
@@ -66,8 +64,8 @@ def _attend_of(x) -> Callable | None:
 
 def polykv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: call what the layer's ``update`` handed over with its keys."""
-    attend = _attend_of(value) or _attend_of(key)
-    if _attend_of(key) is not attend or attend is None and isinstance(key, HandedKeys):
+    attend = _attend_of(key)
+    if attend is None and isinstance(key, HandedKeys):  # an operation on the handed keys made these
         config = getattr(module, "config", None)
         kind = getattr(config, "model_type", None) or type(module).__name__
         raise RuntimeConfigError(
@@ -81,8 +79,7 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"(then session.cache) with use_cache=True")
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    return attend(module, query, _plain(key), _plain(value), attention_mask, scaling=scaling, dropout=dropout,
-                  **kwargs)
+    return attend(module, query, _plain(key), value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def no_mask(batch_size: int = 1, q_length: int = 1, kv_length: int = 1, q_offset: int = 0, kv_offset: int = 0,
