@@ -17,7 +17,7 @@ import time
 import torch
 
 from polykv.attention.signals import SignalRequest, attention_column_sums, attention_with_signals
-from polykv.runtime.attention import sdpa
+from polykv.attention.kernels import sdpa
 
 
 def best(fn, repeats: int) -> tuple[float, float]:

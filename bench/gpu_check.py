@@ -201,7 +201,7 @@ def check_signals(device, small) -> str:
     path, and the same selections through the pass as through the generic path (float32 tiny model);
     on CUDA also the pass's time against SDPA over one layer of the timing model's shape."""
     from polykv.contract.state import SignalRequest, attention_column_sums, attention_last_rows
-    from polykv.runtime import attention
+    from polykv.attention import kernels as attention
     from polykv.attention.signals import attention_with_signals
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -23,8 +23,8 @@ declare_builtin_plugins(BUILTIN_PLUGINS, version=__version__)
 
 
 def apply(model, plan, **kwargs):
-    """Run ``plan`` on ``model`` inside a ``with`` block; see :func:`polykv.runtime.apply`."""
-    from polykv.runtime import apply as _apply
+    """Run ``plan`` on ``model`` inside a ``with`` block; see :func:`polykv.runtime.session.apply`."""
+    from polykv.runtime.session import apply as _apply  # the runtime loads torch and transformers: on first use
 
     return _apply(model, plan, **kwargs)
 

@@ -21,6 +21,14 @@ from __future__ import annotations
 import attrs
 import torch
 
+from polykv.errors import RuntimeConfigError
+from polykv.models.geometry import geometry_from_config, geometry_of_model
+from polykv.models.reference import masked_reference_logits, record_run
+from polykv.plan import OpSpec, full_plan, uniform_plan
+from polykv.runtime.cache import cache_keyword, output_cache
+from polykv.runtime.session import apply
+from polykv.runtime.support import check_servable
+
 TOL = 1e-4
 PROMPT, STEPS, WINDOW = 20, 6, 8
 MAX_PARAMS = 3_000_000
@@ -151,8 +159,6 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 def _vanilla(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """Logits of every prompt position and of ``steps`` greedy steps with transformers' own cache."""
-    from polykv.runtime.cache import cache_keyword, output_cache
-
     out = model(ids, use_cache=True)
     cache = output_cache(out)
     logits = [out.logits]
@@ -182,11 +188,6 @@ def _describe(model, geo) -> str:
 
 def check_family(model_type: str) -> FamilyResult:
     """Build ``model_type`` tiny and sort it (see the module docstring); exactness is measured, not assumed."""
-    import polykv
-    from polykv.errors import RuntimeConfigError
-    from polykv.models.geometry import geometry_from_config, geometry_of_model
-    from polykv.plan import OpSpec
-    from polykv.models.reference import masked_reference_logits, record_run
 
     model, why = build(model_type)
     if model is None:
@@ -197,13 +198,11 @@ def check_family(model_type: str) -> FamilyResult:
         model = meta  # too big to run tiny: only whether apply refuses it can be checked
     if _bidirectional(model):
         return FamilyResult(model_type, "not a decoder", message="not a decoder: bidirectional encoder")
-    from polykv.runtime.support import check_servable
-
     try:
         check_servable(model)
         if next(model.parameters()).device.type == "meta":
             return FamilyResult(model_type, "not built", message=why)
-        with polykv.apply(model, polykv.full_plan(geometry_from_config(model.config))):
+        with apply(model, full_plan(geometry_from_config(model.config))):
             pass
     except RuntimeConfigError as exc:
         return FamilyResult(model_type, "refused", message=str(exc))
@@ -217,10 +216,10 @@ def check_family(model_type: str) -> FamilyResult:
                                                              f"{_line(exc)}")
     geo = geometry_of_model(model)
     try:
-        with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
+        with torch.no_grad(), apply(model, full_plan(geo)) as session:
             got = torch.cat([session.prefill(ids).logits] + _greedy(model, session, ref, ids, STEPS), dim=1)
         full = float((got - ref).abs().max())
-        plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=6, params={"window": 2}),
+        plan = uniform_plan(geo, prefill=OpSpec(rule="snapkv", capacity=6, params={"window": 2}),
                                    decode=OpSpec(rule="h2o", capacity=5), decode_slack=1)
         run = record_run(model, plan, ids, continuation=_prompt(vocab, 3, seed=2), steps=STEPS)
         masked = float((run.logits - masked_reference_logits(model, run)).abs().max())

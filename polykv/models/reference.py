@@ -22,11 +22,10 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from polykv.attention.attach import HandOverCache, attached
 from polykv.attention.signals import chunked_attention
-
-REFERENCE_ATTENTION = "polykv_reference_masked_cache"
-_MASKS: dict[int, torch.Tensor] = {}
-_LOW_RANK: dict[int, object] = {}
+from polykv.runtime.cache import cache_keyword
+from polykv.runtime.session import apply
 
 
 @attrs.define(frozen=True)
@@ -54,10 +53,8 @@ class RecordedRun:
 def record_run(model, plan, prompt: torch.Tensor, *, continuation: torch.Tensor | None = None, steps: int = 8,
                model_data: Mapping[str, Any] | None = None) -> RecordedRun:
     """Prefill ``prompt``, feed ``continuation`` in one forward (if given), then ``steps`` greedy tokens."""
-    import polykv
-
     forwards, logits, fed = [], [], [prompt]
-    with torch.no_grad(), polykv.apply(model, plan, model_data=model_data) as session:
+    with torch.no_grad(), apply(model, plan, model_data=model_data) as session:
         cache = session.new_cache()
         out = model(prompt, use_cache=True, **{session.cache_keyword: cache})
         forwards.append((None, 0, prompt.shape[1]))
@@ -103,42 +100,27 @@ def visibility_masks(run: RecordedRun) -> dict[int, torch.Tensor]:
     return masks
 
 
-def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention under the recorded per-layer, per-KV-head mask, with the model's softcap and sinks."""
-    allowed = _MASKS[module.layer_idx]
-    if scaling is None:
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    low_rank = _LOW_RANK.get(module.layer_idx)
-    if low_rank is not None:  # reconstruct, then attend: what attention over the codes must equal
-        key, value = low_rank.to(key.device, key.dtype).reconstruct(key, value)
-    out = chunked_attention(query, key, value, scaling, visible=allowed, softcap=kwargs.get("softcap"),
-                            sinks=kwargs.get("s_aux", kwargs.get("sinks")), eager=True)
-    return out.transpose(1, 2).contiguous(), None
+class ReferenceAttend:
+    """Eager attention under per-layer, per-KV-head masks ``allowed`` [B, Hkv, N, N], with the model's softcap
+    and sinks; a layer with bases attends the reconstructions (what attention over the codes must equal)."""
 
+    def __init__(self, allowed: dict[int, torch.Tensor], low_rank: dict):
+        self.allowed, self.low_rank = allowed, low_rank
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(REFERENCE_ATTENTION, _reference_attention)
-    AttentionMaskInterface.register(REFERENCE_ATTENTION, lambda *a, **k: None)
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: float, dropout: float = 0.0,
+                 **kwargs):
+        low_rank = self.low_rank.get(module.layer_idx)
+        if low_rank is not None:
+            key, value = low_rank.to(key.device, key.dtype).reconstruct(key, value)
+        out = chunked_attention(query, key, value, scaling, visible=self.allowed[module.layer_idx],
+                                softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux", kwargs.get("sinks")),
+                                eager=True)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def masked_reference_logits(model, run: RecordedRun) -> torch.Tensor:
     """[B, N, vocab] logits of one cache-free forward over ``run.tokens`` under :func:`visibility_masks`."""
-    _register()
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
-               if c is not None and hasattr(c, "_attn_implementation_internal")}
-    saved = [(c, c._attn_implementation_internal) for c in configs.values()]
-    _MASKS.update(visibility_masks(run))
-    _LOW_RANK.update(run.low_rank)
-    try:
-        for c in configs.values():
-            c._attn_implementation_internal = REFERENCE_ATTENTION
-        with torch.no_grad():
-            return model(run.tokens, use_cache=False).logits
-    finally:
-        for c, impl in saved:
-            c._attn_implementation_internal = impl
-        _MASKS.clear()
-        _LOW_RANK.clear()
+    attend = ReferenceAttend(visibility_masks(run), dict(run.low_rank))
+    cache = HandOverCache(run.geometry.num_layers, attend)
+    with torch.no_grad(), attached(model):
+        return model(run.tokens, use_cache=True, **{cache_keyword(model): cache}).logits

@@ -1,11 +1,11 @@
 """One captured forward: every layer's post-RoPE queries, keys and values of a calibration sequence.
 
-A capturing attention function is registered with transformers' ``AttentionInterface`` (and a
-mask function with ``AttentionMaskInterface``, so the model-wide mask is never built) under the
-name ``polykv-capture``. It records what the attention layer received (post-RoPE ``query``
-[B, H, T, d], unrepeated ``key`` / ``value`` [B, Hkv, T, d]) and attends with the runtime's own
-causal SDPA kernel (:func:`polykv.runtime.attention.sdpa`), so the forward is the model's usual
-one. The model's attention implementation is restored on exit, whatever happens.
+The model attends through polykv's one attach point (:func:`polykv.attention.attach.attached`) with a cache
+that stores nothing (:class:`~polykv.attention.attach.HandOverCache`) and hands every layer's keys to a
+:class:`Capture`: it records what the attention layer received (post-RoPE ``query`` [B, H, T, d], unrepeated
+``key`` / ``value`` [B, Hkv, T, d]) and attends with the runtime's own causal SDPA kernel
+(:func:`polykv.attention.kernels.sdpa`), so the forward is the model's usual one. The model's attention
+implementation is restored on exit, whatever happens.
 
 Shapes: B sequences (1 per forward), H query heads, Hkv KV heads, T tokens, d head dim.
 """
@@ -17,13 +17,10 @@ from typing import Iterator
 
 import attrs
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
-
+from polykv.attention.attach import HandOverCache, attached
+from polykv.attention.kernels import sdpa
 from polykv.errors import ProfileError
-from polykv.runtime.attention import sdpa
-
-NAME = "polykv-capture"
+from polykv.runtime.cache import cache_keyword
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
@@ -59,54 +56,33 @@ def stack_layer(captures: list[list[LayerCapture]], layer: int) -> LayerCapture:
                         value=torch.cat([c.value for c in caps]), scaling=first.scaling, o_proj=first.o_proj)
 
 
-_ACTIVE: list[dict[int, LayerCapture]] = []
+class Capture:
+    """What the attach point hands every layer's keys to during a captured forward: records (query, key, value)
+    of each layer in :attr:`found` and attends causally (no padding, no cache)."""
 
+    def __init__(self):
+        self.found: dict[int, LayerCapture] = {}
 
-def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Record (query, key, value) of ``module`` and attend causally (no padding, no cache)."""
-    if not _ACTIVE:
-        raise ProfileError(f"attention implementation '{NAME}' runs only inside polykv.profiling.capture.capturing()")
-    if scaling is None:
-        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    if query.shape[2] != key.shape[2]:
-        raise ProfileError(f"layer {module.layer_idx}: capture expects a cache-free forward (query and key lengths "
-                           f"{query.shape[2]} != {key.shape[2]}); call the model with use_cache=False")
-    _ACTIVE[-1][module.layer_idx] = LayerCapture(
-        layer_idx=module.layer_idx, query=query.detach(), key=key.detach(), value=value.detach(),
-        scaling=float(scaling), o_proj=getattr(module, "o_proj", None))
-    out = sdpa(query, key, value, scaling)                                    # (B, H, T, d)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _no_mask(*args, attention_mask=None, **kwargs):
-    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-        raise ProfileError("calibration sequences must be unpadded (the attention mask has zeros)")
-    return None
-
-
-def register() -> None:
-    """Register the capturing attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(NAME, _capture_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: float, dropout: float = 0.0,
+                 **kwargs):
+        if query.shape[2] != key.shape[2]:
+            raise ProfileError(f"layer {module.layer_idx}: capture expects a cache-free forward (query and key "
+                               f"lengths {query.shape[2]} != {key.shape[2]})")
+        self.found[module.layer_idx] = LayerCapture(
+            layer_idx=module.layer_idx, query=query.detach(), key=key.detach(), value=value.detach(),
+            scaling=float(scaling), o_proj=getattr(module, "o_proj", None))
+        out = sdpa(query, key, value, scaling)                                    # (B, H, T, d)
+        return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
-def capturing(model) -> Iterator[dict[int, LayerCapture]]:
-    """Within the block, forwards of ``model`` fill the yielded dict {layer index: LayerCapture}."""
-    register()
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
-               if c is not None and hasattr(c, "_attn_implementation_internal")}
-    saved = [(c, c._attn_implementation_internal) for c in configs.values()]
-    found: dict[int, LayerCapture] = {}
-    _ACTIVE.append(found)
-    try:
-        for c in configs.values():
-            c._attn_implementation_internal = NAME
-        yield found
-    finally:
-        _ACTIVE.remove(found)
-        for c, impl in saved:
-            c._attn_implementation_internal = impl
+def capturing(model) -> Iterator[tuple[dict[int, LayerCapture], HandOverCache]]:
+    """Within the block, a forward of ``model`` given the yielded cache (``use_cache=True``) fills the yielded
+    dict {layer index: LayerCapture}."""
+    capture = Capture()
+    layers = int(model.config.get_text_config().num_hidden_layers)
+    with attached(model):
+        yield capture.found, HandOverCache(layers, capture)
 
 
 @torch.no_grad()
@@ -124,8 +100,8 @@ def capture_sequence(model, input_ids: torch.Tensor) -> list[LayerCapture]:
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ProfileError(f"capture takes one sequence of token ids, [T] or [1, T]; got shape {tuple(ids.shape)}")
     device = next(model.parameters()).device
-    with capturing(model) as found:
-        model(input_ids=ids.to(device), use_cache=False)
+    with capturing(model) as (found, cache):
+        model(input_ids=ids.to(device), use_cache=True, **{cache_keyword(model): cache})
     layers = int(model.config.get_text_config().num_hidden_layers)
     if sorted(found) != list(range(layers)):
         raise ProfileError(f"{type(model).__name__}: captured layers {sorted(found)}, expected 0..{layers - 1}; "

@@ -2,11 +2,11 @@
 
 For a captured sequence (:mod:`polykv.profiling.capture`) of T tokens, split into a prefix of P tokens
 and F = T - P follow-up tokens, each candidate ``(k_rank, v_rank)`` is run through the runtime's own
-code: a one-layer :class:`~polykv.runtime.cache.PlanCache` whose layer has the candidate's ranks (and
-bit widths) and the model's bases takes the prefix as a prefill (projected as the runtime projects it,
+code: the runtime's layer (:func:`polykv.runtime.layers.build_layer`) of a plan layer with the candidate's ranks
+(and bit widths) and the model's bases takes the prefix as a prefill (projected as the runtime projects it,
 stored in the quantizer's stores), then the follow-up keys and values are appended and the follow-up
-queries attend the stores in code space exactly as :func:`polykv.runtime.attention.polykv_attention`
-does (``P^T q`` against the codes, the weighted codes lifted by ``U``). Error:
+queries attend the stores in code space exactly as a model's forward does (:func:`polykv.runtime.layers.forward_layer`:
+``P^T q`` against the codes, the weighted codes lifted by ``U``). Error:
 ``||o_r - o_full||_F / ||o_full||_F`` of the follow-up output [B, H, F, d] (before ``o_proj``) against full
 width, full precision: MoE-nD's sensitivity (:mod:`polykv.profiling.sensitivity`) for the rank axis,
 one value per candidate, lower is better, for a solver to route ranks per layer.
@@ -20,13 +20,12 @@ from typing import Any, Sequence
 
 import torch
 
-from polykv.attention.low_rank import LowRank
+from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import DEFAULT_QUANTIZER, LayerPlan
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.sensitivity import full_reference, relative_error
-from polykv.runtime.attention import attend_stores_of, sdpa
-from polykv.runtime.cache import PlanCache
-from polykv.runtime.layer_spec import LayerSpec
+from polykv.registry import get_registry
+from polykv.runtime.layers import build_layer, forward_layer
 
 
 def rank_candidates(head_dim: int, fractions: Sequence[float] = (1.0, 0.75, 0.5, 0.25), *,
@@ -51,8 +50,6 @@ def layer_rank_errors(cap: LayerCapture, prefix: int, candidates: Sequence[tuple
     ``bases``: the model's :class:`~polykv.models.kv_bases.KVBases`. ``reference``: the full-precision follow-up
     output [B, H, F, d] (computed when None)."""
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     T, d = cap.num_tokens, cap.key.shape[-1]
     if not 0 < prefix < T:
@@ -74,20 +71,9 @@ def layer_rank_errors(cap: LayerCapture, prefix: int, candidates: Sequence[tuple
 def followup_in_code_space(cap: LayerCapture, prefix: int, lp: LayerPlan, bases: Any, registry: Any) -> torch.Tensor:
     """[B, H, F, d] the follow-up queries' attention output over a one-layer cache of plan layer ``lp`` that took
     the prefix as its prompt and the follow-up as one more forward (the runtime's projection, stores and attention)."""
-    low_rank = None
-    if lp.low_rank:
-        low_rank = LowRank(None if lp.k_rank is None else bases.basis("key", cap.layer_idx, lp.k_rank),
-                           None if lp.v_rank is None else bases.basis("value", cap.layer_idx, lp.v_rank))
-    cache = PlanCache(specs=[LayerSpec(plan=lp, low_rank=low_rank)], registry=registry, decode_slack=1,
-                      rope_inv_freq=None, rope_scaling=1.0, model_data={}, generator=None)
-    layer = cache.layers[0]
+    layer = build_layer(lp, registry, model_data={KV_BASES_KEY: bases} if lp.low_rank else None)
+    o = None
     for start, stop in ((0, prefix), (prefix, cap.num_tokens)):
-        step = layer.begin(cap.key[:, :, start:stop], cap.value[:, :, start:stop])
-        q = cap.query[:, :, start:stop]
-        qc = q if layer.low_rank is None else layer.low_rank.queries(q)
-        if step.stores is not None:
-            o = attend_stores_of(step.stores, qc, cap.scaling)
-        else:
-            o = sdpa(qc, step.keys.to(qc.dtype), step.values.to(qc.dtype), cap.scaling, step.valid)
-        layer.after_attention(step, q, cap.scaling)
-    return o if layer.low_rank is None else layer.low_rank.lift(o)
+        o = forward_layer(layer, cap.key[:, :, start:stop], cap.value[:, :, start:stop],
+                          cap.query[:, :, start:stop], cap.scaling)
+    return o

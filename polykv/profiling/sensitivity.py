@@ -4,14 +4,15 @@ For a captured sequence of T tokens split into a *prefix* of P tokens and F = T 
 tokens, a config (rule, keep, K bits, V bits) is applied to the layer exactly as the runtime applies
 it after a P-token prefill followed by F more tokens, through the runtime's own code:
 
-1. a one-layer :class:`~polykv.runtime.cache.PlanCache` takes the prefix K/V (``update``) and its
-   queries (``after_attention``), so the rule's state observes the prefix as in a real prefill;
+1. the runtime's layer of a one-rule plan layer (:func:`polykv.runtime.layers.build_layer`) takes the prefix
+   K/V and its queries (:func:`~polykv.runtime.layers.observe_prompt`), so the rule's state observes the prefix
+   as in a real prefill;
 2. the runtime's prefill selection (:meth:`LayerCache.select_prompt`) runs the rule with
    ``capacity = ceil(keep * P)`` (ragged heads and merges included, checked as the runtime checks
    them) from a seeded generator;
-3. the selected prefix fills a :class:`~polykv.runtime.storage.LayerStorage` of the config's widths
+3. the selected prefix fills the runtime's stores of the config's widths (:func:`~polykv.runtime.layers.new_storage`)
    (the quantizer's stores; 16 bits is passthrough), the follow-up K/V are appended, and the F
-   follow-up queries attend the stored view with the runtime's attention (:func:`runtime.attention.sdpa`,
+   follow-up queries attend the stored view with the runtime's attention (:func:`polykv.attention.kernels.sdpa`,
    padding of ragged heads masked).
 
 Any registered rule, third-party included, is therefore profiled without re-implementation.
@@ -38,10 +39,10 @@ from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
-from polykv.runtime.attention import sdpa
-from polykv.runtime.cache import PlanCache
-from polykv.runtime.layer_spec import LayerSpec
-from polykv.runtime.storage import LayerStorage, StorageView, new_store
+from polykv.attention.kernels import sdpa
+from polykv.errors import ProfileError
+from polykv.runtime.layers import build_layer, new_storage, observe_prompt
+from polykv.runtime.storage import StorageView
 
 @attrs.define(kw_only=True)
 class LayerContext:
@@ -83,27 +84,22 @@ class PrefixRun:
         self.cap, self.prefix, self.rule_name, self.ctx = cap, prefix, rule_name, ctx
         op = OpSpec(rule=rule_name, capacity=1, params=dict(params))
         lp = LayerPlan(layer=cap.layer_idx, prefill=op, decode=FULL_OP)
-        rule = ctx.registry.operator(rule_name)(**params)
         inv = None if ctx.rope_inv_freq is None else ctx.rope_inv_freq.to(cap.key.device)
         self.generator = torch.Generator(device=cap.key.device)
         """Reseeded before each selection (:meth:`select`)."""
-        self.cache = PlanCache(specs=[LayerSpec(plan=lp, prefill_rule=rule)], registry=ctx.registry, decode_slack=1,
-                               rope_inv_freq=inv, rope_scaling=ctx.rope_scaling, model_data=ctx.model_data,
-                               generator=self.generator)
-        layer = self.layer = self.cache.layers[0]
-        if rule.declares_probe():
+        layer = self.layer = build_layer(lp, ctx.registry, model_data=ctx.model_data, rope_inv_freq=inv,
+                                         rope_scaling=ctx.rope_scaling, generator=self.generator)
+        if layer.spec.prefill_rule.declares_probe():
             self._from_prefill(layer, rule_name, params)
-        else:
-            step = layer.begin(cap.key[:, :, :prefix], cap.value[:, :, :prefix], ends_prompt=False)  # select later
-            layer.after_attention(step, cap.query[:, :, :prefix], cap.scaling)
+        else:  # selection waits for select()
+            observe_prompt(layer, cap.key[:, :, :prefix], cap.value[:, :, :prefix], cap.query[:, :, :prefix],
+                           cap.scaling)
         self._prompt, self._states = layer.prompt, layer.states
 
     def _from_prefill(self, layer, rule_name: str, params) -> None:
         """A probe rule's state observed the probe, which only a model pass runs: take the layer's raw prefix
         and the rule's state from the runtime's prefill (:attr:`LayerContext.prefills`), as
         :func:`polykv.runtime.fork.restore_prefill` does."""
-        from polykv.errors import ProfileError
-
         if self.ctx.prefills is None:
             raise ProfileError(f"layer {self.cap.layer_idx}: rule '{rule_name}' runs a probe (a model pass after the "
                                f"prompt), which a captured layer cannot replay; calibrate it with calibrate(), which "
@@ -135,7 +131,7 @@ def followup_through_storage(cap: LayerCapture, prefix: int, kept: StorageView, 
     lp = LayerPlan(layer=cap.layer_idx, k_bits=k_bits, v_bits=v_bits, quantizer=ctx.quantizer_name,
                    quantizer_params=dict(ctx.quantizer.params))
     dtype, device = cap.key.dtype, cap.key.device
-    storage = LayerStorage(lambda stream: new_store(ctx.registry, lp, stream, dtype=dtype, device=device))
+    storage = new_storage(lp, ctx.registry, dtype=dtype, device=device)
     storage.fill(kept.keys, kept.values, kept.positions, None if kept.valid is None else kept.valid.sum(-1))
     storage.append(cap.key[:, :, prefix:], cap.value[:, :, prefix:], prefix)  # the follow-up at prefix ..
     view = storage.view()

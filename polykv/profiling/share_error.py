@@ -3,9 +3,9 @@ L2 error of both layers' attention outputs when the pair's prefix is merged, for
 
 The convention is :mod:`polykv.profiling.sensitivity`'s: a captured sequence of T tokens is split into a prefix
 of P tokens (the prompt, merged after prefill) and F = T - P follow-up tokens (decode, stored unmerged). Both
-layers' prefixes fill a :class:`~polykv.runtime.storage.LayerStorage` each, the runtime's own
+layers' prefixes fill the runtime's stores of a 16-bit layer each (:func:`polykv.runtime.layers.new_storage`), the runtime's own
 :meth:`~polykv.runtime.storage.LayerStorage.share_prompt` merges them, the follow-up K/V are appended, and the
-F follow-up queries of each layer attend its stored view (:func:`polykv.runtime.attention.sdpa`). Error per
+F follow-up queries of each layer attend its stored view (:func:`polykv.attention.kernels.sdpa`). Error per
 layer: ``||o_shared - o_full||_F / ||o_full||_F`` of the follow-up attention output [B, H, F, d] before
 ``o_proj``, mean over sequences (batch rows). Each pair is measured alone (pairs overlapping a layer are
 alternatives, not a plan).
@@ -20,10 +20,11 @@ from typing import Sequence
 import attrs
 import torch
 
+from polykv.attention.kernels import sdpa
+from polykv.plan import LayerPlan
 from polykv.profiling.capture import LayerCapture
 from polykv.profiling.sensitivity import full_reference, relative_error
-from polykv.runtime.attention import sdpa
-from polykv.runtime.storage import LayerStorage, passthrough_store
+from polykv.runtime.layers import new_storage
 from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO
 
 
@@ -44,10 +45,10 @@ class PairError:
         return self.lower_error + self.upper_error
 
 
-def _stored(cap: LayerCapture, prefix: int) -> LayerStorage:
+def _stored(cap: LayerCapture, prefix: int):
     B, Hkv = cap.key.shape[:2]
     dtype, device = cap.key.dtype, cap.key.device
-    storage = LayerStorage(lambda stream: passthrough_store(dtype=dtype, device=device))
+    storage = new_storage(LayerPlan(layer=cap.layer_idx), None, dtype=dtype, device=device)  # 16 bits
     pos = torch.arange(prefix, device=device).view(1, 1, prefix).expand(B, Hkv, prefix)
     storage.fill(cap.key[:, :, :prefix], cap.value[:, :, :prefix], pos)
     return storage

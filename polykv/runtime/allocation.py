@@ -41,7 +41,8 @@ class GroupRun:
         state = self.states[layer.layer_idx]
         if state is None and self.allocator.reads_rule_state:
             state = layer.states["prefill"]
-        return layer.context("prefill", layer.prompt, state, values=True)
+        return layer.rules.context("prefill", layer.prompt, state, tokens_seen=layer.tokens_seen, scaling=layer.scaling,
+                                   values=True)
 
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""
@@ -59,7 +60,7 @@ class GroupRun:
             return
         T = layer.tokens_seen
         layers = self.layers
-        caps = tuple(int(layers[i].spec.plan.prefill.resolve_capacity(T)) for i in self.group.layers)
+        caps = tuple(int(layers[i].spec.plan_capacity("prefill", T)) for i in self.group.layers)
         request = AllocationRequest(group_layers=tuple(self.group.layers), layers=done,
                                     statistics=tuple(self.statistics[i] for i in done), total=sum(caps),
                                     capacities=caps, context_tokens=T, num_kv_heads=layer.head_counts().shape[1],

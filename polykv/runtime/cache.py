@@ -1,8 +1,8 @@
 """The plan-driven KV cache: a transformers ``Cache`` holding one
 :class:`~polykv.runtime.layer_cache.LayerCache` per decoder layer, and the allocation runs of the plan's
 layer groups. Create it with ``session.new_cache()``; the flow of a forward through one layer is in
-:mod:`polykv.runtime.layer_cache`: ``update`` (the model's call) records each layer's
-:class:`~polykv.runtime.layer_cache.ForwardStep` in ``layers[i].pending`` for the attention function.
+:mod:`polykv.runtime.layer_cache`: ``update`` (the model's call) returns the keys and values attention reads,
+carrying the layer's :class:`~polykv.runtime.layer_spec.ForwardStep` to it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from polykv.errors import RuntimeConfigError
+from polykv.runtime.allocation import GroupRun
 from polykv.runtime.layer_cache import LayerCache
 from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 
@@ -44,14 +45,8 @@ def output_cache(output):
 class PlanCache(Cache):
     """A transformers ``Cache`` whose layers follow a plan; create it with ``session.new_cache()``."""
 
-    def __init__(self, *, specs: list[LayerSpec], registry, decode_slack: int, rope_inv_freq: torch.Tensor | None,
-                 rope_scaling: float, model_data: Mapping[str, Any], generator: torch.Generator | None,
-                 groups: tuple = (), storage_dtype: torch.dtype | None = None, check: bool = False):
-        from polykv.runtime.allocation import GroupRun
-
-        self.settings = CacheSettings(registry=registry, decode_slack=decode_slack, storage_dtype=storage_dtype,
-                                      check=check, rope_inv_freq=rope_inv_freq, rope_scaling=rope_scaling,
-                                      model_data=model_data, generator=generator)
+    def __init__(self, *, specs: list[LayerSpec], settings: CacheSettings, groups: tuple = ()):
+        self.settings = settings
         """What every layer reads from the session (one object, shared by the layers)."""
         self.prefill_continues = False
         """True between the chunks of a chunked prefill (selection waits for the last chunk)."""
@@ -64,11 +59,12 @@ class PlanCache(Cache):
         """Extra forward tokens per batch row the probe ran (0: no probe)."""
         self.runs = [GroupRun(group, allocator) for group, allocator in groups]
         run_of = {layer: run for run in self.runs for layer in run.group.layers}
-        super().__init__(layers=[LayerCache(layer_idx=s.plan.layer, spec=s, settings=self.settings,
-                                            group=run_of.get(s.plan.layer)) for s in specs])
-        for layer in self.layers:  # a shared pair's upper layer merges with its lower layer's stored prompt
-            if layer.spec.plan.share is not None:
-                layer.share_lower = self.layers[layer.spec.plan.share]
+        layers: list[LayerCache] = []
+        for s in specs:  # a shared pair's upper layer merges with its lower layer's stored prompt
+            lower = layers[s.plan.share] if s.plan.share is not None else None
+            layers.append(LayerCache(layer_idx=s.plan.layer, spec=s, settings=settings,
+                                     group=run_of.get(s.plan.layer), lower=lower))
+        super().__init__(layers=layers)
 
     def group_run(self, layer_idx: int):
         """The allocation run of the group ``layer_idx`` belongs to, or None."""
@@ -83,13 +79,13 @@ class PlanCache(Cache):
         return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The model's call after RoPE: the layer begins its forward (its step waits in ``layers[i].pending``)."""
+        """The model's call after RoPE: the layer begins its forward and returns what attention reads."""
         return self.layers[layer_idx].update(key_states, value_states, ends_prompt=not self.prefill_continues,
                                              probe=self.probe)
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         """:meth:`update` without the model: the layer's :class:`~polykv.runtime.layer_cache.ForwardStep`,
-        to hand to ``layers[layer_idx].after_attention`` (nothing is recorded in ``pending``)."""
+        to hand to ``layers[layer_idx].after_attention``."""
         if self.probe is not None:
             return self.layers[layer_idx].begin_probe(key_states, value_states, self.probe)
         return self.layers[layer_idx].begin(key_states, value_states, ends_prompt=not self.prefill_continues)

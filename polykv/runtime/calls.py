@@ -1,12 +1,12 @@
 """The calls a session serves inside its ``with`` block: the model's forwards, ``generate`` and ``prefill``.
 
-:class:`SessionCalls` is the part of :class:`~polykv.runtime.session.Session` that these calls enter through:
-``model.forward`` wrapped by :meth:`SessionCalls._guarded_forward` (a plan with a probe runs it after the
-prompt, :mod:`polykv.runtime.probe_pass`), ``model.generate`` replaced by :meth:`SessionCalls._generate`
-(a fresh plan cache unless one is passed; ``use_cache=False`` only for a plan that keeps everything), and
-:meth:`SessionCalls.prefill` (a fresh cache filled in chunks). :class:`OneCaller` lets one thread's call in
-at a time; :meth:`SessionCalls.note_context` warns (:class:`ContextLengthWarning`, once per plan) when a plan's
-absolute capacities meet another context length than the one it was budgeted for.
+:class:`SessionCalls` (one per :class:`~polykv.runtime.session.Session`, which holds it as ``session.calls``) is
+what these calls enter through: ``model.forward`` wrapped by :meth:`SessionCalls.guarded_forward` (a plan with a
+probe runs it after the prompt, :mod:`polykv.runtime.probe_pass`), ``model.generate`` replaced by
+:meth:`SessionCalls.generate` (a fresh plan cache unless one is passed; ``use_cache=False`` only for a plan that
+keeps everything), and :meth:`SessionCalls.prefill` (a fresh cache filled in chunks). :class:`OneCaller` lets
+one thread's call in at a time; :meth:`SessionCalls.note_context` warns (:class:`ContextLengthWarning`, once per
+plan) when a plan's absolute capacities meet another context length than the one it was budgeted for.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, Mapping
 import torch
 
 from polykv.errors import RuntimeConfigError
-from polykv.runtime import attention
+from polykv.attention.attach import refuse_padding
+from polykv.memory import context_note
 from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, given_cache
 
 _NOTED: set = set()
@@ -110,66 +111,72 @@ class OneCaller:
 
 
 class SessionCalls:
-    """The calls that enter a :class:`~polykv.runtime.session.Session` (which sets ``model``, ``plan``, ``registry``,
-    ``probe``, ``_calls``, ``_cache``, ``_cache_kw``, ``_uncached_thread`` and offers ``new_cache`` and
-    ``_require_active``)."""
+    """The calls that enter a :class:`~polykv.runtime.session.Session`: the session's public face (``model``,
+    ``plan``, ``registry``, ``probe``, ``cache``, ``cache_keyword``, ``new_cache``) is all they read."""
 
-    def _guarded_forward(self, forward):
+    def __init__(self, session):
+        self.session = session
+        self.one_caller = OneCaller()
+        self._uncached_thread: int | None = None
+        """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
+
+    def guarded_forward(self, forward):
         """``model.forward`` inside the block: one caller at a time (:class:`OneCaller`); inside an uncached
         ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does)."""
 
         @functools.wraps(forward)
         def guarded(*args, **kwargs):
-            with self._calls.claim("a model forward"):
+            session = self.session
+            with self.one_caller.claim("a model forward"):
                 if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
                     kwargs.pop(LEGACY_CACHE_KEYWORD, None)
-                    kwargs[self._cache_kw] = self.new_cache()
-                cache = given_cache(kwargs, self._cache_kw)
-                if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
+                    kwargs[session.cache_keyword] = session.new_cache()
+                cache = given_cache(kwargs, session.cache_keyword)
+                if session.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
                         and not any(layer.prefilled for layer in cache.layers):
-                    return self.probe.prompt_forward(forward, cache, args, kwargs)
+                    return session.probe.prompt_forward(forward, cache, args, kwargs)
                 return forward(*args, **kwargs)
 
         return guarded
 
-    def _generate(self, *args, **kwargs):
-        self._require_active()
-        with self._calls.claim("generate()"):
+    def generate(self, *args, **kwargs):
+        """``model.generate`` inside the block."""
+        self.session.require_active()
+        with self.one_caller.claim("generate()"):
             return self._generate_one(*args, **kwargs)
 
     def _generate_one(self, *args, **kwargs):
-        refuse_unsupported_modes(self.model, kwargs)
+        session, model = self.session, self.session.model
+        refuse_unsupported_modes(model, kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             self.note_context(ids.shape[1])
-        if self.probe is not None and isinstance(ids, torch.Tensor):
-            self.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            attention.polykv_mask(attention_mask=mask)
-        given = given_cache(kwargs, self._cache_kw)
-        if not uses_cache(self.model, kwargs):
+        if session.probe is not None and isinstance(ids, torch.Tensor):
+            session.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
+        refuse_padding(kwargs.get("attention_mask"))
+        given = given_cache(kwargs, session.cache_keyword)
+        if not uses_cache(model, kwargs):
             return self._generate_uncached(given, *args, **kwargs)
         if given is None:
-            kwargs[self._cache_kw] = self.new_cache()
-        elif given is not self._cache:
+            kwargs[session.cache_keyword] = session.new_cache()
+        elif given is not session.cache:
             raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
                                      "session.cache or session.new_cache(), or no cache at all")
-        return type(self.model).generate(self.model, *args, **kwargs)
+        return type(model).generate(model, *args, **kwargs)
 
     def _generate_uncached(self, given, *args, **kwargs):
         """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
         for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
         fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
                "checkpoints' generation_config.json say false), or generate outside polykv.apply")
-        if not self.plan.keeps_everything:
+        if not self.session.plan.keeps_everything:
             raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
                                      f"without a cache there is nothing to compress: {fix}")
         if given is not None:
             raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
         self._uncached_thread = threading.get_ident()
         try:
-            return type(self.model).generate(self.model, *args, **kwargs)
+            return type(self.session.model).generate(self.session.model, *args, **kwargs)
         finally:
             self._uncached_thread = None
 
@@ -193,27 +200,27 @@ class SessionCalls:
             raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
         check_chunk_size(chunk_size, "prefill")
         step = chunk_size or T
-        if self.probe is not None:
-            self.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
-        with self._calls.claim("prefill()"):
-            cache = self.new_cache()
+        session = self.session
+        if session.probe is not None:
+            session.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
+        with self.one_caller.claim("prefill()"):
+            cache = session.new_cache()
             self.note_context(T)
             out = None
             for start in range(0, T, step):
                 cache.prefill_continues = start + step < T
-                out = self.model(input_ids[:, start:start + step], use_cache=True, **{self._cache_kw: cache},
-                                 **model_kwargs)
+                out = session.model(input_ids[:, start:start + step], use_cache=True,
+                                    **{session.cache_keyword: cache}, **model_kwargs)
             cache.prefill_continues = False
         return out
 
     def note_context(self, context_tokens: int) -> None:
         """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
-        key = id(self.plan)
+        plan = self.session.plan
+        key = id(plan)
         if key in _NOTED:
             return
-        from polykv.memory import context_note
-
-        note = context_note(self.plan, int(context_tokens), registry=self.registry)
+        note = context_note(plan, int(context_tokens), registry=self.session.registry)
         if note:
             _NOTED.add(key)
             warnings.warn(note, ContextLengthWarning, stacklevel=3)

@@ -32,11 +32,12 @@ import torch
 
 from polykv.attention.signals import signal_request
 from polykv.errors import RuntimeConfigError
-from polykv.plan import Plan
+from polykv.models.geometry import geometry_of_model
+from polykv.plan import Plan, full_plan
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.calls import check_chunk_size
-from polykv.runtime.layer_spec import new_rule_states
 from polykv.runtime.probe_pass import run_probe_chunks
+from polykv.runtime import session as sessions  # sessions.apply: looked up when called, so it can be wrapped
 from polykv.runtime.storage import StorageView
 
 
@@ -88,7 +89,7 @@ def plan_states(session) -> list[list]:
     """Per layer, fresh states of every rule and allocator of ``session``'s plan."""
     out = []
     for spec in session.layer_specs:
-        states = [st for st in new_rule_states(spec).values() if st is not None]
+        states = [st for st in spec.new_states().values() if st is not None]
         out.append(states)
     for group, allocator in session.allocation_groups:
         for layer in group.layers:
@@ -138,13 +139,11 @@ def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: to
     of the plans of that key; the probe's chunks). Validates each plan; a plan whose rules run a probe
     (built from ``input_ids``) gets its own prefill per distinct probe, since the probe's forwards are
     observed by its states. Also each key's per-model data (``model_data`` as :func:`polykv.apply` takes it)."""
-    from polykv.runtime.session import apply
-
     groups: dict[tuple, list] = {}
     probes: dict[tuple, list] = {}
     data: dict[tuple, dict] = {}
     for plan in plans:
-        session = apply(model, plan, registry=registry, model_data=model_data)
+        session = sessions.apply(model, plan, registry=registry, model_data=model_data)
         per_layer = plan_states(session)
         chunks = session_probe(session, input_ids) if input_ids is not None else []
         key = (attention_signature(per_layer), probe_key(chunks), plan_ranks(plan))
@@ -180,20 +179,16 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
         Per-model data the plans read, as :func:`polykv.apply` takes it (e.g. the key/value bases of
         plans with ranks); what is not given is found or computed as ``apply`` does.
     """
-    from polykv.plan import full_plan
-    from polykv.models.geometry import geometry_of_model
-    from polykv.runtime.session import apply
-
     check_chunk_size(chunk_size, "capture_prefill")
     groups = capture_groups(model, plans, registry=registry, input_ids=input_ids, model_data=model_data)
     T = int(input_ids.shape[1])
     step = chunk_size or T
     full = full_plan(geometry_of_model(model))
-    session = apply(model, full, registry=registry)
+    session = sessions.apply(model, full, registry=registry)
     variants = {}
     for key, (states, chunks, data) in groups.items():
         ranks = key[2]
-        run = session if ranks is None else apply(  # the plan's ranks: its prefill attends in code space
+        run = session if ranks is None else sessions.apply(  # the plan's ranks: its prefill attends in code space
             model, attrs.evolve(full, layers=[attrs.evolve(lp, k_rank=k, v_rank=v) for lp, (k, v) in
                                               zip(full.layers, ranks)]), registry=registry, model_data=data)
         variants[key] = _capture_one(model, run, input_ids, states, step, chunks)

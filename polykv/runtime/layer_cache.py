@@ -1,52 +1,57 @@
 """The cache of one decoder layer under a plan (:class:`LayerCache`); :class:`~polykv.runtime.cache.PlanCache`
-holds one per layer inside a transformers ``Cache``; what it is built from and what one forward carries are in
-:mod:`polykv.runtime.layer_spec`.
+holds one per layer inside a transformers ``Cache``; what it is built from is a
+:class:`~polykv.runtime.layer_spec.LayerSpec`.
 
-Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the
-original position of every stored token, uniform or ragged across KV heads), its rule objects and
-their states (:mod:`polykv.contract.state`). A forward runs in two halves joined by one
-:class:`ForwardStep`: :meth:`LayerCache.begin` (reached through ``update``, which the model calls
-right after RoPE) takes the new keys and values and returns the step, which says what this forward
-attends (the prompt, the dense view of the stores, or the stores themselves), its padding and
-positions, and which states observe it; the attention function (:mod:`polykv.runtime.attention`)
-attends as the step says and hands it back to :meth:`LayerCache.after_attention`, which lets every
-state observe the forward, then selects and stores (prefill) or evicts (decode). Between the two
-halves the step is recorded in one place, :attr:`LayerCache.pending`.
+Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the original
+position of every stored token, uniform or ragged across KV heads) and its rules at work
+(:class:`~polykv.runtime.layer_rules.LayerRules`: rule objects, states, selection). A forward runs in two halves
+joined by one :class:`~polykv.runtime.layer_spec.ForwardStep`: :meth:`LayerCache.update` (the model's call,
+right after RoPE) begins it (:meth:`LayerCache.begin`) and returns the keys and values attention reads, carrying
+the step (:func:`polykv.attention.attach.hand_over`); attention (:func:`polykv.runtime.attention.serve`)
+attends as the step says and hands it back to :meth:`LayerCache.after_attention`, which lets every state observe
+the forward, then selects and stores (prefill) or evicts (decode).
 
-Prefill (the first forward on an empty cache, or every chunk of :meth:`Session.prefill`): attention
-runs on the raw prompt K/V (:attr:`LayerCache.prompt`); after the last chunk the prefill rule selects and
-the survivors are stored. Decode (every later forward, one token or many): append to the stores, attend,
-then evict with the decode rule once some head stores more than its capacity + ``decode_slack``. How a
-layer selects, stores and evicts is :mod:`polykv.runtime.layer_selection`.
+Prefill (the first forward on an empty cache, or every chunk of a chunked prefill): attention runs on the raw
+prompt K/V (:attr:`LayerCache.prompt`); once the prompt is complete (:meth:`LayerCache.end_prefill`) a windowed
+layer keeps each head's newest tokens within its bound, the prefill rule selects (merging in full precision when
+its selection says so) and only the survivors are stored (quantization happens after eviction and merging). A
+layer in an allocation group waits for its allocator (:mod:`polykv.runtime.allocation`), which calls the same
+two steps. Decode (every later forward): append to the stores, attend, then (:meth:`LayerCache.evict`) a windowed
+layer drops what falls out of its bound, and once some head stores more than its capacity + ``decode_slack`` the
+decode rule selects and the storage evicts. The optional parts (a window bound, a shared pair, low-rank codes) are
+picked from the plan layer when the layer is built (:mod:`polykv.runtime.layer_parts`).
 
 Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, q new tokens, d head dim.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from polykv.runtime.plugin_results import StoreContract
+from polykv.attention.attach import hand_over
+from polykv.contract.state import Observation
 from polykv.errors import RuntimeConfigError
 from polykv.plan import PASSTHROUGH_BITS
+from polykv.runtime.attention import serve
+from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_view
+from polykv.runtime.layer_rules import LayerRules, over_budget
+from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec
+from polykv.runtime.storage import LayerStorage, StorageView
 from polykv.storage.reserve import layer_hold, reserve_tokens
-from polykv.contract.state import Observation, state_bytes
-from polykv.runtime.layer_selection import LayerSelection
-from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec, new_rule_states
-from polykv.runtime.storage import LayerStorage, StorageView, new_store
 
 
-class LayerCache(LayerSelection, CacheLayerMixin):
-    """Cache of one decoder layer under a plan (see the module docstring for the flow; selection and eviction:
-    :class:`~polykv.runtime.layer_selection.LayerSelection`)."""
+class LayerCache(CacheLayerMixin):
+    """Cache of one decoder layer under a plan (see the module docstring for the flow)."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, *, layer_idx: int, spec: LayerSpec, settings: CacheSettings, group=None):
+    def __init__(self, *, layer_idx: int, spec: LayerSpec, settings: CacheSettings, group=None, lower=None):
         super().__init__()
         self.layer_idx, self.spec, self.settings = layer_idx, spec, settings
         self.group = group
@@ -56,37 +61,62 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         self.prefilled = False
         self.storage = LayerStorage(self._new_store, self.reserve_for,
                                     exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
-                                    contract=StoreContract.for_plan_layer(layer_idx, spec.plan, settings.registry,
-                                                                          storage_dtype=settings.storage_dtype,
-                                                                          full=settings.check))
-        self.states = new_rule_states(spec)
-        """``{"prefill": RuleState | None, "decode": RuleState | None}`` (one object when shared)."""
-        self.extra_states: list = []
-        """More states observing this layer (an allocator's, a prefill capture's)."""
+                                    contract=spec.store_contract(storage_dtype=settings.storage_dtype,
+                                                                 full=settings.check))
+        self.rules = LayerRules(layer_idx, spec, settings)
         if group is not None:
             state = group.join(self)
             if state is not None:
-                self.extra_states.append(state)
+                self.rules.extra_states.append(state)
+        self.window = WindowBound(spec.token_bound) if spec.token_bound is not None else None
+        self.share = SharedPrompt(lower, spec.plan.share_params) if lower is not None else None
         self.budget: int | torch.Tensor | None = None
         """Capacity an allocator gave this layer: tokens per head, or [Hkv] per head; None = the plan's."""
         self.scaling: float | None = None
         self.prompt: StorageView | None = None
         """The prompt's keys, values and positions while prefill runs, unstored (after the prefill rule ran:
         its selection); None once :meth:`store_prompt` moved it into the stores."""
-        self.pending: ForwardStep | None = None
-        """The step of the forward in progress, from :meth:`update` (the model's call) until the attention
-        function hands it to :meth:`after_attention`; None between forwards."""
         self.read_stores = True
         """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
         build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
         self.low_rank = None
         """The spec's bases on the cache's device and dtype (set with the first forward), or None."""
-        self.plain_attention = True
-        """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as the last
-        :meth:`after_attention` was told; so it is known from the prefill forward on."""
-        self.share_lower: LayerCache | None = None
-        """The upper layer of a shared pair (the plan's ``share``): the lower layer's cache, whose stored prompt
-        this layer's prompt merges with when it is stored (set by the :class:`~polykv.runtime.cache.PlanCache`)."""
+        self.attended = True
+        """False from an ``update`` until attention finished its step: a check that the model's attention ran
+        through polykv (the step itself travels with the keys ``update`` returns)."""
+
+    # -- the layer's state, in one place ----------------------------------------------------------
+    @property
+    def states(self) -> dict:
+        """``{"prefill": RuleState | None, "decode": RuleState | None}`` of the layer's rules."""
+        return self.rules.states
+
+    @states.setter
+    def states(self, value: dict) -> None:
+        self.rules.states = value
+
+    @property
+    def extra_states(self) -> list:
+        """States observing this layer besides its rules' (an allocator's, a prefill capture's)."""
+        return self.rules.extra_states
+
+    @extra_states.setter
+    def extra_states(self, value: list) -> None:
+        self.rules.extra_states = list(value)
+
+    def observing_states(self) -> list:
+        """Every distinct state that observes this layer's forwards."""
+        return self.rules.observing()
+
+    def capacity(self, phase: str) -> tuple[int | None, torch.Tensor | None]:
+        """``(tokens per head, per-head capacities [Hkv] or None)`` the layer keeps in ``phase``: the budget an
+        allocator gave it, else the plan's op at the tokens seen (None: everything)."""
+        budget = self.budget
+        if budget is None:
+            return self.spec.plan_capacity(phase, self.tokens_seen), None
+        if isinstance(budget, torch.Tensor):
+            return int(budget.max()), budget
+        return int(budget), None
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
         """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
@@ -94,12 +124,7 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
         if self.spec.decode_rule is not None:
-            if ragged:
-                cap = kept
-            elif self.budget is not None:
-                cap = int(self.budget.max()) if isinstance(self.budget, torch.Tensor) else int(self.budget)
-            else:
-                cap = self.spec.plan.decode.resolve_capacity(self.tokens_seen)
+            cap = kept if ragged else self.capacity("decode")[0]
         return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
@@ -107,8 +132,8 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         return reserve_tokens(kept, self.hold_tokens(kept, ragged), slack=self.settings.decode_slack)
 
     def _new_store(self, stream: str):
-        return new_store(self.settings.registry, self.spec.plan, stream, dtype=self.dtype, device=self.device,
-                         storage_dtype=self.settings.storage_dtype)
+        return self.spec.new_store(stream, dtype=self.dtype, device=self.device,
+                                   storage_dtype=self.settings.storage_dtype)
 
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -163,42 +188,36 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         return self.get_max_length()
 
     def reset(self) -> None:
-        lower = self.share_lower
-        self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group)
-        self.share_lower = lower
+        lower = self.share.lower if self.share is not None else None
+        self.__init__(layer_idx=self.layer_idx, spec=self.spec, settings=self.settings, group=self.group, lower=lower)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
-        """The transformers layer interface: :meth:`begin` a forward, record its step in :attr:`pending` for the
-        attention function, and return the keys and values it attends (a low-rank layer's codes)."""
-        if probe is not None:
-            step = self.pending = self.begin_probe(key_states, value_states, probe)
-        else:
-            step = self.pending = self.begin(key_states, value_states, ends_prompt=ends_prompt)
-        return step.keys, step.values
+        """The transformers layer interface: :meth:`begin` a forward and return the keys and values it attends
+        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.attention.serve`)."""
+        step = self.begin_probe(key_states, value_states, probe) if probe is not None \
+            else self.begin(key_states, value_states, ends_prompt=ends_prompt)
+        self.attended = False
+        return hand_over(step.keys, step.values, functools.partial(serve, self, step))
 
     def begin_probe(self, key_states: torch.Tensor, value_states: torch.Tensor, probe) -> ForwardStep:
         """A forward of a probe (:mod:`polykv.contract.probe`): its n keys/values [B, Hkv, n, d] attend after the
-        whole unselected prompt; the step's view joins them to the prompt without storing them, and only the
-        states that declare ``observes_probe`` observe it."""
+        whole unselected prompt (:func:`~polykv.runtime.layer_parts.probe_view`), unstored; only the states that
+        declare ``observes_probe`` observe it."""
         raw = self.prompt
         if self.prefilled or raw is None:
             raise RuntimeConfigError(f"layer {self.layer_idx}: a probe forward runs only between the prompt and its "
                                      f"selection, but this layer holds no unselected prompt")
         key_states, value_states = self._codes(key_states, value_states)
-        B, Hkv, n, _ = key_states.shape
+        B = key_states.shape[0]
         if raw.positions.shape[0] != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the probe has a batch of {B} but the prompt "
                                      f"{raw.positions.shape[0]}; build one probe row per prompt row")
-        pos = torch.arange(self.tokens_seen, self.tokens_seen + n, device=key_states.device).view(1, 1, n)
-        view = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),                     # (B, Hkv, T + n, d)
-                           values=torch.cat([raw.values, value_states], dim=2),
-                           positions=torch.cat([raw.positions, pos.expand(B, Hkv, n)], dim=-1), valid=None)
         states = tuple(st for st in self.observing_states() if getattr(st, "observes_probe", False))
-        spec = self.spec
-        return ForwardStep(layer_idx=self.layer_idx, phase="probe", view=view, stores=None,
+        return ForwardStep(layer_idx=self.layer_idx, phase="probe",
+                           view=probe_view(raw, key_states, value_states, self.tokens_seen), stores=None,
                            first_position=self.tokens_seen, states=states, ends_prompt=False,
-                           attention_type=spec.attention_type, window=spec.window, probe=probe)
+                           attention_type=self.spec.attention_type, window=self.spec.window, probe=probe)
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, *, ends_prompt: bool = True) -> ForwardStep:
         """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.
@@ -254,7 +273,7 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         the longest). A uniform 16-bit layer's view is its buffers, so it keeps SDPA over them. An
         eviction still builds the view, in the forwards where it fires."""
         plan, st = self.spec.plan, self.storage
-        if not (self.read_stores and self.plain_attention and self.spec.window is None):
+        if not (self.read_stores and self.spec.plain and self.spec.window is None):
             return False
         if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
             return False
@@ -264,51 +283,99 @@ class LayerCache(LayerSelection, CacheLayerMixin):
         return not self.observing_states()
 
     # -- after attention -------------------------------------------------------------------------
-    def observing_states(self) -> list:
-        """Every distinct state that observes this layer's forwards."""
-        out = []
-        for st in [self.states["prefill"], self.states["decode"], *self.extra_states]:
-            if st is not None and all(st is not o for o in out):
-                out.append(st)
-        return out
-
-    def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None, *,
-                        plain: bool = True) -> None:
+    def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None) -> None:
         """Finish ``step`` (from :meth:`begin`): let every state observe the q new queries [B, H, q, d] (on a
         low-rank layer as key codes [B, H, q, k_rank]), then select (prefill) or evict (decode).
 
-        ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any.
-        ``plain``: whether the model's attention was a plain softmax (no softcap, no sinks): a later decode
-        forward reads the stores only then."""
-        self.plain_attention = plain
-        view = step.view
-        states = step.states
-        if states and self.low_rank is not None:  # the states read queries as the stored keys are: key codes
-            query = self.low_rank.queries(query)
+        ``signals``: the :class:`~polykv.contract.state.AttentionSignals` the attention pass computed, if any."""
+        self.attended = True
+        view, states = step.view, step.states
         if states:
-            obs = Observation(layer_idx=self.layer_idx, phase=step.phase,
-                              query=query, keys=view.keys, positions=view.positions, valid=view.valid,
-                              first_position=step.first_position, scaling=scaling, signals=signals,
-                              rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe)
-            for st in states:
-                st.observe(obs)
+            if self.low_rank is not None:  # the states read queries as the stored keys are: key codes
+                query = self.low_rank.queries(query)
+            self.rules.observe(states, Observation(
+                layer_idx=self.layer_idx, phase=step.phase, query=query, keys=view.keys, positions=view.positions,
+                valid=view.valid, first_position=step.first_position, scaling=scaling, signals=signals,
+                rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe))
         if step.probe is not None:  # the probe's keys and values go with its step; nothing is stored or counted
-            if self.pending is step:
-                self.pending = None
             return
         self.tokens_seen += query.shape[2]
         self.scaling = scaling
-        try:
-            if not self.prefilled:
-                if step.ends_prompt:
-                    self.end_prefill()
-            else:
-                self._maybe_evict(step)
-                for st in states:
-                    st.after_decode_step()
-        finally:
-            if self.pending is step:
-                self.pending = None
+        if not self.prefilled:
+            if step.ends_prompt:
+                self.end_prefill()
+        else:
+            self.evict(step)
+            for st in states:
+                st.after_decode_step()
+
+    # -- prefill: select and store ------------------------------------------------------------------
+    def end_prefill(self) -> None:
+        """The prompt is complete: select and store now, or hand the layer to its allocation group."""
+        sel = self.window.newest(self.prompt) if self.window is not None else None
+        if sel is not None:
+            self.rules.gather(sel)
+            self.prompt = self.prompt.take(sel)
+        if self.group is not None:
+            self.group.layer_done(self)
+            return
+        self.select_prompt(self.capacity("prefill")[0])
+        self.store_prompt()
+
+    def select_prompt(self, capacity: int | None, head_capacity: torch.Tensor | None = None) -> None:
+        """Run the prefill rule on the (raw or already selected) prompt when some head exceeds its budget."""
+        raw = self.prompt
+        if self.spec.prefill_rule is None or capacity is None:
+            return
+        counts = self.head_counts()
+        if not over_budget(counts.sum(-1).tolist(), counts.shape[1], capacity, head_capacity, 0):
+            return
+        sel = self.rules.select("prefill", capacity, raw, tokens_seen=self.tokens_seen, scaling=self.scaling,
+                                head_capacity=head_capacity)
+        if sel.merge is not None:
+            keys = sel.merge.apply(raw.keys)[0] if "key" in sel.merge.streams else raw.keys
+            values = sel.merge.apply(raw.values)[0] if "value" in sel.merge.streams else raw.values
+            raw = StorageView(keys=keys, values=values, positions=raw.positions, valid=raw.valid)
+        self.prompt = raw.take(sel, sel.kept_mask() if sel.ragged else None)
+
+    def store_prompt(self) -> None:
+        """Move the (selected) prompt into the stores; only the decode rule's state stays."""
+        raw = self.prompt
+        counts = raw.valid.sum(-1) if raw.valid is not None else None
+        self.storage.fill(raw.keys, raw.values, raw.positions, counts)
+        if self.share is not None:
+            self.share.merge(self.storage, held_dtype=self.settings.storage_dtype or self.dtype, compute_dtype=self.dtype)
+        self.prompt = None
+        self.rules.prompt_stored()
+        self.prefilled = True
+
+    # -- decode: evict --------------------------------------------------------------------------------
+    def evict(self, step: ForwardStep) -> None:
+        """After a decode forward: drop what falls out of a window's bound, then run the decode rule once some
+        head stores more than its capacity + ``decode_slack`` (a merge is written into the stores first)."""
+        view = step.view
+        if self.window is not None and self.storage.width() > self.window.bound:
+            sel = self.window.newest(view)
+            self.rules.gather(sel)
+            self.storage.evict(sel, view)
+            view = self.storage.view()
+        if self.spec.decode_rule is None:
+            return
+        cap, head_cap = self.capacity("decode")
+        if cap is None or not self._stores_over(cap, head_cap):
+            return
+        if step.stores is not None:  # the stores were read: build the view to select
+            view = self.storage.view()
+        sel = self.rules.select("decode", cap, view, tokens_seen=self.tokens_seen, scaling=self.scaling,
+                                head_capacity=head_cap)
+        self.storage.evict(sel, view)
+
+    def _stores_over(self, capacity: int, head_capacity: torch.Tensor | None) -> bool:
+        slack = self.settings.decode_slack
+        n = self.storage.uniform_count()
+        if n is not None and head_capacity is None:
+            return n > capacity + slack                      # the decode hot path: plain ints
+        return over_budget(self.storage.row_totals(), self.storage.shape[1], capacity, head_capacity, slack)
 
     # -- accounting ------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -323,7 +390,7 @@ class LayerCache(LayerSelection, CacheLayerMixin):
     def metadata_bytes(self) -> dict[str, int]:
         """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
         (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
-        out = {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
-        if self.share_lower is not None and self.prefilled:
+        out = {"positions": self.storage.positions_bytes(), **self.rules.state_bytes()}
+        if self.share is not None and self.prefilled:
             out["share_index"] = self.storage.share_index_bytes()
         return out

@@ -1,9 +1,10 @@
 """What a layer cache is built from and what one forward through it carries.
 
-:class:`LayerSpec` (one per plan layer, resolved once by the session), :class:`CacheSettings` (what every layer of
-one cache reads from the session), :class:`ForwardStep` (one forward through one layer, from
+:class:`LayerSpec` (one per plan layer, resolved once by :func:`layer_spec`: its rule objects, its quantizer, its
+window, its bases, whether its attention is a plain softmax), :class:`CacheSettings` (what every layer of one
+cache reads from the session) and :class:`ForwardStep` (one forward through one layer, from
 :meth:`~polykv.runtime.layer_cache.LayerCache.begin` to
-:meth:`~polykv.runtime.layer_cache.LayerCache.after_attention`) and :func:`new_rule_states`.
+:meth:`~polykv.runtime.layer_cache.LayerCache.after_attention`).
 """
 
 from __future__ import annotations
@@ -13,53 +14,86 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from polykv.attention.low_rank import LowRank
+from polykv.runtime.plugin_results import StoreContract, StreamSpec
 from polykv.models.geometry import FULL, ModelGeometry
-from polykv.plan import LayerPlan
-from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.models.kv_bases import KV_BASES_KEY
+from polykv.plan import PASSTHROUGH_BITS, LayerPlan
+from polykv.runtime.storage import LayerStorage, StorageView, new_store, quantizer_of
 
 
 @attrs.define(frozen=True, kw_only=True)
 class LayerSpec:
-    """Everything a layer cache needs from the session, resolved once per plan layer."""
+    """Everything a layer cache needs from the session, resolved once per plan layer (:func:`layer_spec`)."""
 
     plan: LayerPlan
     prefill_rule: Any = None
     """Rule object of the prefill op, or None for ``full``."""
     decode_rule: Any = None
     """Rule object of the decode op, or None for ``full``."""
-    attention_type: str = "full_attention"
+    quantizer: Any = None
+    """The plan layer's quantizer object (its stores and their checks are built from it), or None when both
+    streams are kept at 16 bits."""
+    attention_type: str = FULL
     """The model's attention type of this layer (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
     window: int | None = None
     """Sliding window or chunk size of a windowed layer (None for full attention)."""
     token_bound: int | None = None
     """Most tokens per head the layer keeps whatever the plan says (``window - 1``; None = unbounded)."""
-    low_rank: Any = None
-    """The layer's :class:`~polykv.attention.low_rank.LowRank` bases (CPU float32) when the plan gives it a
-    rank: keys and values are stored, scored and attended as codes; None: full width."""
+    low_rank: LowRank | None = None
+    """The layer's bases (CPU float32) when the plan gives it a rank: keys and values are stored, scored and
+    attended as codes; None: full width."""
+    plain: bool = True
+    """Whether the model's attention here is a plain softmax (no logit softcap, no sinks), as :func:`polykv.apply`
+    found on the attention module: only then may a decode forward read straight from the stores."""
+
+    def plan_capacity(self, phase: str, tokens_seen: int) -> int | None:
+        """Tokens per head the plan's ``phase`` op keeps after ``tokens_seen`` tokens (None: everything)."""
+        return getattr(self.plan, phase).resolve_capacity(tokens_seen)
+
+    def new_store(self, stream: str, *, dtype: torch.dtype, device, storage_dtype: torch.dtype | None = None):
+        """An empty store of ``stream`` ("key" or "value") from this layer's quantizer and bit widths."""
+        return new_store(self.quantizer, self.plan, stream, dtype=dtype, device=device, storage_dtype=storage_dtype)
+
+    def store_contract(self, *, storage_dtype: torch.dtype | None, full: bool) -> StoreContract:
+        """The checks of this layer's stores (:class:`~polykv.runtime.plugin_results.StoreContract`)."""
+        lp = self.plan
+        streams = {stream: StreamSpec(None, bits) if bits == PASSTHROUGH_BITS
+                   else StreamSpec(lp.quantizer, bits, self.quantizer)
+                   for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))}
+        return StoreContract(layer_idx=lp.layer, streams=streams, storage_dtype=storage_dtype, full=full)
+
+    def new_states(self) -> dict[str, Any]:
+        """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
+        pre = self.prefill_rule.new_state() if self.prefill_rule is not None else None
+        dec = self.decode_rule.new_state() if self.decode_rule is not None else None
+        if pre is not None and dec is not None and pre.share_key is not None and pre.share_key == dec.share_key:
+            dec = pre
+        return {"prefill": pre, "decode": dec}
 
 
-def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry, model_data: Mapping[str, Any]) -> LayerSpec:
-    """The :class:`LayerSpec` of plan layer ``lp``: its rule objects from ``registry``, its attention type and
-    window from ``geometry``, its bases from ``model_data`` when the plan gives it a rank."""
+def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry | None = None,
+               model_data: Mapping[str, Any] | None = None, *, plain: bool = True) -> LayerSpec:
+    """The :class:`LayerSpec` of plan layer ``lp``: its rule and quantizer objects from ``registry``, its attention
+    type and window from ``geometry`` (None: full attention), its bases from ``model_data`` when the plan gives it
+    a rank; ``plain``: no softcap or sinks on its attention module."""
     rules = {}
     for phase in ("prefill", "decode"):
         op = getattr(lp, phase)
         rules[phase] = None if op.keeps_everything else registry.operator(op.rule)(**op.params)
-    geo, i = geometry, lp.layer
-    windowed = geo.is_windowed(i)
+    windowed = geometry is not None and geometry.is_windowed(lp.layer)
     return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
-                     attention_type=geo.layer_types[i] if windowed else FULL,
-                     window=geo.sliding_window if windowed else None, token_bound=geo.token_bound(i),
-                     low_rank=_low_rank(lp, model_data))
+                     quantizer=quantizer_of(registry, lp),
+                     attention_type=geometry.layer_types[lp.layer] if windowed else FULL,
+                     window=geometry.sliding_window if windowed else None,
+                     token_bound=geometry.token_bound(lp.layer) if geometry is not None else None,
+                     low_rank=_low_rank(lp, model_data or {}), plain=plain)
 
 
-def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]):
-    """The layer's bases (:class:`~polykv.attention.low_rank.LowRank`) when the plan gives it a rank, else None."""
+def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]) -> LowRank | None:
+    """The layer's bases when the plan gives it a rank, else None."""
     if not lp.low_rank:
         return None
-    from polykv.attention.low_rank import LowRank
-    from polykv.models.kv_bases import KV_BASES_KEY
-
     bases = model_data[KV_BASES_KEY]
     return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
                    None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
@@ -69,8 +103,6 @@ def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]):
 class CacheSettings:
     """What every layer of one cache reads from the session, passed to each :class:`LayerCache` at construction."""
 
-    registry: Any
-    """The plugin registry (the quantizers of the stores, the contract checks)."""
     decode_slack: int
     """Tokens a head may exceed its decode capacity by before the decode rule evicts (the plan's trigger)."""
     storage_dtype: torch.dtype | None = None
@@ -89,13 +121,13 @@ class CacheSettings:
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
 class ForwardStep:
-    """One forward through one layer: what :meth:`LayerCache.begin` made ready for the attention function,
-    and what :meth:`LayerCache.after_attention` finishes. K is the number of keys attended
-    (stored + q new; during prefill the whole prompt so far)."""
+    """One forward through one layer: what :meth:`LayerCache.begin` made ready for attention, and what
+    :meth:`LayerCache.after_attention` finishes. K is the number of keys attended (stored + q new; during
+    prefill the whole prompt so far)."""
 
     layer_idx: int
     phase: str
-    """``"prefill"`` (the prompt is not stored yet) or ``"decode"``."""
+    """``"prefill"`` (the prompt is not stored yet), ``"decode"`` or ``"probe"``."""
     view: StorageView
     """The keys [B, Hkv, K, d] and values to attend (the model gets them from ``update``), their original
     positions [B, Hkv, K] and the padding mask ``valid`` [B, Hkv, K] of a ragged layer (None: no padding).
@@ -111,7 +143,7 @@ class ForwardStep:
     attention_type: str
     """The layer's attention type (``full_attention``, ``sliding_attention``, ``chunked_attention``)."""
     window: int | None
-    """Sliding window or chunk size (None for full attention); the attention function's mask reads it."""
+    """Sliding window or chunk size (None for full attention); the attention's mask reads it."""
     probe: Any = None
     """The :class:`~polykv.contract.probe.ProbeChunk` of a probe forward (phase ``"probe"``: it attends the
     unselected prompt and its own keys, which are discarded after it), else None."""
@@ -131,12 +163,3 @@ class ForwardStep:
     @property
     def valid(self) -> torch.Tensor | None:
         return self.view.valid
-
-
-def new_rule_states(spec: LayerSpec) -> dict[str, Any]:
-    """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
-    pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
-    dec = spec.decode_rule.new_state() if spec.decode_rule is not None else None
-    if pre is not None and dec is not None and pre.share_key is not None and pre.share_key == dec.share_key:
-        dec = pre
-    return {"prefill": pre, "decode": dec}

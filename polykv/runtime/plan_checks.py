@@ -9,9 +9,12 @@ from typing import Any, Mapping
 
 import torch
 
+from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
+from polykv.contract.rules import SIGNAL_PREROPE_STATS
 from polykv.errors import PlanError, RuntimeConfigError
+from polykv.models.kv_bases import KV_BASES_KEY, KV_BASES_NEED
 from polykv.plan import Plan
-from polykv.runtime.storage import new_store
+from polykv.runtime.storage import new_store, quantizer_of
 from polykv.runtime.support import SERVED, model_type
 
 
@@ -31,8 +34,6 @@ def check_probe_phases(plan: Plan, registry) -> None:
 def check_rank_rules(plan: Plan, registry) -> None:
     """A layer storing key codes (``k_rank``) holds no post-RoPE keys: a rule that undoes or redoes RoPE on them
     (its ``reads_rope``, or pre-RoPE key statistics) cannot score it."""
-    from polykv.contract.rules import SIGNAL_PREROPE_STATS
-
     for lp in plan.layers:
         if lp.k_rank is None:
             continue
@@ -66,7 +67,6 @@ def check_model_data(model_data, plan: Plan, registry, model) -> None:
         raise RuntimeConfigError(f"apply(model_data=...) must be a dict from the data keys the plan's rules declare "
                                  f"to their per-model data, e.g. {{key: QueryStats.load(path)}}, got "
                                  f"{type(model_data).__name__}")
-    from polykv.contract.model_data import needs_of_rules
 
     for need in plan_needs(plan, registry):
         data = model_data.get(need.key)
@@ -87,10 +87,6 @@ def check_model_data(model_data, plan: Plan, registry, model) -> None:
 def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str, Any] | None = None,
                     tokenizer=None, missing: str = "compute") -> dict[str, Any]:
     """The per-model data ``plan``'s rules read (see :func:`apply`), by key."""
-    from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
-
-    from polykv.models.kv_bases import KV_BASES_KEY
-
     rules = sorted(plan.rules_used())
     given = {k: v for k, v in (given or {}).items() if v is not None}
     needs = [n for n in plan_needs(plan, registry) if n.key not in given]
@@ -114,9 +110,6 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
 def plan_needs(plan: Plan, registry) -> list:
     """The per-model data ``plan`` reads: its rules' (:func:`polykv.contract.model_data.needs_of_rules`), and the
     key/value bases when a layer has a rank (:data:`polykv.models.kv_bases.KV_BASES_NEED`)."""
-    from polykv.contract.model_data import needs_of_rules
-    from polykv.models.kv_bases import KV_BASES_NEED
-
     needs = needs_of_rules(registry, sorted(plan.rules_used()))
     return needs + [KV_BASES_NEED] if plan.low_rank else needs
 
@@ -144,12 +137,13 @@ def check_stores(plan: Plan, registry, geometry, dtype: torch.dtype) -> None:
         if key in seen:
             continue
         seen.add(key)
+        quantizer = quantizer_of(registry, lp)
         for stream in ("key", "value"):
             width = lp.rank_of(stream, geometry.head_dim)  # a low-rank stream's quantizer codes r-wide codes
             empty = torch.zeros(1, geometry.num_kv_heads, 0, width, dtype=dtype)
             rank = "k_rank" if stream == "key" else "v_rank"
             try:
-                new_store(registry, lp, stream, dtype=dtype, device=empty.device).append(empty)
+                new_store(quantizer, lp, stream, dtype=dtype, device=empty.device).append(empty)
             except ValueError as exc:
                 if width != geometry.head_dim:
                     raise PlanError(f"{stream} store of {width}-channel codes: {exc}", layer=lp.layer,

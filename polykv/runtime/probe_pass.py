@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from polykv.contract.probe import same_probe
 from polykv.errors import RuntimeConfigError
 
 
@@ -30,8 +31,6 @@ class ProbePass:
         """The probe the plan's rules build from ``prompt_ids`` [B, T] (one list of
         :class:`~polykv.contract.probe.ProbeChunk` for every probe rule of the plan), checked: every rule builds
         the same forwards, of token ids the model has, that fit its positions after the prompt."""
-        from polykv.contract.probe import same_probe
-
         if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.dtype.is_floating_point:
             layer, rule = self.layers[0]
             raise RuntimeConfigError(f"layer {layer}: rule '{rule.name}' runs a probe built from the prompt's token ids, "

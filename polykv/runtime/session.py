@@ -8,29 +8,33 @@ Inside the block the model's attention implementation is ``polykv`` and ``model.
 fresh plan cache unless one is passed; manual loops pass ``cache=session.new_cache()`` (then
 ``session.cache``; on transformers without the ``cache`` keyword, the older keyword
 :func:`polykv.runtime.cache.cache_keyword` names). On exit the attention implementation is restored and ``generate`` is
-unpatched. The calls the block serves (forwards, ``generate``, ``prefill``) are in :mod:`polykv.runtime.calls`,
-the checks ``apply`` makes in :mod:`polykv.runtime.plan_checks` and :mod:`polykv.runtime.support`.
+unpatched. The calls the block serves (forwards, ``generate``, ``prefill``) are :mod:`polykv.runtime.calls`
+(``session.calls``), the checks ``apply`` makes :mod:`polykv.runtime.plan_checks` and :mod:`polykv.runtime.support`;
+the attention swap is :func:`polykv.attention.attach.attached`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping
 
 import attrs
 import torch
 
+from polykv.attention import attach
 from polykv.contract.score_checks import checks_enabled
+from polykv.contract.probe import set_probe_runner
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
-from polykv.plan import Plan
-from polykv.runtime import attention
+from polykv.plan import OpSpec, Plan, uniform_plan
+from polykv.registry import get_registry
 from polykv.runtime.cache import PlanCache, cache_keyword
-from polykv.runtime.calls import ContextLengthWarning, OneCaller, SessionCalls  # noqa: F401 (re-exported)
-from polykv.runtime.layer_spec import LayerSpec, layer_spec
+from polykv.runtime.calls import SessionCalls
+from polykv.runtime.layer_spec import CacheSettings, LayerSpec, layer_spec
 from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
                                         check_rank_rules, check_seed, check_stores, plan_model_data)
-from polykv.runtime.support import SERVED, attention_modules, check_servable, model_type
+from polykv.runtime.support import SERVED, attention_modules, check_servable, model_type, plain_softmax
 from polykv.runtime.tokenizer_params import check_token_ids, check_tokenizer, fill_tokenizer_params
 
 SUPPORTED_ATTN = ("sdpa", "eager")
@@ -96,8 +100,6 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         be computed) or was measured on another model.
     """
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     check_servable(model)
     if not isinstance(plan, Plan):
@@ -107,7 +109,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     check_tokenizer(tokenizer)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
-    if impl == attention.NAME:
+    if impl == attach.NAME:
         raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first")
     if impl not in SUPPORTED_ATTN:
         raise RuntimeConfigError(
@@ -138,9 +140,9 @@ _ACTIVE_MARK = "_polykv_active_session"
 """Attribute set on a model while a session is active on it (sessions on one model do not nest)."""
 
 
-class Session(SessionCalls):
+class Session:
     """A plan applied to a model; the live state of one ``with`` block (the calls it serves:
-    :class:`~polykv.runtime.calls.SessionCalls`)."""
+    :attr:`calls`, a :class:`~polykv.runtime.calls.SessionCalls`)."""
 
     def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int,
                  geometry: ModelGeometry):
@@ -151,7 +153,8 @@ class Session(SessionCalls):
         self.check = False
         """Whether the expensive plugin contract checks run; set by :func:`apply`."""
         self._modules = modules
-        self._specs = [layer_spec(lp, registry, geometry, model_data) for lp in plan.layers]
+        self._specs = [layer_spec(lp, registry, geometry, model_data, plain=plain_softmax(modules[lp.layer]))
+                       for lp in plan.layers]
         probing = [(s.plan.layer, s.prefill_rule) for s in self._specs
                    if s.prefill_rule is not None and s.prefill_rule.declares_probe()]
         self.probe: ProbePass | None = ProbePass(model, geometry, probing, cache_keyword(model)) if probing else None
@@ -160,13 +163,9 @@ class Session(SessionCalls):
         self.rope_inv_freq, self.rope_scaling = rope_of_model(model)
         self._cache: PlanCache | None = None
         self._active = False
-        self._saved_impl: list[tuple[Any, Any]] = []
-        self._saved_generate = _MISSING
-        self._saved_forward = _MISSING
-        self._hook = None
-        self._calls = OneCaller()
-        self._uncached_thread: int | None = None
-        """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
+        self._exit: contextlib.ExitStack | None = None
+        self.calls = SessionCalls(self)
+        """The calls the block serves: the guarded forward, ``generate``, ``prefill``."""
         self._cache_kw = cache_keyword(model)
 
     # -- context manager ---------------------------------------------------------------------------
@@ -177,39 +176,25 @@ class Session(SessionCalls):
         if other is not None and other is not self:
             raise RuntimeConfigError("this model is already inside a polykv session; leave that with-block first "
                                      "(sessions on one model do not nest)")
-        attention.register()
-        configs = {id(c): c for c in [self.model.config] + [getattr(m, "config", None) for m in self._modules]
-                   if c is not None}
-        self._saved_impl = [(c, c._attn_implementation_internal) for c in configs.values()]
-        for m in self._modules:
-            attention.bind(m, self)
-        for c in configs.values():
-            c._attn_implementation_internal = attention.NAME
-        self._saved_generate = self.model.__dict__.get("generate", _MISSING)
-        self.model.generate = self._generate
-        self._saved_forward = self.model.__dict__.get("forward", _MISSING)
-        self.model.forward = self._guarded_forward(self.model.forward)
-        self.model.__dict__[_ACTIVE_MARK] = self
-        self._hook = self.model.register_forward_hook(self._check_every_layer_attended)
+        model = self.model
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attach.attached(model, self._modules))
+            for name, patched in (("generate", self.calls.generate),
+                                  ("forward", self.calls.guarded_forward(model.forward))):
+                stack.callback(_restore, model, name, model.__dict__.get(name, _MISSING))
+                setattr(model, name, patched)
+            model.__dict__[_ACTIVE_MARK] = self
+            stack.callback(model.__dict__.pop, _ACTIVE_MARK, None)
+            stack.callback(model.register_forward_hook(self._check_every_layer_attended).remove)
+            self._exit = stack.pop_all()
         self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        for c, impl in self._saved_impl:
-            c._attn_implementation_internal = impl
-        for m in self._modules:
-            attention.unbind(m)
-        for name, saved in (("generate", self._saved_generate), ("forward", self._saved_forward)):
-            if saved is _MISSING:
-                self.model.__dict__.pop(name, None)
-            else:
-                setattr(self.model, name, saved)
-        if self.model.__dict__.get(_ACTIVE_MARK) is self:
-            del self.model.__dict__[_ACTIVE_MARK]
         self._active = False
+        if self._exit is not None:
+            self._exit.close()
+            self._exit = None
 
     def _check_every_layer_attended(self, module, args, output) -> None:
         """After each model forward: every layer whose cache was updated ran polykv's attention function
@@ -217,10 +202,10 @@ class Session(SessionCalls):
         cache = self._cache
         if cache is None:
             return
-        missed = [layer.layer_idx for layer in cache.layers if layer.pending is not None]
+        missed = [layer.layer_idx for layer in cache.layers if not layer.attended]
         if missed:
             for layer in cache.layers:
-                layer.pending = None
+                layer.attended = True
             raise RuntimeConfigError(
                 f"model type '{model_type(self.model)}': layers {missed} stored keys but computed attention without "
                 f"the polykv attention function; this model cannot be served (supported are {SERVED})")
@@ -240,23 +225,23 @@ class Session(SessionCalls):
         """The model's attention module of every layer, in layer order (what the session patches)."""
         return tuple(self._modules)
 
-    def _require_active(self) -> None:
+    def require_active(self) -> None:
         if not self._active:
             raise RuntimeConfigError("use the session inside its with-block: 'with polykv.apply(model, plan) as s:'")
 
     # -- caches ----------------------------------------------------------------------------------
     def new_cache(self) -> PlanCache:
         """A fresh, empty plan cache; it becomes :attr:`cache`."""
-        self._require_active()
-        self._calls.check("new_cache()")
+        self.require_active()
+        self.calls.one_caller.check("new_cache()")
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed)
         inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
-        self._cache = PlanCache(specs=self._specs, registry=self.registry, decode_slack=self.plan.trigger.decode_slack,
-                                rope_inv_freq=inv, rope_scaling=self.rope_scaling, model_data=self.model_data,
-                                generator=gen, groups=self._groups,
-                                storage_dtype=self.storage_dtype, check=self.check)
+        settings = CacheSettings(decode_slack=self.plan.trigger.decode_slack, storage_dtype=self.storage_dtype,
+                                 check=self.check, rope_inv_freq=inv, rope_scaling=self.rope_scaling,
+                                 model_data=self.model_data, generator=gen)
+        self._cache = PlanCache(specs=self._specs, settings=settings, groups=self._groups)
         return self._cache
 
     @property
@@ -270,22 +255,15 @@ class Session(SessionCalls):
         """The live cache: the last one created by :meth:`new_cache`, ``generate`` or :meth:`prefill`."""
         return self._cache
 
-    def step_for(self, layer_idx: int, key: torch.Tensor):
-        """``(layer cache, step)`` of the forward the attention function serves at ``layer_idx``: the step the
-        live cache's ``update`` recorded (:attr:`LayerCache.pending`), checked to be where ``key`` came from."""
-        cache = self._cache
-        layer = cache.layers[layer_idx] if cache is not None else None
-        step = layer.pending if layer is not None else None
-        if step is not None and step.keys is not key:
-            raise RuntimeConfigError(
-                f"model type '{model_type(self.model)}', layer {layer_idx}: the attention module changed the keys "
-                f"between the cache update and attention, so what polykv stores is not what it attends; this "
-                f"model cannot be served (supported are {SERVED})")
-        if step is None:
-            raise RuntimeConfigError(
-                f"layer {layer_idx} attended keys that did not come from this session's cache: pass "
-                f"{self._cache_kw}=session.new_cache() (then session.cache) and use_cache=True to the model")
-        return layer, step
+    def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
+        """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens
+        (:meth:`polykv.runtime.calls.SessionCalls.prefill`); returns the last chunk's model output."""
+        return self.calls.prefill(input_ids, chunk_size=chunk_size, **model_kwargs)
+
+    def note_context(self, context_tokens: int) -> None:
+        """Warn once per plan when absolute capacities meet another context length
+        (:meth:`polykv.runtime.calls.SessionCalls.note_context`)."""
+        self.calls.note_context(context_tokens)
 
     def resident_bytes(self) -> ResidentBytes:
         """K/V bytes per layer and in total, with metadata reported separately (see docs/runtime.md)."""
@@ -303,11 +281,16 @@ class Session(SessionCalls):
         return self._cache.allocations()
 
 
+def _restore(model, name: str, saved) -> None:
+    if saved is _MISSING:
+        model.__dict__.pop(name, None)
+    else:
+        setattr(model, name, saved)
+
+
 def _probe_states(model, rule: str, params: dict, ids: torch.Tensor) -> list:
     """:func:`polykv.contract.probe.run_probe`: one prompt forward and its probe under a plan that keeps every
     token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
-    from polykv.plan import OpSpec, uniform_plan
-
     T = int(ids.shape[-1])
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=rule, capacity=T, params=dict(params)),
                         decode="full")
@@ -318,10 +301,4 @@ def _probe_states(model, rule: str, params: dict, ids: torch.Tensor) -> list:
     return states
 
 
-def _install_probe_runner() -> None:
-    from polykv.contract.probe import set_probe_runner
-
-    set_probe_runner(_probe_states)
-
-
-_install_probe_runner()
+set_probe_runner(_probe_states)  # the contract's run_probe runs a probe through the runtime (it cannot import it)

@@ -1,5 +1,6 @@
 """Token storage of one layer: key and value stores plus positions, uniform or ragged across KV heads,
-and the stores themselves, built from the plan layer's quantizer and bit widths (:func:`new_store`).
+and the stores themselves, built from the plan layer's quantizer and bit widths (:func:`new_store`); what
+attention reads straight from them (:meth:`LayerStorage.attend`).
 
 *Uniform* storage is one key store and one value store of shape [B, Hkv, T, d] and positions
 [B, Hkv, T]: every head holds T tokens. A ragged :class:`~polykv.contract.selection.Selection` turns a layer
@@ -21,6 +22,7 @@ from typing import Callable
 import attrs
 import torch
 
+from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.plugin_results import NoContract
 from polykv.contract.stores import KVStore, WriteCost
 from polykv.storage.reserve import reserve_tokens
@@ -31,22 +33,28 @@ from polykv.errors import RuntimeConfigError
 from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO, SharedStore, merge_pair
 
 
-def new_store(registry, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,
+def quantizer_of(registry, lp: LayerPlan):
+    """The quantizer object of plan layer ``lp`` (``registry.quantizer(lp.quantizer)(**lp.quantizer_params)``), or
+    None when both streams are kept at 16 bits: built once per layer, for its stores and their checks."""
+    if lp.k_bits == PASSTHROUGH_BITS and lp.v_bits == PASSTHROUGH_BITS:
+        return None
+    return registry.quantizer(lp.quantizer)(**lp.quantizer_params)
+
+
+def new_store(quantizer, lp: LayerPlan, stream: str, *, dtype: torch.dtype, device: torch.device,
               storage_dtype: torch.dtype | None = None) -> KVStore:
     """An empty store for ``stream`` ("key" or "value") of plan layer ``lp``.
 
-    Widths below 16 come from the layer's quantizer
-    (``registry.quantizer(lp.quantizer)(**lp.quantizer_params).new_store(...)``); 16 bits is the
-    passthrough store, which keeps tensors in the compute dtype. ``storage_dtype`` (e.g. bfloat16
-    while the model computes in float32) is the dtype the store keeps unquantized tensors, scales
-    and residuals in; reads come back in the compute ``dtype``.
+    Widths below 16 come from the layer's ``quantizer`` (:func:`quantizer_of`); 16 bits is the passthrough
+    store, which keeps tensors in the compute dtype. ``storage_dtype`` (e.g. bfloat16 while the model computes
+    in float32) is the dtype the store keeps unquantized tensors, scales and residuals in; reads come back in
+    the compute ``dtype``.
     """
     held = dtype if storage_dtype is None else storage_dtype
     bits = lp.k_bits if stream == "key" else lp.v_bits
     if bits == PASSTHROUGH_BITS:
         store = passthrough_store(dtype=held, device=device)
     else:
-        quantizer = registry.quantizer(lp.quantizer)(**lp.quantizer_params)
         store = quantizer.new_store(stream, bits, dtype=held, device=device)
     return store if held == dtype else StorageCast(store, dtype)
 
@@ -99,6 +107,19 @@ class StorageView:
     """[B, Hkv, T] int64 original positions (-1 on padding)."""
     valid: torch.Tensor | None
     """[B, Hkv, T] bool, False on padding; None when the storage is uniform."""
+
+    def take(self, sel: Selection, valid: torch.Tensor | None = None) -> "StorageView":
+        """This view at the tokens ``sel`` keeps (``valid``: the padding mask of a ragged selection)."""
+        positions = self.positions.gather(-1, sel.index)
+        if valid is not None:
+            positions = positions.masked_fill(~valid, -1)
+        return StorageView(keys=_gather_tokens(self.keys, sel.index), values=_gather_tokens(self.values, sel.index),
+                           positions=positions, valid=valid)
+
+
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, Hkv, T, w] at token ``index`` [B, Hkv, n]: [B, Hkv, n, w] (keys and values may differ in w)."""
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
 
 @attrs.define
@@ -260,6 +281,13 @@ class LayerStorage:
         if not self.ragged:
             return self._pos.length
         return max(seg.length for seg in self.segments)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` [B, H, q, d] over the stored tokens without building the dense view: one call
+        over a uniform layer's two stores, or each (batch row, KV head) of a ragged layer over its own segment."""
+        if self.ragged:
+            return decode_attention_per_head(query, [(seg.key, seg.value) for seg in self.segments], scaling=scaling)
+        return decode_attention_from_stores(query, self.key_store, self.value_store, scaling=scaling)
 
     def view(self) -> StorageView:
         """Dense, dequantized tensors of everything stored (see :class:`StorageView`); uniform 16-bit

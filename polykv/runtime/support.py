@@ -112,3 +112,9 @@ def check_servable(model) -> None:
 def model_type(model) -> str:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return str(getattr(config, "model_type", type(model).__name__))
+
+
+def plain_softmax(module) -> bool:
+    """Whether attention module ``module`` computes a plain softmax: no logit softcapping (Gemma 2's
+    ``attn_logit_softcapping``) and no learned sinks (gpt-oss's ``sinks``). Decided once, by :func:`polykv.apply`."""
+    return getattr(module, "attn_logit_softcapping", None) is None and getattr(module, "sinks", None) is None

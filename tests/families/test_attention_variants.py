@@ -16,7 +16,7 @@ from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.models.reference import masked_reference_logits, record_run
-from polykv.runtime.attention import eager_attention, sdpa
+from polykv.attention.kernels import eager_attention, sdpa
 from polykv.testing import full_plan_against_vanilla, random_model, token_ids
 from polykv.runtime.cache import cache_keyword
 

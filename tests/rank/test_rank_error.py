@@ -10,7 +10,7 @@ from polykv.models.kv_bases import compute_kv_bases
 from polykv.profiling.capture import capture_sequence
 from polykv.profiling.rank_error import layer_rank_errors, rank_candidates
 from polykv.profiling.sensitivity import full_reference, relative_error
-from polykv.runtime.attention import sdpa
+from polykv.attention.kernels import sdpa
 from polykv.testing import tiny_model, token_ids
 
 PREFIX = 40

@@ -14,7 +14,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.models.kv_bases import KV_BASES_KEY, KVBases, compute_kv_bases
 from polykv.models.reference import masked_reference_logits, record_run
 from polykv.plan import OpSpec, per_layer_plan, uniform_plan
-from polykv.runtime.attention import sdpa
+from polykv.attention.kernels import sdpa
 from polykv.runtime.cache import cache_keyword
 from polykv.testing import decode_soak, tiny_model, token_ids
 

@@ -20,7 +20,7 @@ from polykv.contract.rules import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.contract.state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
                                    RuleState, SignalRequest, attention_column_sums, signal_request)
-from polykv.runtime.attention import sdpa
+from polykv.attention.kernels import sdpa
 from polykv.attention.signals import attention_with_signals
 from polykv.runtime.cache import cache_keyword
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import polykv
+from polykv.runtime import storage as storage_module
 from polykv.runtime.storage import LayerStorage
 from polykv.adapters.quantizers.kivi_keys import KiviKeyStore
 from polykv.adapters.quantizers.kivi_values import KiviValueStore
@@ -58,15 +59,13 @@ def _decode(model, plan, ids, *, codes: bool, monkeypatch, registry=None):
 
 def _count_from_codes(monkeypatch):
     """Count decode forwards that took the codes path (``from_codes`` is reset after every forward)."""
-    from polykv.runtime import attention
-
     seen = {"n": 0}
-    orig = attention.decode_attention_from_stores
+    orig = storage_module.decode_attention_from_stores
 
     def counting(*args, **kwargs):
         seen["n"] += 1
         return orig(*args, **kwargs)
-    monkeypatch.setattr(attention, "decode_attention_from_stores", counting)
+    monkeypatch.setattr(storage_module, "decode_attention_from_stores", counting)
     return seen
 
 

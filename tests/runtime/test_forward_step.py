@@ -1,5 +1,6 @@
-"""The explicit forward: a layer cache's update makes a ForwardStep, the attention function attends as the step
-says and hands it back; every hand-off is a named object, and the guards around it name what went wrong.
+"""The explicit forward: a layer cache's update makes a ForwardStep and hands it to attention with the keys it
+returns; attention attends as the step says and hands it back; every hand-off is a named object passed as an
+argument, and the guards around it name what went wrong.
 
 Shapes: B batch, Hkv KV heads, T prompt tokens, d head dim.
 """
@@ -18,7 +19,7 @@ import polykv
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
-from polykv.runtime import attention
+from polykv.attention import attach
 from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.layer_cache import LayerCache
 from polykv.runtime.layer_spec import CacheSettings, ForwardStep
@@ -105,7 +106,7 @@ def test_prefill_and_decode_steps_say_what_they_attend(model, monkeypatch):
     with torch.no_grad(), polykv.apply(model, plan) as session:
         session.prefill(_ids(T))
         model(_ids(1, seed=1), **{cache_keyword(model): session.cache}, use_cache=True)
-        assert all(layer.pending is None for layer in session.cache.layers)
+        assert all(layer.attended for layer in session.cache.layers)
     prefill, decode = steps[:geo.num_layers], steps[geo.num_layers:]
     for i, step in enumerate(prefill):
         assert (step.layer_idx, step.phase, step.first_position, step.ends_prompt) == (i, "prefill", 0, True)
@@ -150,10 +151,9 @@ def test_a_layer_cache_runs_from_its_settings_alone(model):
                                decode_slack=1, k_bits=8, v_bits=8, quantizer_params=QP)
     with polykv.apply(model, plan) as session:
         spec = session.layer_specs[0]
-        settings = CacheSettings(registry=session.registry, decode_slack=1)
+        settings = CacheSettings(decode_slack=1)
         alone = LayerCache(layer_idx=0, spec=spec, settings=settings)
-        planned = PlanCache(specs=[spec], registry=session.registry, decode_slack=1, rope_inv_freq=None,
-                            rope_scaling=1.0, model_data={}, generator=None)
+        planned = PlanCache(specs=[spec], settings=settings)
     gen = torch.Generator().manual_seed(3)
     for q in (16, 1, 1, 1):
         k, v = (torch.randn(1, geo.num_kv_heads, q, geo.head_dim, generator=gen) for _ in range(2))
@@ -165,31 +165,42 @@ def test_a_layer_cache_runs_from_its_settings_alone(model):
     assert torch.equal(alone.storage.view().keys, planned.layers[0].storage.view().keys)
 
 
-def test_the_attention_function_finds_its_session_through_the_module_only_inside_the_block(model):
+def test_attention_reaches_its_layer_through_the_keys_update_returned_only(model):
+    """Nothing names the session on the attention modules: the step travels with the keys the cache's update
+    returns, and keys that no polykv cache handed over are refused in one line."""
     geo = geometry_of_model(model)
     modules = [layer.self_attn for layer in model.model.layers]
-    with polykv.apply(model, polykv.full_plan(geo)) as session:
-        assert all(attention.serving_session(m) is session for m in modules)
-    assert all(attention.serving_session(m) is None for m in modules)
+    before = [dict(vars(m)) for m in modules]
+    with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
+        assert [set(vars(m)) for m in modules] == [set(b) for b in before]
+        cache = session.new_cache()
+        k = torch.zeros(1, geo.num_kv_heads, 3, geo.head_dim)
+        keys, values = cache.update(k, k.clone(), 0)
+        assert isinstance(keys, attach.HandedKeys) and not isinstance(values, attach.HandedKeys)
+        assert keys.attend.args[0] is cache.layers[0] and keys.attend.args[1].keys.data_ptr() == k.data_ptr()
     q = torch.zeros(1, 4, 1, 16)
-    with pytest.raises(RuntimeConfigError, match=r"attention layer 0 runs with attn_implementation 'polykv' but no "
-                                                 r"polykv session serves it; call the model inside"):
-        attention.polykv_attention(modules[0], q, q[:, :2], q[:, :2], None)
+    with pytest.raises(RuntimeConfigError, match=r"^layer 0 attended keys that did not come from a polykv cache: "
+                                                 r"call the model inside"):
+        attach.polykv_attention(modules[0], q, q[:, :2], q[:, :2], None)
 
 
 def test_keys_from_another_cache_are_refused(model):
     geo = geometry_of_model(model)
     with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
         session.new_cache()
-        with pytest.raises(RuntimeConfigError, match=r"^layer 0 attended keys that did not come from this session's "
-                                                     r"cache: pass (cache|past_key_values)=session.new_cache\(\)"):
+        with pytest.raises(RuntimeConfigError, match=r"^layer 0 attended keys that did not come from a polykv "
+                                                     r"cache: .* pass cache=session.new_cache\(\)"):
             model(_ids(5), **{cache_keyword(model): DynamicCache(config=model.config)}, use_cache=True)
 
 
 def test_keys_changed_between_the_update_and_attention_are_refused(model, monkeypatch):
     geo = geometry_of_model(model)
     real = PlanCache.update
-    monkeypatch.setattr(PlanCache, "update", lambda self, *a, **kw: tuple(t.clone() for t in real(self, *a, **kw)))
+    def keys_copied(self, *args, **kwargs):  # what a model that touches its keys after the update does
+        keys, values = real(self, *args, **kwargs)
+        return keys.clone(), values
+
+    monkeypatch.setattr(PlanCache, "update", keys_copied)
     with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
         with pytest.raises(RuntimeConfigError, match=r"^model type 'llama', layer 0: the attention module changed the "
                                                      r"keys between the cache update and attention"):
@@ -198,15 +209,15 @@ def test_keys_changed_between_the_update_and_attention_are_refused(model, monkey
 
 def test_a_layer_whose_step_no_attention_took_is_refused_and_forgotten(model):
     """A model whose attention does not run through polykv's function (here: another function registered under
-    the name) leaves its steps pending; the session refuses the forward in one line and drops the steps."""
+    the name) leaves its layers' steps unattended; the session refuses the forward in one line and forgets them."""
     geo = geometry_of_model(model)
     with torch.no_grad(), polykv.apply(model, polykv.full_plan(geo)) as session:
-        AttentionInterface.register(attention.NAME, sdpa_attention_forward)
+        AttentionInterface.register(attach.NAME, sdpa_attention_forward)
         try:
             cache = session.new_cache()
             with pytest.raises(RuntimeConfigError, match=r"^model type 'llama': layers \[0, 1\] stored keys but "
                                                          r"computed attention without the polykv attention function"):
                 model(_ids(5), **{cache_keyword(model): cache}, use_cache=True)
         finally:
-            attention.register()
-        assert all(layer.pending is None for layer in cache.layers)
+            attach.register()
+        assert all(layer.attended for layer in cache.layers)

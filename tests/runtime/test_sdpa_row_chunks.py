@@ -1,4 +1,4 @@
-"""polykv.runtime.attention.sdpa runs masked attention in query-row chunks (a bounded mask, so a probe chunk
+"""polykv.attention.kernels.sdpa runs masked attention in query-row chunks (a bounded mask, so a probe chunk
 over a long prompt takes no (G q) x K float mask per layer): every chunking equals one masked SDPA call."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polykv.runtime import attention
-from polykv.runtime.attention import lower_right_causal, sdpa
+from polykv.attention import kernels as attention
+from polykv.attention.kernels import sdpa
+from polykv.attention.signals import lower_right_causal
 
 
 def _one_call(query, key, value, scaling, mask):

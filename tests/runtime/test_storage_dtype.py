@@ -66,5 +66,5 @@ def test_absolute_capacities_at_another_length_warn_once_with_the_real_ratio(lla
         with polykv.apply(model, plan) as session:
             session.prefill(make_prompt(1, 64))
             session.prefill(make_prompt(1, 80))
-    lines = [str(w.message) for w in caught if issubclass(w.category, polykv.runtime.session.ContextLengthWarning)]
+    lines = [str(w.message) for w in caught if issubclass(w.category, polykv.runtime.calls.ContextLengthWarning)]
     assert lines == [note]

@@ -1,0 +1,57 @@
+"""The optional parts of a layer cache, picked from its plan layer when the cache is built, so a layer without
+them runs none of their code: a window's token bound (:class:`WindowBound`), a shared layer pair's merge
+(:class:`SharedPrompt`) and the view a probe forward attends (:func:`probe_view`). Ragged heads live in
+:class:`~polykv.runtime.storage.LayerStorage`, low-rank codes in :class:`~polykv.attention.low_rank.LowRank`,
+allocation budgets in :mod:`polykv.runtime.allocation`.
+
+Shapes: B batch, Hkv KV heads, T tokens, n probe tokens, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polykv.contract.selection import Selection, ragged_top_k
+from polykv.runtime.storage import LayerStorage, StorageView
+
+
+class WindowBound:
+    """A windowed layer's own bound: each head keeps at most its ``bound`` newest tokens (``window - 1``; every
+    older one is outside the window of every later query), whatever the plan says."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+
+    def newest(self, view: StorageView) -> Selection | None:
+        """The selection of each head's ``bound`` newest tokens of ``view``; None when it holds no more."""
+        bound = self.bound
+        if view.positions.shape[-1] <= bound:
+            return None
+        if view.valid is None:
+            T = view.positions.shape[-1]
+            index = torch.arange(T - bound, T, device=view.positions.device).expand(*view.positions.shape[:2], bound)
+            return Selection(index=index.contiguous())
+        scores = view.positions.masked_fill(~view.valid, -1).to(torch.float64)
+        return ragged_top_k(scores, view.valid.sum(-1).clamp(max=bound))
+
+
+class SharedPrompt:
+    """The upper layer of a shared pair (the plan's ``share``, MiniCache): its stored prompt merges with the
+    lower layer's (:meth:`~polykv.runtime.storage.LayerStorage.share_prompt`) right after it is stored."""
+
+    def __init__(self, lower, params: dict):
+        self.lower, self.params = lower, dict(params)
+        """The lower layer's cache, and the plan's share parameters."""
+
+    def merge(self, storage: LayerStorage, *, held_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        storage.share_prompt(self.lower.storage, held_dtype=held_dtype, compute_dtype=compute_dtype, **self.params)
+
+
+def probe_view(prompt: StorageView, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> StorageView:
+    """What a probe forward attends: the whole unselected ``prompt`` joined by its n keys and values
+    [B, Hkv, n, d] at positions ``first_position ..``, without storing them."""
+    B, Hkv, n, _ = keys.shape
+    pos = torch.arange(first_position, first_position + n, device=keys.device).view(1, 1, n)
+    return StorageView(keys=torch.cat([prompt.keys, keys], dim=2),                        # (B, Hkv, T + n, d)
+                       values=torch.cat([prompt.values, values], dim=2),
+                       positions=torch.cat([prompt.positions, pos.expand(B, Hkv, n)], dim=-1), valid=None)
