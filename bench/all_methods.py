@@ -55,7 +55,7 @@ def all_methods_plan(geo, ratio: float) -> Plan:
             op = OpSpec(rule=rule, capacity_ratio=1 / ratio, params=params)
             if rule == "snapkv" and i == last - 1:
                 op = OpSpec(rule="adakv", capacity_ratio=1 / ratio)  # Ada-KV's head-wise budgets on one layer
-            decodes = "decode" in registry.operator(op.rule)(**op.params).phases
+            decodes = "decode" in registry.rule(op.rule)(**op.params).phases
             layers.append(LayerPlan(layer=i, prefill=op, decode=op if decodes else OpSpec()))
         if allocator:
             groups.append(AllocationGroup(allocator=allocator, layers=tuple(range(first, last))))

@@ -38,7 +38,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     registry = get_registry()
-    rules = args.rules or [r for r in registry.names("operator") if "decode" in registry.operator(r).phases]
+    rules = args.rules or [r for r in registry.names("rule") if "decode" in registry.rule(r).phases]
     model = tiny_model("llama", layers=1, heads=2, kv_heads=1, head_dim=args.head_dim, vocab=64)
     geo = geometry_of_model(model)
     ids = torch.randint(1, 64, (2, 128), generator=torch.Generator().manual_seed(0))

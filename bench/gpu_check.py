@@ -440,7 +440,7 @@ def timing_plans(geo, context):
     registry = polykv.get_registry()
     for rule in EVICTION_RULES:
         op = OpSpec(rule=rule, capacity=context // 8)
-        decode = op if "decode" in registry.operator(rule).phases else None
+        decode = op if "decode" in registry.rule(rule).phases else None
         plans.append((f"{rule}@8x", polykv.uniform_plan(geo, prefill=op, decode=decode, decode_slack=16)))
     k4v4 = [{"prefill": OpSpec(rule="full"), "decode": OpSpec(rule="full"), "k_bits": 4, "v_bits": 4,
              "quantizer_params": {"group_size": 32, "residual": 32}}] * geo.num_layers

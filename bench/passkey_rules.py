@@ -61,8 +61,8 @@ def main() -> int:
         plans[name] = path
 
     everything = tuple(range(geo.num_layers))
-    for rule in registry.names("operator"):
-        if rule == "full" or "prefill" not in registry.operator(rule).phases:
+    for rule in registry.names("rule"):
+        if rule == "full" or "prefill" not in registry.rule(rule).phases:
             continue
         params = probe_params(rule, registry)
         for ratio in args.ratios:
@@ -71,7 +71,7 @@ def main() -> int:
             if registry.has("allocator", rule):
                 add(f"{rule}+alloc-{ratio:g}x",
                     attrs.evolve(plan, allocation=(AllocationGroup(allocator=rule, layers=everything),)))
-    if registry.has("operator", "cam"):
+    if registry.has("rule", "cam"):
         for ratio in args.ratios:
             op = OpSpec(rule="cam", capacity_ratio=1.0 / ratio, params={"rule": "h2o"})
             add(f"cam-h2o-{ratio:g}x", polykv.uniform_plan(geo, prefill=op))

@@ -177,7 +177,7 @@ def configs(geo, context: int, only: set[str] | None, registry, kivi: dict):
     out = [("vanilla", None), ("full", polykv.full_plan(geo)),
            ("full-k4v4", polykv.uniform_plan(geo, k_bits=4, v_bits=4, quantizer_params=kivi))]
     for rule in RULES:
-        decodes = "decode" in registry.operator(rule).phases
+        decodes = "decode" in registry.rule(rule).phases
         for ratio in (4, 8):
             cap = max(1, context // ratio)
             op = OpSpec(rule=rule, capacity=cap)
@@ -187,7 +187,7 @@ def configs(geo, context: int, only: set[str] | None, registry, kivi: dict):
     for i in range(geo.num_layers):
         rule = MIXED[i % len(MIXED)]
         op = OpSpec(rule=rule, capacity=max(1, context // (4 if i % 2 else 8)))
-        dec = op if "decode" in registry.operator(rule).phases else OpSpec(rule="h2o", capacity=op.capacity)
+        dec = op if "decode" in registry.rule(rule).phases else OpSpec(rule="h2o", capacity=op.capacity)
         layers.append({"prefill": op, "decode": dec, "k_bits": 8 if i % 2 else 16, "v_bits": 4 if i % 2 else 16,
                        "quantizer_params": kivi if i % 2 else {}})
     out.append(("mixed", polykv.per_layer_plan(geo, layers, decode_slack=16)))

@@ -26,7 +26,7 @@ MARK = "rules at their registered defaults"
 
 def rules_note(rules, registry) -> str:
     """One sentence per fact: each rule's parameters, then the rules measured without their allocator."""
-    params = ", ".join(f"{r} {json.dumps(dict(registry.operator(r).defaults), sort_keys=True)}" for r in rules)
+    params = ", ".join(f"{r} {json.dumps(dict(registry.rule(r).defaults), sort_keys=True)}" for r in rules)
     allocated = [r for r in rules if registry.has("allocator", r)]
     note = f"{MARK}: {params}"
     if allocated:

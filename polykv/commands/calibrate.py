@@ -163,7 +163,7 @@ def _check_rules(settings) -> None:
     registry = get_registry()
     for rule in settings.rules or ():
         try:
-            cls = registry.operator(rule)
+            cls = registry.rule(rule)
         except Exception as exc:
             raise ProfileError(f"--rules: {exc}") from None
         if settings.phase != "both" and settings.phase not in cls.phases:

@@ -41,8 +41,8 @@ def known_needs(registry) -> dict:
     from polykv.models.kv_bases import KV_BASES_NEED
 
     out = {}
-    for name in registry.names("operator"):
-        need = need_of(registry.get("operator", name))
+    for name in registry.names("rule"):
+        need = need_of(registry.get("rule", name))
         if need is not None:
             out.setdefault(need.key, (need, []))[1].append(f"rule '{name}'")
     out.setdefault(KV_BASES_NEED.key, (KV_BASES_NEED, []))[1].append("plans with k_rank/v_rank")

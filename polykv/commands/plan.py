@@ -120,11 +120,11 @@ def check_for_model(plan, geometry, source: str, context: int) -> None:
         return
     for lp in plan.layers:
         op = lp.prefill
-        if op.keeps_everything or not registry.has("operator", op.rule) or \
-                not registry.operator(op.rule).declares_probe():
+        if op.keeps_everything or not registry.has("rule", op.rule) or \
+                not registry.rule(op.rule).declares_probe():
             continue
         try:
-            chunks = registry.operator(op.rule)(**op.params).probe_chunks(torch.zeros(1, context, dtype=torch.long))
+            chunks = registry.rule(op.rule)(**op.params).probe_chunks(torch.zeros(1, context, dtype=torch.long))
         except ValueError:
             continue  # reported by plan show's probe line and refused by the runtime
         longest = max((c.num_tokens for c in chunks or []), default=0)
@@ -226,9 +226,9 @@ def probe_cost(plan, context: int, registry=None) -> str:
     found = {}
     for lp in plan.layers:
         op = lp.prefill
-        if op.keeps_everything or not registry.has("operator", op.rule):
+        if op.keeps_everything or not registry.has("rule", op.rule):
             continue
-        cls = registry.operator(op.rule)
+        cls = registry.rule(op.rule)
         if cls.declares_probe():
             found.setdefault((op.rule, repr(sorted(op.params.items()))), (cls, op.params, []))[2].append(lp.layer)
     parts = []

@@ -320,7 +320,7 @@ def _metadata(lp: LayerPlan, registry: Any, batch: int, Hkv: int, d: int, heads:
     out: dict[str, int | None] = {"positions": 8 * batch * Hkv * kept, "accumulated": 0, "query_window": 0}
     if lp.decode.keeps_everything:
         return out
-    state = registry.operator(lp.decode.rule)(**lp.decode.params).new_state()
+    state = registry.rule(lp.decode.rule)(**lp.decode.params).new_state()
     for leaf in ([] if state is None else state.leaves()):
         got = leaf.predict_bytes(batch=batch, kv_heads=Hkv, heads=heads, head_dim=d, tokens=kept,
                                  context_tokens=context_tokens, dtype_bytes=dtype_bytes)

@@ -94,7 +94,7 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
             op = getattr(lp, phase)
             field = f"layers[{lp.layer}].{phase}"
             try:
-                cls = registry.operator(op.rule)
+                cls = registry.rule(op.rule)
             except RegistryError as exc:
                 raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".rule") from None
             if phase not in cls.phases:

@@ -46,7 +46,7 @@ from polykv.profiling import validation as val
 
 
 def _probes(registry, name: str) -> bool:
-    return registry.has("operator", name) and registry.operator(name).declares_probe()
+    return registry.has("rule", name) and registry.rule(name).declares_probe()
 
 
 def _versions() -> dict[str, str]:

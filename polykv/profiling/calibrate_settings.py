@@ -125,7 +125,7 @@ def model_data_for(profile_path: str, *, registry=None, model=None) -> dict[str,
 def default_rules(registry) -> tuple[str, ...]:
     """Every registered retention rule except ``full``, by name; the rules that run a probe (a model pass after
     the prompt, :mod:`polykv.contract.probe`) included: calibration runs it in the runtime's prefill."""
-    return tuple(sorted(n for n in registry.names("operator") if n != FULL_RULE))
+    return tuple(sorted(n for n in registry.names("rule") if n != FULL_RULE))
 
 
 def tokenizer_params(registry, rules: Sequence[str], tokenizer) -> dict[str, dict]:
@@ -133,7 +133,7 @@ def tokenizer_params(registry, rules: Sequence[str], tokenizer) -> dict[str, dic
     ids of a probe's prompts) the rule builds for this tokenizer (``params_for_tokenizer``)."""
     out = {}
     for rule in rules:
-        cls = registry.operator(rule)
+        cls = registry.rule(rule)
         if getattr(cls, "tokenizer_params", ()):
             out[rule] = dict(cls.params_for_tokenizer(tokenizer))
     return out
@@ -149,7 +149,7 @@ def candidate_configs(rules: Sequence[str], settings: CalibrationSettings, regis
     if keeps[-1] == 1.0:
         out += moend_configs(FULL_RULE, "both", keeps=[1.0], k_bits=bits, v_bits=bits)
     for rule in rules:
-        cls = registry.operator(rule)
+        cls = registry.rule(rule)
         if settings.phase not in cls.phases and settings.phase != "both":
             raise ProfileError(f"rule '{rule}' does not run in phase '{settings.phase}' (it supports "
                                f"{sorted(cls.phases)}); leave it out with --rules")

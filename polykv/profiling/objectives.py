@@ -130,14 +130,14 @@ def reconstruction_rule(registry, tokenizer, chunk_tokens: int):
     if tokenizer is None:
         raise ProfileError("the reconstruction objective needs the model's tokenizer (its prompt and chat template); "
                            "pass tokenizer= to calibrate, or leave reconstruction out of the objectives")
-    probing = [n for n in sorted(registry.names("operator")) if registry.operator(n).declares_probe()]
+    probing = [n for n in sorted(registry.names("rule")) if registry.rule(n).declares_probe()]
     params = tokenizer_params(registry, probing, tokenizer)
     if not params:
         raise ProfileError("the reconstruction objective builds its prompt with a registered rule whose probe "
                            "reconstructs the context (KVzip), and none is registered; install one or leave "
                            "reconstruction out of the objectives")
     name = min(params)
-    return registry.operator(name)(**params[name], chunk_size=int(chunk_tokens))
+    return registry.rule(name)(**params[name], chunk_size=int(chunk_tokens))
 
 
 # -- retrieval -----------------------------------------------------------------------------------------------------

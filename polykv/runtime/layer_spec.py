@@ -80,7 +80,7 @@ def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry | None = None,
     rules = {}
     for phase in ("prefill", "decode"):
         op = getattr(lp, phase)
-        rules[phase] = None if op.keeps_everything else registry.operator(op.rule)(**op.params)
+        rules[phase] = None if op.keeps_everything else registry.rule(op.rule)(**op.params)
     windowed = geometry is not None and geometry.is_windowed(lp.layer)
     return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
                      quantizer=quantizer_of(registry, lp),

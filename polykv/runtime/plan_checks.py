@@ -23,9 +23,9 @@ def check_probe_phases(plan: Plan, registry) -> None:
     in decode there is no prompt left to probe."""
     for lp in plan.layers:
         op = lp.decode
-        if op.keeps_everything or not registry.has("operator", op.rule):
+        if op.keeps_everything or not registry.has("rule", op.rule):
             continue
-        if registry.operator(op.rule).declares_probe():
+        if registry.rule(op.rule).declares_probe():
             raise PlanError(f"rule '{op.rule}' runs a probe (a model pass after the prompt, before selection), and "
                             f"decode has no prompt to probe", layer=lp.layer, field=f"layers[{lp.layer}].decode.rule",
                             hint="use it in the prefill op and give decode another rule (or full)")
@@ -39,9 +39,9 @@ def check_rank_rules(plan: Plan, registry) -> None:
             continue
         for phase in ("prefill", "decode"):
             op = getattr(lp, phase)
-            if op.keeps_everything or not registry.has("operator", op.rule):
+            if op.keeps_everything or not registry.has("rule", op.rule):
                 continue
-            cls = registry.operator(op.rule)
+            cls = registry.rule(op.rule)
             if getattr(cls, "reads_rope", False) or cls.signal == SIGNAL_PREROPE_STATS:
                 raise PlanError(f"rule '{op.rule}' reads keys in RoPE coordinates, but this layer stores key codes "
                                 f"(k_rank {lp.k_rank})", layer=lp.layer, field=f"layers[{lp.layer}].k_rank",
@@ -98,7 +98,7 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
         if need.key == KV_BASES_KEY:
             used_by[need.key] = f"the ranks of layers {layer_spans([lp.layer for lp in plan.layers if lp.low_rank])}"
             continue
-        names = [r for r in rules if getattr(registry.operator(r), "model_data_need", None) is need]
+        names = [r for r in rules if getattr(registry.rule(r), "model_data_need", None) is need]
         layers = [lp.layer for lp in plan.layers if {lp.prefill.rule, lp.decode.rule} & set(names)]
         used_by[need.key] = f"rule {', '.join(repr(n) for n in names)} (layers {layer_spans(layers)})"
     if tokenizer is None and missing == "compute":

@@ -42,7 +42,7 @@ def fill_tokenizer_params(plan: Plan, registry, model, tokenizer: Any = None) ->
     for i, lp in enumerate(layers):
         for phase in PHASES:
             op = getattr(lp, phase)
-            cls = registry.operator(op.rule)
+            cls = registry.rule(op.rule)
             missing = [n for n in getattr(cls, "tokenizer_params", ()) if op.params.get(n) is None]
             if not missing:
                 continue
@@ -78,7 +78,7 @@ def check_token_ids(plan: Plan, registry, model) -> None:
     for lp in plan.layers:
         for phase in PHASES:
             op = getattr(lp, phase)
-            cls = registry.operator(op.rule)
+            cls = registry.rule(op.rule)
             for name in token_id_params(getattr(cls, "param_specs", {})):
                 ids = op.params.get(name)
                 bad = [t for t in ids or [] if isinstance(t, int) and t >= int(vocab)]

@@ -88,7 +88,7 @@ class Solver:
         if rule == FULL_RULE:
             return
         try:
-            cls = self.registry.operator(rule)
+            cls = self.registry.rule(rule)
         except RegistryError as exc:
             raise SolverError(f"{where}: {exc}") from None
         needed = {"prefill", "decode"} if phase == "both" else {phase}

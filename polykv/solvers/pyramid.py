@@ -62,7 +62,7 @@ class Pyramid(Solver):
         self.check_phase(p["rule"], "prefill", f"solver '{self.name}'")
         caps, removed = trim_to(caps, budget.to_bits(model) // per_token)
         rule_params = dict(p["rule_params"] or {})
-        if "window" in self.registry.operator(p["rule"]).defaults:
+        if "window" in self.registry.rule(p["rule"]).defaults:
             rule_params.setdefault("window", w)
         layers = [{"prefill": FULL_OP if c >= T else OpSpec(rule=p["rule"], capacity=c, params=rule_params),
                    "decode": FULL_OP} for c in caps]

@@ -105,7 +105,7 @@ class ProfileRoute(Solver):
             if rule == FULL_RULE or (rules is not None and rule not in rules):
                 continue
             try:
-                phases = self.registry.operator(rule).phases
+                phases = self.registry.rule(rule).phases
             except RegistryError as exc:
                 raise SolverError(f"{profile.source}: stats.{p['statistic']} column '{rule}': {exc}") from None
             if needed <= set(phases):  # rules that cannot run in the scope are not candidates

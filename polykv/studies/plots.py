@@ -42,7 +42,7 @@ def rule_colour(rule: str, registry=None) -> str:
         from polykv.registry import get_registry
 
         registry = get_registry()
-    names = [n for n in registry.names("operator") if n != FULL_RULE]
+    names = [n for n in registry.names("rule") if n != FULL_RULE]
     index = names.index(rule) if rule in names else zlib.crc32(rule.encode())
     return PALETTE[index % len(PALETTE)]
 

@@ -154,8 +154,8 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
                        model_data={"triattention": stats, "kvzip-head": heads},
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling)
     cap = _stack([capture_sequence(model, s) for s in seqs], 1)
-    rules = [n for n in reg.names("operator") if n != "full" and "prefill" in reg.operator(n).phases
-             and not reg.operator(n).declares_probe()]  # a probe rule selects from a prefill (test_endtoend.py)
+    rules = [n for n in reg.names("rule") if n != "full" and "prefill" in reg.rule(n).phases
+             and not reg.rule(n).declares_probe()]  # a probe rule selects from a prefill (test_endtoend.py)
     configs = [CandidateConfig(rule=r, keep=0.25, phase="prefill", k_bits=4, v_bits=4) for r in rules]
     errors = layer_l2(cap, PREFIX, configs, ctx)
     assert len(rules) >= 8

@@ -57,8 +57,8 @@ def test_profile_covers_every_built_in_rule_and_notes_their_parameters():
     from polykv.registry import get_registry
 
     registry = get_registry()
-    built_in = {e.name for e in registry.entries("operator") if e.plugin == "polykv.adapters.rules"}
-    wanted = {r for r in built_in if r != "full" and "prefill" in registry.operator(r).phases}
+    built_in = {e.name for e in registry.entries("rule") if e.plugin == "polykv.adapters.rules"}
+    wanted = {r for r in built_in if r != "full" and "prefill" in registry.rule(r).phases}
     prof = load_profile(str(PROFILE))
     counts = {}
     for c in prof.configs:

@@ -20,7 +20,7 @@ from polykv.plan.validation import validate
 from polykv.registry import get_registry
 
 REGISTRY = get_registry()
-OPERATORS = {e.name: e.obj for e in REGISTRY.entries("operator")}
+OPERATORS = {e.name: e.obj for e in REGISTRY.entries("rule")}
 PREFILL_RULES = sorted(n for n, cls in OPERATORS.items() if "prefill" in cls.phases and n != "full")
 DECODE_RULES = sorted(n for n, cls in OPERATORS.items() if "decode" in cls.phases and n != "full")
 PREFILL_ONLY = sorted(n for n, cls in OPERATORS.items() if "decode" not in cls.phases)

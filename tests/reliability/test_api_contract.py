@@ -192,7 +192,7 @@ class AllOnOne(Allocator):
 
 def _registry(**by_kind) -> Registry:
     registry = Registry(load_entry_points=False)
-    hooks = {"operator": "register_operators", "quantizer": "register_quantizers", "allocator": "register_allocators"}
+    hooks = {"rule": "register_rules", "quantizer": "register_quantizers", "allocator": "register_allocators"}
     for kind, classes in by_kind.items():
         impl = polykv.hookimpl(lambda register, _cs=classes: [register(c) for c in _cs])
         registry.register_plugin(types.SimpleNamespace(**{hooks[kind]: impl}), name=f"bad-{kind}s")
@@ -381,9 +381,9 @@ RULE_OPTIONS = {
     "kvzip-head": {"model_data": None},   # (set below: the head scores of the checker's model)
 }
 ALLOCATOR_PARAMS = {"cake": {"window": 4}}   # the default window (32) exceeds the checker's capacities
-ALLOCATOR_OPTIONS = {"kvzip": lambda: {"rule": polykv.get_registry().operator("kvzip"),  # it ranks kvzip's own scores
+ALLOCATOR_OPTIONS = {"kvzip": lambda: {"rule": polykv.get_registry().rule("kvzip"),  # it ranks kvzip's own scores
                                        "rule_params": RULE_OPTIONS["kvzip"]["params"]},
-                     "kvzip-head": lambda: {"rule": polykv.get_registry().operator("kvzip-head"),  # and kvzip-head's
+                     "kvzip-head": lambda: {"rule": polykv.get_registry().rule("kvzip-head"),  # and kvzip-head's
                                             "model_data": _head_scores(3)}}
 
 
@@ -402,13 +402,13 @@ def _builtin(kind):
     return [e.name for e in registry.entries(kind) if e.plugin in polykv.BUILTIN_PLUGINS]
 
 
-@pytest.mark.parametrize("name", [n for n in _builtin("operator") if n != "full"])
+@pytest.mark.parametrize("name", [n for n in _builtin("rule") if n != "full"])
 def test_every_builtin_rule_passes_check_rule(name):
     options = dict(RULE_OPTIONS.get(name, {}))
     if name == "kvzip-head":
         options["model_data"] = _head_scores(2)
-    calls = check_rule(polykv.get_registry().operator(name), **options)
-    cls = polykv.get_registry().operator(name)
+    calls = check_rule(polykv.get_registry().rule(name), **options)
+    cls = polykv.get_registry().rule(name)
     assert all(calls[phase] > 0 for phase in cls.phases), calls
 
 

@@ -153,7 +153,7 @@ def test_a_spec_carries_the_default_and_defaults_derive_from_it():
 
 def test_every_builtin_parameter_has_a_spec_its_default_satisfies():
     registry = get_registry()
-    for kind in ("operator", "quantizer", "allocator"):
+    for kind in ("rule", "quantizer", "allocator"):
         for entry in registry.entries(kind):
             if not entry.plugin.startswith("polykv."):
                 continue

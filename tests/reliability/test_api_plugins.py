@@ -67,7 +67,7 @@ def test_bad_spec_registers_nothing(registry, text, expect):
 def test_the_current_folder_is_on_sys_path_for_the_lookup_only(registry, tmp_path):
     with plugins_registered(registry, [("api_plugin_mod:plugin", "--plugins")]) as names:
         assert names == ["api_plugin_mod:plugin"]
-        assert registry.entry("operator", "api-plugin-newest").plugin == "api_plugin_mod:plugin"
-    assert not registry.has("operator", "api-plugin-newest")
+        assert registry.entry("rule", "api-plugin-newest").plugin == "api_plugin_mod:plugin"
+    assert not registry.has("rule", "api-plugin-newest")
     assert "api_plugin_mod" not in sys.modules
     assert str(tmp_path) not in sys.path

@@ -55,7 +55,7 @@ def test_refuse_names_every_file_it_looked_for_and_the_rule_and_layers(model, tm
     with pytest.raises(ModelDataError) as err:
         polykv.apply(model, _plan(model, path), missing_model_data="refuse")
     text = _one_line(err)
-    need = get_registry().operator("triattention").model_data_need
+    need = get_registry().rule("triattention").model_data_need
     assert str(path) in text and cached_file(need, geometry_of_model(model).fingerprint) in text
     assert "rule 'triattention' (layers 0-1)" in text and "missing_model_data='compute'" in text
 

@@ -38,7 +38,7 @@ def _cache_scores(model, tmp_path, monkeypatch):
     """Head scores for this model in the model-data cache (what a missing plan file must not silently become)."""
     monkeypatch.setenv("POLYKV_CACHE", str(tmp_path / "cache"))
     fp = geometry_of_model(model).fingerprint
-    path = cached_file(get_registry().operator("kvzip-head").model_data_need, fp)
+    path = cached_file(get_registry().rule("kvzip-head").model_data_need, fp)
     os.makedirs(os.path.dirname(path))
     HeadScores(scores=torch.rand(2, 2), fingerprint=fp, num_tokens=8).save(path)
     return path

@@ -18,7 +18,7 @@ from polykv.testing import decode_soak, tiny_model
 
 CAPACITY, CONTEXT, STEPS = 24, 40, 300
 QPARAMS = {"group_size": 8, "residual": 16}
-DECODE_RULES = sorted(r for r in get_registry().names("operator") if "decode" in get_registry().operator(r).phases)
+DECODE_RULES = sorted(r for r in get_registry().names("rule") if "decode" in get_registry().rule(r).phases)
 
 
 @pytest.fixture(scope="module")

@@ -252,7 +252,7 @@ def test_decode_merging_methods_equal_full_cache_with_merged_values(llama, promp
     attend exactly the stored tokens with the merged tokens' stored K/V written in."""
     from polykv.registry import get_registry
 
-    cls = get_registry().operator(rule)
+    cls = get_registry().rule(rule)
     logged: dict[int, set] = {}
     original = cls.select
 

@@ -111,7 +111,7 @@ def _replay_prefill_merges(model, plan, ids):
     for lp in plan.layers:
         q, k, v = captured[lp.layer]
         op = lp.prefill
-        rule = registry.operator(op.rule)(**op.params)
+        rule = registry.rule(op.rule)(**op.params)
         state = rule.new_state()
         B, Hkv, P, _ = k.shape
         pos = torch.arange(P).view(1, 1, P).expand(B, Hkv, P)
@@ -217,7 +217,7 @@ def test_state_and_ragged_bytes_equal_the_prediction(llama, rule, params):
 
     model, geo = llama
     op = OpSpec(rule=rule, capacity=16, params=params)
-    decodes = "decode" in get_registry().operator(rule)(**params).phases
+    decodes = "decode" in get_registry().rule(rule)(**params).phases
     plan = polykv.uniform_plan(geo, prefill=op, decode=op if decodes else OpSpec())
     with torch.no_grad(), polykv.apply(model, plan) as session:
         cache = session.new_cache()

@@ -56,7 +56,7 @@ class ProbeRecorderRule(ScoredRule):
 @pytest.fixture
 def registry():
     ProbeRecorderRule.states = []
-    return _registry_with("operator", ProbeRecorderRule, registry=get_registry())
+    return _registry_with("rule", ProbeRecorderRule, registry=get_registry())
 
 
 def test_probe_forwards_are_observed_after_the_prompt_and_never_stored(llama, prompt, registry):

@@ -118,8 +118,8 @@ def _reusable_rules():
 
     registry = get_registry()
     out = []
-    for name in registry.names("operator"):
-        cls = registry.get("operator", name)
+    for name in registry.names("rule"):
+        cls = registry.get("rule", name)
         if name != "full" and "prefill" in cls.phases and need_of(cls) is None and not cls.declares_probe():
             out.append(name)
     return out
@@ -130,7 +130,7 @@ def test_every_prefill_rule_restores_from_a_snapshot_as_its_own_prefill(model, r
     geo = geometry_of_model(model)
     g = torch.Generator().manual_seed(1)
     context, question = torch.randint(1, 128, (1, 48), generator=g), torch.randint(1, 128, (1, 4), generator=g)
-    decode = OpSpec(rule=rule, capacity=22) if "decode" in polykv.get_registry().get("operator", rule).phases \
+    decode = OpSpec(rule=rule, capacity=22) if "decode" in polykv.get_registry().get("rule", rule).phases \
         else OpSpec(rule="full")
     plan = uniform_plan(geo, prefill=OpSpec(rule=rule, capacity=18), decode=decode, decode_slack=1)
     snapshot = capture_prefill(model, context, [plan])
