@@ -16,7 +16,8 @@ from polykv.solvers.pricing import layer_loss
 from polykv.studies import stats
 from polykv.studies.combine import executed_plan
 
-SPEARMAN_CONVENTION = "Spearman rho(predicted loss, measured score): negative = the prediction ranks the plans correctly"
+SPEARMAN_CONVENTION = ("Spearman rho(predicted loss, measured score): negative = the prediction ranks the plans "
+                       "correctly")
 """The one sign convention of every correlation a report or the demo prints (and states beside it)."""
 
 
