@@ -3,12 +3,16 @@
 The demo is a study (``examples/demo_study.json`` is the same spec): on the default model with the
 shipped profile it solves ``1d``, ``2d_uniform``, ``2d`` (quant-only), ``2d_hetero`` (MoE-nD greedy),
 ``route`` (PolyKV profile route, 16 bits) and ``joint`` (exact knapsack over every profiled rule,
-keep and K/V width), beside the shipped ``kvzip-global`` plan (:data:`KVZIP_PLANS`), at 8x and 4x compression of the bytes the cache really holds (resident basis:
-codes, scales, residuals and metadata, stored in bfloat16 while the model computes in float32),
-runs passkey retrieval (compress the context, feed the question through the compressed cache,
-generate greedily), prints accuracy with Wilson intervals, measured bytes with metadata and their
-ratio against a 16-bit full cache, each solver's predicted loss beside the exact optimum, and writes
-the report. Running it again resumes an interrupted run.
+keep and K/V width), beside the shipped ``kvzip-global`` plan (:data:`KVZIP_PLANS`), at 8x and 4x
+compression of the bytes the cache really holds (resident basis: codes, scales, residuals and metadata,
+stored in bfloat16 while the model computes in float32), runs passkey retrieval (compress the context, feed
+the question through the compressed cache, generate greedily), prints accuracy with Wilson intervals,
+measured bytes with metadata and their ratio against a 16-bit full cache, each solver's predicted loss
+beside the exact optimum and the report's conclusion (:mod:`polykv.studies.conclusion`, the same sentences
+``report.md`` opens with), and writes the report. Running it again resumes an interrupted run.
+
+The study machinery, the runtime and matplotlib are imported when the verb runs, not when the command line
+starts (every verb's module is imported then).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from polykv.atomic import check_output, read_json_head, write_text_atomic
 from polykv.errors import StudyError
 
 PROFILE_NAME = "smollm2-135m-instruct.profile.json"
@@ -134,15 +139,17 @@ def kvzip_plans(budgets: list[str], basis: str, model: str = "default") -> dict[
 
 
 def print_table(results_path: str) -> None:
+    """The demo's summary on stdout: per task the policies' accuracy and bytes, MoE-nD's chain, each plan against
+    the full cache, the predicted-vs-measured Spearman and the predicted losses; then the report's conclusion."""
+    from polykv.profiling.profile import load_profile
     from polykv.studies import designs, predicted
+    from polykv.studies.conclusion import conclusion_text, verdict
     from polykv.studies.report import policy_rows
     from polykv.studies.results import Results
 
     res = Results.load(results_path)
     profile = None
     if res.header["spec"].get("profile") and os.path.isfile(res.header["spec"]["profile"]):
-        from polykv.profiling.profile import load_profile
-
         profile = load_profile(res.header["spec"]["profile"])
     for task in res.tasks:
         print(f"\n{task}: {len(res.items(task))} items per policy; bytes held after compressing the context "
@@ -154,6 +161,8 @@ def print_table(results_path: str) -> None:
             acc = f"{w.estimate:6.1%} [{w.low:5.1%}, {w.high:5.1%}]" if w else f"{r['mean']:.3f}"
             nominal = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
             pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") else "-"
+            if r.get("expected_ratio"):  # an allocator plan: the bound above, what it is expected to hold beside it
+                pred += f" (expected {r['expected_ratio']:.2f}x)"
             print(f"{r['policy']:<16} {acc:<24} {r['bytes'] / 2 ** 20:7.3f} {r['ratio']:8.2f}x {pred:>9} "
                   f"{nominal:>8}")
         for b in designs.budgets(res):
@@ -163,21 +172,31 @@ def print_table(results_path: str) -> None:
                          if k in ("d_quant", "d_evict", "d_total")]
                 print(f"MoE-nD chain at {b}: " + "; ".join(parts))
             if "full" in res.policies:
-                for name, rec in res.policies.items():
-                    if rec.get("budget") == b and rec.get("role") != "placement":
-                        iv = designs.paired_vs(res, task, name, "full")
-                        print(f"  {name} - full: {iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] "
-                              f"({iv.difference_verdict('the full cache')})")
-            names = [n for n, r in res.policies.items() if r.get("budget") == b and r.get("role") != "placement"]
-            for w in designs.unequal_memory(res, task, names):
+                for name in designs.plans_at(res, b):
+                    iv = designs.paired_vs(res, task, name, "full")
+                    said = verdict(iv, res.scores(name, task), res.scores("full", task), "the full cache")
+                    print(f"  {name} - full: {iv.estimate:+.2f} [{iv.low:+.2f}, {iv.high:+.2f}] ({said})")
+            for w in designs.unequal_memory(res, task, designs.plans_at(res, b)):
                 print(f"  warning at {b}: {w}")
+            pvm = predicted.predicted_vs_measured(res, task, b, profile)
+            if pvm is not None:
+                sp = pvm["spearman"]
+                print(f"  {predicted.SPEARMAN_CONVENTION}; over {pvm['n']} plans at {b}: "
+                      + (f"{sp.r:+.3f} (one-sided p = {sp.p_value:.3f})" if sp is not None else
+                         f"undefined ({pvm['note']})"))
             if profile is not None:
                 for r in predicted.loss_vs_exact(res, b, profile):
                     same = "-" if r["exact_same_rules"] is None else f"{r['exact_same_rules']:.3f}"
                     gap = "" if r["gap"] is None else f" ({r['gap']:+.1%})"
                     rules = ",".join(r["rules"]) if r["rules"] else "all rules"
+                    if r.get("skipped"):
+                        print(f"  predicted loss {r['policy']}: {r['loss']:.3f}; no gap to the optimum: {r['skipped']}")
+                        continue
                     print(f"  predicted loss {r['policy']}: {r['loss']:.3f}; exact optimum over {rules} {same}{gap}; "
                           f"over all rules {r['exact_all_rules']:.3f}")
+    print("\nConclusion:")
+    for sentence in conclusion_text(res):
+        print(f"- {sentence}")
 
 
 def set_threads(n: int | None) -> None:
@@ -192,15 +211,12 @@ def set_threads(n: int | None) -> None:
 
 
 def _is_demo_spec(path: str) -> bool:
-    from polykv.atomic import read_json_head
-
     raw = read_json_head(path)
     return isinstance(raw, dict) and raw.get("name") == DEMO_SPEC["name"] and "tasks" in raw
 
 
 def check_demo_folder(out: str, spec_path: str) -> None:
     """The demo's folder holds only what an earlier demo wrote (its spec, results and report)."""
-    from polykv.atomic import check_output
     from polykv.studies.report import check_report_folder
     from polykv.studies.results import is_results_file
 
@@ -211,24 +227,18 @@ def check_demo_folder(out: str, spec_path: str) -> None:
 
 
 def run(args) -> int:
+    from polykv.models import default_model_path, named_cached_dir, named_model
     from polykv.studies.report import write_report
     from polykv.studies.runner import prepare, run_study
     from polykv.studies.spec import load_spec
-    from polykv.atomic import write_text_atomic
-
-    from polykv.models import named_model
 
     if args.samples < 1:
         raise StudyError(f"--samples must be at least 1, got {args.samples}")
     start = time.perf_counter()
     named = named_model(args.model)
     if named.name == "smollm2-135m":
-        from polykv.models import default_model_path
-
         default_model_path()  # the model package is there (else: the install command), before any other work
     else:
-        from polykv.models import named_cached_dir
-
         named_cached_dir(named.name)  # the model's packages are there (else: the install command)
     set_threads(args.threads)
     spec_path = os.path.join(args.out, "spec.json")

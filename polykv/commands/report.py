@@ -1,16 +1,22 @@
-"""``polykv report RESULTS -o DIR``: Markdown and PNG figures from a study's results file."""
+"""``polykv report RESULTS -o DIR``: Markdown and figures (PNG, SVG or PDF) from a study's results file.
+
+The report's own modules load matplotlib and the study machinery, and every verb's module is imported when the
+command line starts: they are imported when this verb runs (its options come from the light
+:mod:`polykv.studies.options`)."""
 
 from __future__ import annotations
 
 import os
 
 from polykv.errors import ProfileError
+from polykv.studies.options import DEFAULT_DPI, FORMATS, PLACEMENT_METRICS, check_dpi, parse_formats
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "report", help="write a study report (Markdown + PNG figures) from a results file",
-        description="Accuracy with Wilson intervals, paired bootstrap differences, measured KV bytes, MoE-nD's "
+        "report", help="write a study report (Markdown + figures) from a results file",
+        description="A conclusion per task and budget and a glossary of the design names, then accuracy with Wilson "
+                    "intervals, paired bootstrap differences, measured KV bytes, MoE-nD's "
                     "ablation chain, PolyKV's factorial and placement control, budget sweeps; figures of score vs "
                     "measured memory, per-layer route strips and the profile's sensitivity heatmap.")
     p.add_argument("results", nargs="+", help="results file written by `polykv study` (JSONL); several files are "
@@ -23,6 +29,15 @@ def register(subparsers) -> None:
                    help="also write policies.csv (one row per task and policy: items, mean score, Wilson interval, "
                         "measured bytes, ratio to a 16-bit full cache, paired difference to full) and items.csv (one "
                         "row per result, with the generated text) into DIR")
+    p.add_argument("--format", default="png", metavar="FMT",
+                   help=f"figure formats, comma separated, from {', '.join(FORMATS)} (default png); e.g. --format "
+                        "svg,pdf writes every figure as SVG and PDF for a paper (report.md embeds the PNG when asked "
+                        "for, else the first format)")
+    p.add_argument("--dpi", type=int, default=DEFAULT_DPI, metavar="N",
+                   help=f"resolution of the figures in dots per inch (default {DEFAULT_DPI})")
+    p.add_argument("--placement-metric", default="top-1", choices=PLACEMENT_METRICS,
+                   help="what ranks the guided route among its random placements: top-1 (the task's score; "
+                        "default) or kl (mean KL against the full cache, on tasks that measured it)")
     p.set_defaults(func=run)
 
 
@@ -57,6 +72,7 @@ def run(args) -> int:
     from polykv.studies.export import check_csv_outputs, csv_texts, write_csv
     from polykv.studies.report import check_report_folder, write_report
 
+    formats, dpi = parse_formats(args.format), check_dpi(args.dpi)
     inputs = [*args.results, args.profile]
     check_report_folder(args.output, "-o", inputs=inputs)
     if args.profile is not None and os.path.isfile(args.profile):
@@ -65,7 +81,8 @@ def run(args) -> int:
     if args.csv:  # every output is checked and every table computed before anything is written
         check_csv_outputs(args.output, "-o", inputs)
         texts = csv_texts(args.results)
-    written = write_report(args.results, args.output, profile_path=args.profile, option="-o")
+    written = write_report(args.results, args.output, profile_path=args.profile, option="-o", formats=formats,
+                           dpi=dpi, placement_metric=args.placement_metric)
     if texts is not None:
         written += write_csv(args.results, args.output, option="-o", texts=texts)
     for path in written:

@@ -10,9 +10,10 @@ Comparisons (all paired over the same items, :mod:`polykv.studies.stats`):
   ``d_evict`` = 2d_hetero - 2d, from the policies whose roles are those names.
 - PolyKV's factorial (arXiv 2606.15157) per budget: (homogeneous | routed) x (uniform | allocated).
 - PolyKV's controls per budget: the guided route's rank among count-matched random placements with a
-  one-sided Monte Carlo p, and Spearman between each route's profile score
-  S = sum_l g[l, rule_l] (g the routing statistic, sign-flipped when lower is better) and its accuracy,
-  with a permutation p.
+  one-sided Monte Carlo p (ranked by ``top-1`` score or by ``kl``,
+  :data:`polykv.studies.options.PLACEMENT_METRICS`), and Spearman between each route's predicted loss -S,
+  S = sum_l g[l, rule_l] its profile score (g the routing statistic, sign-flipped when lower is better), and
+  its measured score, with a permutation p (negative: the profile ranks the routes correctly).
 - The fixed-route budget sweep: a profile-route entry's accuracy at every budget (the route is fixed
   by the profile; only the capacity changes).
 """
@@ -25,9 +26,18 @@ import attrs
 import numpy as np
 
 from polykv.errors import PolykvError, StudyError
-from polykv.plan import Plan, Provenance, full_plan
+from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
+from polykv.models import model_geometry
+from polykv.models.geometry import geometry_from_config
+from polykv.plan import Plan, Provenance, full_plan, load_plan
+from polykv.plan.io import plan_dict
+from polykv.profiling.profile import load_profile
+from polykv.registry import get_registry
+from polykv.solvers import solve
 from polykv.studies import stats
+from polykv.studies.options import check_placement_metric
 from polykv.studies.spec import FULL_POLICY, ROLES, StudySpec
+from polykv.testing import tiny_model
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -51,9 +61,6 @@ class Policy:
 
     def record(self, geometry, context_tokens: int) -> dict[str, Any]:
         """The ``policy`` line of the results file."""
-        from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
-        from polykv.plan.io import plan_dict
-
         nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
         resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
                                                                       dtype_bytes=2))
@@ -86,14 +93,9 @@ def _full_plan(spec: StudySpec) -> Plan:
 
 def build_policies(spec: StudySpec, *, registry=None) -> list[Policy]:
     """Solve every solver entry at every budget and load every plan file (no model needed)."""
-    from polykv.plan import load_plan
-    from polykv.solvers import solve
-
     out: list[Policy] = []
     profile = None
     if spec.profile is not None:
-        from polykv.profiling.profile import load_profile
-
         profile = load_profile(spec.profile)
     for name, path in spec.plans.items():
         out.append(Policy(name=name, method=name, budget=None, role=name if name in ROLES else "",
@@ -127,8 +129,6 @@ def _refuse_measuring_solvers(spec: StudySpec, registry) -> None:
     """A study solves its plans before any model loads (bad input fails in seconds), so a solver that measures
     its candidate plans on the model (``refine``) cannot run as a solver entry: say how to run it instead."""
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     for entry in spec.solvers:
         if getattr(registry.solver(entry.solver), "needs_model", False):
@@ -161,6 +161,12 @@ def budgets(results) -> list[str]:
     return seen
 
 
+def plans_at(results, budget: str) -> list[str]:
+    """The policies compared at ``budget`` (placements left out): solved there, or plan files whose provenance
+    names it (:meth:`polykv.studies.results.Results.load` places them)."""
+    return [n for n, r in results.policies.items() if r.get("role") != "placement" and r.get("budget") == budget]
+
+
 def moend_chain(results, task: str, budget: str, **kw) -> dict[str, Any] | None:
     """MoE-nD's ablation at ``budget``: policies by role and paired intervals; None without 2d roles."""
     roles = _by_role(results, budget, ("full", "1d", "2d_uniform", "2d", "2d_hetero"))
@@ -179,8 +185,15 @@ def factorial(results, task: str, budget: str, **kw) -> dict[str, Any] | None:
     return {"policies": roles, "intervals": stats.polykv_factorial(scores, **kw)}
 
 
-def placement(results, task: str, budget: str, *, seed: int = 0) -> dict[str, Any] | None:
-    """Guided route vs its count-matched random placements at ``budget``, and profile-score Spearman."""
+def placement(results, task: str, budget: str, *, seed: int = 0, metric: str = "top-1") -> dict[str, Any] | None:
+    """Guided route vs its count-matched random placements at ``budget`` on ``metric``, and the Spearman of the
+    profile's prediction against it; None without placements, or on ``kl`` when ``task`` measured no KL.
+
+    The Spearman follows :data:`polykv.studies.predicted.SPEARMAN_CONVENTION`: rho(predicted loss, measured score),
+    where the predicted loss is the sign-flipped profile score -S and the measured score is the mean score (top-1)
+    or the negated mean KL; negative means the profile ranks the routes correctly.
+    """
+    check_placement_metric(metric)
     randoms = [n for n, r in results.policies.items() if r.get("role") == "placement" and r.get("budget") == budget]
     if not randoms:
         return None
@@ -189,18 +202,27 @@ def placement(results, task: str, budget: str, *, seed: int = 0) -> dict[str, An
                    and r.get("budget") == budget and r.get("index") is None), None)
     if guided is None:
         return None
-    mean = {n: float(results.scores(n, task).mean()) for n in [guided] + randoms}
-    out: dict[str, Any] = {"guided": guided, "random": randoms,
-                           "control": stats.placement_control(mean[guided], [mean[n] for n in randoms])}
+    if metric == "kl":
+        kl = {n: [r.get("kl") for r in results.results if r["policy"] == n and r["task"] == task]
+              for n in [guided] + randoms}
+        if any(not v or None in v for v in kl.values()):
+            return None
+        mean = {n: float(np.mean(v)) for n, v in kl.items()}
+    else:
+        mean = {n: float(results.scores(n, task).mean()) for n in [guided] + randoms}
+    higher = metric != "kl"
+    out: dict[str, Any] = {"guided": guided, "random": randoms, "metric": metric, "higher_is_better": higher,
+                           "control": stats.placement_control(mean[guided], [mean[n] for n in randoms],
+                                                              higher_is_better=higher)}
     names = [n for n in [guided] + randoms if results.policies[n].get("profile_score") is not None]
-    x = [results.policies[n]["profile_score"] for n in names]
-    y = [mean[n] for n in names]
+    x = [-results.policies[n]["profile_score"] for n in names]
+    y = [mean[n] if higher else -mean[n] for n in names]
     try:
-        out["spearman"] = stats.spearman(x, y, seed=seed, alternative="greater")
+        out["spearman"] = stats.spearman(x, y, seed=seed, alternative="less")
     except StudyError as exc:  # fewer than 3 routes, or a constant side: say why instead of a number
         out["spearman"] = None
         out["spearman_note"] = str(exc)
-    out["profile_scores"] = dict(zip(names, x))
+    out["profile_scores"] = {n: -v for n, v in zip(names, x)}
     out["mean_scores"] = mean
     return out
 
@@ -259,12 +281,7 @@ def unequal_memory(results, task: str, names: list[str], tolerance: float = BYTE
 def spec_geometry(spec: StudySpec):
     """The geometry of the spec's model from its config alone (no weights are loaded or downloaded)."""
     if isinstance(spec.model, str):  # "default" or a named model: its config (a named one converted once, cached)
-        from polykv.models import model_geometry
-
         return model_geometry(spec.model)
-    from polykv.models.geometry import geometry_from_config
-    from polykv.testing import tiny_model
-
     try:
         return geometry_from_config(tiny_model(**dict(spec.model["tiny"])).config)
     except (TypeError, ValueError) as exc:

@@ -30,6 +30,8 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from polykv.errors import StudyError
+from polykv.registry import get_registry
+from polykv.studies.results import ResultsWriter
 from polykv.studies.runner import LoadedStudy, Prepared, load_model, pending_work
 
 WAIT_S = 0.5
@@ -69,8 +71,6 @@ class StudyWorker:
 
     def run_unit(self, task_index: int, item, policy_names: tuple[str, ...]) -> list[dict[str, Any]]:
         """Result records of ``policy_names`` on ``item`` of the spec's task ``task_index`` (one prefill)."""
-        from polykv.registry import get_registry
-
         task = (self.study.registry or get_registry()).task(self.study.spec.tasks[task_index].task)()
         return list(self.study.run_item(task, item, [self._by_name[n] for n in policy_names]))
 
@@ -121,8 +121,6 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
     """
     ray = _ray()
     from tqdm import tqdm
-
-    from polykv.studies.results import ResultsWriter
 
     spec = prepared.spec
     writer = ResultsWriter.for_study(prepared.results_path, spec)

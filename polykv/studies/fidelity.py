@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from polykv.errors import StudyError
+from polykv.runtime.fork import forward
 
 FORCE_CHUNK = 1
 """Continuation tokens per decode forward: 1 is exactly what greedy generation of that text would see."""
@@ -100,8 +101,6 @@ def forced_logprobs(session, tokens: torch.Tensor, *, chunk: int = FORCE_CHUNK,
     logprobs : torch.Tensor
         [c, V] float32 log-probabilities predicting ``tokens[0, start + 1 : start + 1 + c]``.
     """
-    from polykv.runtime.fork import forward
-
     n = _check(tokens, where)
     if chunk < 1:
         raise StudyError(f"{where}: chunk must be a positive number of tokens, got {chunk}")

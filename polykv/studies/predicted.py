@@ -4,26 +4,34 @@ measured accuracy of the plans at one budget (:func:`predicted_vs_measured`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from polykv.errors import SolverError, StudyError
+from polykv.errors import PolykvError, StudyError
 from polykv.plan import Plan
+from polykv.plan.io import parse_plan_dict
+from polykv.profiling.budget import Budget
+from polykv.solvers import solve
+from polykv.solvers.pricing import layer_loss
 from polykv.studies import stats
+from polykv.studies.combine import executed_plan
+
+SPEARMAN_CONVENTION = ("Spearman rho(predicted loss, measured score): negative = the prediction ranks the plans "
+                       "correctly")
+"""The one sign convention of every correlation a report or the demo prints (and states beside it)."""
 
 
 def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[str, Any]]:
     """Per solved policy at ``budget``: its predicted loss beside the exact optimum of the additive model
     over the same rules (the configs it could choose from, any per-layer mix) and over every rule.
 
-    ``gap`` = predicted / same-rules optimum - 1 (how far a greedy or uniform choice is from optimal).
+    ``gap`` = predicted / same-rules optimum - 1 (how far a greedy or uniform choice is from optimal). A plan solved
+    for another context length than the study's (its provenance's ``context_tokens``) gets no optimum and no gap,
+    only ``skipped``: the line that says why (losses at different lengths do not compare).
     """
-    from polykv.errors import PolykvError
-    from polykv.solvers import solve
-
     spec = results.header["spec"]
-    from polykv.profiling.budget import Budget
-
-    b = Budget.parse(budget, int(spec["context_tokens"]), basis=spec.get("basis", "nominal"),
+    T = int(spec["context_tokens"])
+    b = Budget.parse(budget, T, basis=spec.get("basis", "nominal"),
                      cache_dtype=spec.get("storage_dtype") or spec.get("dtype") or "bfloat16")
     optimum: dict[Any, float | None] = {}
 
@@ -49,9 +57,16 @@ def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[
             rules = [r for r in rules.split(",") if r]
         same, every = exact(rules, params.get("metric")), exact(None, params.get("metric"))
         loss = float(prov["predicted_loss"])
+        solved_at = prov.get("context_tokens")
+        if solved_at and int(solved_at) != T:
+            out.append({"policy": name, "solver": rec.get("solver"), "rules": rules, "loss": loss,
+                        "exact_same_rules": None, "exact_all_rules": None, "gap": None,
+                        "skipped": f"solved for a {int(solved_at):,}-token context, the study's is {T:,}: its "
+                                   f"predicted loss does not compare with an optimum at {T:,} tokens"})
+            continue
         out.append({"policy": name, "solver": rec.get("solver"), "rules": rules, "loss": loss,
                     "exact_same_rules": same, "exact_all_rules": every,
-                    "gap": None if not same else loss / same - 1})
+                    "gap": None if not same else loss / same - 1, "skipped": None})
     return out
 
 
@@ -60,73 +75,20 @@ PREDICTED_VS_MEASURED_MIN = 12
 
 
 def profile_loss(plan: Plan, profile, context_tokens: int, metric: str | None = None) -> float | None:
-    """The profile's additive loss of ``plan``: sum over layers of the table value of the config the layer runs
-    (same rule, phase, parameters, widths and kept tokens at ``context_tokens``). A layer that keeps a share of
-    the tokens the profile did not measure, of a rule and widths it did, gets the loss linearly interpolated in
-    keep between the two profiled keeps around it, as the ``uniform`` solver predicts its own plans
-    (:func:`polykv.solvers.uniform.interpolated_loss`; the keep-everything config at those widths closes the
-    range). None when a layer runs a setting the profile cannot predict (another rule, parameters or widths, a
-    keep below the lowest profiled one), or the plan's allocator decides its capacities at run time."""
-    from polykv.plan import FULL_OP, OpSpec
-
+    """The profile's additive loss of ``plan``: sum over layers of each layer's price
+    (:func:`polykv.solvers.pricing.layer_loss`: the table value of the config the layer runs at ``context_tokens``,
+    or interpolated between the profiled keeps and widths around it). None when a layer runs a setting the profile
+    cannot predict, or the plan's allocator decides its capacities at run time."""
     if plan.allocation or plan.num_layers != profile.num_layers:
         return None
     table = profile.table(metric)
-    quant = profile.quantizer_fields()
     total = 0.0
     for lp in plan.layers:
-        if (lp.k_bits, lp.v_bits) != (16, 16) and (lp.quantizer, dict(lp.quantizer_params)) != (
-                quant["quantizer"], quant["quantizer_params"]):
-            return None
-        found = None
-        for j, c in enumerate(profile.configs):
-            if (c.k_bits, c.v_bits) != (lp.k_bits, lp.v_bits):
-                continue
-            if c.keeps_everything:
-                ops = (FULL_OP, FULL_OP)
-            else:
-                op = OpSpec(rule=c.rule, capacity_ratio=float(c.keep), params=c.params)
-                ops = (op if c.phase in ("prefill", "both") else FULL_OP,
-                       op if c.phase in ("decode", "both") else FULL_OP)
-            if all(_same_op(a, b, context_tokens) for a, b in zip(ops, (lp.prefill, lp.decode))):
-                found = j
-                break
-        loss = float(table[lp.layer, found]) if found is not None else _interpolated(profile, table, lp,
-                                                                                       context_tokens)
+        loss = layer_loss(profile, table, lp, context_tokens)
         if loss is None:
             return None
         total += loss
     return total
-
-
-def _interpolated(profile, table, lp, context_tokens: int) -> float | None:
-    """The loss of layer ``lp`` interpolated in keep between profiled keeps of its rule (see :func:`profile_loss`)."""
-    import json
-
-    from polykv.solvers.uniform import Template, interpolated_loss, templates
-
-    ops = [op for op in (lp.prefill, lp.decode) if not op.keeps_everything]
-    if not ops or context_tokens < 1 or (len(ops) == 2 and ops[0] != ops[1]):
-        return None
-    op = ops[0]
-    phase = "both" if len(ops) == 2 else ("prefill" if lp.decode.keeps_everything else "decode")
-    tpl = Template(op.rule, phase, json.dumps(dict(op.params), sort_keys=True))
-    try:
-        known = templates(profile, None, "report")
-    except SolverError:  # a profile of keep-everything configs only
-        return None
-    if tpl not in known:
-        return None
-    keep = min(op.resolve_capacity(context_tokens), context_tokens) / context_tokens
-    per_layer = interpolated_loss(profile, table, tpl, lp.k_bits, lp.v_bits, keep)
-    return None if per_layer is None else float(per_layer[lp.layer])
-
-
-def _same_op(a, b, context_tokens: int) -> bool:
-    if a.keeps_everything or b.keeps_everything:
-        return a.keeps_everything and b.keeps_everything
-    return (a.rule == b.rule and dict(a.params) == dict(b.params)
-            and a.resolve_capacity(context_tokens) == b.resolve_capacity(context_tokens))
 
 
 def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed: int = 0) -> dict[str, Any] | None:
@@ -140,11 +102,6 @@ def predicted_vs_measured(results, task: str, budget: str, profile=None, *, seed
     -1), with a one-sided permutation p for "less"; None (and ``note``) with fewer than 3 plans or a constant
     side. None when no plan at the budget has a loss.
     """
-    import json
-
-    from polykv.plan.io import parse_plan_dict
-    from polykv.studies.combine import executed_plan
-
     T = int(results.header["spec"].get("context_tokens") or 0)
     rows = []
     seen: dict[str, str] = {}  # executed plan -> the first policy running it

@@ -1,36 +1,49 @@
-"""``polykv report``: a Markdown report and PNG figures from a study's results file.
+"""``polykv report``: a Markdown report and its figures (PNG, SVG or PDF) from a study's results file.
 
-Every accuracy carries a Wilson 95% interval; every difference between two policies is a paired
-bootstrap interval over the same items (10,000 seeded replicates). Measured bytes the cache holds
-after compressing the context (K/V stores with scales, minima and residuals, plus metadata: positions
-and rule state) stand beside every score, with the ratio against a 16-bit full cache of the same
-contexts. Paired comparisons at one budget carry a warning when the two policies' measured bytes
-differ by more than 5% (:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
-MoE-nD's ablation chain, PolyKV's factorial, the placement control with the profile-score Spearman,
-the Spearman of profile-predicted loss against accuracy at each budget, and the fixed-route budget
-sweep (see :mod:`polykv.studies.designs`). Teacher-forced tasks (``continuation``) score the top-1
-agreement with the full cache and add a table of KL and perplexity.
+The report opens with its conclusion per task and budget and a glossary of the design names it uses
+(:mod:`polykv.studies.conclusion`). Every accuracy carries a Wilson 95% interval; every difference between
+two policies is a paired bootstrap interval over the same items (10,000 seeded replicates), starred only
+when enough items differ to show it. Measured bytes the cache holds after compressing the context (K/V
+stores with scales, minima and residuals, plus metadata: positions and rule state) stand beside every score,
+with the ratio against a 16-bit full cache of the same contexts. Paired comparisons at one budget carry a
+warning when the two policies' measured bytes differ by more than 5%
+(:data:`polykv.studies.designs.BYTES_TOLERANCE`). Sections appear when the study has the policies they need:
+MoE-nD's ablation chain, PolyKV's factorial, the placement control with its figure and the profile-score
+Spearman, the Spearman of profile-predicted loss against accuracy at each budget (every correlation in one
+sign convention, :data:`polykv.studies.predicted.SPEARMAN_CONVENTION`), and the fixed-route budget sweep
+(see :mod:`polykv.studies.designs`). Teacher-forced tasks (``continuation``) score the top-1 agreement with
+the full cache and add a table of KL and perplexity.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from polykv.atomic import check_output, check_readable_file, write_text_atomic
+from polykv.errors import OutputError
+from polykv.memory import context_note, memory_report
+from polykv.plan.io import parse_plan_dict
+from polykv.profiling.profile import load_profile
 from polykv.studies import designs, plots, predicted, stats
+from polykv.studies.combine import combine_results
+from polykv.studies.conclusion import backed, conclusion_markdown, glossary_markdown, varying
+from polykv.studies.figures import Figures
 from polykv.studies.markdown import cell, code, line
+from polykv.studies.options import DEFAULT_DPI, check_placement_metric
 from polykv.studies.results import Results
+from polykv.studies.routes import route_rows
 
 
 def _pct(iv: stats.Interval) -> str:
     return f"{iv.estimate:.1%} [{iv.low:.1%}, {iv.high:.1%}]"
 
 
-def _diff(iv: stats.Interval) -> str:
-    mark = " *" if iv.shows_difference() else ""
+def _diff(iv: stats.Interval, differing: int) -> str:
+    """The interval, starred when it shows a difference backed by enough differing items (:func:`backed`)."""
+    mark = " *" if backed(iv, differing) else ""
     return f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]{mark}"
 
 
@@ -57,8 +70,19 @@ def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
                      "bytes": held, "kv_bytes": designs.mean_bytes(res, name, task),
                      "ratio": full / held if held else float("inf"),
                      "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit"),
-                     "predicted": rec.get("predicted_held_bytes_16bit"), "basis": rec.get("basis")})
+                     "predicted": rec.get("predicted_held_bytes_16bit"), "basis": rec.get("basis"),
+                     "expected_ratio": _expected_ratio(res, rec), "full_bytes": full})
     return rows
+
+
+def _expected_ratio(res: Results, rec: dict) -> float | None:
+    """An allocator plan's expected ratio against a 16-bit full cache (every allocated layer at its planned
+    capacity, :attr:`polykv.memory.MemoryReport.expected_ratio`) at the study's context; None for other plans."""
+    if not rec.get("plan") or not rec["plan"].get("allocation"):
+        return None
+    plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{rec.get('policy')}'")
+    T = int(res.header["spec"].get("context_tokens") or 0)
+    return memory_report(plan, plan.model, T).expected_ratio if T > 0 and plan.model is not None else None
 
 
 def _table(rows: list[dict]) -> list[str]:
@@ -69,6 +93,8 @@ def _table(rows: list[dict]) -> list[str]:
         acc = _pct(r["wilson"]) if r["wilson"] is not None else f"{r['mean']:.3f}"
         nom = f"{r['full16'] / r['nominal']:.2f}x" if r.get("nominal") else "-"
         pred = f"{r['full16'] / r['predicted']:.2f}x" if r.get("predicted") and r.get("full16") else "-"
+        if r.get("expected_ratio"):
+            pred = f"bound {pred}, expected {r['expected_ratio']:.2f}x"
         out.append(f"| {cell(r['policy'])} | {cell(r['budget'] or '-')} | {cell(r['role'] or '-')} | {r['n']} | "
                    f"{acc} | {_mib(r['bytes'])} | {r['ratio']:.2f}x | {pred} | {nom} | {cell(r.get('basis') or '-')} |")
     return out
@@ -76,9 +102,6 @@ def _table(rows: list[dict]) -> list[str]:
 
 def _context_notes(res: Results, task: str) -> list[str]:
     """One line per policy whose plan keeps absolute capacities budgeted for another context length."""
-    from polykv.memory import context_note
-    from polykv.plan.io import parse_plan_dict
-
     out = []
     for name, rec in res.policies.items():
         if not rec.get("plan"):
@@ -87,9 +110,15 @@ def _context_notes(res: Results, task: str) -> list[str]:
         if not T:
             continue
         plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
-        note = context_note(plan, int(round(float(np.mean(T)))))
+        mean_T = int(round(float(np.mean(T))))
+        note = context_note(plan, mean_T)
+        solved_at = plan.provenance.context_tokens
         if note:
             out.append(f"- {code(name)}: {note} (mean context of the items)")
+        elif solved_at and int(solved_at) != mean_T:
+            out.append(f"- {code(name)}: solved for a {int(solved_at):,}-token context (its provenance budget), run "
+                       f"on {mean_T:,} tokens (mean context of the items): its predicted loss refers to the other "
+                       f"length")
     return (["Context length:"] + out + [""]) if out else []
 
 
@@ -127,7 +156,7 @@ def _fidelity_table(rows: list[dict]) -> list[str]:
 
 
 def _pairs(res: Results, task: str, budget: str) -> list[str]:
-    names = [n for n, r in res.policies.items() if r.get("budget") == budget and r.get("role") != "placement"]
+    names = designs.plans_at(res, budget)
     if "full" in res.policies:
         names.append("full")
     out = ["| A | B | mean(A) - mean(B) [paired bootstrap 95%] | bytes A / bytes B |", "|---|---|---|---|"]
@@ -136,7 +165,8 @@ def _pairs(res: Results, task: str, budget: str) -> list[str]:
             iv = designs.paired_vs(res, task, a, b)
             ratio = designs.mean_held_bytes(res, a, task) / designs.mean_held_bytes(res, b, task)
             flag = " (!)" if b != "full" and abs(ratio - 1) > designs.BYTES_TOLERANCE else ""
-            out.append(f"| {cell(a)} | {cell(b)} | {_diff(iv)} | {ratio:.2f}{flag} |")
+            out.append(f"| {cell(a)} | {cell(b)} | {_diff(iv, varying(res.scores(a, task), res.scores(b, task)))} | "
+                       f"{ratio:.2f}{flag} |")
     compared = [n for n in names if n != "full"]
     warnings = designs.unequal_memory(res, task, compared)
     if warnings:
@@ -161,17 +191,22 @@ def _matched(res: Results, task: str) -> list[str]:
             budget = res.policies[a].get("budget")
             listed = budget is not None and budget == res.policies[b].get("budget")  # in the per-budget table
             if 1 / MATCHED <= ratio <= MATCHED and not listed:
-                out.append(f"| {cell(a)} | {cell(b)} | {ratio:.2f} | {_diff(designs.paired_vs(res, task, a, b))} |")
+                differing = varying(res.scores(a, task), res.scores(b, task))
+                iv = designs.paired_vs(res, task, a, b)
+                out.append(f"| {cell(a)} | {cell(b)} | {ratio:.2f} | {_diff(iv, differing)} |")
                 rows += 1
     return out if rows else []
 
 
-def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval]) -> list[str]:
+def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval], differing: int
+               ) -> list[str]:
+    """A design's contrasts; ``differing``: items on which its policies' scores are not all equal (a star needs
+    enough of them)."""
     out = [f"**{title}** — policies: " + ", ".join(f"{cell(k)} = {code(v)}" for k, v in policies.items()), "",
            "| contrast | estimate [95% interval] | bootstrap p |", "|---|---|---|"]
     for name, iv in intervals.items():
         p = "-" if iv.p_value is None else f"{iv.p_value:.3f}"
-        out.append(f"| {cell(name)} | {_diff(iv)} | {p} |")
+        out.append(f"| {cell(name)} | {_diff(iv, differing)} | {p} |")
     return out + [""]
 
 
@@ -187,6 +222,10 @@ def _optimality(rows: list[dict]) -> list[str]:
     for r in rows:
         gap = "-" if r["gap"] is None else f"{r['gap']:+.1%}"
         rules = ", ".join(r["rules"]) if r["rules"] else "all"
+        if r.get("skipped"):
+            out.append(f"| {cell(r['policy'])} | {cell(r['solver'])} | {cell(rules)} | {f(r['loss'])} | "
+                       f"skipped: {cell(r['skipped'])} | - | - |")
+            continue
         out.append(f"| {cell(r['policy'])} | {cell(r['solver'])} | {cell(rules)} | "
                    f"{f(r['loss'])} | {f(r['exact_same_rules'])} | {gap} | {f(r['exact_all_rules'])} |")
     return out + [""]
@@ -199,9 +238,10 @@ def _predicted_vs_measured(pvm: dict | None) -> list[str]:
     n, sp = pvm["n"], pvm["spearman"]
     few = (f" (n = {n} < {predicted.PREDICTED_VS_MEASURED_MIN}: fewer plans than this check needs to count as "
            f"evidence)" if n < predicted.PREDICTED_VS_MEASURED_MIN else "")
-    head = (f"**Predicted vs measured** — Spearman rho between the profile-predicted loss and accuracy over n = {n} "
-            f"plans: " + (f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f}; -1: the profile ranks the plans "
-                          f"exactly as they score)" if sp is not None else f"undefined ({line(pvm['note'])})") + few)
+    head = (f"**Predicted vs measured** — {predicted.SPEARMAN_CONVENTION}; predicted loss from the profile, "
+            f"measured score the accuracy, over n = {n} plans: " + (
+                f"{sp.r:+.3f} (one-sided permutation p = {sp.p_value:.3f})" if sp is not None
+                else f"undefined ({line(pvm['note'])})") + few)
     out = [head, "", "| policy | solver | predicted loss | from | accuracy |", "|---|---|---|---|---|"]
     for r in sorted(pvm["rows"], key=lambda r: (r["loss"] is None, r["loss"] or 0.0, r["policy"])):
         loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
@@ -212,7 +252,14 @@ def _predicted_vs_measured(pvm: dict | None) -> list[str]:
     return out + [""]
 
 
-def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> list[str]:
+def _line(method: str, budget: str) -> str:
+    """The line of the score-vs-memory plot a policy belongs to: its spec entry, a plan file listed as ``NAME@B``
+    (one per budget, like the demo's ``kvzip-global@8x``) on the line ``NAME``."""
+    return method[:-len(budget) - 1] if method.endswith(f"@{budget}") else method
+
+
+def _task_section(res: Results, task: str, figures: Figures, profile=None, placement_metric: str = "top-1"
+                  ) -> list[str]:
     rows = policy_rows(res, task)
     lines = [f"## Task {code(task)} ({len(res.items(task))} paired items)", ""] + _table(rows) + [""]
     lines += _context_notes(res, task)
@@ -220,7 +267,8 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
     if forced:
         lines += _fidelity_table(forced) + [""]
     full = next((r for r in rows if r["policy"] == "full"), None)
-    points = [r for r in rows if r["budget"] is not None and r["role"] != "placement" and r["binary"]]
+    points = [{**r, "method": _line(r["method"] or r["policy"], r["budget"])} for r in rows
+              if r["budget"] is not None and r["role"] != "placement" and r["binary"]]
     if points:
         fig = figures.add(f"{task}-score-vs-memory", lambda path: plots.score_vs_memory(
             points, path, title=f"{task}: accuracy vs measured KV memory",
@@ -230,13 +278,15 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
     if matched:
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
-        lines += [f"### Budget {cell(b)}", "", "Paired differences (`*`: the interval excludes 0 over at least "
-                  f"{stats.min_units_for_difference()} items, the fewest that can show a difference at 95%):", ""]
+        lines += [f"### Budget {cell(b)}", "", "Paired differences (`*`: the interval excludes 0 and at least "
+                  f"{stats.min_units_for_difference()} items differ, the fewest that can show a difference at 95%):",
+                  ""]
         lines += _pairs(res, task, b) + [""]
         chain = designs.moend_chain(res, task, b)
         if chain:
             lines += _intervals("MoE-nD ablation chain (d_quant = 2d - 2d_uniform, d_evict = 2d_hetero - 2d)",
-                                chain["policies"], chain["intervals"])
+                                chain["policies"], chain["intervals"],
+                                varying(*(res.scores(n, task) for n in chain["policies"].values())))
             warn = designs.unequal_memory(res, task, [v for k, v in chain["policies"].items() if k != "full"])
             lines += ([f"(!) The chain compares unequal memory: {line(w)}" for w in warn] + [""]) if warn else []
         if profile is not None:
@@ -245,18 +295,9 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
         fact = designs.factorial(res, task, b)
         if fact:
             lines += _intervals("PolyKV factorial (homogeneous | routed) x (uniform | allocated)",
-                                fact["policies"], fact["intervals"])
-        pl = designs.placement(res, task, b)
-        if pl:
-            c = pl["control"]
-            lines += [f"**Placement control** — guided {code(pl['guided'])} scores {c.guided:.3f}; rank {c.rank} of "
-                      f"{c.total} among count-matched random placements (mean {c.random_mean:.3f}); one-sided "
-                      f"Monte Carlo p = {c.p_value:.3f}.", ""]
-            sp = pl["spearman"]
-            lines += [f"**Profile validation** — Spearman rho between profile score and accuracy over "
-                      f"{len(pl['profile_scores'])} routes: " + (f"{sp.r:+.3f}, one-sided permutation p = "
-                                                                   f"{sp.p_value:.3f}" if sp is not None else
-                                                                   f"undefined ({line(pl['spearman_note'])})"), ""]
+                                fact["policies"], fact["intervals"],
+                                varying(*(res.scores(n, task) for n in fact["policies"].values())))
+        lines += _placement(res, task, b, figures, placement_metric)
     sweeps = designs.budget_sweep(res, task)
     for method, pts in sweeps.items():
         lines += [f"### Fixed-route budget sweep: {code(method)}", "",
@@ -268,6 +309,32 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
             lines.append(f"| {cell(b)} | {acc} | {_mib(r['bytes'])} |")
         lines.append("")
     return lines
+
+
+def _placement(res: Results, task: str, budget: str, figures: Figures, metric: str) -> list[str]:
+    """PolyKV's placement control at ``budget``: rank, figure of the random placements' scores, and the Spearman of
+    the profile's prediction, ranked on ``metric`` (a task that measured no KL falls back to top-1, said so)."""
+    pl = designs.placement(res, task, budget, metric=metric)
+    said = []
+    if pl is None and metric != "top-1":
+        pl = designs.placement(res, task, budget)
+        said = [f"(Task {code(task)} measured no KL: the placements are ranked on top-1 instead.)", ""] if pl else []
+    if pl is None:
+        return []
+    c, what = pl["control"], ("mean KL (full || policy)" if pl["metric"] == "kl" else "top-1 score")
+    fig = figures.add(f"{task}-placement-{budget}", lambda path: plots.placement_distribution(
+        [v for n, v in pl["mean_scores"].items() if n != pl["guided"]], c.guided, path, metric=what,
+        higher_is_better=pl["higher_is_better"], title=f"{task} at {budget}: guided route vs random placements"))
+    lines = said + [f"**Placement control** (ranked on {what}; `--placement-metric`) — guided {code(pl['guided'])} "
+                    f"scores {c.guided:.3f}; rank {c.rank} of {c.total} among count-matched random placements (mean "
+                    f"{c.random_mean:.3f}); one-sided Monte Carlo p = {c.p_value:.3f}.", "",
+                    f"![placement control at {cell(budget)}]({fig})", ""]
+    sp = pl["spearman"]
+    measured = "the negated mean KL" if pl["metric"] == "kl" else "the top-1 score"
+    return lines + [f"**Profile validation** — {predicted.SPEARMAN_CONVENTION}; predicted loss the route's "
+                    f"sign-flipped profile score -S, measured score {measured}, over {len(pl['profile_scores'])} routes: "
+                    + (f"{sp.r:+.3f}, one-sided permutation p = {sp.p_value:.3f}" if sp is not None else
+                       f"undefined ({line(pl['spearman_note'])})"), ""]
 
 
 def prompt_line(res: Results) -> str:
@@ -282,61 +349,6 @@ def prompt_line(res: Results) -> str:
             f"the tokenizer's BOS in {sum(firsts.values())} of {len(firsts)} items.")
 
 
-def _route_rows(res: Results, budget: str | None) -> tuple[list[dict], int]:
-    from polykv.memory import kept_tokens
-    from polykv.plan.io import parse_plan_dict
-
-    T = int(res.header["spec"].get("context_tokens", 0))
-    T = int(np.mean([r["context_tokens"] for r in res.results])) if res.results else T
-    rows = []
-    for name, rec in res.policies.items():
-        if rec.get("budget") != budget or rec.get("role") == "placement" or not rec.get("plan"):
-            continue
-        plan = parse_plan_dict(rec["plan"], source=f"{res.path}: policy '{name}'")
-        layers = []
-        for lp in plan.layers:
-            rule = lp.prefill.rule if not lp.prefill.keeps_everything else lp.decode.rule
-            layers.append({"rule": rule, "kept": kept_tokens(lp, T), "k_bits": lp.k_bits, "v_bits": lp.v_bits})
-        rows.append({"name": name, "layers": layers})
-    return rows, T
-
-
-class Figures:
-    """The figures of one report, drawn only once every path is known to be safe to write.
-
-    File names come from task names and budgets read from the results file: every character but letters,
-    digits, ``_``, ``-`` and ``.`` becomes ``_`` and leading ``.``, ``_`` and ``-`` go, so every figure stays inside the
-    report folder (a task named ``../../x`` draws ``x-score-vs-memory.png`` there); two names that end up
-    equal get ``-2``, ``-3``, ... .
-    """
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-        self.pending: list[tuple[str, Callable[[str], str]]] = []
-
-    def add(self, stem: str, draw: Callable[[str], str]) -> str:
-        """Reserve a file name for ``draw(path)``; returns the name (relative to the report folder)."""
-        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).lstrip("._-") or "figure"
-        taken = {os.path.basename(p) for p, _ in self.pending}
-        name, n = f"{base}.png", 1
-        while name in taken or name == "report.md":
-            n += 1
-            name = f"{base}-{n}.png"
-        self.pending.append((os.path.join(self.out_dir, name), draw))
-        return name
-
-    def check(self, option: str, inputs) -> None:
-        """Refuse (before anything is drawn) a figure path holding a file polykv did not write."""
-        from polykv.atomic import check_output
-
-        for path, _ in self.pending:
-            check_output(path, what="report figure", option=option, recognise=plots.is_report_figure,
-                         inputs=inputs)
-
-    def draw(self) -> list[str]:
-        return [draw(path) for path, draw in self.pending]
-
-
 def is_report_file(path: str) -> bool:
     """True when ``path`` is a report.md written by :func:`write_report` (it starts with ``# Study ``)."""
     with open(path, "rb") as fh:
@@ -345,16 +357,19 @@ def is_report_file(path: str) -> bool:
 
 def check_report_folder(out_dir: str, option: str, inputs=()) -> None:
     """Refuse a report folder that is an input, a file, or holds a report.md polykv did not write."""
-    from polykv.atomic import check_output
-
     check_output(out_dir, what="report folder", option=option, inputs=[p for p in inputs if p], folder=True)
     check_output(os.path.join(out_dir, "report.md"), what="report", option=option, recognise=is_report_file,
                  inputs=[p for p in inputs if p])
 
 
 def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_path: str | None = None,
-                 option: str = "report folder") -> list[str]:
-    """Write ``report.md`` and the PNG figures into ``out_dir``; return the paths written.
+                 option: str = "report folder", formats: Sequence[str] = ("png",), dpi: int = DEFAULT_DPI,
+                 placement_metric: str = "top-1") -> list[str]:
+    """Write ``report.md`` and its figures into ``out_dir``; return the paths written.
+
+    The report opens with its conclusion (:mod:`polykv.studies.conclusion`) and a glossary of the design names it
+    uses. Each figure is written in every format of ``formats`` (png, svg, pdf) at ``dpi``; the placement control
+    ranks on ``placement_metric`` (:data:`polykv.studies.options.PLACEMENT_METRICS`).
 
     ``results_path`` may name several results files: parts of one experiment, reported together
     (:func:`polykv.studies.combine.combine_results` says when parts combine).
@@ -362,16 +377,13 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
     Nothing is written unless every output is safe to write: ``report.md`` and each figure is either
     absent or a file an earlier report wrote (``option`` names the folder's option in the message).
     """
-    from polykv.atomic import write_text_atomic
-
-    from polykv.studies.combine import combine_results
-
     paths = [results_path] if isinstance(results_path, str) else list(results_path)
     check_report_folder(out_dir, option, inputs=[*paths, profile_path])
     res = combine_results(paths)
     results_path = res.path
     spec = res.header["spec"]
-    figures = Figures(out_dir)
+    figures = Figures(out_dir, formats, dpi)
+    check_placement_metric(placement_metric)
     lines = [f"# Study {code(spec.get('name'))}", "",
              f"Results: {code(results_path)} (spec hash {code(res.header['spec_hash'])}); model: "
              f"{code(spec.get('model'))} ({cell(spec.get('dtype'))}); budgets refer to a "
@@ -385,12 +397,9 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
              "cache of the same context. The predicted resident ratio is the memory model's (16-bit storage, "
              "metadata included); the nominal ratio is MoE-nD's codes-only formula. Teacher-forced tasks feed the "
              "reference continuation instead, one token per forward, and compare each next-token distribution with "
-             "the full cache's.", "", prompt_line(res), ""]
+             "the full cache's.", "", prompt_line(res), "", *conclusion_markdown(res), *glossary_markdown(res)]
     prof = None
     if profile_path is not None:  # asked for: it must be there
-        from polykv.atomic import check_readable_file
-        from polykv.errors import OutputError
-
         try:
             check_readable_file(profile_path, "profile (--profile)")
         except OutputError as exc:
@@ -399,13 +408,11 @@ def write_report(results_path: str | Sequence[str], out_dir: str, *, profile_pat
         profile_path = spec.get("profile")
         profile_path = profile_path if profile_path and os.path.isfile(profile_path) else None
     if profile_path is not None:
-        from polykv.profiling.profile import load_profile
-
         prof = load_profile(profile_path)
     for task in res.tasks:
-        lines += _task_section(res.for_task(task), task, figures, prof)
+        lines += _task_section(res.for_task(task), task, figures, prof, placement_metric)
     for b in designs.budgets(res):
-        rows, T = _route_rows(res, b)
+        rows, T = route_rows(res, b)
         if rows:
             fig = figures.add(f"routes-{b}", lambda path, rows=rows, T=T, b=b: plots.route_strip(
                 rows, path, context_tokens=T, title=f"per-layer plans at budget {b} (T = {T})"))

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import attrs
 import numpy as np
 
-from polykv.atomic import append_line_durable
-from polykv.errors import StudyError
-
+from polykv.atomic import append_line_durable, check_readable_file
+from polykv.errors import OutputError, StudyError
 from polykv.strict_json import JsonInputError, loads_strict
 from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
 from polykv.studies.results_lock import ResultsLock
@@ -34,9 +33,6 @@ HEADER_PREFIX = b'{"format": "polykv-study-results"'
 
 
 def _read_bytes(path: str) -> bytes:
-    from polykv.atomic import check_readable_file
-    from polykv.errors import OutputError
-
     try:
         check_readable_file(path, "results file")
         with open(path, "rb") as fh:

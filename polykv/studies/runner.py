@@ -34,16 +34,24 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
+import polykv
+from polykv.contract.model_data import find_model_data, needs_of_rules, side_file
+from polykv.errors import StudyError
+from polykv.models import load_default_model, load_model as load_named
+from polykv.models.geometry import geometry_of_model
 from polykv.plan import Plan
+from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
-from polykv.runtime.tokenizer_params import fill_tokenizer_params
-from polykv.studies.designs import Policy, build_policies
 from polykv.runtime.answer import answer_from_context, compress_context, stop_ids
+from polykv.runtime.fork import capture_prefill
+from polykv.runtime.tokenizer_params import fill_tokenizer_params
+from polykv.studies import fidelity
+from polykv.studies.designs import Policy, build_policies, check_policies_fit
 from polykv.studies.prompt import PromptEncoder
 from polykv.studies.results import ResultsWriter
-from polykv.errors import StudyError
 from polykv.studies.spec import FULL_POLICY, StudySpec
 from polykv.studies.tasks.base import TEACHER_FORCED
+from polykv.testing import tiny_model
 
 
 @attrs.define
@@ -60,8 +68,6 @@ class Prepared:
 def prepare(spec: StudySpec, results_path: str, *, registry=None) -> Prepared:
     """Check the results file against the spec, solve every policy and check that every plan fits the
     spec's model (from its config); loads no model weights."""
-    from polykv.studies.designs import check_policies_fit
-
     records = ResultsWriter.check_study(results_path, spec)
     policies = build_policies(spec, registry=registry)
     notes = check_policies_fit(spec, policies, registry=registry)
@@ -90,15 +96,9 @@ def load_model(spec: StudySpec):
     """(model, tokenizer) named by ``spec.model``: the default SmolLM2, a named model or a tiny random model."""
     dtype = getattr(torch, spec.dtype)
     if spec.model == "default":
-        from polykv.models import load_default_model
-
         return load_default_model(dtype=dtype)
     if isinstance(spec.model, str):
-        from polykv.models import load_model as load_named
-
         return load_named(spec.model, dtype=dtype)
-    from polykv.testing import tiny_model
-
     kw = dict(spec.model["tiny"])
     model = tiny_model(dtype=dtype, **kw)
     return model, CharTokenizer(model.config.vocab_size)
@@ -111,12 +111,7 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *,
     (e.g. ``x.qstats.safetensors``, written by ``polykv calibrate``), else the cache, else computed once
     here on the offline corpus (:func:`polykv.contract.model_data.corpus_batches`) and cached.
     """
-    from polykv.models.geometry import geometry_of_model
-    from polykv.contract.model_data import find_model_data, needs_of_rules, side_file
-
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     needs = needs_of_rules(registry, sorted({rule for p in plans for rule in p.rules_used()}))
     if not needs:
@@ -235,15 +230,11 @@ class LoadedStudy:
     @classmethod
     def load(cls, prepared: Prepared, *, model=None, tokenizer=None, registry=None) -> "LoadedStudy":
         """Load the spec's model (unless given), check the profile and every plan against it."""
-        from polykv.models.geometry import geometry_of_model
-
         spec, policies = prepared.spec, prepared.policies
         if model is None:
             model, tokenizer = load_model(spec)
         geo = geometry_of_model(model)
         if spec.profile is not None:
-            from polykv.profiling.profile import load_profile
-
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
             pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
@@ -262,8 +253,6 @@ class LoadedStudy:
 
     def items(self) -> list[tuple[Any, list]]:
         """``[(task, [items])]`` for every task entry of the spec, made with this study's prompt rule."""
-        from polykv.registry import get_registry
-
         out = []
         for t in self.spec.tasks:
             task = (self.registry or get_registry()).task(t.task)()
@@ -276,8 +265,6 @@ class LoadedStudy:
         The context is prefilled once for all of them (with ``reuse_prefill``); a teacher-forced task
         also runs the full baseline as the reference, whether or not it is in ``todo``.
         """
-        from polykv.runtime.fork import capture_prefill
-
         spec, model, tokenizer, registry = self.spec, self.model, self.tokenizer, self.registry
         geo, model_data, encoder = self.geometry, self.model_data, self.encoder
         device = next(model.parameters()).device
@@ -322,8 +309,6 @@ def _run_policy(model, pol: Policy, task, item, ctx: torch.Tensor, question: tor
                 geo, model_data, stop, tokenizer, registry) -> dict[str, Any]:
     """Compress ``ctx`` [1, T] with ``pol``'s plan (restored from ``snap`` or prefilled), feed ``question``
     [1, q] through the compressed cache, generate greedily; the result record."""
-    import polykv
-
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,
                       storage_dtype=_storage(spec)) as session:
@@ -355,9 +340,6 @@ def _run_forced(model, pol: Policy, task, item, ctx: torch.Tensor, cont: torch.T
     """Compress ``ctx`` [1, T] with ``pol``'s plan, teacher-force ``cont`` [1, n] through the compressed cache
     and compare with ``ref`` (:class:`~polykv.studies.fidelity.Reference`); with ``ref`` None, ``pol`` is the
     full cache and the record carries its own reference under ``"reference"`` (not written)."""
-    import polykv
-    from polykv.studies import fidelity
-
     where = f"policy '{pol.name}', task '{task.name}' item {item.id}"
     start = time.perf_counter()
     with polykv.apply(model, pol.plan, model_data=model_data, registry=registry,

@@ -45,10 +45,17 @@ import attrs
 
 from polykv.contract.model_data import registered_needs, side_file
 from polykv.errors import PolykvError, StudyError
+from polykv.models import MODEL_ALIASES, NAMED_MODELS
 from polykv.models.kv_bases import KV_BASES_SUFFIX
+from polykv.plan import load_plan
 from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
+from polykv.profiling.budget import Budget
+from polykv.profiling.profile import load_profile
+from polykv.registry import get_registry
+from polykv.runtime.prompt import PROMPT_FORMATS
 from polykv.strict_json import FieldReader
 from polykv.studies.corpus import corpus_id
+from polykv.studies.tasks.base import GENERATE, TEACHER_FORCED
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
 FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_uniform", "routed_allocated")
@@ -133,8 +140,6 @@ class StudySpec:
 
     def budget(self, text: str):
         """Budget ``text`` at the spec's context, basis and cache dtype (batch 1)."""
-        from polykv.profiling.budget import Budget
-
         return Budget.parse(str(text), self.context_tokens, basis=self.basis, cache_dtype=self.cache_dtype)
 
     def as_dict(self) -> dict[str, Any]:
@@ -168,8 +173,6 @@ class StudySpec:
 
 
 def _resolved_task_params(entry: TaskEntry) -> dict[str, Any]:
-    from polykv.registry import get_registry
-
     registry = get_registry()
     defaults = dict(registry.task(entry.task).defaults) if registry.has("task", entry.task) else {}
     return {"task": entry.task, "params": {**defaults, **entry.params}}
@@ -231,8 +234,6 @@ def _path(base: str, value: Any, r: FieldReader, field: str) -> str:
 def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=None) -> StudySpec:
     """Check a spec dict (as read from JSON) and return a :class:`StudySpec`; never loads a model."""
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     r = FieldReader(source, study_error)
     raw = r.obj(raw, "", optional=_TOP)
@@ -245,8 +246,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
         name = check_label(os.path.splitext(os.path.basename(source))[0] or "study", r, "name",
                            "study name (the spec file's name)", hint="add a \"name\" to the spec")
     model = raw.get("model", "default")
-    from polykv.models import MODEL_ALIASES, NAMED_MODELS
-
     if not (model == "default" or (isinstance(model, str) and (model in NAMED_MODELS or model in MODEL_ALIASES))
             or (isinstance(model, Mapping) and set(model) == {"tiny"} and isinstance(model["tiny"], Mapping))):
         r.fail(f"expected \"default\", a model name ({', '.join(sorted(NAMED_MODELS))}) or "
@@ -263,8 +262,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     budgets = raw.get("budgets", [])
     if not isinstance(budgets, list) or not all(isinstance(b, (str, int)) for b in budgets):
         r.fail(f"expected a list of budgets like [\"8x\", \"3MiB\"], got {budgets!r}", field="budgets")
-    from polykv.profiling.budget import Budget
-
     for i, b in enumerate(budgets):
         try:
             Budget.parse(str(b), T)
@@ -274,8 +271,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     if len(set(budgets)) != len(budgets):
         r.fail(f"duplicate budgets in {list(budgets)}", field="budgets")
     plans = dict(r.dict_(raw.get("plans", {}), "plans"))
-    from polykv.plan import load_plan
-
     for pname, value in list(plans.items()):
         check_label(pname, r, "plans", "plan name")
         path = _path(base, value, r, f"plans.{pname}")
@@ -290,8 +285,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     if profile is not None:
         profile = _path(base, profile, r, "profile")
         digests[profile] = _digest(profile)
-        from polykv.profiling.profile import load_profile
-
         try:
             load_profile(profile)
         except PolykvError as exc:
@@ -306,8 +299,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
     baseline = r.bool_(raw.get("baseline", True), "baseline")
     reuse = r.bool_(raw.get("reuse_prefill", True), "reuse_prefill")
     if not baseline:
-        from polykv.studies.tasks.base import TEACHER_FORCED
-
         forced = [t.task for t in tasks if registry.task(t.task).mode == TEACHER_FORCED]
         if forced:
             r.fail(f"task '{forced[0]}' is teacher_forced: its KL and top-1 agreement compare every policy with "
@@ -327,9 +318,6 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
 
 
 def _prompt_rule(raw: Mapping, tasks, r: FieldReader, registry) -> tuple[Any, str]:
-    from polykv.studies.prompt import PROMPT_FORMATS
-    from polykv.studies.tasks.base import TEACHER_FORCED
-
     bos = raw.get("bos", "auto")
     if not (bos == "auto" or isinstance(bos, bool)):
         r.fail(f"expected \"auto\", true or false, got {bos!r}", field="bos",
@@ -383,8 +371,6 @@ def _solver_entries(raw: Any, r: FieldReader, registry) -> tuple[SolverEntry, ..
 
 
 def _task_entries(raw: Any, base: str, r: FieldReader, registry, digests: dict) -> tuple[TaskEntry, ...]:
-    from polykv.studies.tasks.base import GENERATE, TEACHER_FORCED
-
     r.list_(raw, "tasks", nonempty=True, what="a non-empty list of tasks",
             hint="e.g. [{\"task\": \"passkey\", \"samples\": 20}]")
     out = []

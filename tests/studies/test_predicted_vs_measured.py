@@ -108,7 +108,8 @@ def test_report_prints_rho_and_n(study, tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     names = sorted(want_loss)
     rho = _hand_spearman([want_loss[n] for n in names], [accuracy[n] for n in names])
-    assert f"accuracy over n = 13 plans: {rho:+.3f} (one-sided" in md
+    assert f"measured score the accuracy, over n = 13 plans: {rho:+.3f} (one-sided" in md
+    assert "Spearman rho(predicted loss, measured score): negative = the prediction ranks the plans correctly" in md
     assert "< 12" not in md
 
 
