@@ -88,7 +88,7 @@ def test_throwaway_plugin_is_listed_and_usable_in_a_plan(capsys, tmp_path, geome
     finally:
         reg.unregister_plugin(name)
     rc, _, err = _run(capsys, "plan", "validate", str(path))
-    assert rc == 2 and "unknown operator 'throwaway-newest'" in err
+    assert rc == 2 and "unknown rule 'throwaway-newest'" in err
 
 
 def test_duplicate_name_fails_naming_both_plugins():

@@ -74,7 +74,7 @@ def invalid_cases(base_text: str):
     yield ("nan-number", None, "NaN is not a number", base_text.replace('"predicted_loss": null', '"predicted_loss": NaN'))
     cases = [
         ("schema-version-3", "schema_version", "unknown schema version 3", lambda d: d.update(schema_version=3)),
-        ("unknown-rule", "layers[1].decode.rule", "unknown operator 'h2o-typo'", op(1, "decode", rule="h2o-typo")),
+        ("unknown-rule", "layers[1].decode.rule", "unknown rule 'h2o-typo'", op(1, "decode", rule="h2o-typo")),
         ("unknown-quantizer", "layers[0].quantizer", "unknown quantizer 'kiwi'", layer(0, quantizer="kiwi")),
         ("layer-count-for-model", "layers", "the plan has 3 layers but the model has 2", extra_layer),
         ("model-num-layers-disagrees-with-entries", "model.num_layers", "lists 2 layers but model.num_layers is 3",

@@ -57,7 +57,7 @@ def test_unknown_quantizer_or_rule_is_an_error_that_lists_names():
     geo = ModelGeometry(model_type="llama", num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)
     with pytest.raises(Exception, match="unknown quantizer 'nf4'.*Available: kivi"):
         memory_report(per_layer_plan(geo, [dict(k_bits=4, quantizer="nf4")]), geo, 10)
-    with pytest.raises(Exception, match="unknown operator 'nope'"):
+    with pytest.raises(Exception, match="unknown rule 'nope'"):
         memory_report(per_layer_plan(geo, [dict(decode=OpSpec(rule="nope", capacity=4))]), geo, 10)
     with pytest.raises(PlanError, match="layer 0.*divisor of 16"):
         memory_report(per_layer_plan(geo, [dict(v_bits=4)]), geo, 10)  # group_size 32 > head_dim 16

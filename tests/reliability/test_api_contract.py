@@ -223,7 +223,7 @@ def test_scores_averaged_over_heads_with_batch_equal_to_kv_heads_fail_through_th
     """B = Hkv = 2: a [B, T] score broadcast to [1, B, T] would silently use batch row b as head b's scores."""
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=MeanOverHeads.name, capacity=8))
     with pytest.raises(PluginContractError) as exc:
-        _run(model, plan, _registry(operator=[MeanOverHeads]), batch=2)
+        _run(model, plan, _registry(rule=[MeanOverHeads]), batch=2)
     assert _one_line(exc) == ("layer 0 (prefill): rule 'bad-mean-over-heads' score() returned shape (2, 20); "
                               "expected [B, Hkv, T] = (2, 2, 20) (nothing is broadcast; fix the rule's score())")
 
@@ -239,7 +239,7 @@ def test_scores_of_the_wrong_length_fail_in_decode_naming_the_layer(model):
     geo = geometry_of_model(model)
     plan = per_layer_plan(geo, [{}, {"decode": OpSpec(rule=OneShort.name, capacity=12)}], decode_slack=1)
     with pytest.raises(PluginContractError) as exc:
-        _run(model, plan, _registry(operator=[OneShort]), prompt=12)
+        _run(model, plan, _registry(rule=[OneShort]), prompt=12)
     assert _one_line(exc) == ("layer 1 (decode): rule 'bad-one-short' score() returned shape (1, 2, 13); "
                               "expected [B, Hkv, T] = (1, 2, 14) (nothing is broadcast; fix the rule's score())")
     with pytest.raises(PluginContractError, match=r"^layer 0 \(prefill\): rule 'bad-one-short' score\(\) returned"):
@@ -248,7 +248,7 @@ def test_scores_of_the_wrong_length_fail_in_decode_naming_the_layer(model):
 
 def test_nan_scores_fail_when_the_expensive_checks_are_on_and_only_then(model):
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=NaNScores.name, capacity=8))
-    registry = _registry(operator=[NaNScores])
+    registry = _registry(rule=[NaNScores])
     with pytest.raises(PluginContractError) as exc:
         _run(model, plan, registry, check=True)
     assert _one_line(exc) == ("layer 0 (prefill): rule 'bad-nan-scores' score() returned 40 NaN score(s) on stored "
@@ -262,7 +262,7 @@ def test_nan_merge_weights_fail_always(model):
     geo = geometry_of_model(model)
     plan = per_layer_plan(geo, [{"decode": OpSpec(rule=NaNMerge.name, capacity=10)}, {}], decode_slack=1)
     with pytest.raises(PluginContractError) as exc:
-        _run(model, plan, _registry(operator=[NaNMerge]), prompt=10, check=False)
+        _run(model, plan, _registry(rule=[NaNMerge]), prompt=10, check=False)
     assert _one_line(exc) == ("layer 0 (decode): rule 'bad-nan-merge' returned merge weights or target_scale that "
                               "are not finite (NaN or inf); expected finite weights (fix the rule's select())")
 

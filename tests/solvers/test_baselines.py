@@ -133,7 +133,7 @@ def test_a_rule_that_cannot_run_in_the_configured_phase_is_an_error():
     with pytest.raises(SolverError, match=r"rule 'snapkv' is configured for phase 'both' but does not run in "
                                           r"\['decode'\]"):
         solve(_one_config_profile("snapkv", "both"), Budget.of_ratio(2, 100), "exact")
-    with pytest.raises(SolverError, match=r"unknown operator 'nosuchrule'. Available: .*tova"):
+    with pytest.raises(SolverError, match=r"unknown rule 'nosuchrule'. Available: .*tova"):
         solve(_one_config_profile("nosuchrule", "both"), Budget.of_ratio(2, 100), "exact")
 
 

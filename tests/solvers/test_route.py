@@ -104,5 +104,5 @@ def test_a_statistic_column_naming_no_installed_rule_is_an_error():
     stats = dict(p.stats, cosine=StatTable(columns=["tova", "mystery"], values=np.ones((4, 2)),
                                            higher_is_better=True))
     bad = Profile(model=p.model, configs=p.configs, metrics=p.metrics, stats=stats)
-    with pytest.raises(SolverError, match=r"stats.cosine column 'mystery': unknown operator 'mystery'"):
+    with pytest.raises(SolverError, match=r"stats.cosine column 'mystery': unknown rule 'mystery'"):
         solve(bad, Budget.of_tokens(100, 1000), "profile-route")
