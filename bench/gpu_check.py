@@ -336,7 +336,7 @@ def _ragged(stream, lengths):
 
 
 def check_kernel(device, small) -> str:
-    from polykv.attention import kivi_triton
+    from polykv.adapters.quantizers import kivi_triton
     from polykv.attention.online_softmax import blockwise_attention, token_blocks
 
     if device.type != "cuda" and not kivi_triton.interpreting():

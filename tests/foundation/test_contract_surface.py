@@ -59,13 +59,6 @@ EXAMPLE = REPO / "examples" / "polykv-value-norm" / "polykv_value_norm" / "__ini
 PENDING = {
     ("rules/kvzip_head.py", "polykv.models.kvzip_heads"),
     ("rules/triattention.py", "polykv.models.query_stats"),
-    ("quantizers/kivi.py", "polykv.storage.packing"),
-    ("quantizers/kivi_keys.py", "polykv.storage"),
-    ("quantizers/kivi_keys.py", "polykv.storage.token_blocks"),
-    ("quantizers/kivi_keys.py", "polykv.storage.packing"),
-    ("quantizers/kivi_values.py", "polykv.storage"),
-    ("quantizers/kivi_values.py", "polykv.storage.token_blocks"),
-    ("quantizers/kivi_values.py", "polykv.storage.packing"),
 }
 
 
