@@ -10,6 +10,11 @@ calibration saves it (``x.profile.json`` -> ``x`` + ``suffix``).
 Calibration, studies and :func:`polykv.profiling.calibrate.model_data_for` ask the registry for the
 needs of the rules they run (:func:`needs_of_rules`, :func:`registered_needs`), so no core module names
 a rule. Users keep passing ``model_data={key: data}`` to :func:`polykv.apply` directly.
+
+What a rule's data type needs of the core to measure, save and check itself: :func:`model_geometry` (the
+model's layers, heads and fingerprint), :func:`fingerprints_match`, :func:`read_tagged` and
+:func:`check_tensors` (a safetensors file with a format tag, refused in one line when foreign or damaged)
+and :func:`write_atomically` (a temp file renamed over the path).
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
+from polykv.atomic import replace_with
 from polykv.errors import CacheWriteWarning, PolykvError, RuntimeConfigError
+from polykv.models.geometry import fingerprints_match, geometry_of_model
+from polykv.models.tagged_tensors import check_tensors, read_tagged
+
+model_geometry = geometry_of_model
+"""``model_geometry(model)``: the model's shape (``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``) and
+``fingerprint``, which a data file records so that data measured on another model is refused."""
+write_atomically = replace_with
+"""``write_atomically(path, write)``: ``write(tmp)`` fills a temp file that is then renamed over ``path``."""
+
 
 class ModelDataError(RuntimeConfigError):
     """Per-model data a plan's rules need is missing or belongs to another model."""

@@ -57,7 +57,6 @@ PLUGIN_ROOT = REPO / "adapters"
 EXAMPLE = REPO / "examples" / "polykv-value-norm" / "polykv_value_norm" / "__init__.py"
 # What has yet to move into its plugin (tests/foundation/test_layering.py: PLUGIN_PENDING).
 PENDING = {
-    ("rules/kvzip_head.py", "polykv.models.kvzip_heads"),
     ("rules/triattention.py", "polykv.models.query_stats"),
 }
 

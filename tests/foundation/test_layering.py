@@ -76,7 +76,6 @@ modules, which it reaches as names of the package: ``from polykv.contract import
 PLUGIN_PENDING = {
     # KVzip's head scores and TriAttention's query statistics are read and fingerprinted by modules of
     # polykv.models until the model-data layer loads and checks side files generically
-    ("polykv.adapters.rules.kvzip_head", "polykv.models.kvzip_heads"),
     ("polykv.adapters.rules.triattention", "polykv.models.query_stats"),
 }
 """(plugin module, core module) imports that stay until what they import moves into the plugin."""
@@ -116,6 +115,7 @@ REMOVED_PATHS = {
     "polykv.families": "polykv.models.families",
     "polykv.reference": "polykv.models.reference",
     "polykv.profiling.query_stats": "polykv.models.query_stats",
+    "polykv.models.kvzip_heads": "polykv.adapters.rules.kvzip_heads",   # the kvzip-head rule's data, in its plugin
     "polykv.corpus": "polykv.models.corpus",
     # shared by calibration and studies, and by a solver and studies
     "polykv.stats": "polykv.profiling.stats",
