@@ -60,12 +60,11 @@ _MOVED = {
     **dict.fromkeys(("ParamSpec", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults", "resolve_params",
                      "unchecked_params", "UncheckedParamsWarning"), "polykv.contract.params"),
     **dict.fromkeys(("need_of", "side_file", "tokenizer_of"), "polykv.contract.model_data"),
-    **dict.fromkeys(("QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX"), "polykv.models.query_stats"),
     "PROJECT": "polykv.contract.hookspecs",
     "get_registry": "polykv.registry",
 }
 """Names polykv.contract exported in 0.1 -> the module that holds them now."""
-_RULE_DATA = ("HeadScores", "HEAD_SCORES_SUFFIX")
+_RULE_DATA = ("QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "HeadScores", "HEAD_SCORES_SUFFIX")
 """Names polykv.contract exported in 0.1 that a rule's data module holds now (found through the rules' declared
 model-data needs, so that the contract names no plugin)."""
 

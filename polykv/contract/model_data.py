@@ -58,6 +58,9 @@ class ModelDataNeed:
     """``load(path)`` -> the data saved there with ``data.save(path)``."""
     check: Callable[[Any, Any], None] | None = None
     """``check(data, model)`` raises when loaded data was measured on another model."""
+    recognise: Callable[[str], bool] | None = None
+    """``recognise(path)``: True when the file at ``path`` is this data as polykv writes it (a command then
+    replaces it); None: a file is recognised when :attr:`load` reads it."""
     description: str = ""
     """What the data is, for messages (e.g. ``"query statistics"``)."""
     takes_tokenizer: bool = False
@@ -72,6 +75,18 @@ def need_of(rule_class: Any) -> ModelDataNeed | None:
         raise TypeError(f"{getattr(rule_class, '__name__', rule_class)!r}.{NEED_ATTRIBUTE} must be a "
                         f"polykv.contract.model_data.ModelDataNeed or None, got {type(need).__name__}")
     return need
+
+
+def recognises(need: ModelDataNeed, path: str) -> bool:
+    """Whether the file at ``path`` is ``need``'s data as polykv writes it (``need.recognise``, else whether
+    ``need.load`` reads it): a command replaces such a file and refuses to overwrite any other."""
+    if need.recognise is not None:
+        return need.recognise(path)
+    try:
+        need.load(path)
+    except Exception:  # noqa: BLE001 - any failure means the file is not this data
+        return False
+    return True
 
 
 def needs_of_rules(registry: Any, rules: Iterable[str]) -> list[ModelDataNeed]:

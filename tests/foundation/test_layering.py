@@ -73,11 +73,7 @@ PLUGINS = "polykv.adapters"
 PLUGIN_MAY_IMPORT = ("polykv.contract", "polykv.errors")
 """What a plugin may import besides its own package (``polykv.contract``: the package itself, not its
 modules, which it reaches as names of the package: ``from polykv.contract import state``)."""
-PLUGIN_PENDING = {
-    # KVzip's head scores and TriAttention's query statistics are read and fingerprinted by modules of
-    # polykv.models until the model-data layer loads and checks side files generically
-    ("polykv.adapters.rules.triattention", "polykv.models.query_stats"),
-}
+PLUGIN_PENDING: set[tuple[str, str]] = set()   # empty: every plugin imports only the contract
 """(plugin module, core module) imports that stay until what they import moves into the plugin."""
 
 # Module paths removed in 0.2 (CHANGELOG.md) -> where the module lives now.
@@ -114,7 +110,8 @@ REMOVED_PATHS = {
     "polykv.geometry": "polykv.models.geometry",
     "polykv.families": "polykv.models.families",
     "polykv.reference": "polykv.models.reference",
-    "polykv.profiling.query_stats": "polykv.models.query_stats",
+    "polykv.profiling.query_stats": "polykv.adapters.rules.query_stats",
+    "polykv.models.query_stats": "polykv.adapters.rules.query_stats",    # TriAttention's data, in its plugin
     "polykv.models.kvzip_heads": "polykv.adapters.rules.kvzip_heads",   # the kvzip-head rule's data, in its plugin
     "polykv.corpus": "polykv.models.corpus",
     # shared by calibration and studies, and by a solver and studies
