@@ -80,11 +80,11 @@ def need_of(rule_class: Any) -> ModelDataNeed | None:
 def recognises(need: ModelDataNeed, path: str) -> bool:
     """Whether the file at ``path`` is ``need``'s data as polykv writes it (``need.recognise``, else whether
     ``need.load`` reads it): a command replaces such a file and refuses to overwrite any other."""
-    if need.recognise is not None:
-        return need.recognise(path)
     try:
+        if need.recognise is not None:
+            return bool(need.recognise(path))
         need.load(path)
-    except Exception:  # noqa: BLE001 - any failure means the file is not this data
+    except Exception:  # noqa: BLE001 - any failure (a plugin's reader may raise anything) means it is not this data
         return False
     return True
 
