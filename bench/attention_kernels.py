@@ -118,7 +118,7 @@ def main(argv=None) -> int:
 
 def kernel_agreement(args, device, dtype, scaling, sync) -> None:
     try:
-        from polykv.attention import kivi_triton
+        from polykv.adapters.quantizers import kivi_triton
     except ImportError:
         print("kernel: Triton is not installed (pip install -e '.[kernels]'); agreement not checked")
         return

@@ -32,7 +32,7 @@ def main() -> int:
 
     from polykv.models.geometry import geometry_of_model
     from polykv.plan import uniform_plan
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.query_stats import compute_query_stats
     from polykv.registry import get_registry
     from polykv.testing import decode_soak, tiny_model
 

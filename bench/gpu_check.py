@@ -101,7 +101,7 @@ def check_masked_reference(device, small=False, dtype=torch.float32) -> str:
     mod = _test_module("test_masked_reference")
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, dtype=dtype).to(device)
     geo = geometry_of_model(model)
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.query_stats import compute_query_stats
 
     stats = compute_query_stats(model, [_ids(1, 64, 7, device)])
     worst = 0.0
@@ -336,7 +336,7 @@ def _ragged(stream, lengths):
 
 
 def check_kernel(device, small) -> str:
-    from polykv.attention import kivi_triton
+    from polykv.adapters.quantizers import kivi_triton
     from polykv.attention.online_softmax import blockwise_attention, token_blocks
 
     if device.type != "cuda" and not kivi_triton.interpreting():

@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     geo = geometry_of_model(model)
     registry = polykv.get_registry()
     kivi = {"group_size": 32, "residual": 32}
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.query_stats import compute_query_stats
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from polykv.contract import storage
-from polykv.storage import minmax
+from polykv.adapters.quantizers import minmax
 from polykv.adapters.quantizers.code_buffers import CodeBuffers
-from polykv.storage.token_blocks import PackedStream
-from polykv.storage.packing import pack, packed_width
+from polykv.adapters.quantizers.packed_stream import PackedStream
+from polykv.adapters.quantizers.packing import pack, packed_width
 
 
 class KiviKeyStore(CodeBuffers):

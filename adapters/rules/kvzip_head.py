@@ -12,7 +12,7 @@ import torch
 from polykv.adapters.rules.kvzip import SINKS, KVzipRule, check_sink_capacity, prompt_params
 from polykv.contract import (Allocator, ModelDataNeed, RuleState, ScoredRule, SelectionContext, allocators, model_data,
                              param, probe, ragged_top_k)
-from polykv.models.kvzip_heads import HEAD_SCORES_SUFFIX, HeadScores
+from polykv.adapters.rules.kvzip_heads import HEAD_SCORES_SUFFIX, HeadScores
 
 HEAD_SCORES_KEY = "kvzip-head"
 CALIBRATION_SINK = 4

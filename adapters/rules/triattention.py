@@ -11,13 +11,14 @@ import math
 import torch
 
 from polykv.contract import PHASES, ModelDataNeed, ScoredRule, SelectionContext, param
-from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
+from polykv.adapters.rules.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats, is_query_stats_file
 
 STATS_KEY = "triattention"
 
 QUERY_STATISTICS = ModelDataNeed(
     key=STATS_KEY, suffix=QUERY_STATS_SUFFIX, compute=compute_query_stats, load=QueryStats.load,
-    check=lambda stats, model: stats.check_model(model), description="pre-RoPE query statistics")
+    check=lambda stats, model: stats.check_model(model), recognise=is_query_stats_file,
+    description="pre-RoPE query statistics")
 """What the rule needs measured on the model: calibration computes it over its sequences and saves it
 beside the profile (``x.qstats.safetensors``); studies load that file or compute it."""
 
@@ -25,7 +26,7 @@ beside the profile (``x.qstats.safetensors``); studies load that file or compute
 class TriAttentionRule(ScoredRule):
     """Keep, per KV head, the keys a typical future query is predicted to attend to most.
 
-    Offline statistics per layer and query head (:mod:`polykv.models.query_stats`) give the
+    Offline statistics per layer and query head (:mod:`polykv.adapters.rules.query_stats`) give the
     mean pre-RoPE query ``mu_f`` (complex, "half" pairing) and mean magnitude ``a_f`` per RoPE
     frequency f. For a stored post-RoPE key ``k~_f = k~[f] + i k~[f + d/2]`` the score of query head
     h is, with ``t_j = t0 + delta_j``, ``t0 = ctx.tokens_seen`` and ``delta_j = 1, 2, 4, ..., max_offset``::
@@ -42,7 +43,7 @@ class TriAttentionRule(ScoredRule):
     ``budget`` tokens is not reproduced). The reference prunes during decode every 128 steps;
     here the runtime's trigger slack sets the cadence, and prefill is supported too.
 
-    ``ctx.model_data["triattention"]`` must hold a :class:`~polykv.models.query_stats.QueryStats`
+    ``ctx.model_data["triattention"]`` must hold a :class:`~polykv.adapters.rules.query_stats.QueryStats`
     measured on this model.
 
     Parameters
@@ -73,7 +74,7 @@ class TriAttentionRule(ScoredRule):
             raise ValueError(
                 f"layer {ctx.layer_idx} ({ctx.phase}): rule 'triattention' needs query statistics in "
                 f"model_data['{STATS_KEY}']. Compute them once with "
-                f"polykv.models.query_stats.compute_query_stats(model, token_batches).save('stats.safetensors') "
+                f"polykv.adapters.rules.query_stats.compute_query_stats(model, token_batches).save('stats.safetensors') "
                 f"over any plain text, then pass QueryStats.load('stats.safetensors') to the runtime"
             )
         return stats

@@ -4,5 +4,4 @@
   reading a store's token-blocks view;
 - :mod:`polykv.attention.signals` — softmax attention rows in query chunks and the signals rule
   states read from them (column sums, newest rows);
-- :mod:`polykv.attention.kivi_triton` — the fused Triton decode kernel over a token-blocks view.
 """

@@ -15,7 +15,9 @@ the *token-blocks* capability: a method ``token_blocks()`` returning an object w
   padding that is never attended (its content is never read into a softmax);
 - ``read(start, stop)`` -> [B, Hkv, stop - start, d]: tokens ``start .. stop - 1`` of every head in
   the compute dtype (padding positions may hold anything);
-- optionally ``fused_decode(query, values, scaling)``: a fused kernel for the same attention.
+- optionally ``fused_kernel()`` and ``fused_ready(query)``: a fused kernel for the same attention,
+  ``kernel(query, keys, values, scaling=...)`` with the view as the keys or the values, and whether it runs
+  for ``query`` (e.g. a quantizer's Triton kernel on a CUDA query).
 
 :func:`token_blocks` discovers the capability; :func:`blockwise_attention` is the layout-independent
 reference (the CPU path and the oracle of every fused kernel).
@@ -240,16 +242,16 @@ def decode_attention_from_stores(query: torch.Tensor, key_store, value_store, *,
                                  block_size: int = DECODE_BLOCK) -> torch.Tensor:
     """Attention of ``query`` [B, H, q, d] over a layer's stores read from their codes: [B, H, q, dv].
 
-    The call a decoding runtime makes for a layer whose stores offer token blocks: the key view's
-    fused kernel when the view says it runs for this query (``fused_ready(query)``, e.g. the Triton
-    kernel on a CUDA query with Triton installed); otherwise
+    The call a decoding runtime makes for a layer whose stores offer token blocks: the fused kernel the
+    key view, else the value view, offers when that view says it runs for this query (``fused_ready(query)``,
+    e.g. the Triton kernel of the KIVI stores on a CUDA query with Triton installed); otherwise
     :func:`blockwise_attention` with blocks of ``block_size`` tokens. Nothing dequantizes a whole
     store; a store without token blocks is an error that says so.
     """
     keys, values = _views(key_store, value_store)
-    ready = getattr(keys, "fused_ready", None)
-    if ready is not None and ready(query):
-        return keys.fused_decode(query, values, scaling)
+    kernel = _fused_kernel(keys, values, query)
+    if kernel is not None:
+        return kernel(query, keys, values, scaling=scaling)
     return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
 
 
@@ -273,6 +275,16 @@ def _views(key_store, value_store):
     return keys, values
 
 
+def _fused_kernel(keys, values, query: torch.Tensor | None = None):
+    """The fused kernel the key view, else the value view, offers (``fused_kernel()``); with ``query``, only
+    one its view says runs for that query (``fused_ready(query)``). None when neither offers one."""
+    for view in (keys, values):
+        offer = getattr(view, "fused_kernel", None)
+        if offer is not None and (query is None or view.fused_ready(query)):
+            return offer()
+    return None
+
+
 BACKENDS = ("blockwise", "fused")
 
 
@@ -281,17 +293,17 @@ def attend_stores(query: torch.Tensor, key_store, value_store, *, scaling: float
     """Attention of ``query`` [B, H, q, d] over a layer's key and value stores, read from their codes.
 
     ``backend`` is chosen by the caller, never substituted: ``"blockwise"`` runs
-    :func:`blockwise_attention` over the stores' token blocks; ``"fused"`` calls the key view's
-    ``fused_decode`` (e.g. the Triton kernel of the KIVI stores). A store without token blocks, or a
-    view without a fused kernel, is an error that says so.
+    :func:`blockwise_attention` over the stores' token blocks; ``"fused"`` calls the fused kernel the key
+    view, else the value view, offers (e.g. the Triton kernel of the KIVI stores). A store without token
+    blocks, or two views without a fused kernel, is an error that says so.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {BACKENDS}")
     keys, values = _views(key_store, value_store)
     if backend == "blockwise":
         return blockwise_attention(query, keys, values, scaling=scaling, block_size=block_size)
-    fused = getattr(keys, "fused_decode", None)
-    if fused is None:
-        raise ValueError(f"the token blocks of {type(key_store).__name__} offer no fused kernel; "
-                         f"use backend='blockwise'")
-    return fused(query, values, scaling)
+    kernel = _fused_kernel(keys, values)
+    if kernel is None:
+        raise ValueError(f"the token blocks of {type(key_store).__name__} and {type(value_store).__name__} offer no "
+                         f"fused kernel; use backend='blockwise'")
+    return kernel(query, keys, values, scaling=scaling)

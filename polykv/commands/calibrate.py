@@ -271,7 +271,9 @@ def check_outputs(args, stats_path: str) -> None:
     """Neither output may be an input (a file of the model folder) or a file polykv did not write."""
     from polykv.atomic import check_output, same_file
     from polykv.profiling.profile_io import is_profile_file
-    from polykv.models.query_stats import is_query_stats_file
+    from polykv.contract.model_data import recognises, registered_needs
+    from polykv.profiling.calibrate_settings import query_stats_need
+    from polykv.registry import get_registry
 
     inputs = []
     if args.model != "default" and os.path.isdir(args.model):
@@ -280,7 +282,8 @@ def check_outputs(args, stats_path: str) -> None:
     if same_file(args.output, stats_path):
         raise ProfileError(f"--query-stats {stats_path}: the same file as the profile (-o); choose another path")
     check_output(stats_path, what="query statistics file", option="--query-stats", inputs=inputs,
-                 recognise=is_query_stats_file)
+                 recognise=lambda path: (need := query_stats_need(registered_needs(get_registry()))) is not None
+                 and recognises(need, path))
     from polykv.profiling.checkpoint import folder_digest
 
     folder_digest(args.output + ".partial")  # absent, or a checkpoint folder polykv created (else refused)

@@ -60,16 +60,28 @@ _MOVED = {
     **dict.fromkeys(("ParamSpec", "check_params", "DeclaredParams", "NO_DEFAULT", "with_defaults", "resolve_params",
                      "unchecked_params", "UncheckedParamsWarning"), "polykv.contract.params"),
     **dict.fromkeys(("need_of", "side_file", "tokenizer_of"), "polykv.contract.model_data"),
-    **dict.fromkeys(("QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX"), "polykv.models.query_stats"),
-    **dict.fromkeys(("HeadScores", "HEAD_SCORES_SUFFIX"), "polykv.models.kvzip_heads"),
     "PROJECT": "polykv.contract.hookspecs",
     "get_registry": "polykv.registry",
 }
 """Names polykv.contract exported in 0.1 -> the module that holds them now."""
+_RULE_DATA = ("QueryStats", "compute_query_stats", "QUERY_STATS_SUFFIX", "HeadScores", "HEAD_SCORES_SUFFIX")
+"""Names polykv.contract exported in 0.1 that a rule's data module holds now (found through the rules' declared
+model-data needs, so that the contract names no plugin)."""
+
+
+def _rule_data_module(name: str) -> str | None:
+    """The module of a registered rule's data (the module of its need's ``load``) that defines ``name``, or None."""
+    from polykv.registry import get_registry   # the registry imports the contract's hook specs: looked up on use
+
+    for need in model_data.registered_needs(get_registry()):
+        module = getattr(need.load, "__module__", None)
+        if module and hasattr(importlib.import_module(module), name):
+            return module
+    return None
 
 
 def __getattr__(name: str):
-    module = _MOVED.get(name)
+    module = _MOVED.get(name) or (_rule_data_module(name) if name in _RULE_DATA else None)
     if module is None:
         raise AttributeError(f"module 'polykv.contract' has no attribute {name!r}")
     warnings.warn(f"polykv.contract.{name} left the plugin contract's front door in 0.2; import it from {module} "

@@ -10,6 +10,11 @@ calibration saves it (``x.profile.json`` -> ``x`` + ``suffix``).
 Calibration, studies and :func:`polykv.profiling.calibrate.model_data_for` ask the registry for the
 needs of the rules they run (:func:`needs_of_rules`, :func:`registered_needs`), so no core module names
 a rule. Users keep passing ``model_data={key: data}`` to :func:`polykv.apply` directly.
+
+What a rule's data type needs of the core to measure, save and check itself: :func:`model_geometry` (the
+model's layers, heads and fingerprint), :func:`fingerprints_match`, :func:`read_tagged` and
+:func:`check_tensors` (a safetensors file with a format tag, refused in one line when foreign or damaged)
+and :func:`write_atomically` (a temp file renamed over the path).
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
+from polykv.atomic import replace_with
 from polykv.errors import CacheWriteWarning, PolykvError, RuntimeConfigError
+from polykv.models.geometry import fingerprints_match, geometry_of_model
+from polykv.models.tagged_tensors import check_tensors, read_tagged
+
+model_geometry = geometry_of_model
+"""``model_geometry(model)``: the model's shape (``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``) and
+``fingerprint``, which a data file records so that data measured on another model is refused."""
+write_atomically = replace_with
+"""``write_atomically(path, write)``: ``write(tmp)`` fills a temp file that is then renamed over ``path``."""
+
 
 class ModelDataError(RuntimeConfigError):
     """Per-model data a plan's rules need is missing or belongs to another model."""
@@ -43,6 +58,9 @@ class ModelDataNeed:
     """``load(path)`` -> the data saved there with ``data.save(path)``."""
     check: Callable[[Any, Any], None] | None = None
     """``check(data, model)`` raises when loaded data was measured on another model."""
+    recognise: Callable[[str], bool] | None = None
+    """``recognise(path)``: True when the file at ``path`` is this data as polykv writes it (a command then
+    replaces it); None: a file is recognised when :attr:`load` reads it."""
     description: str = ""
     """What the data is, for messages (e.g. ``"query statistics"``)."""
     takes_tokenizer: bool = False
@@ -57,6 +75,18 @@ def need_of(rule_class: Any) -> ModelDataNeed | None:
         raise TypeError(f"{getattr(rule_class, '__name__', rule_class)!r}.{NEED_ATTRIBUTE} must be a "
                         f"polykv.contract.model_data.ModelDataNeed or None, got {type(need).__name__}")
     return need
+
+
+def recognises(need: ModelDataNeed, path: str) -> bool:
+    """Whether the file at ``path`` is ``need``'s data as polykv writes it (``need.recognise``, else whether
+    ``need.load`` reads it): a command replaces such a file and refuses to overwrite any other."""
+    try:
+        if need.recognise is not None:
+            return bool(need.recognise(path))
+        need.load(path)
+    except Exception:  # noqa: BLE001 - any failure (a plugin's reader may raise anything) means it is not this data
+        return False
+    return True
 
 
 def needs_of_rules(registry: Any, rules: Iterable[str]) -> list[ModelDataNeed]:

@@ -4,7 +4,6 @@
   the named models, loaded offline from a local cache;
 - :mod:`polykv.models.geometry` — a model's shape (:class:`~polykv.models.geometry.ModelGeometry`):
   layers, heads, head dim, attention kinds, fingerprint;
-- :mod:`polykv.models.query_stats` — per-layer pre-RoPE query statistics, model data a rule may need;
 - :mod:`polykv.models.corpus` — the offline corpus (standard-library prose and code) model data,
   calibration and study filler are computed on;
 - :mod:`polykv.models.reference` and :mod:`polykv.models.families` — the masked-attention reference

@@ -6,7 +6,7 @@
 Steps (``docs/calibration.md``):
 
 1. The per-model data the calibrated rules declare (:mod:`polykv.contract.model_data`; e.g. query statistics,
-   :func:`~polykv.models.query_stats.compute_query_stats`), computed over the calibration
+   :func:`~polykv.adapters.rules.query_stats.compute_query_stats`), computed over the calibration
    sequences, passed to rules as ``model_data[need.key]`` and saved beside the profile.
 2. One captured forward per sequence (:mod:`polykv.profiling.capture`).
 3. Per layer: the ``l2`` error of every candidate config (:mod:`polykv.profiling.sensitivity`),

@@ -23,7 +23,16 @@ from polykv.errors import ProfileError
 from polykv.contract.model_data import ModelDataNeed, load_side_files, registered_needs, side_file
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.profile import FULL_RULE, CandidateConfig, Profile, moend_configs
-from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats
+
+
+QUERY_STATS_SUFFIX = ".qstats.safetensors"
+"""The side file of the query statistics a calibrated rule declares (``ModelDataNeed.suffix``), the data
+``polykv calibrate --query-stats`` places: ``x.profile.json`` -> ``x.qstats.safetensors``."""
+
+
+def query_stats_need(needs) -> ModelDataNeed | None:
+    """Among ``needs``, the one whose side file holds query statistics (:data:`QUERY_STATS_SUFFIX`), or None."""
+    return next((n for n in needs if n.suffix == QUERY_STATS_SUFFIX), None)
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -86,10 +95,11 @@ class CalibrationResult:
     """Wall time of the run (resumed layers excluded)."""
 
     @property
-    def query_stats(self) -> QueryStats | None:
-        """The :class:`~polykv.models.query_stats.QueryStats` among ``model_data`` (None when no
-        calibrated rule needs query statistics)."""
-        return next((v for v in self.model_data.values() if isinstance(v, QueryStats)), None)
+    def query_stats(self) -> Any:
+        """The query statistics among ``model_data``: the data of the need whose side file is
+        :data:`QUERY_STATS_SUFFIX` (None when no calibrated rule needs query statistics)."""
+        need = query_stats_need(self.needs)
+        return None if need is None else self.model_data[need.key]
 
     def side_files(self, profile_path: str, *, query_stats_path: str | None = None) -> dict[str, Any]:
         """``{path: data}`` to save beside ``profile_path`` (``query_stats_path`` overrides where query

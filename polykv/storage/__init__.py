@@ -3,9 +3,8 @@
 - :mod:`polykv.storage.token_buffer` — a preallocated token buffer and the 16-bit passthrough store;
 - :mod:`polykv.storage.reserve` — the reserve policy (how many token rows a store preallocates);
 - :mod:`polykv.storage.store_checks` — shape checks of a store's inputs and the exact byte count;
-- :mod:`polykv.storage.token_blocks` — the token-blocks view of a stored stream (codes, scales,
-  residual) that attention reads a block at a time;
-- :mod:`polykv.storage.minmax` and :mod:`polykv.storage.packing` — min-max codes and their bit packing.
+- :mod:`polykv.storage.token_blocks` — the token-blocks view of a stored stream that attention reads a
+  block at a time (full-precision rows; a quantizer's view adds its codes).
 
 A bottom layer: it imports only the plugin contract's store base classes, never the runtime.
 Import the modules themselves (this package re-exports nothing, so that the contract, which

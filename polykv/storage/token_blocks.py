@@ -1,21 +1,16 @@
-"""A stored stream (KIVI keys, KIVI values or passthrough) seen as the tensors that hold it.
+"""A stored stream seen as the tensors that hold it: the *token-blocks* view attention reads.
 
-:class:`PackedStream` is the *token-blocks* view of :mod:`polykv.attention.online_softmax`: attention reads
-it a block of tokens at a time (:meth:`PackedStream.read` dequantizes only that block, exactly as
-the store's ``dequantize`` would) or hands its codes, scales and residual to the fused decode
-kernel (:meth:`PackedStream.fused_decode`). Nothing is copied when a view is taken.
+:class:`TokenRows` is the token-blocks view of :mod:`polykv.attention.online_softmax` for a stream held
+in full precision (the 16-bit passthrough store): attention reads it a block of tokens at a time
+(:meth:`TokenRows.read`). A quantizer's view subclasses it (``polykv.contract.storage.TokenRows``): it adds
+its codes (``num_quantized`` rows ahead of the full-precision ones) and :meth:`TokenRows.dequantize_rows`,
+and may offer a fused decode kernel (``fused_kernel(query)``). Nothing is copied when a view is taken.
 
-Layouts (see kivi_keys.py / kivi_values.py; logical order = quantized tokens, then residual):
-
-- ``"channel"`` (keys): ``codes`` [B, Hkv, Tq, d*b/8] uint8, ``scale``/``zero`` [B, Hkv, Ng, d], one
-  row per group of G tokens; ``group_ids`` [B, Hkv, Tq] or None (token i in row i // G);
-- ``"token"`` (values): ``codes`` [B, Hkv, Tq, d*b/8], ``scale``/``zero`` [B, Hkv, Tq, d / G];
-- ``"none"`` (16-bit passthrough): no codes, every token in ``residual``.
-
-``residual`` [B, Hkv, Tr, d] holds the full-precision tokens. Ragged heads (heads of a layer holding
-different token counts) are described by ``quantized_len`` and ``residual_len`` ([B, Hkv] int64,
-None = all ``Tq`` / ``Tr``): head h's tokens are its first ``quantized_len[h]`` code rows, then its
-first ``residual_len[h]`` residual rows; rows past those are padding and never read into attention.
+``residual`` [B, Hkv, Tr, d] holds the full-precision tokens, after the quantized ones. Ragged heads
+(heads of a layer holding different token counts) are described by ``quantized_len`` and ``residual_len``
+([B, Hkv] int64, None = all ``num_quantized`` / ``Tr``): head h's tokens are its first ``quantized_len[h]``
+code rows, then its first ``residual_len[h]`` residual rows; rows past those are padding and never read
+into attention.
 """
 
 from __future__ import annotations
@@ -24,36 +19,26 @@ import attrs
 import torch
 
 from polykv.contract.stores import UNQUANTIZED_BITS
-from polykv.storage import minmax
 from polykv.storage.store_checks import gather_tokens
-
-LAYOUTS = ("channel", "token", "none")
 
 
 @attrs.define(frozen=True, kw_only=True)
-class PackedStream:
-    """One stream of one layer: codes, scales/minima and residual (see the module docstring)."""
+class TokenRows:
+    """One stream of one layer: full-precision rows, optionally behind a quantizer's code rows."""
 
-    layout: str
-    """``"channel"`` (per-channel key groups), ``"token"`` (per-token value groups) or ``"none"``."""
     residual: torch.Tensor
     """[B, Hkv, Tr, d] full-precision tokens in the compute dtype."""
-    bits: int = UNQUANTIZED_BITS
-    group_size: int = 1
-    codes: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    zero: torch.Tensor | None = None
-    group_ids: torch.Tensor | None = None
     quantized_len: torch.Tensor | None = None
     """[B, Hkv] valid code rows per head (ragged heads), or None."""
     residual_len: torch.Tensor | None = None
     """[B, Hkv] valid residual rows per head (ragged heads), or None."""
 
+    layout = "none"
+    """How codes are grouped: ``"none"`` here (no codes); a quantizer's view names its own."""
+    bits = UNQUANTIZED_BITS
+    codes = None
+
     def __attrs_post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"packed stream: layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if (self.layout == "none") != (self.codes is None):
-            raise ValueError("packed stream: codes are required exactly when the layout is quantized")
         B, H = self.residual.shape[:2]
         for name in ("quantized_len", "residual_len"):
             n = getattr(self, name)
@@ -103,33 +88,8 @@ class PackedStream:
     # -- reads ------------------------------------------------------------------------------------
     def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Code rows ``start .. stop - 1`` (stop <= Tq) dequantized: [B, Hkv, n, d] in the compute dtype,
-        written into ``out`` when given (e.g. the front of a block whose tail is residual rows).
-
-        Uses :func:`minmax.decode_into`, the arithmetic of the stores' ``dequantize``, so a token
-        dequantizes to the same bits here as in the dense read.
-        """
-        B, H, _, d = self.residual.shape
-        n, G = stop - start, self.group_size
-        if out is None:
-            out = torch.empty(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
-        codes = self.codes[:, :, start:stop]
-        if self.layout == "token":  # per token: (B, H, n, d / G) rows, G channels each
-            minmax.decode_into(out, codes, self.bits, self.scale[:, :, start:stop].unsqueeze(-1),
-                               self.zero[:, :, start:stop].unsqueeze(-1), (B, H, n, d // G, G))
-            return out
-        if self.group_ids is None and start % G == 0 and n % G == 0:  # whole groups: broadcast each row
-            rows = slice(start // G, stop // G)
-            minmax.decode_into(out, codes, self.bits, self.scale[:, :, rows].unsqueeze(3),
-                               self.zero[:, :, rows].unsqueeze(3), (B, H, n // G, G, d))
-            return out
-        if self.group_ids is None:  # implicit groups: token i uses row i // G
-            rows = torch.arange(start, stop, device=out.device) // G
-            scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
-        else:
-            ids = self.group_ids[:, :, start:stop].long()
-            scale, zero = gather_tokens(self.scale, ids), gather_tokens(self.zero, ids)
-        minmax.decode_into(out, codes, self.bits, scale, zero, (B, H, n, d))
-        return out
+        written into ``out`` when given. A view with codes implements it; this one holds none."""
+        raise ValueError(f"{type(self).__name__} holds no code rows (rows {start}..{stop - 1} asked)")
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Logical tokens ``start .. stop - 1`` of every head: [B, Hkv, n, d] in the compute dtype.
@@ -163,23 +123,8 @@ class PackedStream:
         """Every logical token: [B, Hkv, padded_len, d] (padding positions hold padded rows)."""
         return self.read(0, self.padded_len)
 
-    # -- fused kernel -----------------------------------------------------------------------------
-    def fused_ready(self, query: torch.Tensor) -> bool:
-        """Whether :meth:`fused_decode` runs for ``query``: a CUDA query and Triton installed."""
-        if query.device.type != "cuda":
-            return False
-        from polykv.attention import kivi_triton   # imports Triton (a second): only when a CUDA decode asks
 
-        return kivi_triton.available()
-
-    def fused_decode(self, query: torch.Tensor, values: "PackedStream", scaling: float) -> torch.Tensor:
-        """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the Triton kernel."""
-        from polykv.attention.kivi_triton import decode_attention
-
-        return decode_attention(query, self, values, scaling=scaling)
-
-
-def with_head_counts(stream: PackedStream, quantized_len: torch.Tensor | None,
-                     residual_len: torch.Tensor | None) -> PackedStream:
+def with_head_counts(stream: TokenRows, quantized_len: torch.Tensor | None,
+                     residual_len: torch.Tensor | None) -> TokenRows:
     """The same tensors with ragged per-head counts (rows past them become padding)."""
     return attrs.evolve(stream, quantized_len=quantized_len, residual_len=residual_len)

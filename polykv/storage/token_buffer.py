@@ -14,7 +14,7 @@ import torch
 from polykv.contract.stores import UNQUANTIZED_BITS, KVStore, WriteCost
 from polykv.storage.reserve import capacity_after, grown_capacity
 from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes
-from polykv.storage.token_blocks import PackedStream
+from polykv.storage.token_blocks import TokenRows
 
 
 class TokenBuffer:
@@ -168,8 +168,8 @@ class PassthroughStore(KVStore):
         return self._data()
 
     def token_blocks(self):
-        """The stored tokens as a token-blocks view (a ``PackedStream`` with no codes; no copy)."""
-        return PackedStream(layout="none", residual=self._data())
+        """The stored tokens as a token-blocks view (:class:`~polykv.storage.token_blocks.TokenRows`; no copy)."""
+        return TokenRows(residual=self._data())
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep only tokens ``index`` [B, Hkv, k] (strictly ascending), compacted in place."""

@@ -11,7 +11,7 @@ from polykv.errors import ProfileError
 from polykv.profiling.budget import Budget
 from polykv.profiling.calibrate import calibrate, candidate_configs, query_stats_path
 from polykv.profiling.profile import load_profile
-from polykv.models.query_stats import QueryStats
+from polykv.adapters.rules.query_stats import QueryStats
 from polykv.registry import get_registry
 from polykv.solvers import solve
 

@@ -9,7 +9,7 @@ import pytest
 
 from polykv.cli import main
 from polykv.profiling.profile import load_profile
-from polykv.models.query_stats import QueryStats
+from polykv.adapters.rules.query_stats import QueryStats
 
 
 @pytest.fixture(scope="module")

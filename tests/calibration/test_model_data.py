@@ -17,7 +17,7 @@ from polykv.contract.hookspecs import hookimpl
 from polykv.contract.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
 from polykv.plan import OpSpec, uniform_plan
 from polykv.profiling.calibrate import calibrate, model_data_for, query_stats_path
-from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats
+from polykv.adapters.rules.query_stats import QUERY_STATS_SUFFIX, QueryStats
 from polykv.registry import Registry, get_registry
 
 KEY = "token-count"

@@ -19,7 +19,7 @@ def test_query_statistics_equal_what_the_runtime_computes(saved_tiny_model, tmp_
     import transformers
 
     from polykv.contract.model_data import corpus_batches
-    from polykv.models.query_stats import QueryStats, compute_query_stats
+    from polykv.adapters.rules.query_stats import QueryStats, compute_query_stats
 
     folder = saved_tiny_model(16)
     out = tmp_path / "tiny.qstats.safetensors"

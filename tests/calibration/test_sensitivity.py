@@ -140,8 +140,8 @@ def test_equals_a_hand_written_attention_for_streamingllm(model, sequences):
 
 def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences):
     """No rule needs calibration code of its own: every registered prefill rule gets a finite error."""
-    from polykv.models.kvzip_heads import HeadScores
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.kvzip_heads import HeadScores
+    from polykv.adapters.rules.query_stats import compute_query_stats
 
     reg = get_registry()
     seqs = sequences(1)

@@ -73,21 +73,7 @@ PLUGINS = "polykv.adapters"
 PLUGIN_MAY_IMPORT = ("polykv.contract", "polykv.errors")
 """What a plugin may import besides its own package (``polykv.contract``: the package itself, not its
 modules, which it reaches as names of the package: ``from polykv.contract import state``)."""
-PLUGIN_PENDING = {
-    # KVzip's head scores and TriAttention's query statistics are read and fingerprinted by modules of
-    # polykv.models until the model-data layer loads and checks side files generically
-    ("polykv.adapters.rules.kvzip_head", "polykv.models.kvzip_heads"),
-    ("polykv.adapters.rules.triattention", "polykv.models.query_stats"),
-    # KIVI's packed layout (min-max codes, bit packing, the token-blocks view) is still shared with the
-    # fused decode kernel in polykv.attention
-    ("polykv.adapters.quantizers.kivi", "polykv.storage.packing"),
-    ("polykv.adapters.quantizers.kivi_keys", "polykv.storage.minmax"),
-    ("polykv.adapters.quantizers.kivi_keys", "polykv.storage.packing"),
-    ("polykv.adapters.quantizers.kivi_keys", "polykv.storage.token_blocks"),
-    ("polykv.adapters.quantizers.kivi_values", "polykv.storage.minmax"),
-    ("polykv.adapters.quantizers.kivi_values", "polykv.storage.packing"),
-    ("polykv.adapters.quantizers.kivi_values", "polykv.storage.token_blocks"),
-}
+PLUGIN_PENDING: set[tuple[str, str]] = set()   # empty: every plugin imports only the contract
 """(plugin module, core module) imports that stay until what they import moves into the plugin."""
 
 # Module paths removed in 0.2 (CHANGELOG.md) -> where the module lives now.
@@ -103,19 +89,20 @@ REMOVED_PATHS = {
     "polykv.contract_checks": "polykv.runtime.plugin_results",
     "polykv.contract.checks": "polykv.runtime.plugin_results",
     "polykv.memory.schedules": "polykv.contract.schedules",
-    # storage building blocks (the last five were in the quantizer plugins' folder)
+    # storage building blocks (the last two were in the quantizer plugins' folder)
     "polykv.token_buffer": "polykv.storage.token_buffer",
     "polykv.reserve": "polykv.storage.reserve",
     "polykv.store_checks": "polykv.storage.store_checks",
-    "polykv.adapters.quantizers.packed_stream": "polykv.storage.token_blocks",
-    "polykv.adapters.quantizers.minmax": "polykv.storage.minmax",
-    "polykv.adapters.quantizers.packing": "polykv.storage.packing",
     "polykv.adapters.quantizers.storage": "polykv.storage.store_checks",
     "polykv.adapters.quantizers.passthrough": "polykv.storage.token_buffer",
+    # KIVI's min-max codes, bit packing and fused kernel live in its plugin (they were core modules in 0.2's
+    # development; the 0.1 paths in the plugin folder import again)
+    "polykv.storage.minmax": "polykv.adapters.quantizers.minmax",
+    "polykv.storage.packing": "polykv.adapters.quantizers.packing",
+    "polykv.attention.kivi_triton": "polykv.adapters.quantizers.kivi_triton",
     # attention math
     "polykv.online_softmax": "polykv.attention.online_softmax",
     "polykv.attention_signals": "polykv.attention.signals",
-    "polykv.adapters.quantizers.kivi_triton": "polykv.attention.kivi_triton",
     # plan files (``polykv.plan`` itself is now the package, re-exporting what the module held)
     "polykv.plan_io": "polykv.plan.io",
     "polykv.plan_groups": "polykv.plan.groups",
@@ -123,7 +110,9 @@ REMOVED_PATHS = {
     "polykv.geometry": "polykv.models.geometry",
     "polykv.families": "polykv.models.families",
     "polykv.reference": "polykv.models.reference",
-    "polykv.profiling.query_stats": "polykv.models.query_stats",
+    "polykv.profiling.query_stats": "polykv.adapters.rules.query_stats",
+    "polykv.models.query_stats": "polykv.adapters.rules.query_stats",    # TriAttention's data, in its plugin
+    "polykv.models.kvzip_heads": "polykv.adapters.rules.kvzip_heads",   # the kvzip-head rule's data, in its plugin
     "polykv.corpus": "polykv.models.corpus",
     # shared by calibration and studies, and by a solver and studies
     "polykv.stats": "polykv.profiling.stats",

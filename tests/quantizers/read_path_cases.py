@@ -47,7 +47,7 @@ def poison(stream, nq, nr):
     """A copy of ``stream`` whose padding rows (past each head's counts) hold nan and huge values."""
     res = stream.residual.clone()
     codes = None if stream.codes is None else stream.codes.clone()
-    scale = None if stream.scale is None else stream.scale.clone()
+    scale = None if stream.codes is None else stream.scale.clone()
     B, H = res.shape[:2]
     for b in range(B):
         for h in range(H):
@@ -58,7 +58,8 @@ def poison(stream, nq, nr):
                     scale[b, h, int(nq[b, h]):] = 1e30
     import attrs
 
-    return with_head_counts(attrs.evolve(stream, residual=res, codes=codes, scale=scale), nq, nr)
+    codes_ = {} if codes is None else {"codes": codes, "scale": scale}   # the 16-bit store's view holds no codes
+    return with_head_counts(attrs.evolve(stream, residual=res, **codes_), nq, nr)
 
 
 def dense_oracle(query, keys, values, scaling):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polykv.storage.packing import pack, packed_width, unpack, unpack_into
+from polykv.adapters.quantizers.packing import pack, packed_width, unpack, unpack_into
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from polykv.attention import kivi_triton as kt
+    from polykv.adapters.quantizers import kivi_triton as kt
 
     PTR = {"KC": "*u8", "VC": "*u8", "KG": "*i32", "KNQ": "*i64", "KNR": "*i64", "VNQ": "*i64", "VNR": "*i64",
            "OACC": "*fp32", "OM": "*fp32", "OL": "*fp32"}

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from polykv.attention.online_softmax import blockwise_attention, token_blocks  # noqa: E402
 
 pytest.importorskip("triton")  # the 'kernels' extra, which scripts/setup.sh installs
-from polykv.attention import kivi_triton  # noqa: E402
+from polykv.adapters.quantizers import kivi_triton  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the kernel runs in Triton's CPU interpreter
 
@@ -122,10 +122,11 @@ def test_kernel_rejects_mismatched_streams(cases):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_attend_stores_runs_the_backend_it_is_asked_for(device, cases):
+@pytest.mark.parametrize("k_bits", [8, 16])     # 16: the 16-bit key view offers no kernel; the value view's runs
+def test_attend_stores_runs_the_backend_it_is_asked_for(device, k_bits, cases):
     from polykv.attention.online_softmax import attend_stores
 
-    ks, vs = cases.filled_pair(8, 2, T=45, device=device)
+    ks, vs = cases.filled_pair(k_bits, 2, T=45, device=device)
     query = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(9)).to(device)
     fused = attend_stores(query, ks, vs, scaling=0.25, backend="fused")
     blockwise = attend_stores(query, ks, vs, scaling=0.25, backend="blockwise", block_size=8)

@@ -21,7 +21,7 @@ def _foreign_scores(d) -> str:
     """A head-score file of the tiny model's shape, measured on another model."""
     import torch
 
-    from polykv.models.kvzip_heads import HeadScores
+    from polykv.adapters.rules.kvzip_heads import HeadScores
 
     path = d / "other.kvzip-heads.safetensors"
     HeadScores(scores=torch.rand(2, 2), fingerprint="cfg-000000000000+s-000000000000", num_tokens=8).save(path)

@@ -14,7 +14,7 @@ def _scores(d, name: str = "s.kvzip-heads.safetensors", *, values=None, shape=(2
     import torch
     from safetensors.torch import save_file
 
-    from polykv.models.kvzip_heads import FORMAT, FORMAT_VERSION
+    from polykv.adapters.rules.kvzip_heads import FORMAT, FORMAT_VERSION
 
     scores = values if values is not None else torch.rand(*shape)
     save_file({"scores": scores.contiguous()}, str(d / name),

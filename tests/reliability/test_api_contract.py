@@ -392,7 +392,7 @@ def _head_scores(layers: int):
     computed with does not exist there."""
     import torch
 
-    from polykv.models.kvzip_heads import HeadScores
+    from polykv.adapters.rules.kvzip_heads import HeadScores
 
     return {"kvzip-head": HeadScores(scores=torch.linspace(0.1, 0.9, 2 * layers).view(layers, 2))}
 

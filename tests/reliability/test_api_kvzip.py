@@ -11,7 +11,7 @@ import polykv
 from polykv.contract.model_data import ModelDataError
 from polykv.errors import PlanError, PolykvError, RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
-from polykv.models.kvzip_heads import HeadScores
+from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.testing import tiny_model, token_ids
 

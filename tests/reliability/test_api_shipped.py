@@ -11,7 +11,7 @@ import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.contract.model_data import ModelDataError, cached_file
 from polykv.plan import OpSpec, uniform_plan
-from polykv.models.query_stats import compute_query_stats
+from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.registry import get_registry
 from polykv.testing import tiny_model
 

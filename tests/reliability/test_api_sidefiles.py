@@ -15,8 +15,8 @@ from polykv.contract.model_data import ModelDataError, ModelDataNote, cached_fil
 from polykv.errors import ProfileError
 from polykv.models.geometry import geometry_of_model
 from polykv.models.kv_bases import KVBases
-from polykv.models.kvzip_heads import HeadScores
-from polykv.models.query_stats import QueryStats
+from polykv.adapters.rules.kvzip_heads import HeadScores
+from polykv.adapters.rules.query_stats import QueryStats
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.registry import get_registry
 from polykv.testing import tiny_model

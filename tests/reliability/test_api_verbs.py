@@ -22,7 +22,7 @@ from polykv.errors import CacheWriteWarning, PolykvError, ProfileError, RuntimeC
 from polykv.models.devices import check_device
 from polykv.models.geometry import geometry_of_model
 from polykv.models.local_folder import load_by_name
-from polykv.models.query_stats import compute_query_stats
+from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.registry import get_registry
 from polykv.testing import tiny_model, token_ids
 

@@ -28,7 +28,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def model_data(model):
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.query_stats import compute_query_stats
 
     ids = torch.randint(1, 64, (2, 64), generator=torch.Generator().manual_seed(0))
     return {"triattention": compute_query_stats(model, [ids[:1], ids[1:]])}

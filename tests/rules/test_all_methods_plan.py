@@ -13,7 +13,7 @@ import torch
 
 import polykv
 from polykv.models.geometry import geometry_of_model
-from polykv.models.query_stats import compute_query_stats
+from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.testing import tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

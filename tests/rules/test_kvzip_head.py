@@ -11,7 +11,7 @@ import polykv
 from polykv.adapters.rules.kvzip import KVzipRule, prompt_params
 from polykv.adapters.rules.kvzip_head import CALIBRATION_SINK, compute_head_scores
 from polykv.models.geometry import geometry_of_model
-from polykv.models.kvzip_heads import HeadScores
+from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.testing import tiny_model, token_ids
 from tests.rules.test_kvzip import reference_scores

@@ -7,8 +7,8 @@ import torch
 
 from polykv.adapters.rules import RULES
 from polykv.contract.rules import PHASES, SIGNALS, RetentionRule
-from polykv.models.kvzip_heads import HeadScores
-from polykv.models.query_stats import QueryStats
+from polykv.adapters.rules.kvzip_heads import HeadScores
+from polykv.adapters.rules.query_stats import QueryStats
 from polykv.registry import Registry
 from polykv.contract.probe import ProbeChunk
 from polykv.contract.state import Observation

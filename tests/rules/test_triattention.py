@@ -11,7 +11,7 @@ import torch
 from polykv.adapters.rules.triattention import TriAttentionRule
 from polykv.errors import ProfileError
 from polykv.contract.rules import SelectionContext
-from polykv.models.query_stats import QueryStats, compute_query_stats
+from polykv.adapters.rules.query_stats import QueryStats, compute_query_stats
 from polykv.testing import tiny_model
 from polykv.runtime.cache import output_cache
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from polykv.models.query_stats import compute_query_stats
+from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.studies.runner import CharTokenizer
 from polykv.testing import tiny_model
 

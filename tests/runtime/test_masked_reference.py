@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import polykv
 from polykv.plan import OpSpec
-from polykv.models.query_stats import compute_query_stats
+from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.runtime.cache import cache_keyword
 
 TOL = 1e-4

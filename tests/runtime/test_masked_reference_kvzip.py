@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import polykv
-from polykv.models.kvzip_heads import HeadScores
+from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
 from tests.runtime.test_masked_reference import PROMPT, QUESTION, TOL, _reference, _run_and_record, stats  # noqa: F401
 

@@ -19,7 +19,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.contract.hookspecs import hookimpl
 from polykv.contract.model_data import ModelDataError, ModelDataNeed, ModelDataNote, cached_file
 from polykv.plan import OpSpec, load_plan, uniform_plan
-from polykv.models.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
+from polykv.adapters.rules.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 from polykv.registry import Registry, get_registry
 from polykv.studies.runner import CharTokenizer
 from polykv.testing import tiny_model

@@ -9,7 +9,7 @@ import torch
 
 import polykv
 from polykv.errors import RuntimeConfigError
-from polykv.models.kvzip_heads import HeadScores
+from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.runtime.fork import capture_prefill, restore_prefill
 

@@ -149,7 +149,7 @@ def test_a_study_gives_its_prefill_capture_the_model_data_it_found(tmp_path, spe
     import warnings
 
     from polykv.contract.model_data import ModelDataNote
-    from polykv.models.query_stats import compute_query_stats
+    from polykv.adapters.rules.query_stats import compute_query_stats
     from tests.study_runner.conftest import TINY
 
     monkeypatch.setenv("POLYKV_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: a lookup would compute
@@ -174,7 +174,7 @@ def test_plans_naming_different_model_data_each_read_their_own(tmp_path, spec_wr
     """Two TriAttention plans whose model_data fields name the query statistics of two profiles: each policy runs
     with the file its own plan names (one shared lookup gave both the first file found), and a study of the two
     scores each as a study of it alone."""
-    from polykv.models.query_stats import QueryStats, compute_query_stats
+    from polykv.adapters.rules.query_stats import QueryStats, compute_query_stats
     from polykv.studies.runner import LoadedStudy
     from tests.study_runner.conftest import TINY
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.storage.packing import unpack_into
+from polykv.adapters.quantizers.packing import unpack_into
 
 
 def group_params(mn: torch.Tensor, mx: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from polykv.contract import model_data
 from polykv.errors import ProfileError
-from polykv.models.tagged_tensors import read_tagged
 
 FORMAT = "polykv-kvzip-head-scores"
 FORMAT_VERSION = 1
@@ -36,7 +36,7 @@ class HeadScores:
     scores: torch.Tensor
     """[L, Hkv] float32 head scores s[l, h]."""
     fingerprint: str | None = None
-    """Fingerprint of the model they were measured on (:func:`polykv.models.geometry.geometry_of_model`)."""
+    """Fingerprint of the model they were measured on (``polykv.contract.model_data.model_geometry``)."""
     num_tokens: int = 0
     """Context tokens of the calibration context."""
     path: str | None = attrs.field(default=None, eq=False)
@@ -68,17 +68,13 @@ class HeadScores:
     @classmethod
     def measured(cls, scores: torch.Tensor, model: Any, *, num_tokens: int) -> "HeadScores":
         """Scores [L, Hkv] measured on ``model`` (its fingerprint recorded)."""
-        from polykv.models.geometry import geometry_of_model
-
-        return cls(scores=scores, fingerprint=geometry_of_model(model).fingerprint, num_tokens=num_tokens)
+        return cls(scores=scores, fingerprint=model_data.model_geometry(model).fingerprint, num_tokens=num_tokens)
 
     def check_model(self, model: Any) -> None:
         """Raise unless ``model`` has these layers and KV heads and (when both are known) this fingerprint."""
-        from polykv.models.geometry import fingerprints_match, geometry_of_model
-
-        geo = geometry_of_model(model)
+        geo = model_data.model_geometry(model)
         where = f"{self.path}: " if self.path else ""
-        if not fingerprints_match(self.fingerprint, geo.fingerprint):
+        if not model_data.fingerprints_match(self.fingerprint, geo.fingerprint):
             raise ProfileError(f"{where}kvzip head scores were measured on model {self.fingerprint}, this model is "
                                f"{geo.fingerprint}; {RECOMPUTE}")
         if (geo.num_layers, geo.num_kv_heads) != (self.num_layers, self.num_kv_heads):
@@ -89,18 +85,16 @@ class HeadScores:
         """Write a ``.safetensors`` file atomically (a temp file renamed over ``path``)."""
         from safetensors.torch import save_file
 
-        from polykv.atomic import replace_with
-
         meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "fingerprint": self.fingerprint or "",
                 "num_tokens": str(int(self.num_tokens))}
         scores = self.scores.detach().to("cpu", torch.float32).contiguous()
-        replace_with(os.fspath(path), lambda tmp: save_file({"scores": scores}, tmp, metadata=meta))
+        model_data.write_atomically(os.fspath(path), lambda tmp: save_file({"scores": scores}, tmp, metadata=meta))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "HeadScores":
         """Read a file written by :meth:`save`."""
         path = os.fspath(path)
-        arrays, meta = read_tagged(path, ("scores",), fmt=FORMAT, version=FORMAT_VERSION,
+        arrays, meta = model_data.read_tagged(path, ("scores",), fmt=FORMAT, version=FORMAT_VERSION,
                                    what="kvzip head-score", fix=RECOMPUTE)
         scores = arrays["scores"]
         return cls(scores=scores.float(), fingerprint=meta.get("fingerprint") or None,

@@ -7,7 +7,7 @@ plus the minimum; per-channel key groups of G tokens, optionally through ``group
 value groups of G channels), taking the full-precision residual rows where a token is past the
 head's quantized part, and folds the tile into a running max / denominator / weighted sum. The
 splits' partial results are merged by a second small kernel (the same recurrence as
-:func:`polykv.attention.online_softmax.combine_partials`), which writes the output in the query's dtype.
+``polykv.attention.online_softmax.combine_partials``), which writes the output in the query's dtype.
 
 Ragged heads: every head reads its own quantized and residual counts, and a row sees token ``j``
 only if ``j <= L - q + i`` (L the head's length, i the query's index among the q new ones), so
@@ -19,14 +19,10 @@ tests). Install Triton with the ``kernels`` extra: ``pip install -e '.[kernels]'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from polykv.attention.online_softmax import check_lengths
-
-if TYPE_CHECKING:  # the packed layout calls this kernel (polykv.storage.token_blocks): only named in annotations
-    from polykv.storage.token_blocks import PackedStream
+from polykv.contract import storage
+from polykv.adapters.quantizers.packed_stream import PackedStream
 
 try:
     import triton
@@ -182,6 +178,16 @@ def _flat(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor,
     return t, t.stride(0), t.stride(1)
 
 
+def _packed(view: storage.TokenRows) -> PackedStream:
+    """A KIVI view as it is; the 16-bit store's view (full-precision rows only) as a passthrough stream."""
+    if isinstance(view, PackedStream):
+        return view
+    if view.codes is not None:
+        raise ValueError(f"the fused KIVI decode kernel reads KIVI streams and full-precision rows, not "
+                         f"{type(view).__name__}")
+    return PackedStream(layout="none", residual=view.residual, residual_len=view.residual_len)
+
+
 def _stream_args(s: PackedStream) -> tuple[list, list]:
     """(tensors, strides) of one stream for the kernel."""
     B, H, Tr, d = s.residual.shape
@@ -198,7 +204,7 @@ def _stream_args(s: PackedStream) -> tuple[list, list]:
     return [codes, scale, zero, res], [c_bh, c_t, s_bh, s_t, r_bh, r_t]
 
 
-def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStream, *, scaling: float,
+def decode_attention(query: torch.Tensor, keys: storage.TokenRows, values: storage.TokenRows, *, scaling: float,
                      splits: int | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, H, q, d] over packed keys and values: [B, H, q, d] in the query dtype.
 
@@ -206,8 +212,9 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
     ----------
     query : torch.Tensor
         The q newest tokens' queries; they are the last q tokens of every head (lower-right causal).
-    keys, values : PackedStream
-        Views of the layer's stores (``store.token_blocks()``), possibly with ragged head counts.
+    keys, values : PackedStream or TokenRows
+        Views of the layer's stores (``store.token_blocks()``: a KIVI store's, or the 16-bit store's), possibly
+        with ragged head counts.
     scaling : float
         Logit scale (1 / sqrt(d) for most models).
     splits : int, optional
@@ -223,6 +230,7 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (a model forward imports it), so "
                            "its language functions are compiled-only while this kernel is interpreted; set "
                            "TRITON_INTERPRET=1 before anything runs (e.g. in the environment)")
+    keys, values = _packed(keys), _packed(values)
     B, H, q, d = query.shape
     Bk, Hkv, _, dk = keys.residual.shape
     if (Bk, dk) != (B, d) or tuple(values.residual.shape[:2]) != (B, Hkv) or values.head_dim != d or H % Hkv:
@@ -241,7 +249,7 @@ def decode_attention(query: torch.Tensor, keys: PackedStream, values: PackedStre
         agree = torch.equal(kl.to(vl.device), vl)
     if not agree:
         raise ValueError("keys and values disagree on the per-head lengths; a token must be kept or dropped in both")
-    check_lengths(klen, (B, Hkv), T, q)
+    storage.check_lengths(klen, (B, Hkv), T, q)
     G, M = H // Hkv, (H // Hkv) * q
     rows = query.reshape(B * Hkv, M, d)  # (B*Hkv, G*q, d): GQA rows folded, keys never repeated
     if rows.stride(-1) != 1:

@@ -25,8 +25,8 @@ import attrs
 import numpy as np
 import torch
 
+from polykv.contract import model_data
 from polykv.errors import ProfileError
-from polykv.models.tagged_tensors import check_tensors
 
 FORMAT = "polykv-query-stats"
 QUERY_STATS_SUFFIX = ".qstats.safetensors"
@@ -93,7 +93,7 @@ class QueryStats:
         if not 0 <= layer_idx < self.num_layers:
             raise ProfileError(
                 f"query statistics cover layers 0..{self.num_layers - 1}, not layer {layer_idx}; "
-                f"recompute them on this model with polykv.models.query_stats.compute_query_stats"
+                f"recompute them on this model with polykv.adapters.rules.query_stats.compute_query_stats"
             )
         return torch.complex(self.mu_real[layer_idx], self.mu_imag[layer_idx]), self.mean_abs[layer_idx]
 
@@ -108,7 +108,7 @@ class QueryStats:
         if theirs.shape != ours.shape:
             raise ProfileError(f"query statistics hold {ours.numel()} RoPE frequencies, the {buffer} are "
                                f"{theirs.numel()} (another head size); recompute them on this model with "
-                               "polykv.models.query_stats.compute_query_stats")
+                               "polykv.adapters.rules.query_stats.compute_query_stats")
         held = [inv_freq.dtype, _held_dtype(inv_freq.detach()), _held_dtype(self.inv_freq)]  # float() keeps rounding
         coarse = max((_rounding(d) for d in held), key=lambda r: r[0])
         rtol, atol = max(coarse[0], 1e-5), coarse[1]
@@ -116,7 +116,7 @@ class QueryStats:
             return
         gap = (theirs - ours).abs() / ours.abs().clamp_min(atol or 1e-30)
         i = int(gap.argmax())
-        fix = "recompute them on this model with polykv.models.query_stats.compute_query_stats"
+        fix = "recompute them on this model with polykv.adapters.rules.query_stats.compute_query_stats"
         if inv_freq.dtype != torch.float32:
             fix = (f"if the model was cast after loading (model.to({inv_freq.dtype})), load it in that dtype instead "
                    f"(polykv.models.load_default_model(dtype={inv_freq.dtype}) or from_pretrained(..., "
@@ -127,18 +127,16 @@ class QueryStats:
 
     def check_model(self, model: Any) -> None:
         """Raise unless ``model`` has this shape, these RoPE frequencies and (when known) this fingerprint."""
-        from polykv.models.geometry import fingerprints_match, geometry_of_model
-
-        geo = geometry_of_model(model)
+        geo = model_data.model_geometry(model)
         if (geo.num_layers, geo.num_heads, geo.head_dim) != (self.num_layers, self.num_heads, self.head_dim):
             raise ProfileError(
                 f"query statistics are for L={self.num_layers}, H={self.num_heads}, d={self.head_dim}; the model "
                 f"has L={geo.num_layers}, H={geo.num_heads}, d={geo.head_dim}: recompute them on this model"
             )
-        if not fingerprints_match(self.fingerprint, geo.fingerprint):
+        if not model_data.fingerprints_match(self.fingerprint, geo.fingerprint):
             raise ProfileError(
                 f"query statistics belong to model {self.fingerprint}, not {geo.fingerprint}: recompute them "
-                f"on this model with polykv.models.query_stats.compute_query_stats"
+                f"on this model with polykv.adapters.rules.query_stats.compute_query_stats"
             )
         inv_freq, _ = _rope_of(model)
         self.check_inv_freq(inv_freq, name=_rope_name(model))
@@ -154,8 +152,6 @@ class QueryStats:
         path = os.fspath(path)
         kind = _kind_of(path)
         arrays = {n: getattr(self, n).detach().to("cpu", torch.float32).contiguous() for n in _ARRAYS}
-        from polykv.atomic import replace_with
-
         def write(tmp: str) -> None:
             if kind == "safetensors":
                 from safetensors.torch import save_file
@@ -166,7 +162,7 @@ class QueryStats:
                     np.savez(fh, **{n: a.numpy() for n, a in arrays.items()},
                              metadata=np.array(json.dumps(self._metadata())))
 
-        replace_with(path, write)
+        model_data.write_atomically(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "QueryStats":
@@ -175,7 +171,7 @@ class QueryStats:
         kind = _kind_of(path)
         if not os.path.exists(path):
             raise ProfileError(f"{path}: no such query statistics file; create it with "
-                               f"polykv.models.query_stats.compute_query_stats(model, batches).save(path)")
+                               f"polykv.adapters.rules.query_stats.compute_query_stats(model, batches).save(path)")
         if not os.path.isfile(path):
             raise ProfileError(f"{path}: not a regular file (a FIFO, device or folder); name a query statistics file")
         try:
@@ -194,7 +190,7 @@ class QueryStats:
         if meta.get("format") != FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
             raise ProfileError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r} "
                                f"is not {FORMAT!r} version {FORMAT_VERSION}; recompute the statistics")
-        check_tensors(path, arrays, fix="recompute the statistics", nonnegative=("mean_abs", "inv_freq"))
+        model_data.check_tensors(path, arrays, fix="recompute the statistics", nonnegative=("mean_abs", "inv_freq"))
         return cls(**{n: a.float() for n, a in arrays.items()}, attention_scaling=float(meta["attention_scaling"]),
                    fingerprint=meta.get("fingerprint") or None, num_tokens=int(meta["num_tokens"]),
                    pairing=meta["pairing"])
@@ -271,9 +267,7 @@ def compute_query_stats(model: Any, token_batches: Iterable[torch.Tensor]) -> Qu
     QueryStats
         ``mu`` and ``mean_abs`` [L, H, d/2] averaged over every token of every batch.
     """
-    from polykv.models.geometry import geometry_of_model
-
-    geo = geometry_of_model(model)
+    geo = model_data.model_geometry(model)
     inv_freq, scaling = _rope_of(model)
     H, d = geo.num_heads, geo.head_dim
     if d % 2 or inv_freq.numel() != d // 2:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract.stores import QUANTIZED_BITS
+from polykv.contract import storage
 
-PACKABLE_BITS = tuple(sorted(QUANTIZED_BITS))
+PACKABLE_BITS = tuple(sorted(storage.QUANTIZED_BITS))
 """The widths that pack into whole bytes: every quantized width."""
 
 

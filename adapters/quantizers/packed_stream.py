@@ -1,0 +1,100 @@
+"""KIVI's stored streams seen as the tensors that hold them: the token-blocks view of its stores.
+
+:class:`PackedStream` is the *token-blocks* view (``polykv.contract.storage.TokenRows``) of a KIVI key or value
+store: attention reads it a block of tokens at a time (:meth:`PackedStream.read` dequantizes only that block,
+exactly as the store's ``dequantize`` would) or hands its codes, scales and residual to the fused decode kernel
+(:meth:`PackedStream.fused_kernel`, :mod:`polykv.adapters.quantizers.kivi_triton`). Nothing is copied when a
+view is taken.
+
+Layouts (see kivi_keys.py / kivi_values.py; logical order = quantized tokens, then residual):
+
+- ``"channel"`` (keys): ``codes`` [B, Hkv, Tq, d*b/8] uint8, ``scale``/``zero`` [B, Hkv, Ng, d], one
+  row per group of G tokens; ``group_ids`` [B, Hkv, Tq] or None (token i in row i // G);
+- ``"token"`` (values): ``codes`` [B, Hkv, Tq, d*b/8], ``scale``/``zero`` [B, Hkv, Tq, d / G];
+- ``"none"`` (16-bit passthrough): no codes, every token in ``residual`` (the 16-bit store's own view,
+  ``polykv.contract.storage.TokenRows``, is read by the kernel alike).
+
+``residual`` [B, Hkv, Tr, d] holds the full-precision tokens; ragged heads are described by ``quantized_len``
+and ``residual_len`` as in ``TokenRows``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from polykv.contract import storage
+from polykv.adapters.quantizers import minmax
+
+LAYOUTS = ("channel", "token", "none")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class PackedStream(storage.TokenRows):
+    """One stream of one layer: codes, scales/minima and residual (see the module docstring)."""
+
+    layout: str
+    """``"channel"`` (per-channel key groups), ``"token"`` (per-token value groups) or ``"none"``."""
+    bits: int = storage.UNQUANTIZED_BITS
+    group_size: int = 1
+    codes: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+
+    def __attrs_post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"packed stream: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if (self.layout == "none") != (self.codes is None):
+            raise ValueError("packed stream: codes are required exactly when the layout is quantized")
+        super().__attrs_post_init__()
+
+    def dequantize_rows(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Code rows ``start .. stop - 1`` (stop <= Tq) dequantized: [B, Hkv, n, d] in the compute dtype,
+        written into ``out`` when given (e.g. the front of a block whose tail is residual rows).
+
+        Uses :func:`minmax.decode_into`, the arithmetic of the stores' ``dequantize``, so a token
+        dequantizes to the same bits here as in the dense read.
+        """
+        B, H, _, d = self.residual.shape
+        n, G = stop - start, self.group_size
+        if out is None:
+            out = torch.empty(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
+        codes = self.codes[:, :, start:stop]
+        if self.layout == "token":  # per token: (B, H, n, d / G) rows, G channels each
+            minmax.decode_into(out, codes, self.bits, self.scale[:, :, start:stop].unsqueeze(-1),
+                               self.zero[:, :, start:stop].unsqueeze(-1), (B, H, n, d // G, G))
+            return out
+        if self.group_ids is None and start % G == 0 and n % G == 0:  # whole groups: broadcast each row
+            rows = slice(start // G, stop // G)
+            minmax.decode_into(out, codes, self.bits, self.scale[:, :, rows].unsqueeze(3),
+                               self.zero[:, :, rows].unsqueeze(3), (B, H, n // G, G, d))
+            return out
+        if self.group_ids is None:  # implicit groups: token i uses row i // G
+            rows = torch.arange(start, stop, device=out.device) // G
+            scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
+        else:
+            ids = self.group_ids[:, :, start:stop].long()
+            scale, zero = storage.gather_tokens(self.scale, ids), storage.gather_tokens(self.zero, ids)
+        minmax.decode_into(out, codes, self.bits, scale, zero, (B, H, n, d))
+        return out
+
+    # -- fused kernel -----------------------------------------------------------------------------
+    def fused_kernel(self):
+        """The Triton decode kernel, ``kernel(query, keys, values, scaling=...)``, with this view as the keys
+        or the values (:func:`polykv.adapters.quantizers.kivi_triton.decode_attention`)."""
+        from polykv.adapters.quantizers import kivi_triton   # imports Triton (a second): only when a decode asks
+
+        return kivi_triton.decode_attention
+
+    def fused_ready(self, query: torch.Tensor) -> bool:
+        """Whether :meth:`fused_kernel` runs for ``query``: a CUDA query and Triton installed."""
+        if query.device.type != "cuda":
+            return False
+        from polykv.adapters.quantizers import kivi_triton   # imports Triton (a second): only when a CUDA decode asks
+
+        return kivi_triton.available()
+
+    def fused_decode(self, query: torch.Tensor, values: storage.TokenRows, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the Triton kernel."""
+        return self.fused_kernel()(query, self, values, scaling=scaling)
