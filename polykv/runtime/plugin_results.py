@@ -280,7 +280,8 @@ class StoreContract:
 
 
 class NoContract:
-    """The store checks of a storage built outside a layer cache (tests): none."""
+    """The store checks of a storage built outside a layer cache (tests), or of a 16-bit layer's own buffers
+    while the expensive checks are off: none."""
 
     def after(self, call, storage, *, keys=None, values=None) -> None:
         pass
