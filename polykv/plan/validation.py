@@ -25,21 +25,26 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
     for lp in plan.layers:
         for phase in PHASES:
             check_op(getattr(lp, phase), layer=lp.layer, phase=phase, source=source)
-    from polykv.plan.groups import check_groups
-
     unchecked: dict[str, set[str]] = {}
-    check_groups(plan, source=source, registry=registry, unchecked=unchecked)
-    from polykv.plan.sharing import check_shares
+    # groups, pairs, per-model data and ranks are checked when the plan has them (a plain plan has none)
+    if plan.allocation:
+        from polykv.plan.groups import check_groups
 
-    check_shares(plan, source=source, geometry=geometry)
+        check_groups(plan, source=source, registry=registry, unchecked=unchecked)
+    if any(lp.share is not None or lp.share_params for lp in plan.layers):
+        from polykv.plan.sharing import check_shares
+
+        check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
-        _validate_model_data(plan, registry, source)
+        if plan.model_data:
+            _validate_model_data(plan, registry, source)
     if geometry is not None:
         validate_geometry(plan, geometry, source)
-    elif plan.model is not None:
+    elif plan.model is not None and plan.low_rank:
         _check_ranks(plan, plan.model.head_dim, source)
-    _warn_unchecked(unchecked, source)
+    if unchecked:
+        _warn_unchecked(unchecked, source)
 
 
 def _validate_model_data(plan: Plan, registry, source: str) -> None:
@@ -170,7 +175,8 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
                         source=source, field="layers", hint="use a plan made for this model (polykv solve)")
     m = plan.model
     if m is None:
-        _check_ranks(plan, geometry.head_dim, source)
+        if plan.low_rank:
+            _check_ranks(plan, geometry.head_dim, source)
         return
     if m.num_kv_heads != geometry.num_kv_heads:
         raise PlanError(f"the plan was made for {m.num_kv_heads} KV heads but the model has "
@@ -183,8 +189,9 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
         raise PlanError(f"the plan was made for model {m.fingerprint} but this model is {geometry.fingerprint}",
                         source=source, field="model.fingerprint",
                         hint="solve a plan for this model, or set model.fingerprint to null to apply it anyway")
-    _check_ranks(plan, geometry.head_dim, source)
-    _check_bases_file(plan, geometry, source)
+    if plan.low_rank:
+        _check_ranks(plan, geometry.head_dim, source)
+        _check_bases_file(plan, geometry, source)
 
 
 def _check_bases_file(plan: Plan, geometry, source: str) -> None:

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from polykv.attention.low_rank import LowRank
-from polykv.runtime.plugin_results import StoreContract, StreamSpec
+from polykv.runtime.plugin_results import NoContract, StoreContract, StreamSpec
 from polykv.models.geometry import FULL, ModelGeometry
 from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
@@ -55,9 +55,12 @@ class LayerSpec:
         """An empty store of ``stream`` ("key" or "value") from this layer's quantizer and bit widths."""
         return new_store(self.quantizer, self.plan, stream, dtype=dtype, device=device, storage_dtype=storage_dtype)
 
-    def store_contract(self, *, storage_dtype: torch.dtype | None, full: bool) -> StoreContract:
-        """The checks of this layer's stores (:class:`~polykv.runtime.plugin_results.StoreContract`)."""
+    def store_contract(self, *, storage_dtype: torch.dtype | None, full: bool) -> StoreContract | NoContract:
+        """The checks of this layer's stores (:class:`~polykv.runtime.plugin_results.StoreContract`); none for a
+        16-bit layer without the expensive checks (its stores are polykv's own buffers, no quantizer's)."""
         lp = self.plan
+        if not full and not lp.quantized:
+            return NoContract()
         streams = {stream: StreamSpec(None, bits) if bits == PASSTHROUGH_BITS
                    else StreamSpec(lp.quantizer, bits, self.quantizer)
                    for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))}

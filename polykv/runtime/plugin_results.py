@@ -7,7 +7,7 @@ expected vs what it got.
 *Always on* (cheap: shapes, lengths and byte counts are plain ints, no device sync beyond the checks of
 a selection the runtime always made): the shape of a rule's scores, a selection's indices (in range,
 strictly ascending per head, no padding column, merge targets kept, merge weights finite), every
-store's ``len`` after each append, gather and write, the shape of everything a store dequantizes for
+quantized store's ``len`` after each append, gather and write, the shape of everything a store dequantizes for
 attention or a rule, resident bytes equal to the quantizer's prediction right after prefill, and an
 allocator's budgets (shape, dtype, within its declared bound).
 
@@ -15,6 +15,7 @@ allocator's budgets (shape, dtype, within its declared bound).
 ``POLYKV_CHECK=1`` is set or ``polykv.apply(..., check=True)``: scores free of NaN where they decide
 (outside protected and padding columns), every store dequantized after each append, gather and write
 (shape and dtype), and a write's :class:`~polykv.contract.stores.WriteCost` against its mask.
+A 16-bit layer's stores are polykv's own buffers: their checks run only with the expensive ones.
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ class StoreContract:
 
 
 class NoContract:
-    """The store checks of a storage built outside a layer cache (tests): none."""
+    """The store checks of a storage built outside a layer cache (tests), or of a 16-bit layer's own buffers
+    while the expensive checks are off: none."""
 
     def after(self, call, storage, *, keys=None, values=None) -> None:
         pass

@@ -22,6 +22,8 @@ import attrs
 import torch
 
 from polykv.attention import attach
+from polykv.contract.model_data import NEED_ATTRIBUTE
+from polykv.contract.params import token_id_params
 from polykv.contract.score_checks import checks_enabled
 from polykv.contract.probe import set_probe_runner
 from polykv.errors import RuntimeConfigError
@@ -106,7 +108,8 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         raise RuntimeConfigError(f"apply(model, plan) needs a polykv Plan, got a {type(plan).__name__}; load a plan "
                                  f"file with polykv.load_plan(path) or build one with polykv.uniform_plan(...)")
     check_seed(seed)
-    check_tokenizer(tokenizer)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
     geometry = geometry_of_model(model)
     impl = model.config._attn_implementation
     if impl == attach.NAME:
@@ -117,18 +120,25 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     plan.validate(registry=registry, geometry=geometry)
     check_probe_phases(plan, registry)
-    plan = fill_tokenizer_params(plan, registry, model, tokenizer)
-    check_token_ids(plan, registry, model)
-    check_rank_rules(plan, registry)
+    rules = [registry.rule(name) for name in sorted(plan.rules_used())]
+    if any(getattr(cls, "tokenizer_params", ()) or token_id_params(cls.param_specs) for cls in rules):
+        plan = fill_tokenizer_params(plan, registry, model, tokenizer)
+        check_token_ids(plan, registry, model)
+    if plan.low_rank:
+        check_rank_rules(plan, registry)
     if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point):
         raise RuntimeConfigError(f"storage_dtype must be a floating-point torch dtype (torch.bfloat16, torch.float16, "
                                  f"torch.float32), got {storage_dtype!r}")
-    check_stores(plan, registry, geometry, next(model.parameters()).dtype)
-    check_model_data(model_data, plan, registry, model)
+    if any(lp.quantized for lp in plan.layers):
+        check_stores(plan, registry, geometry, next(model.parameters()).dtype)
+    if model_data is not None:
+        check_model_data(model_data, plan, registry, model)
     modules = attention_modules(model, geometry.num_layers)
     check_layer_shapes(model, modules, geometry)
-    data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
-                           missing=missing_model_data)
+    data = {}   # per-model data: given, read by rules that declare it, or a layer's ranks (their bases)
+    if model_data is not None or plan.low_rank or any(getattr(cls, NEED_ATTRIBUTE, None) for cls in rules):
+        data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
+                               missing=missing_model_data)
     session = Session(model, plan, registry=registry, modules=modules, model_data=data, seed=seed,
                       geometry=geometry)
     session.storage_dtype = storage_dtype

@@ -23,9 +23,7 @@ PHASES = ("prefill", "decode")
 
 
 def check_tokenizer(tokenizer: Any) -> None:
-    """``apply(tokenizer=...)`` takes a tokenizer object (or None): a name or path is refused, never downloaded."""
-    if tokenizer is None:
-        return
+    """``apply(tokenizer=...)`` takes a tokenizer object: a name or path is refused, never downloaded."""
     if isinstance(tokenizer, (str, bytes, os.PathLike)) or not callable(getattr(tokenizer, "encode", None)):
         raise RuntimeConfigError(
             f"apply(tokenizer=...) expects a tokenizer object with an encode() method, got the "
