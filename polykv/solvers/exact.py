@@ -15,9 +15,11 @@ from typing import Any
 import numpy as np
 
 from polykv.errors import SolverError
+from polykv.plan import FULL_OP
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits, min_bytes_message
+from polykv.solvers.chain import PAIRED, solve_chain
 from polykv.solvers.mckp import Infeasible, solve_mckp
 
 
@@ -67,41 +69,45 @@ class Exact(Solver):
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
         axes = profile.axes
-        if len(axes) > 2 and (p["metric"] or profile.default_metric) != "l2":
-            raise SolverError(f"solver '{self.name}': {profile.source} measured the rank and layer-pair axes in metric "
-                              f"'l2' only; route on l2 (--metric l2)")
+        check_axes_metric(self, profile, p["metric"])
         note = "optimal under the additive loss model" + (f"; routed axes: {', '.join(axes)}" if len(axes) > 2
                                                            else "")
-        if profile.pairs is None:
-            chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
-            layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile)
-                      for i, c in enumerate(chosen)]
-            return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used, note=note)
-        return self._solve_chain(profile, budget, table, cols, p, note)
-
-    def _solve_chain(self, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray, p: dict,
-                     note: str):
-        from polykv.plan import FULL_OP
-        from polykv.solvers.chain import PAIRED, solve_chain
-
-        L, pairs = profile.num_layers, profile.pairs
-        pair_loss = np.full(L, np.nan)
-        pair_loss[list(pairs.uppers)] = pairs.loss
-        pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, self.registry), np.int64)
-        bits = config_bits(profile, budget, self)
-        try:
-            choice, uppers, loss, used = solve_chain(table[:, cols], bits[cols], budget.to_bits(profile.model),
-                                                     pair_loss, pair_weight)
-        except Infeasible as exc:
-            raise SolverError(min_bytes_message(self.name, exc.need, budget, "the lightest config or shared pair "
-                                                "per layer")) from None
-        layers = []
-        for i, c in enumerate(choice):
-            if c == PAIRED:
-                shared = {"share": i - 1, "share_params": dict(pairs.share_params)} if i in uppers else {}
-                layers.append({"prefill": FULL_OP, "decode": FULL_OP, **shared})
-            else:
-                layers.append(self.layer_entry(profile.configs[int(cols[c])], f"layer {i}", profile=profile))
-        shared = ", ".join(f"{u - 1}-{u}" for u in uppers) or "none"
+        layers, loss, used, shared = solve_columns(self, profile, budget, table, cols)
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
-                         note=f"{note}; shared pairs: {shared}")
+                         note=note if shared is None else f"{note}; shared pairs: {shared}")
+
+
+def check_axes_metric(solver: Solver, profile: Profile, metric: str | None) -> None:
+    """Refuse a metric other than ``l2`` on a profile whose rank and pair axes were measured in ``l2`` only."""
+    if len(profile.axes) > 2 and (metric or profile.default_metric) != "l2":
+        raise SolverError(f"solver '{solver.name}': {profile.source} measured the rank and layer-pair axes in metric "
+                          f"'l2' only; route on l2 (--metric l2)")
+
+
+def solve_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray
+                  ) -> tuple[list[dict], float, int, str | None]:
+    """The optimal plan over ``cols`` (and the profile's shared pairs, when it has a pair table): (layer entries,
+    loss, bits, the shared pairs as text or None without a pair table). Fails with the minimum budget."""
+    if profile.pairs is None:
+        chosen, loss, used = optimal_columns(solver, profile, budget, table, cols, "the lightest config per layer")
+        return ([solver.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)],
+                loss, used, None)
+    L, pairs = profile.num_layers, profile.pairs
+    pair_loss = np.full(L, np.nan)
+    pair_loss[list(pairs.uppers)] = pairs.loss
+    pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, solver.registry), np.int64)
+    bits = config_bits(profile, budget, solver)
+    try:
+        choice, uppers, loss, used = solve_chain(table[:, cols], bits[cols], budget.to_bits(profile.model),
+                                                 pair_loss, pair_weight)
+    except Infeasible as exc:
+        raise SolverError(min_bytes_message(solver.name, exc.need, budget, "the lightest config or shared pair "
+                                            "per layer")) from None
+    layers = []
+    for i, c in enumerate(choice):
+        if c == PAIRED:
+            shared = {"share": i - 1, "share_params": dict(pairs.share_params)} if i in uppers else {}
+            layers.append({"prefill": FULL_OP, "decode": FULL_OP, **shared})
+        else:
+            layers.append(solver.layer_entry(profile.configs[int(cols[c])], f"layer {i}", profile=profile))
+    return layers, loss, used, ", ".join(f"{u - 1}-{u}" for u in uppers) or "none"
