@@ -3,7 +3,8 @@
 >>> plan = solve(profile, Budget.parse("8x", 4096), solver="exact")  # doctest: +SKIP
 
 Built-in solvers (``polykv.solvers.builtin.SOLVERS``): ``uniform``, ``moend-greedy``, ``quant-only``,
-``exact``, ``pyramid``, ``profile-route``, ``random-placement``, ``refine`` (measures its plans on a model).
+``exact``, ``pyramid``, ``profile-route``, ``random-placement``, ``refine`` (measures its plans on a model),
+``global`` (an allocation group over layers x heads).
 See ``docs/solvers.md``.
 """
 
