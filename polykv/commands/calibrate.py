@@ -77,10 +77,11 @@ def register(subparsers) -> None:
                         "profile)")
     p.add_argument("--ranks", default=None, metavar="R,..",
                    help="measure the low-rank axis at these key/value ranks: d (full width), fractions of it (3d/4, "
-                        "d/2, d/4: rounded to a multiple of 16) or channel counts, e.g. d,3d/4,d/2,d/4 (needs "
-                        "--validate 0; the bases are saved beside the profile)")
+                        "d/2, d/4: rounded to a multiple of 16) or channel counts, e.g. d,3d/4,d/2,d/4 (in l2, and "
+                        "end to end on every objective with --validate N; the bases are saved beside the profile)")
     p.add_argument("--pairs", action="store_true",
-                   help="measure the error of sharing each adjacent layer pair (needs --validate 0)")
+                   help="measure the error of sharing each adjacent layer pair (in l2, and end to end on every "
+                        "objective with --validate N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -229,9 +230,6 @@ def check_args(args) -> dict:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}) by at least 2: the first "
                            "token after the prefix is predicted before anything is compressed, so one follow-up token "
                            "leaves nothing to measure; raise --tokens or lower --prefix")
-    if (args.ranks is not None or args.pairs) and args.validate:
-        raise ProfileError(f"--ranks / --pairs are measured in the l2 metric only, but --validate {args.validate} "
-                           "makes the profile route on kl; give --validate 0")
     if args.delta_ppl > args.sequences:
         raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
                            "the first N calibration sequences")

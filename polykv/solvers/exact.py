@@ -17,7 +17,8 @@ import numpy as np
 from polykv.errors import SolverError
 from polykv.plan import FULL_OP
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import Profile
+from polykv.profiling.calibrate_axes import pair_losses
+from polykv.profiling.profile import MIX_METRIC, Profile
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits, min_bytes_message
 from polykv.solvers.chain import PAIRED, solve_chain
 from polykv.solvers.mckp import Infeasible, solve_mckp
@@ -72,29 +73,39 @@ class Exact(Solver):
         check_axes_metric(self, profile, p["metric"])
         note = "optimal under the additive loss model" + (f"; routed axes: {', '.join(axes)}" if len(axes) > 2
                                                            else "")
-        layers, loss, used, shared = solve_columns(self, profile, budget, table, cols)
+        layers, loss, used, shared = solve_columns(self, profile, budget, table, cols, p["metric"])
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
                          note=note if shared is None else f"{note}; shared pairs: {shared}")
 
 
 def check_axes_metric(solver: Solver, profile: Profile, metric: str | None) -> None:
-    """Refuse a metric other than ``l2`` on a profile whose rank and pair axes were measured in ``l2`` only."""
-    if len(profile.axes) > 2 and (metric or profile.default_metric) != "l2":
-        raise SolverError(f"solver '{solver.name}': {profile.source} measured the rank and layer-pair axes in metric "
-                          f"'l2' only; route on l2 (--metric l2)")
+    """Refuse a metric in which the profile did not price its shared pairs (a profile calibrated without held-out
+    sequences measured them in ``l2`` only; with them, ``pair_<metric>`` holds each objective's)."""
+    name = metric or profile.default_metric
+    parts = list(profile.objective_weights or {}) if name == MIX_METRIC else [name]
+    if name != "l2" and any(c.low_rank for c in profile.configs) and any(f"rank_{m}" not in profile.stats
+                                                                        for m in parts):
+        raise SolverError(f"solver '{solver.name}': {profile.source} measured its low-rank configs in metric 'l2' only, "
+                          f"not '{name}'; route on l2 (--metric l2), or calibrate --ranks with held-out sequences "
+                          "(--validate N) to price them end to end")
+    if profile.pairs is not None and pair_losses(profile, name) is None:
+        raise SolverError(f"solver '{solver.name}': {profile.source} measured its layer pairs in metric 'l2' only, not "
+                          f"'{name}'; route on l2 (--metric l2), or calibrate --pairs with held-out sequences "
+                          "(--validate N) to price them end to end")
 
 
-def solve_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray
-                  ) -> tuple[list[dict], float, int, str | None]:
-    """The optimal plan over ``cols`` (and the profile's shared pairs, when it has a pair table): (layer entries,
-    loss, bits, the shared pairs as text or None without a pair table). Fails with the minimum budget."""
+def solve_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray,
+                  metric: str | None = None) -> tuple[list[dict], float, int, str | None]:
+    """The optimal plan over ``cols`` (and the profile's shared pairs, when it has a pair table, priced in ``metric``,
+    the table's): (layer entries, loss, bits, the shared pairs as text or None without a pair table). Fails with the
+    minimum budget."""
     if profile.pairs is None:
         chosen, loss, used = optimal_columns(solver, profile, budget, table, cols, "the lightest config per layer")
         return ([solver.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)],
                 loss, used, None)
     L, pairs = profile.num_layers, profile.pairs
     pair_loss = np.full(L, np.nan)
-    pair_loss[list(pairs.uppers)] = pairs.loss
+    pair_loss[list(pairs.uppers)] = pair_losses(profile, metric or profile.default_metric)
     pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, solver.registry), np.int64)
     bits = config_bits(profile, budget, solver)
     try:

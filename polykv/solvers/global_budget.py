@@ -120,7 +120,7 @@ class GlobalBudget(Solver):
                 if p["shares"] == "uniform":
                     tried.append(self._uniform(profile, budget, table, rule, sig, members))
                 else:
-                    tried.append(self._profiled(profile, budget, table, cols, rule, sig, members))
+                    tried.append(self._profiled(profile, budget, table, cols, rule, sig, members, p["metric"]))
             except SolverError as exc:
                 failures.append(exc)
         if not tried:
@@ -136,12 +136,12 @@ class GlobalBudget(Solver):
         return self.plan(profile, budget, best.layers, {**p, "rule": rule}, predicted_loss=best.loss,
                          predicted_bits=best.bits, note=note, allocation=group)
 
-    def _profiled(self, profile, budget, table, cols, rule, sig, members) -> Outcome:
+    def _profiled(self, profile, budget, table, cols, rule, sig, members, metric) -> Outcome:
         """The exact knapsack with the group rule at ``sig`` only; members are the layers that take it."""
         allowed = {c for c in members if _signature(profile.configs[c]) == sig}
         keep = np.asarray([c for c in cols if int(c) in allowed or profile.configs[c].rule != rule
                            or profile.configs[c].keeps_everything], np.int64)
-        layers, loss, used, shared = solve_columns(self, profile, budget, table, keep)
+        layers, loss, used, shared = solve_columns(self, profile, budget, table, keep, metric)
         joined = [i for i, e in enumerate(layers) if _joins(e, rule)]
         return Outcome(sig, layers, joined, loss, used, shared)
 
