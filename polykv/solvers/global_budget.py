@@ -36,7 +36,7 @@ from polykv.plan import AllocationGroup
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import BITS, Profile
 from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver
-from polykv.solvers.exact import candidate_columns, check_axes_metric, solve_columns
+from polykv.solvers.exact import candidate_columns, check_axes_metric, optimal_columns, solve_columns
 from polykv.solvers.uniform import _key, fill_tokens, interpolated_loss, rule_layer
 from polykv.solvers.windowed import whole_model, window_bounds
 
@@ -68,6 +68,11 @@ class Outcome(NamedTuple):
 
 def _signature(c) -> Signature:
     return Signature(int(c.k_bits), int(c.v_bits), c.k_rank, c.v_rank)
+
+
+def _order(s: Signature) -> tuple:
+    """Widest first: bits, then ranks (full width first)."""
+    return (-s.k_bits, -s.v_bits, -(s.k_rank or 1 << 30), -(s.v_rank or 1 << 30))
 
 
 class GlobalBudget(Solver):
@@ -104,10 +109,8 @@ class GlobalBudget(Solver):
         check_axes_metric(self, profile, p["metric"])
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
-        members = [int(c) for c in cols if profile.configs[c].rule == rule and profile.configs[c].phase == "prefill"
-                   and not profile.configs[c].keeps_everything]
-        signatures = sorted({_signature(profile.configs[c]) for c in members}, key=lambda s: (
-            -s.k_bits, -s.v_bits, s.k_rank or 1 << 30, s.v_rank or 1 << 30))
+        members = group_columns(profile, cols, rule)
+        signatures = sorted({_signature(profile.configs[c]) for c in members}, key=_order)
         signatures = [s for s in signatures if (p["k_bits"] is None or s.k_bits == p["k_bits"])
                       and (p["v_bits"] is None or s.v_bits == p["v_bits"])]
         if not signatures:
@@ -138,9 +141,7 @@ class GlobalBudget(Solver):
 
     def _profiled(self, profile, budget, table, cols, rule, sig, members, metric) -> Outcome:
         """The exact knapsack with the group rule at ``sig`` only; members are the layers that take it."""
-        allowed = {c for c in members if _signature(profile.configs[c]) == sig}
-        keep = np.asarray([c for c in cols if int(c) in allowed or profile.configs[c].rule != rule
-                           or profile.configs[c].keeps_everything], np.int64)
+        keep = signature_columns(profile, cols, rule, sig, members)
         layers, loss, used, shared = solve_columns(self, profile, budget, table, keep, metric)
         joined = [i for i, e in enumerate(layers) if _joins(e, rule)]
         return Outcome(sig, layers, joined, loss, used, shared)
@@ -161,6 +162,46 @@ class GlobalBudget(Solver):
         layers = [lp] * L
         joined = [] if lp.prefill.keeps_everything else list(range(L))
         return Outcome(sig, layers, joined, None if loss is None else float(loss.sum()), 0, None)
+
+
+def group_columns(profile: Profile, cols, rule: str) -> list[int]:
+    """Columns of ``cols`` that may join a group of ``rule``: its prefill configs that evict."""
+    return [int(c) for c in cols if profile.configs[c].rule == rule and profile.configs[c].phase == "prefill"
+            and not profile.configs[c].keeps_everything]
+
+
+def signature_columns(profile: Profile, cols, rule: str, sig: Signature, members) -> np.ndarray:
+    """``cols`` with the group rule's configs at ``sig`` only (the other rules and keep-1.0 configs all stay)."""
+    allowed = {c for c in members if _signature(profile.configs[c]) == sig}
+    return np.asarray([c for c in cols if int(c) in allowed or profile.configs[c].rule != rule
+                       or profile.configs[c].keeps_everything], np.int64)
+
+
+def global_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols, rule: str
+                   ) -> tuple[list[int], Signature]:
+    """The ``global`` plan (``shares = "profile"``) of a profile without a pair table, as one column per layer, and
+    the members' signature (what ``refine`` starts from with ``start = "global"``)."""
+    members = group_columns(profile, cols, rule)
+    best = None
+    for sig in sorted({_signature(profile.configs[c]) for c in members}, key=_order):
+        try:
+            chosen, loss, _ = optimal_columns(solver, profile, budget, table,
+                                              signature_columns(profile, cols, rule, sig, members),
+                                              "the lightest config per layer")
+        except SolverError:
+            continue
+        if best is None or loss < best[1]:
+            best = (chosen, loss, sig)
+    if best is None:
+        raise SolverError(f"solver '{solver.name}': no plan with rule '{rule}' in an allocation group fits the budget "
+                          f"({budget.describe()}); raise the budget")
+    return best[0], best[2]
+
+
+def members_of(profile: Profile, choice, rule: str, sig: Signature) -> list[int]:
+    """Layers of ``choice`` (a column per layer) that run the group's rule at the group's signature."""
+    return [i for i, c in enumerate(choice) if profile.configs[c].rule == rule and profile.configs[c].phase == "prefill"
+            and not profile.configs[c].keeps_everything and _signature(profile.configs[c]) == sig]
 
 
 def _model_layers(profile: Profile, layers: list[int]) -> list[int]:
