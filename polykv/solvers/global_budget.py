@@ -92,11 +92,8 @@ class GlobalBudget(Solver):
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
-        try:
-            self.registry.allocator(p["allocator"])
-        except RegistryError as exc:
-            raise SolverError(f"solver '{self.name}': parameter 'allocator': {exc}") from None
         rule = p["rule"] or p["allocator"]
+        check_pairing(self, p["allocator"], rule)
         profiled = sorted({c.rule for c in profile.configs if not c.keeps_everything})
         if rule not in profiled:
             why = "parameter 'rule'" if p["rule"] else f"the rule of allocator '{p['allocator']}'"
@@ -162,6 +159,19 @@ class GlobalBudget(Solver):
         layers = [lp] * L
         joined = [] if lp.prefill.keeps_everything else list(range(L))
         return Outcome(sig, layers, joined, None if loss is None else float(loss.sum()), 0, None)
+
+
+def check_pairing(solver: Solver, allocator: str, rule: str) -> None:
+    """``allocator`` is registered and can budget layers of ``rule``: one that ranks its member rule's own state
+    (``reads_rule_state``, e.g. ``kvzip``'s reconstruction scores) needs the rule of its name."""
+    try:
+        cls = solver.registry.allocator(allocator)
+    except RegistryError as exc:
+        raise SolverError(f"solver '{solver.name}': parameter 'allocator': {exc}") from None
+    if getattr(cls, "reads_rule_state", False) and rule != allocator:
+        raise SolverError(f"solver '{solver.name}': allocator '{allocator}' ranks the state of rule '{allocator}' on its "
+                          f"layers, so its group's rule must be '{allocator}', not '{rule}' (parameter 'rule'); leave "
+                          "rule unset or choose an allocator with a state of its own")
 
 
 def group_columns(profile: Profile, cols, rule: str) -> list[int]:

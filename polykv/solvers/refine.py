@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 
 from polykv.contract.params import ParamSpec
-from polykv.errors import ProfileError, RegistryError, SolverError, StudyError
+from polykv.errors import ProfileError, SolverError, StudyError
 from polykv.models.corpus import corpus_documents
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import AllocationGroup
@@ -44,7 +44,7 @@ from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_seq
 from polykv.profiling.profile import MIX_METRIC, Profile, check_measured_on
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
-from polykv.solvers.global_budget import global_columns, members_of
+from polykv.solvers.global_budget import check_pairing, global_columns, members_of
 from polykv.solvers.windowed import whole_model, whole_model_plan
 
 
@@ -298,6 +298,9 @@ class Refine(Solver):
         context) and ``follow_up`` (else what the calibration draw had after it, else 128). Refused, naming the
         options, when the sequences pass ``max_positions`` (the model's max_position_embeddings) or when the offline
         corpus holds too few texts long enough for ``sequences + validate`` of them."""
+        if p["start"] == "global":  # refused here, before the model loads
+            self._check_global(profile, p)
+        self._objectives(profile, p)
         draw, prov = calibration_draw(profile), profile.provenance
         tokens = p["tokens"] if p["tokens"] is not None else prov.context_tokens
         if tokens is None:
@@ -324,10 +327,7 @@ class Refine(Solver):
 
     def _check_global(self, profile: Profile, p: Mapping[str, Any]) -> None:
         """``start = "global"``: a registered allocator whose rule the profile measured, and no pair table."""
-        try:
-            self.registry.allocator(p["allocator"])
-        except RegistryError as exc:
-            raise SolverError(f"solver 'refine': parameter 'allocator': {exc}") from None
+        check_pairing(self, p["allocator"], p["allocator"])
         if not any(c.rule == p["allocator"] and not c.keeps_everything for c in profile.configs):
             raise SolverError(f"solver 'refine': start 'global' groups the layers of rule '{p['allocator']}' (the rule "
                               f"of allocator '{p['allocator']}'), which {profile.source} has no configs of; calibrate "
