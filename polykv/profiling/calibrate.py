@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -85,7 +85,8 @@ class _Units:
 def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSettings = CalibrationSettings(), *,
               heldout: Sequence[torch.Tensor] = (), checkpoint_dir: str | None = None, corpus: str = "",
               registry=None, progress: bool = False, tokenizer=None,
-              on_layer: Callable[[int], None] | None = None) -> CalibrationResult:
+              on_layer: Callable[[int], None] | None = None, layers: Sequence[int] | None = None,
+              precomputed: Mapping[int, Mapping[str, Any]] | None = None) -> CalibrationResult:
     """Measure a profile of ``model`` on ``sequences`` (see the module docstring).
 
     Parameters
@@ -106,6 +107,11 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         reconstruction and retrieval objectives; None: the tokenizer saved beside the model, if any.
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
+    layers : sequence of int, optional
+        Compute only these layers (one worker's share of a distributed run, :mod:`polykv.profiling.distributed`):
+        the result holds their rows in ``arrays`` and no profile.
+    precomputed : mapping, optional
+        ``{layer: rows}`` computed elsewhere (by workers), taken as finished layers.
     """
     from polykv.models.geometry import geometry_of_model, rope_of_model
 
@@ -169,8 +175,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         tuple(f"{axis}_{METRIC_OF[o]}" for o in objectives for axis, on in (("rank", rpairs), ("pair", settings.pairs))
               if on) if held else ())
     uppers = pair_uppers(geometry) if settings.pairs else []
-    done = {layer: ckpt.load(layer, required=saved) for layer in range(L)}
-    todo = [layer for layer in range(L) if done[layer] is None]
+    done = {layer: dict(precomputed[layer]) if precomputed and layer in precomputed else
+            ckpt.load(layer, required=saved) for layer in range(L)}
+    todo = [layer for layer in range(L) if done[layer] is None and (layers is None or layer in layers)]
     captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     measured = _Items([it for o in objectives for it in items.get(o, ())], P)
@@ -211,6 +218,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     finally:
         units.close()
 
+    if layers is not None:
+        return CalibrationResult(profile=None, model_data=model_data, needs=needs, seconds=time.perf_counter() - start,
+                                 arrays={layer: done[layer] for layer in layers})
     profile = _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, len(seqs), len(held),
                         int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
                         objectives=items, weights=weights)

@@ -44,3 +44,13 @@ REFINE = [  # refused before the model loads (the folder holds a config only)
 for _id, _args, _expect in REFINE:
     add(f"solve-refine-{_id}", "cli", lambda d, a=_args: _solve(d, "--solver", "refine", "--model", model_folder(d),
                                                                  *a), _expect, outputs=("out.plan.json",))
+
+CALIBRATE_RAY = [  # refused with the other options, before the model loads
+    ("workers-without-ray", ["--workers", "2"], "--ray"),
+    ("cpus-without-ray", ["--cpus-per-worker", "2"], "--ray"),
+    ("ray-zero-workers", ["--ray", "--workers", "0"], "--workers"),
+    ("ray-zero-cpus", ["--ray", "--cpus-per-worker", "0"], "--cpus-per-worker"),
+]
+for _id, _args, _expect in CALIBRATE_RAY:
+    add(f"calibrate-{_id}", "cli", lambda d, a=_args: ["calibrate", model_folder(d), "-o", "x.profile.json", *a],
+        _expect, outputs=("x.profile.json",))
