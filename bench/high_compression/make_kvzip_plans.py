@@ -3,8 +3,8 @@
 Each budget's plans take the K/V widths of the ``uniform`` solver's best plan of rule ``--from-rule`` at that
 budget (from ``--profile``) and run ``kvzip`` on every layer at the largest keep that fits:
 
-* ``kvzip-global``: the ``global`` solver (``polykv solve --solver global --param rules='["kvzip"]' --param
-  shares=uniform --param k_bits=K --param v_bits=V``, on ``--group-profile``, which measured kvzip): every
+* ``kvzip-global``: the ``global`` solver (``polykv solve --solver global --param allocator=kvzip --param rules='["kvzip"]'
+  --param shares=uniform --param k_bits=K --param v_bits=V``, on ``--group-profile``, which measured kvzip): every
   layer in one ``kvzip`` allocation group (the reference's default ``pair`` level: one ranking over layers x
   heads, ragged per-head counts, the same total budget);
 * ``kvzip-uniform``: the same layers without the group (the reference's ``pair-uniform`` level). With
@@ -52,8 +52,8 @@ def main() -> None:
         budget = Budget.parse(b, 2048, basis="resident", cache_dtype="bfloat16")
         base = solve(profile, budget, "uniform", mode="best", rule=args.from_rule)
         widths = next((lp.k_bits, lp.v_bits) for lp in base.layers if lp.prefill.rule != "full")
-        global_ = solve(group_profile, budget, "global", rules=["kvzip"], shares="uniform", k_bits=widths[0],
-                        v_bits=widths[1])
+        global_ = solve(group_profile, budget, "global", allocator="kvzip", rules=["kvzip"], shares="uniform",
+                        k_bits=widths[0], v_bits=widths[1])
         global_.save(os.path.join(HERE, "plans", f"{args.name}kvzip-global.{b}.plan.json"))
         print(f"wrote {args.name}kvzip-global.{b}: {global_.provenance.note}")
         if args.from_rule != "kvzip":  # else a study solves it itself (uniform, rule kvzip)

@@ -37,7 +37,7 @@ from polykv.profiling.budget import Budget
 from polykv.profiling.profile import BITS, Profile
 from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver
 from polykv.solvers.exact import candidate_columns, check_axes_metric, optimal_columns, solve_columns
-from polykv.solvers.uniform import _key, fill_tokens, interpolated_loss, rule_layer
+from polykv.solvers.uniform import fill_tokens, interpolated_loss, rule_layer, template_of
 from polykv.solvers.windowed import whole_model, window_bounds
 
 SHARES = ("profile", "uniform")
@@ -79,9 +79,10 @@ class GlobalBudget(Solver):
     """Layers x heads under one allocator, the rest per layer, priced by the profile (module docstring)."""
 
     name = "global"
-    defaults = {"allocator": "kvzip", "rule": None, "metric": None, "rules": None, "shares": "profile",
+    defaults = {"allocator": None, "rule": None, "metric": None, "rules": None, "shares": "profile",
                 "k_bits": None, "v_bits": None}
-    param_specs = {"allocator": ParamSpec(str, description="a registered allocator (polykv plugins lists them)"),
+    param_specs = {"allocator": ParamSpec(str, nullable=True, description="a registered allocator (polykv plugins "
+                                          "lists them)"),
                    "rule": RULE_SPEC, "metric": METRIC_SPEC,
                    "shares": ParamSpec(str, choices=SHARES, description="how the group's total is split in the plan"),
                    "k_bits": ParamSpec(int, choices=BITS, nullable=True, description="the members' key width"),
@@ -92,6 +93,9 @@ class GlobalBudget(Solver):
 
     def solve(self, profile: Profile, budget: Budget, **params: Any):
         p = self.params(params)
+        if p["allocator"] is None:
+            raise SolverError(f"solver '{self.name}': parameter 'allocator' is not set: name the allocator whose group the "
+                              f"plan holds (--param allocator=NAME; registered: {_allocators(self)})")
         rule = p["rule"] or p["allocator"]
         check_pairing(self, p["allocator"], rule)
         profiled = sorted({c.rule for c in profile.configs if not c.keeps_everything})
@@ -147,7 +151,7 @@ class GlobalBudget(Solver):
         """Every layer the group rule at one keep, the largest that fits at ``sig``."""
         if sig.k_rank is not None or sig.v_rank is not None:
             raise SolverError(f"solver '{self.name}': shares 'uniform' fills full-rank members only")
-        tpl = _key(profile.configs[members[0]])
+        tpl = template_of(profile.configs[members[0]])
         T, L = budget.context_tokens, profile.num_layers
         tokens = fill_tokens(self, profile, budget, tpl, sig.k_bits, sig.v_bits)
         if tokens < 1:
@@ -159,6 +163,11 @@ class GlobalBudget(Solver):
         layers = [lp] * L
         joined = [] if lp.prefill.keeps_everything else list(range(L))
         return Outcome(sig, layers, joined, None if loss is None else float(loss.sum()), 0, None)
+
+
+def _allocators(solver: Solver) -> str:
+    return ", ".join(sorted(e.name for e in solver.registry.entries() if e.kind == "allocator")) \
+        or "none"
 
 
 def check_pairing(solver: Solver, allocator: str, rule: str) -> None:

@@ -177,10 +177,11 @@ class Refine(Solver):
     needs_model = True
     defaults = {"metric": None, "rules": None, "steps": 8, "tries": 6, "sequences": 4, "tokens": None,
                 "follow_up": None, "seed": 0, "corpus": "mixed", "validate": 0, "objectives": None, "start": "exact",
-                "allocator": "kvzip"}
+                "allocator": None}
     param_specs = {"metric": METRIC_SPEC,
                    "start": ParamSpec(str, choices=STARTS, description="the plan the search starts from"),
-                   "allocator": ParamSpec(str, description="the allocation group's allocator (start global)"),
+                   "allocator": ParamSpec(str, nullable=True, description="the allocation group's allocator (start "
+                                          "global)"),
                    "steps": _count(0, "moves accepted at most"),
                    "tries": _count(1, "moves measured per step at most"),
                    "sequences": _count(1, "held-out sequences measured"),
@@ -327,6 +328,8 @@ class Refine(Solver):
 
     def _check_global(self, profile: Profile, p: Mapping[str, Any]) -> None:
         """``start = "global"``: a registered allocator whose rule the profile measured, and no pair table."""
+        if p["allocator"] is None:
+            raise SolverError("solver 'refine': start 'global' needs the group's allocator: --param allocator=NAME")
         check_pairing(self, p["allocator"], p["allocator"])
         if not any(c.rule == p["allocator"] and not c.keeps_everything for c in profile.configs):
             raise SolverError(f"solver 'refine': start 'global' groups the layers of rule '{p['allocator']}' (the rule "

@@ -12,16 +12,17 @@ def _solve(d, *extra):
 
 
 GLOBAL = [  # the profile measured snapkv only (widths 16 and 8)
+    ("allocator-unset", [], "allocator"),
     ("allocator-unknown", ["--param", "allocator=nope"], "allocator"),
     ("allocator-not-text", ["--param", "allocator=3"], "allocator"),
-    ("rule-unprofiled", [], "'kvzip'"),                                   # the kvzip allocator's rule
+    ("rule-unprofiled", ["--param", "allocator=kvzip"], "'kvzip'"),      # the kvzip allocator's rule
     ("rule-unregistered", ["--param", "allocator=pyramidkv", "--param", "rule=nope"], "'nope'"),
-    ("allocator-reads-another-rule", ["--param", "rule=snapkv"], "rule"),  # kvzip ranks kvzip's own scores
+    ("allocator-reads-another-rule", ["--param", "allocator=kvzip", "--param", "rule=snapkv"], "rule"),
     ("rules-leave-out-group", ["--param", "allocator=pyramidkv", "--param", "rule=snapkv", "--param",
                                'rules=["full"]'], "rules"),
     ("rules-unprofiled", ["--param", "allocator=pyramidkv", "--param", "rule=snapkv", "--param",
                           'rules=["snapkv","tova"]'], "rules"),
-    ("shares-unknown", ["--param", "shares=even"], "shares"),
+    ("shares-unknown", ["--param", "allocator=kvzip", "--param", "shares=even"], "shares"),
     ("k-bits-unmeasured", ["--param", "allocator=pyramidkv", "--param", "rule=snapkv", "--param", "k_bits=4"], "K4"),
     ("k-bits-invalid", ["--param", "k_bits=3"], "k_bits"),
     ("v-bits-text", ["--param", "v_bits=wide"], "v_bits"),
@@ -36,7 +37,8 @@ for _id, _args, _expect in GLOBAL:
 REFINE = [  # refused before the model loads (the folder holds a config only)
     ("start-unknown", ["--param", "start=greedy"], "start"),
     ("start-global-allocator-unknown", ["--param", "start=global", "--param", "allocator=nope"], "allocator"),
-    ("start-global-rule-unprofiled", ["--param", "start=global"], "kvzip"),
+    ("start-global-allocator-unset", ["--param", "start=global"], "allocator"),
+    ("start-global-rule-unprofiled", ["--param", "start=global", "--param", "allocator=kvzip"], "kvzip"),
     ("objectives-unknown", ["--param", 'objectives=["recall"]'], "objectives"),
     ("objectives-number", ["--param", "objectives=3"], "objectives"),
     ("objectives-empty", ["--param", "objectives=[]"], "objectives"),

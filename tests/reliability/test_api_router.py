@@ -34,13 +34,13 @@ BUDGET_8X = Budget.parse("8x", 2048, basis="resident", cache_dtype="bfloat16")
     ({"allocator": "pyramidkv"}, "pyramidkv"), ({"metric": "kl_mix"}, "kl_mix"), ({"group": 1}, "group")])
 def test_global_refuses_bad_parameters_in_one_line(params, needle):
     with pytest.raises((SolverError, ProfileError)) as info:
-        solve(load_profile(PROFILE_2048), BUDGET_8X, "global", **params)
+        solve(load_profile(PROFILE_2048), BUDGET_8X, "global", **{"allocator": "kvzip", **params})
     assert needle in str(info.value) and "\n" not in str(info.value), params
 
 
 def test_global_names_the_minimum_budget_when_nothing_fits():
     with pytest.raises(SolverError, match="minimum feasible budget|raise the budget"):
-        solve(load_profile(PROFILE_2048), Budget.of_bytes(1000, 2048, basis="resident"), "global")
+        solve(load_profile(PROFILE_2048), Budget.of_bytes(1000, 2048, basis="resident"), "global", allocator="kvzip")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ def _profile(model) -> Profile:
 
 @pytest.mark.parametrize("params, needle", [
     ({"start": "greedy"}, "start"), ({"start": "global", "allocator": "nope"}, "allocator"),
+    ({"start": "global"}, "allocator"),
     ({"start": "global", "allocator": "pyramidkv"}, "no configs"), ({"objectives": ["recall"]}, "objectives"),
     ({"objectives": 3}, "objectives"), ({"objectives": []}, "objectives")])
 def test_refine_refuses_bad_start_and_objectives_in_one_line(tiny, params, needle):

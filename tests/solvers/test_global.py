@@ -29,7 +29,7 @@ def _budget(text: str) -> Budget:
 @pytest.mark.parametrize("ratio", ["4x", "8x", "12x", "16x"])
 def test_the_shipped_kvzip_global_plans_are_what_the_solver_writes(ratio):
     shipped = load_plan(os.path.join(HC, "plans", f"kvzip-global.{ratio}.plan.json"))
-    plan = solve(load_profile(PROFILE_2048), _budget(ratio), "global", rules=["kvzip"], shares="uniform",
+    plan = solve(load_profile(PROFILE_2048), _budget(ratio), "global", allocator="kvzip", rules=["kvzip"], shares="uniform",
                  k_bits=4, v_bits=4)
     assert plan.layers == shipped.layers
     assert plan.allocation == shipped.allocation
@@ -39,7 +39,7 @@ def test_the_shipped_kvzip_global_plans_are_what_the_solver_writes(ratio):
 
 def test_gemma_groups_name_the_full_attention_layers_of_the_whole_model():
     shipped = load_plan(os.path.join(HC, "plans", "gemma3-270m.kvzip-global.8x.plan.json"))
-    plan = solve(load_profile(GEMMA_2048), _budget("8x"), "global", rules=["kvzip"], shares="uniform",
+    plan = solve(load_profile(GEMMA_2048), _budget("8x"), "global", allocator="kvzip", rules=["kvzip"], shares="uniform",
                  k_bits=4, v_bits=4)
     assert plan.allocation == shipped.allocation
     assert plan.allocation[0].layers == (5, 11, 17)
@@ -50,8 +50,9 @@ def test_gemma_groups_name_the_full_attention_layers_of_the_whole_model():
 @pytest.mark.parametrize("ratio", ["8x", "12x", "16x"])
 def test_the_profiled_split_is_no_worse_than_the_uniform_share_by_the_profile(ratio):
     profile = load_profile(PROFILE_2048)
-    uniform = solve(profile, _budget(ratio), "global", rules=["kvzip"], shares="uniform", k_bits=4, v_bits=4)
-    split = solve(profile, _budget(ratio), "global", rules=["kvzip"])
+    uniform = solve(profile, _budget(ratio), "global", allocator="kvzip", rules=["kvzip"], shares="uniform",
+                    k_bits=4, v_bits=4)
+    split = solve(profile, _budget(ratio), "global", allocator="kvzip", rules=["kvzip"])
     assert split.provenance.predicted_loss < uniform.provenance.predicted_loss
     assert split.provenance.predicted_bytes <= _budget(ratio).to_bytes(profile.model)
     members = split.allocation[0].layers
@@ -91,7 +92,7 @@ def _brute_force(profile: Profile, budget: Budget) -> float:
 def test_the_plan_is_the_optimum_with_one_signature_for_the_group(seed, ratio):
     profile = _toy_profile(seed)
     budget = Budget.parse(ratio, 256, basis="nominal")
-    plan = solve(profile, budget, "global")
+    plan = solve(profile, budget, "global", allocator="kvzip")
     assert plan.provenance.predicted_loss == pytest.approx(_brute_force(profile, budget), rel=1e-9)
     members = [lp.layer for lp in plan.layers if lp.prefill.rule == "kvzip"]
     assert [list(g.layers) for g in plan.allocation] == ([members] if members else [])
