@@ -30,6 +30,9 @@ import numpy as np
 import torch
 
 from polykv.errors import ProfileError
+from polykv.models.geometry import geometry_of_model, rope_of_model
+from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.profiling.rank_error import layer_rank_errors
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling import axes_endtoend as axes
@@ -113,8 +116,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     precomputed : mapping, optional
         ``{layer: rows}`` computed elsewhere (by workers), taken as finished layers.
     """
-    from polykv.models.geometry import geometry_of_model, rope_of_model
-
     if registry is None:
         from polykv.registry import get_registry
 
@@ -159,8 +160,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     needs = tuple(needs_of_rules(registry, rules))
     rpairs = rank_pairs(settings.ranks)
     if rpairs:
-        from polykv.models.kv_bases import KV_BASES_NEED
-
         needs += (KV_BASES_NEED,)
     batches = [s.view(1, -1) for s in seqs]
     model_data = {need.key: need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer
@@ -204,8 +203,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
             arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, measured, refs, kl_cols,
                             snapshots, ppl_seqs, ppl_refs, units.tick, below)
             if rpairs:
-                from polykv.profiling.rank_error import layer_rank_errors
-
                 arrays["rank_l2"] = np.asarray(layer_rank_errors(stack_layer(captures, layer), P, rpairs,
                                                                  model_data["kv_bases"], registry=registry))
             if held and (rpairs or settings.pairs):

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from polykv.errors import PolykvError, ProfileError
+from polykv.models.geometry import geometry_of_model
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.calibrate_settings import CalibrationResult, CalibrationSettings
 
@@ -76,8 +77,6 @@ def calibrate_ray(loader: Callable[[], tuple], sequences: Sequence, settings: Ca
     ray = _ray()
     start = time.perf_counter()
     model, tokenizer = driver if driver is not None else loader()
-    from polykv.models.geometry import geometry_of_model
-
     L = geometry_of_model(model).num_layers
     started_here = not ray.is_initialized()
     remote = ray.remote(CalibrationWorker)

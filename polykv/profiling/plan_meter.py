@@ -16,6 +16,9 @@ import attrs
 import torch
 
 from polykv.errors import ProfileError, RuntimeConfigError
+from polykv.models.corpus import corpus_id
+from polykv.runtime import apply
+from polykv.runtime.fork import PrefillSnapshot, capture_groups, capture_prefill, forward
 from polykv.profiling import validation as val
 from polykv.profiling.endtoend import followup_logprobs
 
@@ -58,7 +61,6 @@ def heldout_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: 
     ids equal one of the profile's calibration sequences (redrawn from its provenance with the same
     tokenizer) is dropped. A draw made on another corpus version cannot be redrawn and is an error.
     """
-    from polykv.models.corpus import corpus_id
     from polykv.profiling.calibrate import corpus_sequences
 
     draw = calibration_draw(profile) if profile is not None else None
@@ -169,9 +171,6 @@ class PlanMeter:
     @torch.no_grad()
     def _logprobs(self, plan, i: int, ids: torch.Tensor) -> torch.Tensor:
         """[F-1, V] float64 log-probabilities of the follow-up predictions under ``plan``."""
-        from polykv.runtime import apply
-        from polykv.runtime.fork import PrefillSnapshot, capture_prefill, forward
-
         prompt = ids[:, :self.prefix]
         if not self.reuse_prefill:
             with apply(self.model, plan, model_data=self.model_data, registry=self.registry, seed=self.seed,
@@ -197,8 +196,6 @@ class PlanMeter:
     def _companions(self, plan, prompt: torch.Tensor) -> list:
         """Plans of ``plan``'s attention signature that, between them, run every menu setting on some layer,
         so that one capture records the rule states of every plan of that signature."""
-        from polykv.runtime.fork import capture_groups
-
         if self._menu_signature is None:  # per menu setting: (does it attend in the signal pass, probe key)
             self._menu_signature = {}
             for j, lp in enumerate(self.layer_menu):

@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from polykv.errors import PlanError, RegistryError, SolverError
+from polykv.registry import get_registry
 from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import AllocationGroup, FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.plan.groups import check_group_bounds, check_groups
@@ -61,8 +62,6 @@ class Solver:
     @property
     def registry(self):
         if self._registry is None:
-            from polykv.registry import get_registry
-
             self._registry = get_registry()
         return self._registry
 
