@@ -77,11 +77,19 @@ def register(subparsers) -> None:
                         "profile)")
     p.add_argument("--ranks", default=None, metavar="R,..",
                    help="measure the low-rank axis at these key/value ranks: d (full width), fractions of it (3d/4, "
-                        "d/2, d/4: rounded to a multiple of 16) or channel counts, e.g. d,3d/4,d/2,d/4 (needs "
-                        "--validate 0; the bases are saved beside the profile)")
+                        "d/2, d/4: rounded to a multiple of 16) or channel counts, e.g. d,3d/4,d/2,d/4 (in l2, and "
+                        "end to end on every objective with --validate N; the bases are saved beside the profile)")
     p.add_argument("--pairs", action="store_true",
-                   help="measure the error of sharing each adjacent layer pair (needs --validate 0)")
+                   help="measure the error of sharing each adjacent layer pair (in l2, and end to end on every "
+                        "objective with --validate N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ray = p.add_argument_group("running on Ray (docs/calibration.md)")
+    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                     help="compute the layers on Ray workers, one layer at a time: no ADDRESS starts a local Ray, "
+                          "'auto' or host:port joins a cluster; the profile is the serial run's")
+    ray.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="Ray workers (default: the cluster's CPUs / --cpus-per-worker)")
+    ray.add_argument("--cpus-per-worker", type=float, default=1, metavar="C", help="CPUs each worker reserves (1)")
     p.set_defaults(func=run)
 
 
@@ -229,9 +237,11 @@ def check_args(args) -> dict:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}) by at least 2: the first "
                            "token after the prefix is predicted before anything is compressed, so one follow-up token "
                            "leaves nothing to measure; raise --tokens or lower --prefix")
-    if (args.ranks is not None or args.pairs) and args.validate:
-        raise ProfileError(f"--ranks / --pairs are measured in the l2 metric only, but --validate {args.validate} "
-                           "makes the profile route on kl; give --validate 0")
+    if args.ray is not None and (args.workers is not None and args.workers < 1 or not args.cpus_per_worker > 0):
+        raise ProfileError(f"--workers {args.workers} / --cpus-per-worker {args.cpus_per_worker}: give a positive "
+                           "number of workers and of CPUs per worker")
+    if args.ray is None and (args.workers is not None or args.cpus_per_worker != 1):
+        raise ProfileError("--workers / --cpus-per-worker place Ray workers; add --ray (or leave them out)")
     if args.delta_ppl > args.sequences:
         raise ProfileError(f"--delta-ppl {args.delta_ppl} exceeds --sequences {args.sequences}; delta-PPL runs on "
                            "the first N calibration sequences")
@@ -331,9 +341,19 @@ def run(args) -> int:
                            f"{base.provenance.seed}, prefix {base.provenance.context_tokens}) but this run would "
                            f"measure '{corpus}' (seed {args.seed}, prefix {args.prefix}); pass the base profile's "
                            f"--sequences, --tokens, --prefix, --seed, --corpus and --validate")
-    result = calibrate(model, seqs[:args.sequences], settings, heldout=seqs[args.sequences:],
-                       tokenizer=tokenizer, checkpoint_dir=args.output + ".partial", corpus=corpus,
-                       progress=not args.no_progress)
+    if args.ray is not None:
+        import functools
+
+        from polykv.profiling.distributed import calibrate_ray
+
+        result = calibrate_ray(functools.partial(load_model, args.model, args.device, args.dtype),
+                               seqs[:args.sequences], settings, heldout=seqs[args.sequences:], corpus=corpus,
+                               address=None if args.ray == "local" else args.ray, workers=args.workers,
+                               cpus_per_worker=args.cpus_per_worker, threads=args.threads, driver=(model, tokenizer))
+    else:
+        result = calibrate(model, seqs[:args.sequences], settings, heldout=seqs[args.sequences:],
+                           tokenizer=tokenizer, checkpoint_dir=args.output + ".partial", corpus=corpus,
+                           progress=not args.no_progress)
     stats_path = args.query_stats or query_stats_path(args.output)
     written = result.side_files(args.output, query_stats_path=stats_path)
     for path, data in written.items():

@@ -192,7 +192,8 @@ def run(args) -> int:
     if measured:
         print(f"{args.output}: measured {measured['measured']} plan(s) on {measured['sequences']} held-out sequences "
               f"of {measured['context_tokens']} + {measured['follow_up']} tokens in {measured['seconds']:.1f} s: "
-              f"KL {measured['exact_kl']:.6g} (exact) -> {measured['refine_kl']:.6g} nats")
+              f"{measured['metric']} {measured.get('exact_kl', measured.get('start_kl')):.6g} "
+              f"({measured.get('start', 'exact')}) -> {measured['refine_kl']:.6g} nats")
     print(f"{args.output}: {args.solver}, {plan.num_layers} layers, budget {budget.describe()} = {limit} bytes; "
           f"predicted {prov.predicted_bytes} {budget.basis} bytes ({prov.predicted_bytes / max(limit, 1):.1%}), "
           f"loss {loss}"

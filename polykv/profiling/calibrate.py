@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
 import torch
 
 from polykv.errors import ProfileError
+from polykv.models.geometry import geometry_of_model, rope_of_model
+from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.profiling.rank_error import layer_rank_errors
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
-from polykv.profiling.calibrate_axes import measure_pairs, rank_pairs, with_ranks
+from polykv.profiling import axes_endtoend as axes
+from polykv.profiling.calibrate_axes import measure_pairs, pair_stats, pair_uppers, rank_pairs, with_ranks
 from polykv.profiling.calibrate_settings import (  # noqa: F401 (re-exported: this module held them)
     CalibrationResult, CalibrationSettings, candidate_configs, corpus_sequences, default_rules, model_data_for,
     query_stats_path, tokenizer_params)
@@ -84,7 +88,8 @@ class _Units:
 def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSettings = CalibrationSettings(), *,
               heldout: Sequence[torch.Tensor] = (), checkpoint_dir: str | None = None, corpus: str = "",
               registry=None, progress: bool = False, tokenizer=None,
-              on_layer: Callable[[int], None] | None = None) -> CalibrationResult:
+              on_layer: Callable[[int], None] | None = None, layers: Sequence[int] | None = None,
+              precomputed: Mapping[int, Mapping[str, Any]] | None = None) -> CalibrationResult:
     """Measure a profile of ``model`` on ``sequences`` (see the module docstring).
 
     Parameters
@@ -105,9 +110,12 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         reconstruction and retrieval objectives; None: the tokenizer saved beside the model, if any.
     on_layer : callable, optional
         Called with the layer index after each layer is computed and checkpointed (not for resumed layers).
+    layers : sequence of int, optional
+        Compute only these layers (one worker's share of a distributed run, :mod:`polykv.profiling.distributed`):
+        the result holds their rows in ``arrays`` and no profile.
+    precomputed : mapping, optional
+        ``{layer: rows}`` computed elsewhere (by workers), taken as finished layers.
     """
-    from polykv.models.geometry import geometry_of_model, rope_of_model
-
     if registry is None:
         from polykv.registry import get_registry
 
@@ -129,9 +137,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"the objectives {list(objectives)} are measured on held-out sequences, and none are given; "
                            f"give held-out sequences (--validate N) or leave the objectives out")
     geometry = geometry_of_model(model)
-    if (settings.ranks or settings.pairs) and held:
-        raise ProfileError("the rank and layer-pair errors are measured in the l2 metric only, and held-out sequences "
-                           "make the profile route on kl; calibrate them with --validate 0 (no held-out sequences)")
     bad_ranks = [r for r in settings.ranks if r is not None and not 1 <= r <= geometry.head_dim]
     if bad_ranks:
         raise ProfileError(f"--ranks: rank(s) {bad_ranks} outside 1..{geometry.head_dim} (the model's head dim)")
@@ -155,8 +160,6 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     needs = tuple(needs_of_rules(registry, rules))
     rpairs = rank_pairs(settings.ranks)
     if rpairs:
-        from polykv.models.kv_bases import KV_BASES_NEED
-
         needs += (KV_BASES_NEED,)
     batches = [s.view(1, -1) for s in seqs]
     model_data = {need.key: need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer
@@ -167,15 +170,19 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                        rule_params=settings.rule_params)
     L = geometry.num_layers
     saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
-        tuple(METRIC_OF[o] for o in objectives) if held else ()) + (("rank_l2",) if rpairs else ())
-    done = {layer: ckpt.load(layer, required=saved) for layer in range(L)}
-    todo = [layer for layer in range(L) if done[layer] is None]
+        tuple(METRIC_OF[o] for o in objectives) if held else ()) + (("rank_l2",) if rpairs else ()) + (
+        tuple(f"{axis}_{METRIC_OF[o]}" for o in objectives for axis, on in (("rank", rpairs), ("pair", settings.pairs))
+              if on) if held else ())
+    uppers = pair_uppers(geometry) if settings.pairs else []
+    done = {layer: dict(precomputed[layer]) if precomputed and layer in precomputed else
+            ckpt.load(layer, required=saved) for layer in range(L)}
+    todo = [layer for layer in range(L) if done[layer] is None and (layers is None or layer in layers)]
     captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     measured = _Items([it for o in objectives for it in items.get(o, ())], P)
     refs = [e2e.KLReference.of(val.reference_logprobs(model, it.ids, P), it.rows) for it in measured.items] \
         if todo and held else []
-    snapshots = below = None
+    snapshots = below = plain = None
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
@@ -188,17 +195,19 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
     ppl_refs = [val.reference_logprobs(model, s, P) for s in ppl_seqs] if todo else []
 
-    units = _Units(len(todo) * (len(configs) + len(kl_cols)), progress)
+    axis_units = (len(rpairs) + bool(settings.pairs)) if held else 0
+    units = _Units(len(todo) * (len(configs) + len(kl_cols) + axis_units), progress)
     try:
         for layer in todo:
             units.layer(layer)
             arrays = _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, measured, refs, kl_cols,
                             snapshots, ppl_seqs, ppl_refs, units.tick, below)
             if rpairs:
-                from polykv.profiling.rank_error import layer_rank_errors
-
                 arrays["rank_l2"] = np.asarray(layer_rank_errors(stack_layer(captures, layer), P, rpairs,
                                                                  model_data["kv_bases"], registry=registry))
+            if held and (rpairs or settings.pairs):
+                arrays.update(_axes_end_to_end(model, geometry, layer, rpairs, uppers, measured, refs, snapshots, below,
+                                               plain, P, ctx, settings, units.tick))
             ckpt.save(layer, arrays)
             done[layer] = arrays
             if on_layer is not None:
@@ -206,14 +215,47 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     finally:
         units.close()
 
+    if layers is not None:
+        return CalibrationResult(profile=None, model_data=model_data, needs=needs, seconds=time.perf_counter() - start,
+                                 arrays={layer: done[layer] for layer in layers})
     profile = _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, len(seqs), len(held),
                         int(seqs[0].numel()), dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
                         objectives=items, weights=weights)
+    stacked = lambda key: np.stack([done[layer][key] for layer in range(L)])  # noqa: E731
     if rpairs:
-        profile = with_ranks(profile, np.stack([done[layer]["rank_l2"] for layer in range(L)]), rpairs, quantizer)
+        profile = with_ranks(profile, {name: stacked(f"rank_{name}") for name in profile.metrics if name != MIX_METRIC},
+                             rpairs, quantizer)
     if settings.pairs:
         profile = attrs.evolve(profile, pairs=measure_pairs(geometry, captures, P))
+        if held:  # the pair measured at its lower layer is the upper layer's row
+            profile = pair_stats(profile, {METRIC_OF[o]: np.concatenate([[0.0], stacked(f"pair_{METRIC_OF[o]}")[:-1, 0]])
+                                           for o in objectives})
     return CalibrationResult(profile=profile, model_data=model_data, needs=needs, seconds=time.perf_counter() - start)
+
+
+def _axes_end_to_end(model, geometry, layer, rpairs, uppers, measured, refs, snapshots, below, plain, P, ctx,
+                     settings, tick) -> dict[str, np.ndarray]:
+    """The rank pairs on ``layer`` and the pair whose lower layer it is, measured end to end on every objective
+    (:mod:`polykv.profiling.axes_endtoend`): ``rank_<metric>`` [len(rpairs)] and ``pair_<metric>`` [1] (0 when
+    ``layer`` is no pair's lower layer)."""
+    plans = [axes.rank_plan(geometry, layer, k, v) for k, v in rpairs]
+    pair = layer + 1 in uppers
+    if pair:
+        plans.append(axes.pair_plan(geometry, layer + 1))
+    per = axes.plans_kl(model, layer, plans, [it.ids for it in measured.items], refs, measured.prompts,
+                        measured.prefixes, P, rows=[it.rows for it in measured.items], below=below, plain=plain,
+                        model_data=ctx.model_data, registry=ctx.registry, seed=settings.seed, tick=tick)
+    if settings.pairs and not pair:
+        tick()
+    kinds = np.array([it.kind for it in measured.items])
+    out = {}
+    for name in dict.fromkeys(kinds):
+        mean = per[kinds == name].mean(axis=0)
+        if rpairs:
+            out[f"rank_{METRIC_OF[name]}"] = mean[:len(rpairs)]
+        if settings.pairs:
+            out[f"pair_{METRIC_OF[name]}"] = np.asarray([mean[-1] if pair else 0.0])
+    return out
 
 
 def _probe_prefills(model, geometry, layers, rules, seqs, P, settings, registry, model_data):

@@ -86,13 +86,16 @@ class CalibrationSettings:
 
 @attrs.define(frozen=True, kw_only=True, eq=False)
 class CalibrationResult:
-    profile: Profile
+    profile: Profile | None
+    """The profile; None for a run restricted to some layers (``calibrate(..., layers=)``), whose ``arrays`` hold them."""
     model_data: dict[str, Any] = attrs.field(factory=dict)
     """Per-model data the calibrated rules declared, by key, measured on the calibration sequences."""
     needs: tuple[ModelDataNeed, ...] = ()
     """The declarations behind ``model_data`` (their side files go beside the profile)."""
     seconds: float
     """Wall time of the run (resumed layers excluded)."""
+    arrays: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    """Per layer computed by a run restricted to some layers, its table rows (what a checkpoint holds)."""
 
     @property
     def query_stats(self) -> Any:

@@ -43,6 +43,13 @@ import numpy as np
 import torch
 
 from polykv.errors import PolykvError, ProfileError, RuntimeConfigError
+from polykv.models.geometry import geometry_of_model
+from polykv.plan import full_plan
+from polykv.runtime import apply
+from polykv.runtime import session as runtime_session
+from polykv.runtime.fork import (attention_signature, capture_prefill, plan_ranks, plan_states, probe_key,
+                                 restore_prefill, session_probe)
+from polykv.runtime.support import attention_modules
 from polykv.plan import Plan
 from polykv.profiling.profile import FULL_RULE, CandidateConfig
 from polykv.profiling import validation as val
@@ -137,12 +144,10 @@ class PrefixSnapshots:
     def _variant_keys(self, rule: str, per_layer: Mapping[int, Plan]) -> dict[int, tuple]:
         """``{layer: (attention signature, probe key, ranks)}`` of each one-layer plan of one (rule, params), read from one
         session of their merged plan: a layer attends in the signal pass exactly when its own states ask for it."""
-        from polykv.runtime.fork import plan_states, session_probe, attention_signature, plan_ranks, probe_key
-        from polykv.runtime.session import apply
-
         layers = sorted(per_layer)
         try:
-            session = apply(self.model, _merge(per_layer), registry=self.registry, model_data=self.model_data)
+            session = runtime_session.apply(self.model, _merge(per_layer), registry=self.registry,
+                                            model_data=self.model_data)
             states = plan_states(session)
             probe = probe_key(session_probe(session, self.ids[0]))
         except PolykvError as exc:
@@ -159,8 +164,6 @@ class PrefixSnapshots:
 
     def get(self, key: tuple) -> list:
         """One snapshot per sequence of the variant ``key``."""
-        from polykv.runtime.fork import capture_prefill
-
         if key not in self._snaps:
             plans = self._plans[key]
             self._snaps[key] = [capture_prefill(self.model, ids, plans, registry=self.registry,
@@ -170,9 +173,6 @@ class PrefixSnapshots:
     def plain(self) -> list:
         """One snapshot per sequence of the plain prefill (every layer in SDPA, no probe), the full plan's: the
         plans' own variant when one is plain, else captured for the full plan."""
-        from polykv.models.geometry import geometry_of_model
-        from polykv.plan import full_plan
-
         layers = geometry_of_model(self.model).num_layers
         key = ((False,) * layers, None, None)
         if key not in self._plans:
@@ -211,10 +211,6 @@ def _merge(per_layer: Mapping[int, Plan]) -> Plan:
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layer (block) of every layer, in order: the module list whose i-th entry holds layer i's attention
     module (:func:`polykv.runtime.session.apply` finds those)."""
-    from polykv.errors import RuntimeConfigError
-    from polykv.models.geometry import geometry_of_model
-    from polykv.runtime.support import attention_modules
-
     attn = attention_modules(model, geometry_of_model(model).num_layers)
     for _, blocks in model.named_modules():
         if isinstance(blocks, torch.nn.ModuleList) and len(blocks) == len(attn) and all(
@@ -231,11 +227,6 @@ class LayerOutputs:
     layers l..L-1 (:func:`followup_logprobs`)."""
 
     def __init__(self, model, snapshot, ids: torch.Tensor, prefix: int, *, layers: Sequence[int], registry=None):
-        from polykv.models.geometry import geometry_of_model
-        from polykv.plan import full_plan
-        from polykv.runtime import apply
-        from polykv.runtime.fork import restore_prefill
-
         want = {layer - 1 for layer in layers if layer > 0}
         blocks = decoder_layers(model)
         self.outputs: dict[int, Any] = {}
@@ -299,9 +290,6 @@ def followup_logits(model, plan, snapshot, ids: torch.Tensor, prefix: int, *, mo
     With ``entering`` (:meth:`LayerOutputs.entering` of ``layer``, the plan's only compressed layer), layers below
     ``layer`` are not run: they would compute exactly ``entering``; the forward runs layers ``layer`` .. L-1, the
     compressed one served by the runtime's layer cache as in any session."""
-    from polykv.runtime import apply
-    from polykv.runtime.fork import restore_prefill
-
     ids = ids.view(1, -1).to(next(model.parameters()).device)
     with apply(model, plan, model_data=model_data, seed=seed, registry=registry,
                storage_dtype=storage_dtype) as session:

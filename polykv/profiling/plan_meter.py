@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
 
 from polykv.errors import ProfileError, RuntimeConfigError
+from polykv.models.corpus import corpus_id
+from polykv.runtime import apply
+from polykv.runtime.fork import PrefillSnapshot, capture_groups, capture_prefill, forward
 from polykv.profiling import validation as val
 from polykv.profiling.endtoend import followup_logprobs
 
@@ -58,7 +61,6 @@ def heldout_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: 
     ids equal one of the profile's calibration sequences (redrawn from its provenance with the same
     tokenizer) is dropped. A draw made on another corpus version cannot be redrawn and is an error.
     """
-    from polykv.models.corpus import corpus_id
     from polykv.profiling.calibrate import corpus_sequences
 
     draw = calibration_draw(profile) if profile is not None else None
@@ -105,11 +107,18 @@ class PlanMeter:
         records every one's rule states, so later plans of that signature restore from it.
     reuse_prefill : bool
         Restore each plan from a shared prefill (default) rather than prefilling it.
+    rows : sequence of sequences of int, optional
+        Per sequence, the follow-up prediction rows scored (row r predicts ``ids[prefix + 1 + r]``; an objective's
+        :class:`~polykv.profiling.objectives.FollowUp`); None: every row.
+    weights : sequence of float, optional
+        Per sequence, its weight in :meth:`measure` (an objective mix: the objective's weight over its item count);
+        None: the plain mean.
     """
 
     def __init__(self, model, sequences: Sequence[torch.Tensor], prefix: int, *,
                  model_data: Mapping[str, Any] | None = None, registry=None, storage_dtype=None, seed: int = 0,
-                 layer_menu: Sequence[Any] = (), reuse_prefill: bool = True):
+                 layer_menu: Sequence[Any] = (), reuse_prefill: bool = True,
+                 rows: Sequence[Sequence[int]] | None = None, weights: Sequence[float] | None = None):
         if not sequences:
             raise RuntimeConfigError("a plan meter needs at least one held-out sequence")
         short = [i for i, s in enumerate(sequences) if s.numel() < prefix + 2]
@@ -121,9 +130,20 @@ class PlanMeter:
         self.reuse_prefill = bool(reuse_prefill)
         device = next(model.parameters()).device
         self.sequences = [s.view(1, -1).to(device) for s in sequences]
+        self.rows = None if rows is None else [list(r) for r in rows]
+        self.weights = [1.0 / len(self.sequences)] * len(self.sequences) if weights is None else \
+            [float(w) for w in weights]
+        if len(self.weights) != len(self.sequences) or (self.rows is not None and len(self.rows) != len(self.sequences)):
+            raise RuntimeConfigError("a plan meter needs one weight and one list of scored rows per sequence")
         self.references = [val.reference_logprobs(model, s, self.prefix)[1:] for s in self.sequences]  # (F-1, V)
+        if self.rows is not None:
+            self.references = [ref[r] for ref, r in zip(self.references, self.rows)]
         self.layer_menu = self._distinct(layer_menu)
-        self._snapshots: list[dict] = [{} for _ in self.sequences]  # per sequence: variant key -> layers
+        prompts: dict[bytes, int] = {}
+        self._prompt_of = [prompts.setdefault(s[0, :self.prefix].cpu().numpy().tobytes(), len(prompts))
+                           for s in self.sequences]
+        """Per sequence, the index of its prefix among the distinct ones (each prefilled once per signature)."""
+        self._snapshots: list[dict] = [{} for _ in prompts]  # per distinct prefix: variant key -> layers
         self._menu_signature: dict | None = None
         self.prefills = 0
         """Prefills run so far (one per sequence and attention signature with reuse)."""
@@ -139,18 +159,18 @@ class PlanMeter:
         return out
 
     def measure(self, plan) -> float:
-        """Mean measured KL(full || plan) over the sequences' follow-up predictions, in nats."""
+        """Measured KL(full || plan) of the sequences' (scored) follow-up predictions, in nats, mean over positions
+        and weighted over sequences (the plain mean without ``weights``)."""
         total = 0.0
         for i, ids in enumerate(self.sequences):
-            total += val.kl_divergence(self.references[i], self._logprobs(plan, i, ids))
-        return total / len(self.sequences)
+            logprobs = self._logprobs(plan, i, ids)
+            total += self.weights[i] * val.kl_divergence(self.references[i], logprobs if self.rows is None else
+                                                         logprobs[self.rows[i]])
+        return total
 
     @torch.no_grad()
     def _logprobs(self, plan, i: int, ids: torch.Tensor) -> torch.Tensor:
         """[F-1, V] float64 log-probabilities of the follow-up predictions under ``plan``."""
-        from polykv.runtime import apply
-        from polykv.runtime.fork import PrefillSnapshot, capture_prefill, forward
-
         prompt = ids[:, :self.prefix]
         if not self.reuse_prefill:
             with apply(self.model, plan, model_data=self.model_data, registry=self.registry, seed=self.seed,
@@ -159,6 +179,7 @@ class PlanMeter:
                 self.prefills += 1
                 return torch.log_softmax(forward(session, ids[:, self.prefix:-1]).logits[0].double(), dim=-1)
         kw = dict(model_data=self.model_data, registry=self.registry, seed=self.seed, storage_dtype=self.storage_dtype)
+        i = self._prompt_of[i]
         if self._snapshots[i]:
             try:
                 return followup_logprobs(self.model, plan, PrefillSnapshot(variants=self._snapshots[i],
@@ -175,8 +196,6 @@ class PlanMeter:
     def _companions(self, plan, prompt: torch.Tensor) -> list:
         """Plans of ``plan``'s attention signature that, between them, run every menu setting on some layer,
         so that one capture records the rule states of every plan of that signature."""
-        from polykv.runtime.fork import capture_groups
-
         if self._menu_signature is None:  # per menu setting: (does it attend in the signal pass, probe key)
             self._menu_signature = {}
             for j, lp in enumerate(self.layer_menu):

@@ -3,13 +3,18 @@
 >>> plan = solve(profile, Budget.parse("8x", 4096), solver="exact")  # doctest: +SKIP
 
 Built-in solvers (``polykv.solvers.builtin.SOLVERS``): ``uniform``, ``moend-greedy``, ``quant-only``,
-``exact``, ``pyramid``, ``profile-route``, ``random-placement``, ``refine`` (measures its plans on a model).
+``exact``, ``pyramid``, ``profile-route``, ``random-placement``, ``refine`` (measures its plans on a model),
+``global`` (an allocation group over layers x heads).
 See ``docs/solvers.md``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
+
+from polykv.errors import SolverError
+from polykv.registry import get_registry
+from polykv.solvers.windowed import solve_around_windows
 
 
 def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=None, capacities: str = "ratio",
@@ -32,8 +37,6 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
     candidate plans on; such a solver without one is a :class:`~polykv.errors.SolverError`, and the other
     solvers never read it.
     """
-    from polykv.errors import SolverError
-
     if quantizer is not None or quantizer_params is not None:
         want = (quantizer or profile.quantizer, dict(profile.quantizer_params if quantizer_params is None
                                                      else quantizer_params))
@@ -44,15 +47,11 @@ def solve(profile, budget, solver: str = "exact", *, geometry=None, registry=Non
                               f"describe its own quantizer; calibrate a profile with it (polykv calibrate --quantizer "
                               f"{want[0]}), or leave the quantizer unset")
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     if geometry is not None:
         profile.check_model(geometry)
     if capacities not in ("ratio", "tokens"):
         raise SolverError(f"capacities must be 'ratio' or 'tokens', got {capacities!r}")
-    from polykv.solvers.windowed import solve_around_windows
-
     instance = registry.solver(solver)(registry=registry)
     instance.capacity_form = capacities
     if getattr(instance, "needs_model", False):

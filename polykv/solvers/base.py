@@ -15,9 +15,11 @@ from typing import Any, ClassVar, Mapping, Sequence
 import attrs
 import numpy as np
 
-from polykv.errors import RegistryError, SolverError
+from polykv.errors import PlanError, RegistryError, SolverError
+from polykv.registry import get_registry
 from polykv.contract.params import ParamError, ParamSpec, check_params
-from polykv.plan import FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
+from polykv.plan import AllocationGroup, FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
+from polykv.plan.groups import check_group_bounds, check_groups
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
 METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: the profile's routing "
@@ -60,8 +62,6 @@ class Solver:
     @property
     def registry(self):
         if self._registry is None:
-            from polykv.registry import get_registry
-
             self._registry = get_registry()
         return self._registry
 
@@ -122,11 +122,14 @@ class Solver:
                 "decode": op if config.phase in ("decode", "both") else FULL_OP, **bits}
 
     def plan(self, profile: Profile, budget: Budget, layers: Sequence[Mapping[str, Any]], params: Mapping[str, Any],
-             *, predicted_loss: float | None, predicted_bits: int, note: str = "") -> Plan:
+             *, predicted_loss: float | None, predicted_bits: int, note: str = "",
+             allocation: Sequence[AllocationGroup] = ()) -> Plan:
         """A plan with full provenance; refuses to return one over the budget.
 
-        The bytes recorded are counted here from the finished layers on the budget's basis;
-        ``predicted_bits`` (the solver's own count) must not exceed the budget either.
+        The bytes recorded are counted here from the finished layers on the budget's basis (an allocation
+        group's layers at their planned capacities, whose sum is the group's total);
+        ``predicted_bits`` (the solver's own count) must not exceed the budget either. ``allocation`` groups
+        are checked as plan validation checks them (members, allocator, its bound at the budget's context).
         """
         limit = budget.to_bits(profile.model)
         entries = [LayerPlan(layer=i, **dict(e)) if not isinstance(e, LayerPlan) else e for i, e in enumerate(layers)]
@@ -144,7 +147,16 @@ class Solver:
                           polykv_version=__version__, created=now_iso(), note=note, basis=budget.basis,
                           batch=budget.batch if budget.resident else None,
                           cache_dtype=budget.cache_dtype if budget.resident else None)
-        return per_layer_plan(profile.model, entries, provenance=prov)
+        plan = per_layer_plan(profile.model, entries, provenance=prov)
+        if allocation:
+            plan = attrs.evolve(plan, allocation=tuple(allocation))
+            try:
+                check_groups(plan, source=f"solver '{self.name}'", registry=self.registry)
+                check_group_bounds(plan, self.registry, budget.context_tokens, source=f"solver '{self.name}'")
+            except PlanError as exc:
+                raise SolverError(f"solver '{self.name}' built an allocation group the runtime would refuse: {exc}; "
+                                  "choose the group's rule and allocator so that they go together") from None
+        return plan
 
     def _profile_quantizer(self, lp: LayerPlan, profile: Profile) -> LayerPlan:
         """``lp`` storing its widths with the profile's quantizer; a quantized layer naming another is refused

@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 
 from polykv.errors import SolverError
+from polykv.plan import FULL_OP
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import Profile
+from polykv.profiling.calibrate_axes import pair_losses
+from polykv.profiling.profile import MIX_METRIC, Profile
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits, min_bytes_message
+from polykv.solvers.chain import PAIRED, solve_chain
 from polykv.solvers.mckp import Infeasible, solve_mckp
 
 
@@ -67,41 +70,55 @@ class Exact(Solver):
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
         axes = profile.axes
-        if len(axes) > 2 and (p["metric"] or profile.default_metric) != "l2":
-            raise SolverError(f"solver '{self.name}': {profile.source} measured the rank and layer-pair axes in metric "
-                              f"'l2' only; route on l2 (--metric l2)")
+        check_axes_metric(self, profile, p["metric"])
         note = "optimal under the additive loss model" + (f"; routed axes: {', '.join(axes)}" if len(axes) > 2
                                                            else "")
-        if profile.pairs is None:
-            chosen, loss, used = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
-            layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile)
-                      for i, c in enumerate(chosen)]
-            return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used, note=note)
-        return self._solve_chain(profile, budget, table, cols, p, note)
-
-    def _solve_chain(self, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray, p: dict,
-                     note: str):
-        from polykv.plan import FULL_OP
-        from polykv.solvers.chain import PAIRED, solve_chain
-
-        L, pairs = profile.num_layers, profile.pairs
-        pair_loss = np.full(L, np.nan)
-        pair_loss[list(pairs.uppers)] = pairs.loss
-        pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, self.registry), np.int64)
-        bits = config_bits(profile, budget, self)
-        try:
-            choice, uppers, loss, used = solve_chain(table[:, cols], bits[cols], budget.to_bits(profile.model),
-                                                     pair_loss, pair_weight)
-        except Infeasible as exc:
-            raise SolverError(min_bytes_message(self.name, exc.need, budget, "the lightest config or shared pair "
-                                                "per layer")) from None
-        layers = []
-        for i, c in enumerate(choice):
-            if c == PAIRED:
-                shared = {"share": i - 1, "share_params": dict(pairs.share_params)} if i in uppers else {}
-                layers.append({"prefill": FULL_OP, "decode": FULL_OP, **shared})
-            else:
-                layers.append(self.layer_entry(profile.configs[int(cols[c])], f"layer {i}", profile=profile))
-        shared = ", ".join(f"{u - 1}-{u}" for u in uppers) or "none"
+        layers, loss, used, shared = solve_columns(self, profile, budget, table, cols, p["metric"])
         return self.plan(profile, budget, layers, p, predicted_loss=loss, predicted_bits=used,
-                         note=f"{note}; shared pairs: {shared}")
+                         note=note if shared is None else f"{note}; shared pairs: {shared}")
+
+
+def check_axes_metric(solver: Solver, profile: Profile, metric: str | None) -> None:
+    """Refuse a metric in which the profile did not price its shared pairs (a profile calibrated without held-out
+    sequences measured them in ``l2`` only; with them, ``pair_<metric>`` holds each objective's)."""
+    name = metric or profile.default_metric
+    parts = list(profile.objective_weights or {}) if name == MIX_METRIC else [name]
+    if name != "l2" and any(c.low_rank for c in profile.configs) and any(f"rank_{m}" not in profile.stats
+                                                                        for m in parts):
+        raise SolverError(f"solver '{solver.name}': {profile.source} measured its low-rank configs in metric 'l2' only, "
+                          f"not '{name}'; route on l2 (--metric l2), or calibrate --ranks with held-out sequences "
+                          "(--validate N) to price them end to end")
+    if profile.pairs is not None and pair_losses(profile, name) is None:
+        raise SolverError(f"solver '{solver.name}': {profile.source} measured its layer pairs in metric 'l2' only, not "
+                          f"'{name}'; route on l2 (--metric l2), or calibrate --pairs with held-out sequences "
+                          "(--validate N) to price them end to end")
+
+
+def solve_columns(solver: Solver, profile: Profile, budget: Budget, table: np.ndarray, cols: np.ndarray,
+                  metric: str | None = None) -> tuple[list[dict], float, int, str | None]:
+    """The optimal plan over ``cols`` (and the profile's shared pairs, when it has a pair table, priced in ``metric``,
+    the table's): (layer entries, loss, bits, the shared pairs as text or None without a pair table). Fails with the
+    minimum budget."""
+    if profile.pairs is None:
+        chosen, loss, used = optimal_columns(solver, profile, budget, table, cols, "the lightest config per layer")
+        return ([solver.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(chosen)],
+                loss, used, None)
+    L, pairs = profile.num_layers, profile.pairs
+    pair_loss = np.full(L, np.nan)
+    pair_loss[list(pairs.uppers)] = pair_losses(profile, metric or profile.default_metric)
+    pair_weight = np.full(L, budget.pair_bits(profile.model, pairs.share_params, solver.registry), np.int64)
+    bits = config_bits(profile, budget, solver)
+    try:
+        choice, uppers, loss, used = solve_chain(table[:, cols], bits[cols], budget.to_bits(profile.model),
+                                                 pair_loss, pair_weight)
+    except Infeasible as exc:
+        raise SolverError(min_bytes_message(solver.name, exc.need, budget, "the lightest config or shared pair "
+                                            "per layer")) from None
+    layers = []
+    for i, c in enumerate(choice):
+        if c == PAIRED:
+            shared = {"share": i - 1, "share_params": dict(pairs.share_params)} if i in uppers else {}
+            layers.append({"prefill": FULL_OP, "decode": FULL_OP, **shared})
+        else:
+            layers.append(solver.layer_entry(profile.configs[int(cols[c])], f"layer {i}", profile=profile))
+    return layers, loss, used, ", ".join(f"{u - 1}-{u}" for u in uppers) or "none"

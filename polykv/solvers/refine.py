@@ -36,11 +36,15 @@ import numpy as np
 from polykv.contract.params import ParamSpec
 from polykv.errors import ProfileError, SolverError, StudyError
 from polykv.models.corpus import corpus_documents
+from polykv.models.geometry import geometry_of_model
+from polykv.plan import AllocationGroup
 from polykv.profiling.budget import Budget, bits_to_bytes
-from polykv.profiling.plan_meter import calibration_draw
-from polykv.profiling.profile import Profile, check_measured_on
+from polykv.profiling.objectives import METRIC_OF, build as build_followups, parse_objectives
+from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
+from polykv.profiling.profile import MIX_METRIC, Profile, check_measured_on
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
+from polykv.solvers.global_budget import check_pairing, global_columns, members_of
 from polykv.solvers.windowed import whole_model, whole_model_plan
 
 
@@ -61,6 +65,9 @@ class MeasureOn:
     """What the model is, for the provenance (e.g. ``default``)."""
     progress: Any = None
     """Called with one line of text after each measured plan (``polykv solve`` prints it to stderr), or None."""
+
+
+STARTS = ("exact", "global")
 
 
 def _count(minimum: int, what: str) -> ParamSpec:
@@ -169,8 +176,12 @@ class Refine(Solver):
     name = "refine"
     needs_model = True
     defaults = {"metric": None, "rules": None, "steps": 8, "tries": 6, "sequences": 4, "tokens": None,
-                "follow_up": None, "seed": 0, "corpus": "mixed", "validate": 0}
+                "follow_up": None, "seed": 0, "corpus": "mixed", "validate": 0, "objectives": None, "start": "exact",
+                "allocator": None}
     param_specs = {"metric": METRIC_SPEC,
+                   "start": ParamSpec(str, choices=STARTS, description="the plan the search starts from"),
+                   "allocator": ParamSpec(str, nullable=True, description="the allocation group's allocator (start "
+                                          "global)"),
                    "steps": _count(0, "moves accepted at most"),
                    "tries": _count(1, "moves measured per step at most"),
                    "sequences": _count(1, "held-out sequences measured"),
@@ -195,8 +206,15 @@ class Refine(Solver):
         table = profile.table(p["metric"])
         cols = candidate_columns(self, profile, p["rules"])
         whole = whole_model(profile.model)  # solve_around_windows handed over the unbounded layers only
-        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols, whole)
-        choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
+        group = None
+        if p["start"] == "global":
+            self._check_global(profile, p)
+            choice, sig = global_columns(self, profile, budget, table, cols, p["allocator"])
+            group = (p["allocator"], sig)
+        weights = self._objectives(profile, p)
+        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols, whole, weights)
+        if group is None:
+            choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
         bits = config_bits(profile, budget, self)
         cap = budget.to_bits(profile.model)
         neighbours = _menu_neighbours(profile.configs)
@@ -204,9 +222,11 @@ class Refine(Solver):
 
         def plan_of(ch):
             layers = [self.layer_entry(profile.configs[c], f"layer {i}", profile=profile) for i, c in enumerate(ch)]
+            joined = [] if group is None else members_of(profile, ch, group[0], group[1])
             return self.plan(profile, budget, layers, p, predicted_loss=float(sum(table[i, c] for i, c in
                                                                                 enumerate(ch))),
-                             predicted_bits=int(sum(int(bits[c]) for c in ch)))
+                             predicted_bits=int(sum(int(bits[c]) for c in ch)),
+                             allocation=(AllocationGroup(allocator=group[0], layers=tuple(joined)),) if joined else ())
 
         def runnable(plan):  # the plan of every layer of the model: window-bounded layers keep their window
             return plan if whole is None else whole_model_plan(whole, plan)
@@ -253,17 +273,25 @@ class Refine(Solver):
         plan = plan_of(choice)
         validation = None
         if check is not None:  # sequences the search never saw: does the measured gain carry over?
-            validation = {"sequences": len(check.sequences), "exact_kl": check.measure(runnable(plan_of(exact_choice))),
-                          "refine_kl": check.measure(runnable(plan))}
-        record = {"metric": "kl", "model": on.name, "sequences": len(meter.sequences), "context_tokens": tokens,
-                  "follow_up": follow, "corpus": desc, "storage_dtype": _dtype_name(meter.storage_dtype),
-                  "exact_kl": exact_kl, "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
+            validation = {"sequences": p["validate"], f"{'exact' if p['start'] == 'exact' else 'start'}_kl":
+                          check.measure(runnable(plan_of(exact_choice))), "refine_kl": check.measure(runnable(plan))}
+        mixed = weights is not None
+        record = {"metric": _metric_name(weights), "model": on.name, "sequences": p["sequences"],
+                  "context_tokens": tokens, "follow_up": follow, "corpus": desc,
+                  "storage_dtype": _dtype_name(meter.storage_dtype), "start": p["start"],
+                  **({"objectives": {METRIC_OF[o]: w for o, w in weights.items()}, "items": len(meter.sequences)}
+                     if mixed else {}),
+                  **({"exact_kl": exact_kl} if p["start"] == "exact" else {"start_kl": exact_kl}),
+                  "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
                   "prefills": meter.prefills, "stopped": stopped, "seconds": round(time.perf_counter() - start, 3),
                   "validation": validation, "steps": steps}
-        note = (f"the exact plan refined by {accepted} measured move(s): held-out KL {exact_kl:.6g} (exact) -> "
-                f"{current:.6g} nats over {len(meter.sequences)} sequences; {stopped}"
-                + (f"; on {validation['sequences']} further sequences {validation['exact_kl']:.6g} -> "
-                   f"{validation['refine_kl']:.6g}" if validation else ""))
+        what = "KL" if not mixed else f"{record['metric']} KL"
+        note = (f"the {p['start']} plan refined by {accepted} measured move(s): held-out {what} {exact_kl:.6g} "
+                f"({p['start']}) -> {current:.6g} nats over {p['sequences']} sequences"
+                + (f" ({len(meter.sequences)} follow-ups)" if mixed else "") + f"; {stopped}"
+                + (f"; on {validation['sequences']} further sequences "
+                   f"{validation.get('exact_kl', validation.get('start_kl')):.6g} -> {validation['refine_kl']:.6g}"
+                   if validation else ""))
         return attrs.evolve(plan, provenance=attrs.evolve(plan.provenance, note=note, measured=record))
 
     def held_out(self, profile: Profile, p: Mapping[str, Any], max_positions: int | None = None) -> tuple[int, int]:
@@ -271,6 +299,9 @@ class Refine(Solver):
         context) and ``follow_up`` (else what the calibration draw had after it, else 128). Refused, naming the
         options, when the sequences pass ``max_positions`` (the model's max_position_embeddings) or when the offline
         corpus holds too few texts long enough for ``sequences + validate`` of them."""
+        if p["start"] == "global":  # refused here, before the model loads
+            self._check_global(profile, p)
+        self._objectives(profile, p)
         draw, prov = calibration_draw(profile), profile.provenance
         tokens = p["tokens"] if p["tokens"] is not None else prov.context_tokens
         if tokens is None:
@@ -295,11 +326,40 @@ class Refine(Solver):
             raise _too_few(p, tokens + follow) from None
         return tokens, follow
 
-    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols, whole):
-        import torch
+    def _check_global(self, profile: Profile, p: Mapping[str, Any]) -> None:
+        """``start = "global"``: a registered allocator whose rule the profile measured, and no pair table."""
+        if p["allocator"] is None:
+            raise SolverError("solver 'refine': start 'global' needs the group's allocator: --param allocator=NAME")
+        check_pairing(self, p["allocator"], p["allocator"])
+        if not any(c.rule == p["allocator"] and not c.keeps_everything for c in profile.configs):
+            raise SolverError(f"solver 'refine': start 'global' groups the layers of rule '{p['allocator']}' (the rule "
+                              f"of allocator '{p['allocator']}'), which {profile.source} has no configs of; calibrate "
+                              "it or start from exact")
 
-        from polykv.models.geometry import geometry_of_model
-        from polykv.profiling.plan_meter import PlanMeter, heldout_sequences
+    def _objectives(self, profile: Profile, p: Mapping[str, Any]) -> dict[str, float] | None:
+        """``{objective: weight}`` the search measures, or None for continuation alone (the plain held-out KL):
+        ``objectives`` (default: the profile's objective mix), weighted as the profile weighs them (1 otherwise)."""
+        by_metric = {m: o for o, m in METRIC_OF.items()}
+        weights = {by_metric[m]: float(w) for m, w in (profile.objective_weights or {}).items() if m in by_metric}
+        given = p["objectives"]
+        if isinstance(given, str):
+            given = [x for x in given.split(",") if x]
+        if given is not None and (not isinstance(given, (list, tuple)) or not given
+                                  or not all(isinstance(x, str) for x in given)):
+            raise SolverError(f"solver 'refine': parameter 'objectives' must be a non-empty list of objectives such as "
+                              f"[\"continuation\", \"retrieval\"] (or null: the profile's mix), got {given!r}")
+        names = list(given) if given is not None else list(weights)
+        try:
+            names, _ = parse_objectives(names) if names else (("continuation",), None)
+        except ProfileError as exc:
+            raise SolverError(f"solver 'refine': parameter 'objectives': {exc}") from None
+        if tuple(names) == ("continuation",):
+            return None
+        return {o: weights.get(o, 1.0) for o in names}
+
+    def _meter(self, profile: Profile, budget: Budget, p: Mapping[str, Any], on: MeasureOn, cols, whole,
+               weights: Mapping[str, float] | None = None):
+        import torch
 
         geometry = geometry_of_model(on.model)
         check_measured_on(profile.model if whole is None else whole, geometry, profile.source)
@@ -316,9 +376,24 @@ class Refine(Solver):
             dtype = getattr(torch, budget.cache_dtype)
         menu = [self.config_layer(profile.configs[int(c)], f"config {profile.configs[int(c)].label}", profile=profile)
                 for c in cols]
-        meters = [PlanMeter(on.model, part, tokens, model_data=on.model_data, registry=self.registry,
-                            storage_dtype=dtype, layer_menu=menu) if part else None for part in (seqs[:n], seqs[n:])]
+        meters = [self._part_meter(on, part, tokens, dtype, menu, weights, p["seed"]) if part else None
+                  for part in (seqs[:n], seqs[n:])]
         return meters[0], meters[1], desc, tokens, follow
+
+    def _part_meter(self, on: MeasureOn, seqs, tokens: int, dtype, menu, weights, seed: int) -> PlanMeter:
+        """A meter of the continuation KL of ``seqs``, or of the objective mix ``weights`` built on them (every
+        objective's follow-ups, each weighted by its objective's weight over its count)."""
+        kw = dict(model_data=on.model_data, registry=self.registry, storage_dtype=dtype, layer_menu=menu)
+        if weights is None:
+            return PlanMeter(on.model, seqs, tokens, **kw)
+        try:
+            items = build_followups(tuple(weights), seqs, tokens, tokenizer=on.tokenizer, registry=self.registry,
+                                    seed=seed)
+        except (ProfileError, StudyError) as exc:
+            raise SolverError(f"solver 'refine': parameter 'objectives': {exc}") from None
+        flat = [(it, weights[name] / len(got)) for name, got in items.items() for it in got]
+        return PlanMeter(on.model, [it.ids for it, _ in flat], tokens, rows=[it.rows for it, _ in flat],
+                         weights=[w for _, w in flat], **kw)
 
 
 def _too_few(p: Mapping[str, Any], length: int) -> SolverError:
@@ -332,6 +407,13 @@ def _apply(choice: list[int], move) -> list[int]:
     for layer, col in move:
         out[layer] = col
     return out
+
+
+def _metric_name(weights: Mapping[str, float] | None) -> str:
+    """The table name of what the search measured: ``kl`` (continuation), one objective's, or the mix."""
+    if weights is None:
+        return "kl"
+    return METRIC_OF[next(iter(weights))] if len(weights) == 1 else MIX_METRIC
 
 
 def _dtype_name(dtype) -> str | None:

@@ -45,7 +45,8 @@ class Template(NamedTuple):
     params_key: str
 
 
-def _key(c) -> Template:
+def template_of(c) -> Template:
+    """The eviction template (rule, phase, parameters) config ``c`` belongs to."""
     import json
 
     return Template(c.rule, c.phase, json.dumps(c.params, sort_keys=True))
@@ -55,7 +56,7 @@ def templates(profile: Profile, rules: Any, solver: str) -> list[Template]:
     """Distinct eviction templates of the profile among ``rules`` (None = all), sorted."""
     if isinstance(rules, str):
         rules = [r for r in rules.split(",") if r]
-    found = sorted({_key(c) for c in profile.configs if not c.keeps_everything
+    found = sorted({template_of(c) for c in profile.configs if not c.keeps_everything
                     and (rules is None or c.rule in rules)})
     if not found:
         have = sorted({c.rule for c in profile.configs if not c.keeps_everything})
@@ -65,7 +66,7 @@ def templates(profile: Profile, rules: Any, solver: str) -> list[Template]:
 
 
 def width_pairs(profile: Profile, tpl: Template) -> list[tuple[int, int]]:
-    return sorted({(c.k_bits, c.v_bits) for c in profile.configs if not c.keeps_everything and _key(c) == tpl})
+    return sorted({(c.k_bits, c.v_bits) for c in profile.configs if not c.keeps_everything and template_of(c) == tpl})
 
 
 def interpolated_loss(profile: Profile, table: np.ndarray, tpl: Template, kb: int, vb: int,
@@ -80,7 +81,7 @@ def interpolated_loss(profile: Profile, table: np.ndarray, tpl: Template, kb: in
             continue
         if c.keeps_everything:
             points.setdefault(1.0, i)
-        elif _key(c) == tpl:
+        elif template_of(c) == tpl:
             points[float(c.keep)] = i
     keeps = sorted(points)
     if not keeps or keep < keeps[0] - 1e-12 or keep > keeps[-1] + 1e-12:
@@ -111,7 +112,7 @@ def _stored(profile: Profile) -> LayerPlan:
 
 
 def _params(profile: Profile, tpl: Template) -> dict:
-    return dict(next(c.params for c in profile.configs if not c.keeps_everything and _key(c) == tpl))
+    return dict(next(c.params for c in profile.configs if not c.keeps_everything and template_of(c) == tpl))
 
 
 def fill_tokens(solver: Solver, profile: Profile, budget: Budget, tpl: Template, kb: int, vb: int) -> int:

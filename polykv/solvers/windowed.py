@@ -93,10 +93,14 @@ def whole_model(sub_model: Any):
 
 def whole_model_plan(model: Any, sub_plan, *, provenance: Provenance | None = None):
     """The plan of the whole ``model`` (a profile model) from ``sub_plan``, the plan of its unbounded layers in
-    order: each window-bounded layer keeps its window (the keep-everything 16-bit op)."""
+    order: each window-bounded layer keeps its window (the keep-everything 16-bit op). Allocation groups name
+    the same layers, renumbered in the whole model."""
     bounds = window_bounds(model)
+    free = [i for i in range(model.num_layers) if i not in bounds]
     solved = iter(sub_plan.layers)
     layers = [LayerPlan(layer=i) if i in bounds else attrs.evolve(next(solved), layer=i)
               for i in range(model.num_layers)]
-    return per_layer_plan(model, layers, decode_slack=sub_plan.trigger.decode_slack,
+    plan = per_layer_plan(model, layers, decode_slack=sub_plan.trigger.decode_slack,
                           provenance=sub_plan.provenance if provenance is None else provenance)
+    groups = tuple(attrs.evolve(g, layers=tuple(free[i] for i in g.layers)) for g in sub_plan.allocation)
+    return attrs.evolve(plan, allocation=groups) if groups else plan

@@ -22,8 +22,6 @@ CALIBRATE_AXES = [
     ("ranks-above-head-dim", ["--ranks", "d,99", "--validate", "0"], "--ranks"),
     ("ranks-zero", ["--ranks", "0", "--validate", "0"], "--ranks"),
     ("ranks-text", ["--ranks", "half", "--validate", "0"], "--ranks"),
-    ("ranks-with-heldout", ["--ranks", "d,d/2"], "--validate"),
-    ("pairs-with-heldout", ["--pairs", "--validate", "1"], "--validate"),
 ]
 for _id, _args, _expect in CALIBRATE_AXES:
     add(f"axes-calibrate-{_id}", "cli", lambda d, a=_args: ["calibrate", model_folder(d), "-o", "x.profile.json", *a],
