@@ -149,7 +149,7 @@ def run_validate(args) -> int:
 
 
 def run_show(args) -> int:
-    from polykv.profiling.budget import MAX_CONTEXT_TOKENS
+    from polykv.plan import MAX_CONTEXT_TOKENS
 
     if args.context is not None and not 1 <= args.context <= MAX_CONTEXT_TOKENS:
         raise PolykvError(f"--context must be a number of tokens in [1, {MAX_CONTEXT_TOKENS}], got {args.context}")

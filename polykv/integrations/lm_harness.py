@@ -41,7 +41,7 @@ from polykv.contract.model_data import needs_of_rules, side_file
 from polykv.errors import DeviceFallbackWarning, PolykvError
 from polykv.models.devices import check_device
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
-from polykv.plan import load_plan
+from polykv.plan import Plan, full_plan, load_plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime.answer import answer_from_context
 
@@ -118,11 +118,10 @@ def resolve_plan(plan: Any, model):
     """A :class:`~polykv.plan.Plan` from a Plan, ``"full"`` or a plan file, checked against ``model``."""
     import polykv
     from polykv.models.geometry import geometry_of_model
-    from polykv.plan import Plan, full_plan
 
     geometry = geometry_of_model(model)
     if isinstance(plan, Plan):
-        plan.validate(registry=polykv.get_registry(), geometry=geometry)
+        validate_plan(plan, registry=polykv.get_registry(), geometry=geometry)
         return plan
     if plan is None or plan == FULL:
         return full_plan(geometry)

@@ -22,7 +22,7 @@ import torch
 from polykv.contract.checks import checks_enabled
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
-from polykv.plan import Plan
+from polykv.plan import Plan, validate_plan
 from polykv.runtime import attention
 from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.calls import ContextLengthWarning, OneCaller, SessionCalls  # noqa: F401 (re-exported)
@@ -113,7 +113,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         raise RuntimeConfigError(
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
-    plan.validate(registry=registry, geometry=geometry)
+    validate_plan(plan, registry=registry, geometry=geometry)
     check_probe_phases(plan, registry)
     plan = fill_tokenizer_params(plan, registry, model, tokenizer)
     check_token_ids(plan, registry, model)

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from polykv.errors import PolykvError, StudyError
-from polykv.plan import Plan, Provenance, full_plan
+from polykv.plan import Plan, Provenance, full_plan, validate_plan
 from polykv.studies import stats
 from polykv.studies.spec import FULL_POLICY, ROLES, StudySpec
 
@@ -52,7 +52,7 @@ class Policy:
     def record(self, geometry, context_tokens: int) -> dict[str, Any]:
         """The ``policy`` line of the results file."""
         from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
-        from polykv.plan.io import plan_dict
+        from polykv.plan.writing import plan_dict
 
         nominal = sum(nominal_bytes(self.plan, geometry, context_tokens))
         resident16 = sum(r.resident_bytes for r in predict_resident(self.plan, geometry, context_tokens,
@@ -281,7 +281,7 @@ def check_policies_fit(spec: StudySpec, policies: list[Policy], *, registry=None
     ordered = [p for p in policies if p.name != FULL_POLICY] + [p for p in policies if p.name == FULL_POLICY]
     for pol in ordered:
         source = spec.plans.get(pol.name) or f"{spec.source}: policy '{pol.name}'"
-        pol.plan.validate(registry=registry, geometry=geo, source=source)
+        validate_plan(pol.plan, registry=registry, geometry=geo, source=source)
     notes = []
     longest = [("context_tokens", spec.context_tokens)] + [
         (f"tasks[{i}].params.{k}", t.params[k]) for i, t in enumerate(spec.tasks)

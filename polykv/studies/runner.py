@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
-from polykv.plan import Plan
+from polykv.plan import Plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime.tokenizer_params import fill_tokenizer_params
 from polykv.studies.designs import Policy, build_policies
@@ -246,7 +246,7 @@ class LoadedStudy:
 
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
-            pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
+            validate_plan(pol.plan, registry=registry, geometry=geo, source=f"policy '{pol.name}'")
         # rule parameters built from the tokenizer (KVzip's prompt ids) where a plan leaves them unset
         plugins = registry or get_registry()
         policies = [attrs.evolve(pol, plan=fill_tokenizer_params(pol.plan, plugins, model, tokenizer))
