@@ -270,7 +270,7 @@ def check_quantizer(name: str, params: dict, bits, geometry) -> None:
 def check_outputs(args, stats_path: str) -> None:
     """Neither output may be an input (a file of the model folder) or a file polykv did not write."""
     from polykv.atomic import check_output, same_file
-    from polykv.profiling.profile_io import is_profile_file
+    from polykv.profiling.profile import is_profile_file
     from polykv.models.query_stats import is_query_stats_file
 
     inputs = []

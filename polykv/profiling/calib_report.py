@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from polykv.profiling.profile import FULL_RULE, Profile
+from polykv.profiling.profile import Profile
+from polykv.profiling.profile_checks import FULL_RULE
 
 
 def operation_rows(profile: Profile, metric: str = "l2") -> list[tuple[str, float, float, float]]:

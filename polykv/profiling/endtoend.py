@@ -44,7 +44,8 @@ import torch
 
 from polykv.errors import PolykvError, ProfileError, RuntimeConfigError
 from polykv.plan import Plan
-from polykv.profiling.profile import FULL_RULE, CandidateConfig
+from polykv.profiling.profile import CandidateConfig
+from polykv.profiling.profile_checks import FULL_RULE
 from polykv.profiling import validation as val
 
 KL_MODES = ("subset", "all")

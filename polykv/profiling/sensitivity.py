@@ -37,7 +37,8 @@ import torch
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
-from polykv.profiling.profile import FULL_RULE, CandidateConfig
+from polykv.profiling.profile import CandidateConfig
+from polykv.profiling.profile_checks import FULL_RULE
 from polykv.runtime.attention import sdpa
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.layer_spec import LayerSpec

@@ -172,7 +172,8 @@ def test_metric_flag_errors(result, tmp_path, capsys):
 
 def test_old_profiles_route_on_l2_and_solve_as_before(result, tmp_path):
     """A profile without routing_metric (every profile of before) loads, routes on l2 and fingerprints as it did."""
-    from polykv.profiling.profile_io import dumps, loads
+    from polykv.profiling.profile import loads
+    from polykv.profiling.profile_writing import dumps
 
     text = dumps(result.profile)
     old = json.loads(text)
