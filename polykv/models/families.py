@@ -21,6 +21,14 @@ from __future__ import annotations
 import attrs
 import torch
 
+import polykv
+from polykv.errors import RuntimeConfigError
+from polykv.models.geometry import geometry_from_config, geometry_of_model
+from polykv.models.reference import masked_reference_logits, record_run
+from polykv.plan import OpSpec
+from polykv.runtime.cache import cache_keyword, output_cache
+from polykv.runtime.support import check_servable
+
 TOL = 1e-4
 PROMPT, STEPS, WINDOW = 20, 6, 8
 MAX_PARAMS = 3_000_000
@@ -151,8 +159,6 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 def _vanilla(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """Logits of every prompt position and of ``steps`` greedy steps with transformers' own cache."""
-    from polykv.runtime.cache import cache_keyword, output_cache
-
     out = model(ids, use_cache=True)
     cache = output_cache(out)
     logits = [out.logits]
@@ -182,12 +188,6 @@ def _describe(model, geo) -> str:
 
 def check_family(model_type: str) -> FamilyResult:
     """Build ``model_type`` tiny and sort it (see the module docstring); exactness is measured, not assumed."""
-    import polykv
-    from polykv.errors import RuntimeConfigError
-    from polykv.models.geometry import geometry_from_config, geometry_of_model
-    from polykv.plan import OpSpec
-    from polykv.models.reference import masked_reference_logits, record_run
-
     model, why = build(model_type)
     if model is None:
         meta, _ = build(model_type, device="meta") if "parameters" in why else (None, None)
@@ -197,8 +197,6 @@ def check_family(model_type: str) -> FamilyResult:
         model = meta  # too big to run tiny: only whether apply refuses it can be checked
     if _bidirectional(model):
         return FamilyResult(model_type, "not a decoder", message="not a decoder: bidirectional encoder")
-    from polykv.runtime.support import check_servable
-
     try:
         check_servable(model)
         if next(model.parameters()).device.type == "meta":
