@@ -13,11 +13,10 @@ import attrs
 from polykv.atomic import check_output, replace_with, same_file
 from polykv.commands.plan import model_geometry as geometry_of
 from polykv.commands.solve import parse_params
-from polykv.commands.study import check_threads
 from polykv.contract.model_data import registered_needs, side_file
 from polykv.errors import ProfileError
 from polykv.models import MODEL_ALIASES, NAMED_MODELS
-from polykv.models.devices import check_device
+from polykv.models.devices import check_device, check_threads
 from polykv.models.kv_bases import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.models.query_stats import is_query_stats_file

@@ -7,7 +7,7 @@ import sys
 
 from polykv.atomic import check_output
 from polykv.commands.demo import set_threads
-from polykv.errors import StudyError
+from polykv.models.devices import check_threads
 from polykv.plan.validation import check_side_files
 from polykv.registry import get_registry
 from polykv.studies.distributed import run_study_ray
@@ -46,31 +46,6 @@ def register(subparsers) -> None:
                      help="send an item's policies to workers in groups of at most N (each group prefills the item "
                           "again); default: all of an item's policies in one unit, one prefill per item")
     p.set_defaults(func=run)
-
-
-REMOTE_THREADS_MAX = 1024
-"""Most ``--threads`` a Ray worker (on a machine this process cannot see) may be asked for."""
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def check_threads(n: int | None, error=None, *, remote: bool = False) -> None:
-    """``--threads`` lies in 1..(CPUs of this machine), checked before anything is written: torch accepts
-    any number, and a number past what the OS lets one process start aborts the process later (libgomp)."""
-    if n is None:
-        return
-    error = error or StudyError
-    high = REMOTE_THREADS_MAX if remote else cpu_count()
-    if not 1 <= n <= high:
-        where = "per Ray worker" if remote else f"this machine gives this process {high} CPU(s)"
-        raise error(f"--threads {n}: give a whole number from 1 to {high} ({where}; more threads than CPUs only "
-                    "slow torch down)")
 
 
 def check_outputs(spec, results: str, report: str | None) -> None:
