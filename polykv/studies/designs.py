@@ -27,6 +27,7 @@ import numpy as np
 from polykv.errors import PolykvError, StudyError
 from polykv.plan import Plan, Provenance, full_plan, validate_plan
 from polykv.studies import stats
+from polykv.profiling import stats as paired_stats
 from polykv.studies.spec import FULL_POLICY, ROLES, StudySpec
 
 
@@ -196,7 +197,7 @@ def placement(results, task: str, budget: str, *, seed: int = 0) -> dict[str, An
     x = [results.policies[n]["profile_score"] for n in names]
     y = [mean[n] for n in names]
     try:
-        out["spearman"] = stats.spearman(x, y, seed=seed, alternative="greater")
+        out["spearman"] = paired_stats.spearman(x, y, seed=seed, alternative="greater")
     except StudyError as exc:  # fewer than 3 routes, or a constant side: say why instead of a number
         out["spearman"] = None
         out["spearman_note"] = str(exc)
@@ -214,9 +215,9 @@ def budget_sweep(results, task: str) -> dict[str, list[tuple[str, str]]]:
     return {m: v for m, v in out.items() if len(v) > 1}
 
 
-def paired_vs(results, task: str, a: str, b: str, **kw) -> stats.Interval:
+def paired_vs(results, task: str, a: str, b: str, **kw) -> paired_stats.Interval:
     """Paired bootstrap interval of mean(score of a) - mean(score of b) over the shared items."""
-    return stats.paired_bootstrap(results.scores(a, task), results.scores(b, task), **kw)
+    return paired_stats.paired_bootstrap(results.scores(a, task), results.scores(b, task), **kw)
 
 
 def mean_bytes(results, policy: str, task: str, field: str = "kv_bytes") -> float:

@@ -8,7 +8,7 @@ from typing import Any
 
 from polykv.errors import SolverError, StudyError
 from polykv.plan import Plan
-from polykv.studies import stats
+from polykv.profiling import stats
 
 
 def loss_vs_exact(results, budget: str, profile, *, registry=None) -> list[dict[str, Any]]:

@@ -21,15 +21,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polykv.studies import designs, plots, predicted, stats
+from polykv.profiling import stats as paired_stats
 from polykv.studies.markdown import cell, code, line
 from polykv.studies.results import Results
 
 
-def _pct(iv: stats.Interval) -> str:
+def _pct(iv: paired_stats.Interval) -> str:
     return f"{iv.estimate:.1%} [{iv.low:.1%}, {iv.high:.1%}]"
 
 
-def _diff(iv: stats.Interval) -> str:
+def _diff(iv: paired_stats.Interval) -> str:
     mark = " *" if iv.shows_difference() else ""
     return f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]{mark}"
 
@@ -53,7 +54,7 @@ def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
         rows.append({"policy": name, "method": rec.get("method"), "budget": rec.get("budget"),
                      "role": rec.get("role"), "k": k, "n": n, "mean": float(scores.mean()),
                      "binary": bool(np.all((scores == 0) | (scores == 1))),
-                     "wilson": stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
+                     "wilson": paired_stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
                      "bytes": held, "kv_bytes": designs.mean_bytes(res, name, task),
                      "ratio": full / held if held else float("inf"),
                      "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit"),
@@ -166,7 +167,7 @@ def _matched(res: Results, task: str) -> list[str]:
     return out if rows else []
 
 
-def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval]) -> list[str]:
+def _intervals(title: str, policies: dict[str, str], intervals: dict[str, paired_stats.Interval]) -> list[str]:
     out = [f"**{title}** — policies: " + ", ".join(f"{cell(k)} = {code(v)}" for k, v in policies.items()), "",
            "| contrast | estimate [95% interval] | bootstrap p |", "|---|---|---|"]
     for name, iv in intervals.items():
@@ -231,7 +232,7 @@ def _task_section(res: Results, task: str, figures: "Figures", profile=None) -> 
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
         lines += [f"### Budget {cell(b)}", "", "Paired differences (`*`: the interval excludes 0 over at least "
-                  f"{stats.min_units_for_difference()} items, the fewest that can show a difference at 95%):", ""]
+                  f"{paired_stats.min_units_for_difference()} items, the fewest that can show a difference at 95%):", ""]
         lines += _pairs(res, task, b) + [""]
         chain = designs.moend_chain(res, task, b)
         if chain:

@@ -48,7 +48,7 @@ from polykv.errors import PolykvError, StudyError
 from polykv.models.kv_bases import KV_BASES_SUFFIX
 from polykv.plan import MAX_CONTEXT_TOKENS  # the largest context a spec (or --context) may name
 from polykv.strict_json import FieldReader
-from polykv.studies.corpus import corpus_id
+from polykv.models.corpus import corpus_id
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")
 FACTORIAL_ROLES = ("homogeneous_uniform", "homogeneous_allocated", "routed_uniform", "routed_allocated")
@@ -327,7 +327,7 @@ def parse_spec(raw: Any, *, base: str = ".", source: str = "<spec>", registry=No
 
 
 def _prompt_rule(raw: Mapping, tasks, r: FieldReader, registry) -> tuple[Any, str]:
-    from polykv.studies.prompt import PROMPT_FORMATS
+    from polykv.runtime.prompt import PROMPT_FORMATS
     from polykv.studies.tasks.base import TEACHER_FORCED
 
     bos = raw.get("bos", "auto")

@@ -11,7 +11,7 @@ import torch
 
 from polykv.plan import load_plan
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import model_data_for, query_stats_path
+from polykv.profiling.calibrate_settings import model_data_for, query_stats_path
 from polykv.profiling.profile import load_profile
 from polykv.models.query_stats import QueryStats
 from polykv.runtime import apply

@@ -81,6 +81,6 @@ def test_prefix_covering_the_whole_prompt_is_refused(model):
 def test_calibration_measures_a_probe_rule_by_default(model):
     """Calibration runs a probe rule's probe through the runtime (tests/calibration/test_endtoend.py checks its rows
     against a direct run), so the default rule list includes it."""
-    from polykv.profiling.calibrate import default_rules
+    from polykv.profiling.calibrate_settings import default_rules
 
     assert "kvzip" in default_rules(polykv.get_registry())
