@@ -460,6 +460,21 @@ def test_the_bottom_order_check_catches_one():
     assert bottom_order_breaks(graph) == [("polykv.plan.records", "polykv.memory.tokens")]
 
 
+def test_no_import_circles_counting_function_local_imports():
+    """A function-local import defers a heavy import; it never closes a circle (the shared part moves down)."""
+    found = circles(import_graph(module_level_only=False))
+    assert not found, "modules that import each other, counting imports inside functions:\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_modules_import_at_their_top():
+    """Fewer than MAX_LOCAL_IMPORTS function-local polykv imports in polykv/ and adapters/."""
+    found = local_import_lines()
+    assert len(found) < MAX_LOCAL_IMPORTS, (f"{len(found)} function-local polykv imports (import at the module's "
+                                            f"top unless a real cycle or a heavy optional import forbids it):\n"
+                                            + "\n".join(found))
+
+
 def test_the_circle_check_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
