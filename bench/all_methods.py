@@ -22,7 +22,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.runtime.cache import cache_keyword
 from polykv.models import load_default_model
 from polykv.plan import AllocationGroup, LayerPlan, OpSpec, Plan, Provenance
-from polykv.profiling.calibrate import model_data_for
+from polykv.profiling.calibrate_settings import model_data_for
 from polykv.registry import get_registry
 
 HERE = os.path.dirname(os.path.abspath(__file__))

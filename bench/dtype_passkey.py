@@ -35,7 +35,7 @@ def main() -> int:
     from polykv.studies.results import Results
     from polykv.studies.runner import prepare, run_study
     from polykv.studies.spec import load_spec
-    from polykv.studies.stats import wilson_interval as wilson
+    from polykv.profiling.stats import wilson_interval as wilson
 
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

@@ -41,7 +41,8 @@ from polykv.models.geometry import geometry_of_model
 from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import FULL_OP
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import CalibrationSettings, calibrate, corpus_sequences
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import CalibrationSettings, corpus_sequences
 from polykv.profiling.rank_error import rank_candidates
 from polykv.solvers import solve
 

@@ -32,7 +32,7 @@ PROFILE = os.path.join(ROOT, "profiles", "smollm2-135m-instruct.profile.json")
 
 def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
     """``tokens`` token ids of offline prose (the studies' corpus), repeated if needed."""
-    from polykv.studies.corpus import corpus_texts
+    from polykv.models.corpus import corpus_texts
 
     ids: list[int] = []
     for text in corpus_texts("mixed", 64, min_chars=2000, seed=0):

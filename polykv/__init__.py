@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 from polykv.contract.hookspecs import hookimpl  # noqa: E402
 from polykv.plan import (FULL_OP, LayerPlan, ModelInfo, OpSpec, Plan, Provenance, TriggerSettings,  # noqa: E402
-                         full_plan, load_plan, per_layer_plan, uniform_plan)
+                         full_plan, load_plan, per_layer_plan, uniform_plan, validate_plan)
 from polykv.registry import declare_builtin_plugins, get_registry  # noqa: E402
 
 BUILTIN_PLUGINS = (
@@ -36,6 +36,6 @@ def answer(model, plan, tokenizer, **kwargs):
     return _answer(model, plan, tokenizer, **kwargs)
 
 
-__all__ = ["__version__", "hookimpl", "get_registry", "load_plan", "Plan", "LayerPlan", "OpSpec", "ModelInfo",
+__all__ = ["__version__", "hookimpl", "get_registry", "load_plan", "validate_plan", "Plan", "LayerPlan", "OpSpec", "ModelInfo",
            "Provenance", "TriggerSettings", "FULL_OP", "uniform_plan", "full_plan", "per_layer_plan", "apply",
            "answer"]

@@ -1,7 +1,8 @@
 """The ``polykv`` command line. Each verb lives in its own module under :mod:`polykv.commands`.
 
 A command module defines ``register(subparsers)``, which adds its parser and sets
-``func=callable(args) -> int``. One error boundary here turns every bad input into one line on
+``func=callable(args) -> int``. A run imports only the module of the verb it runs (:data:`VERBS` names each
+verb's module and one-line help, for ``polykv --help``), so a verb module imports what it uses at its top. One error boundary here turns every bad input into one line on
 stderr, ``polykv VERB: error: <file or field>: <what to do>``, and exit status 2: polykv's own
 errors (:class:`polykv.errors.PolykvError`), argument errors, and the OSError, UnicodeDecodeError,
 OverflowError and ValueError that bad input raises deeper down. ``POLYKV_DEBUG=1`` re-raises them
@@ -16,11 +17,12 @@ import contextlib
 import errno
 import importlib
 import os
-import pkgutil
 import sys
 import warnings
 
 from polykv import __version__
+from polykv.contract.model_data import ModelDataNote
+from polykv.contract.params import UncheckedParamsWarning
 from polykv.errors import PolykvError, PolykvWarning
 from polykv.plugin_specs import PLUGINS_ENV, plugins_registered
 from polykv.registry import get_registry
@@ -47,19 +49,42 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+VERBS = {
+    "calibrate": ("calibrate", "measure a per-layer sensitivity profile of a model"),
+    "demo": ("demo", "run the MoE-nD chain and a PolyKV route on SmolLM2 (passkey, 8x and 4x) and write a report"),
+    "lm-eval": ("lmeval", "run lm-evaluation-harness with the polykv model (--model polykv)"),
+    "model-data": ("model_data", "compute per-model data (KVzip head scores, query statistics, key/value bases) into a "
+                                 "file"),
+    "plan": ("plan", "show or validate a plan file"),
+    "plugins": ("plugins", "list registered rules, quantizers, solvers and tasks"),
+    "report": ("report", "write a study report (Markdown + PNG figures) from a results file"),
+    "solve": ("solve", "make a plan from a profile at a memory budget"),
+    "study": ("study", "run plans head-to-head on tasks at matched memory (resumable)"),
+}
+"""Verb -> (its module in :mod:`polykv.commands`, the one-line help ``polykv --help`` lists). The module's own
+``register`` gives the same help (a test holds them equal)."""
+
+
+def build_parser(verb: str | None = None, *, every_verb: bool = True) -> argparse.ArgumentParser:
+    """The parser with every verb's own parser, or (``every_verb=False``) only ``verb``'s, each other verb a
+    one-line entry (its module is not imported)."""
     parser = Parser(prog="polykv", description="Compose KV-cache compression per layer and phase.")
     parser.add_argument("--version", action="version", version=f"polykv {__version__}")
     parser.add_argument(PLUGINS_OPTION, action="append", default=[], metavar="MODULE:OBJ[,MODULE:OBJ...]",
                         help=f"register plugins for this run (any verb, before or after it; adds to ${PLUGINS_ENV}): "
                              "an importable module, the current folder included, and its object with the hooks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    import polykv.commands as commands
-
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"polykv.commands.{info.name}")
-        module.register(sub)
+    for name, (module, help_line) in VERBS.items():
+        if every_verb or name == verb:
+            importlib.import_module(f"polykv.commands.{module}").register(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
+
+
+def _verb_of(argv: list[str]) -> str | None:
+    """The verb ``argv`` (without its ``--plugins`` options) names: its first word that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def _debug() -> bool:
@@ -103,9 +128,6 @@ def _verb(args) -> str:
 def _one_line_warnings(verb: str):
     """polykv's own warnings (unchecked plugin parameters, notes on per-model data, a cache it could not
     write, a device it replaced) as one stderr line each."""
-    from polykv.contract.model_data import ModelDataNote
-    from polykv.contract.params import UncheckedParamsWarning
-
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -163,9 +185,9 @@ def _plugin_sources(args) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
         argv, plugins = _take_plugin_options(list(sys.argv[1:] if argv is None else argv))
+        parser = build_parser(_verb_of(argv), every_verb=False)
         args = parser.parse_args(argv)
         args.plugins = [*args.plugins, *plugins]
     except UsageError as exc:

@@ -16,6 +16,9 @@ import math
 import re
 from typing import Any, Callable, Iterable, NoReturn
 
+from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
+from polykv.errors import OutputError
+
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects any polykv file needs (plans and profiles use fewer than 8)."""
 
@@ -117,9 +120,6 @@ class FieldReader:
 
     def read(self, what: str, *, missing_hint: str, text_hint: str) -> Any:
         """The parsed JSON of the file ``source`` (a ``what``, e.g. "plan file"), every failure one error."""
-        from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
-        from polykv.errors import OutputError
-
         try:
             check_readable_file(self.source, what, max_bytes=MAX_DOCUMENT_BYTES)
             with open(self.source, encoding="utf-8") as fh:

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             stale.append(prof_path)
             if not args.check:
                 write_text_atomic(prof_path, new_text)
-        from polykv.profiling.profile_io import loads
+        from polykv.profiling.profile import loads
 
         new_prof_fp = loads(new_text, prof_path).fingerprint
         stats = prof_path[: -len(".profile.json")] + ".qstats.safetensors"

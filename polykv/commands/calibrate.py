@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import shutil
 import sys
 
 import attrs
 
-from polykv.errors import PolykvError, ProfileError
-from polykv.models.devices import check_device
+from polykv.atomic import check_output, replace_with, same_file
+from polykv.commands.plan import model_geometry as geometry_of
+from polykv.commands.solve import parse_params
+from polykv.contract.model_data import recognises, registered_needs, side_file
+from polykv.errors import ProfileError
+from polykv.models import MODEL_ALIASES, NAMED_MODELS
+from polykv.models.devices import check_device, check_threads
+from polykv.models.kv_bases import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.plan import DEFAULT_QUANTIZER
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import (CalibrationSettings, corpus_sequences, default_rules,
+                                                 query_stats_path, tokenizer_params)
+from polykv.profiling.checkpoint import folder_digest, remove_folder
+from polykv.profiling.merge import merge_profiles
+from polykv.profiling.objectives import parse_objectives
+from polykv.profiling.profile import is_profile_file, load_profile
+from polykv.profiling.rank_error import rank_candidates
+from polykv.registry import get_registry
 
 
 def register(subparsers) -> None:
@@ -94,8 +112,6 @@ def register(subparsers) -> None:
 
 
 def _floats(text: str, what: str) -> list[float]:
-    import math
-
     try:
         out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -108,10 +124,6 @@ def _floats(text: str, what: str) -> list[float]:
 def parse_ranks(text: str, head_dim: int) -> tuple[int | None, ...]:
     """``--ranks``: ``d`` (full width: None), ``Nd/M`` or ``d/M`` (that fraction of the head dim, rounded to a
     multiple of 16 as :func:`~polykv.profiling.rank_error.rank_candidates` rounds) or a channel count; distinct."""
-    import re
-
-    from polykv.profiling.rank_error import rank_candidates
-
     out: list[int | None] = []
     for item in (x.strip() for x in text.split(",")):
         m = re.fullmatch(r"([0-9]*)d(?:/([0-9]+))?", item)
@@ -133,10 +145,6 @@ def parse_ranks(text: str, head_dim: int) -> tuple[int | None, ...]:
 
 def parse_objective_args(args) -> tuple[tuple[str, ...], dict[str, float]]:
     """``--objectives`` and ``--objective-weights`` as checked (objectives, {objective: weight})."""
-    import math
-
-    from polykv.profiling.objectives import parse_objectives
-
     names = [x.strip() for x in args.objectives.split(",") if x.strip()]
     if len(set(names)) != len(names):
         raise ProfileError(f"--objectives {args.objectives!r}: an objective is named twice; name each once")
@@ -166,8 +174,6 @@ def parse_objective_args(args) -> tuple[tuple[str, ...], dict[str, float]]:
 
 def _check_rules(settings) -> None:
     """Every named rule is registered and runs in the recorded phase."""
-    from polykv.registry import get_registry
-
     registry = get_registry()
     for rule in settings.rules or ():
         try:
@@ -189,13 +195,6 @@ def load_model(name: str, device: str, dtype: str = "float32"):
 def copy_side_files(base: str, output: str, *, skip: set) -> None:
     """The per-model data files beside the profile ``base`` (query statistics, head scores, bases) copied beside
     ``output``, except those this run wrote (``skip``): the merged profile keeps the data its base's rules read."""
-    import shutil
-
-    from polykv.atomic import replace_with, same_file
-    from polykv.contract.model_data import registered_needs, side_file
-    from polykv.models.kv_bases import KV_BASES_NEED
-    from polykv.registry import get_registry
-
     for need in [*registered_needs(get_registry()), KV_BASES_NEED]:
         src, dst = side_file(base, need.suffix), side_file(output, need.suffix)
         if os.path.isfile(src) and dst not in skip and not (os.path.exists(dst) and same_file(src, dst)):
@@ -208,10 +207,6 @@ def check_model_folder(name: str) -> None:
 
 def model_geometry(name: str):
     """The model's geometry from its config alone (no weights are loaded)."""
-    from polykv.commands.plan import model_geometry as geometry_of
-
-    from polykv.models import MODEL_ALIASES, NAMED_MODELS
-
     if name != "default" and name not in NAMED_MODELS and name not in MODEL_ALIASES:
         check_model_folder(name)
     return geometry_of(name)
@@ -219,16 +214,12 @@ def model_geometry(name: str):
 
 def check_args(args) -> dict:
     """Check every argument that can be checked before the model loads; returns the quantizer params."""
-    from polykv.commands.solve import parse_params
-
     for opt, value, low in (("--sequences", args.sequences, 1), ("--tokens", args.tokens, 2),
                             ("--prefix", args.prefix, 1), ("--stat-capacity", args.stat_capacity, 1),
                             ("--delta-ppl", args.delta_ppl, 0), ("--validate", args.validate, 0),
                             ("--validate-configs", args.validate_configs, 1)):
         if value < low:
             raise ProfileError(f"{opt} must be at least {low}, got {value}")
-    from polykv.commands.study import check_threads
-
     check_threads(args.threads, ProfileError)
     if args.tokens <= args.prefix:
         raise ProfileError(f"--tokens ({args.tokens}) must exceed --prefix ({args.prefix}): the tokens after the "
@@ -258,8 +249,6 @@ def check_args(args) -> dict:
 
 def check_quantizer(name: str, params: dict, bits, geometry) -> None:
     """The quantizer exists, takes ``params``, stores every width in ``bits`` and fits the model's heads."""
-    from polykv.registry import get_registry
-
     try:
         q = get_registry().quantizer(name)(**params)
     except (TypeError, ValueError) as exc:
@@ -279,12 +268,6 @@ def check_quantizer(name: str, params: dict, bits, geometry) -> None:
 
 def check_outputs(args, stats_path: str) -> None:
     """Neither output may be an input (a file of the model folder) or a file polykv did not write."""
-    from polykv.atomic import check_output, same_file
-    from polykv.profiling.profile_io import is_profile_file
-    from polykv.contract.model_data import recognises, registered_needs
-    from polykv.profiling.calibrate_settings import query_stats_need
-    from polykv.registry import get_registry
-
     inputs = []
     if args.model != "default" and os.path.isdir(args.model):
         inputs = [os.path.join(args.model, f) for f in os.listdir(args.model)]
@@ -294,14 +277,10 @@ def check_outputs(args, stats_path: str) -> None:
     check_output(stats_path, what="query statistics file", option="--query-stats", inputs=inputs,
                  recognise=lambda path: (need := query_stats_need(registered_needs(get_registry()))) is not None
                  and recognises(need, path))
-    from polykv.profiling.checkpoint import folder_digest
-
     folder_digest(args.output + ".partial")  # absent, or a checkpoint folder polykv created (else refused)
 
 
 def run(args) -> int:
-    from polykv.profiling.calibrate import CalibrationSettings, calibrate, corpus_sequences, query_stats_path
-
     qparams = check_args(args)
     objectives, weights = parse_objective_args(args)
     settings = CalibrationSettings(
@@ -318,16 +297,11 @@ def run(args) -> int:
     _check_rules(settings)
     base = None
     if args.extend is not None:
-        from polykv.profiling.profile import load_profile
-
         base = load_profile(args.extend)
     import torch
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, args.device, args.dtype)
-    from polykv.profiling.calibrate import default_rules, tokenizer_params
-    from polykv.registry import get_registry
-
     registry = get_registry()
     rules = settings.rules if settings.rules is not None else default_rules(registry)
     settings = attrs.evolve(settings, rule_params=tokenizer_params(registry, rules, tokenizer))
@@ -362,12 +336,8 @@ def run(args) -> int:
         copy_side_files(args.extend, args.output, skip=set(written))
     profile = result.profile
     if base is not None:
-        from polykv.profiling.merge import merge_profiles
-
         profile = merge_profiles(base, attrs.evolve(profile, source=f"the calibration of {', '.join(rules)}"))
     profile.save(args.output)
-    from polykv.profiling.checkpoint import remove_folder
-
     left = remove_folder(args.output + ".partial")
     if left:
         print(f"polykv calibrate: warning: {args.output}.partial: kept, it also holds files polykv did not write "

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from polykv.errors import PolykvError
+
 
 def register(subparsers) -> None:
     # prefix_chars="+": every "-" argument is lm-eval's, so this parser keeps none of them for itself
@@ -27,8 +29,6 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from polykv.errors import PolykvError
-
     try:
         from lm_eval.__main__ import cli_evaluate
 

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import time
 
-from polykv.errors import OutputError, PolykvError
+import polykv.runtime  # noqa: F401 (kvzip-head's scores are measured through the probe pass importing it installs)
+from polykv.atomic import check_output
+from polykv.contract.model_data import compute_over_corpus, need_of
+from polykv.errors import OutputError, PolykvError, ProfileError
 from polykv.models.devices import check_device
-from polykv.models.local_folder import check_model_folder, is_model_name
+from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
+from polykv.registry import get_registry
 
 
 def register(subparsers) -> None:
@@ -37,9 +42,6 @@ def register(subparsers) -> None:
 
 def known_needs(registry) -> dict:
     """``{key: (need, readers)}`` for every registered rule's need and the low-rank axis's bases."""
-    from polykv.contract.model_data import need_of
-    from polykv.models.kv_bases import KV_BASES_NEED
-
     out = {}
     for name in registry.names("rule"):
         need = need_of(registry.get("rule", name))
@@ -50,8 +52,6 @@ def known_needs(registry) -> dict:
 
 
 def run(args) -> int:
-    from polykv.registry import get_registry
-
     needs = known_needs(get_registry())
     if args.list:
         for key, (need, readers) in needs.items():
@@ -62,8 +62,6 @@ def run(args) -> int:
     if args.key not in needs:
         raise PolykvError(f"polykv model-data: unknown key {args.key!r}; known are {sorted(needs)} (see --list)")
     need = needs[args.key][0]
-    from polykv.atomic import check_output
-
     def recognise(path: str) -> bool:
         try:
             need.load(path)
@@ -75,12 +73,7 @@ def run(args) -> int:
     args.dtype = check_device(args.device, args.dtype)
     if not is_model_name(args.model):
         check_model_folder(args.model, weights=True)
-    # kvzip-head's scores are measured through the runtime's probe pass, which importing the runtime installs
-    import polykv.runtime  # noqa: F401
-    from polykv.commands.calibrate import load_model
-    from polykv.contract.model_data import compute_over_corpus
-
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    model, tokenizer = load_by_name(args.model, dtype=args.dtype, device=args.device, error=ProfileError)
     start = time.perf_counter()
     data, batches = compute_over_corpus(need, model, tokenizer)
     try:

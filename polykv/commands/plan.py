@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import os
 
-from polykv.errors import PolykvError
+from polykv.contract.model_data import needs_of_rules
+from polykv.contract.probe import probe_tokens
+from polykv.errors import PlanError, PolykvError
+from polykv.memory import memory_report
+from polykv.models import (MODEL_ALIASES, NAMED_MODELS, cached_complete, default_geometry,
+                           model_geometry as named_geometry, read_local_config)
+from polykv.models.geometry import fingerprints_match, geometry_from_config
+from polykv.plan import MAX_CONTEXT_TOKENS, load_plan
+from polykv.plan.groups import check_group_bounds
 from polykv.plan.validation import check_side_files
 from polykv.registry import get_registry
+from polykv.runtime.plan_checks import layer_spans
+from polykv.storage.layer_share import SHARE_PARAMS, retained_count
 
 DEFAULT_SHOW_CONTEXT = 2048
 
@@ -37,22 +47,13 @@ def register(subparsers) -> None:
 def model_geometry(spec: str):
     """Geometry for ``--model``: ``"default"``, a model name (``gemma3-270m``) or a local folder with a
     transformers ``config.json``."""
-    from polykv.models.geometry import geometry_from_config
-    from polykv.models import MODEL_ALIASES, NAMED_MODELS
-
     if spec == "default":
-        from polykv.models import default_geometry
-
         return default_geometry()
     if spec in NAMED_MODELS or spec in MODEL_ALIASES:
-        from polykv.models import model_geometry as named_geometry
-
         return named_geometry(spec)
     if not os.path.isdir(spec) or not os.path.lexists(os.path.join(spec, "config.json")):
         raise PolykvError(f"--model {spec!r}: expected 'default', one of {sorted(NAMED_MODELS)} or a local model "
                           f"folder holding config.json (models are never downloaded)")
-    from polykv.models import read_local_config
-
     try:
         read_local_config(spec)
     except PolykvError as exc:
@@ -68,8 +69,6 @@ def recognised_geometry(plan):
     fingerprint = plan.model.fingerprint if plan.model is not None else None
     if not fingerprint:
         return None
-    from polykv.models import NAMED_MODELS, cached_complete, model_geometry as named_geometry
-
     for name in NAMED_MODELS:
         if not cached_complete(name):
             continue
@@ -81,10 +80,6 @@ def recognised_geometry(plan):
 
 def _load(path: str, geometry=None, context: int | None = None):
     """The checked plan; its allocation groups are also budgeted at ``context`` (default: the plan's own)."""
-    from polykv.plan import load_plan
-    from polykv.plan.groups import check_group_bounds
-    from polykv.registry import get_registry
-
     plan = load_plan(path, registry=get_registry(), geometry=geometry)
     context = context or plan.provenance.context_tokens or DEFAULT_SHOW_CONTEXT
     check_group_bounds(plan, get_registry(), context, source=path)
@@ -96,10 +91,6 @@ def check_for_model(plan, geometry, source: str, context: int) -> None:
     ``model_data``) were measured on this model, and the plan's probe fits the model's positions after a
     ``context``-token prompt."""
     import torch
-
-    from polykv.contract.model_data import needs_of_rules
-    from polykv.models.geometry import fingerprints_match
-    from polykv.registry import get_registry
 
     registry = get_registry()
     needs = {n.key: n for n in needs_of_rules(registry, sorted(plan.rules_used()))}
@@ -149,8 +140,6 @@ def run_validate(args) -> int:
 
 
 def run_show(args) -> int:
-    from polykv.profiling.budget import MAX_CONTEXT_TOKENS
-
     if args.context is not None and not 1 <= args.context <= MAX_CONTEXT_TOKENS:
         raise PolykvError(f"--context must be a number of tokens in [1, {MAX_CONTEXT_TOKENS}], got {args.context}")
     geometry = model_geometry(args.model) if args.model else None
@@ -173,13 +162,6 @@ def run_show(args) -> int:
 
 def _memory(plan, geometry, source: str, context: int):
     """The plan's memory report; also proves every layer's quantizer can store this model's heads."""
-    from polykv.errors import PlanError
-
-    try:
-        from polykv.memory import memory_report
-    except ImportError as exc:
-        raise PolykvError(f"cannot predict memory: polykv.memory failed to import ({exc}); reinstall polykv "
-                          f"with bash scripts/setup.sh") from None
     try:
         return memory_report(plan, geometry, context)
     except PlanError as exc:
@@ -216,12 +198,7 @@ def probe_cost(plan, context: int, registry=None) -> str:
     which layers, and the extra forward tokens it costs per sequence at ``context`` prompt tokens; "" without one."""
     import torch
 
-    from polykv.contract.probe import probe_tokens
-    from polykv.runtime.plan_checks import layer_spans
-
     if registry is None:
-        from polykv.registry import get_registry
-
         registry = get_registry()
     found = {}
     for lp in plan.layers:
@@ -245,8 +222,6 @@ def probe_cost(plan, context: int, registry=None) -> str:
 
 def share_summary(plan, context: int) -> str:
     """One line on the plan's shared layer pairs: the pairs, their merge parameters, the tokens kept unmerged."""
-    from polykv.storage.layer_share import SHARE_PARAMS, retained_count
-
     parts = []
     for lo, hi in plan.share_pairs():
         params = dict(SHARE_PARAMS, **plan.layers[hi].share_params)

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
-from polykv.errors import SolverError
+import attrs
+
+from polykv.atomic import check_output
+from polykv.commands.plan import model_geometry
+from polykv.contract.model_data import load_side_files, needs_of_rules, side_file_references
+from polykv.errors import ProfileError, SolverError
 from polykv.models.devices import check_device
+from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.models.local_folder import load_by_name
+from polykv.plan.io import is_plan_file
+from polykv.profiling.budget import Budget
+from polykv.profiling.calibrate_settings import query_stats_path
+from polykv.profiling.profile import load_profile
+from polykv.registry import get_registry
+from polykv.solvers import solve
+from polykv.solvers.refine import MeasureOn
+from polykv.solvers.windowed import budget_bytes
 
 
 def register(subparsers) -> None:
@@ -87,15 +103,8 @@ def parse_params(items: list[str], option: str = "--param") -> dict:
 def with_profile_data(plan, profile_path: str):
     """``plan`` recording the profile's side files that hold the per-model data its rules read (its
     ``model_data`` field), so that ``polykv.apply`` finds them."""
-    import attrs
-
-    from polykv.contract.model_data import needs_of_rules, side_file_references
-    from polykv.registry import get_registry
-
     needs = needs_of_rules(get_registry(), sorted(plan.rules_used()))
     if plan.low_rank:  # low-rank layers project with the key/value bases calibrated beside the profile
-        from polykv.models.kv_bases import KV_BASES_NEED
-
         needs.append(KV_BASES_NEED)
     refs = side_file_references(profile_path, needs)
     return attrs.evolve(plan, model_data={**refs, **plan.model_data}) if refs else plan
@@ -105,8 +114,6 @@ def measuring_model(args, profile, params: dict, geometry=None):
     """The model a measuring solver runs its plans on (loaded from ``--model``), or None for the others; puts
     ``--tokens`` into ``params``. Its parameters, and the held-out sequences against the positions of the model's
     ``geometry``, are checked before the model loads."""
-    from polykv.registry import get_registry
-
     registry = get_registry()
     measures = getattr(registry.solver(args.solver), "needs_model", False)
     if args.tokens is not None:
@@ -126,23 +133,15 @@ def measuring_model(args, profile, params: dict, geometry=None):
     checked = solver.params(params)  # bad parameters are refused before the load
     if hasattr(solver, "held_out"):
         solver.held_out(profile, checked, getattr(geometry, "max_positions", None))
-    from polykv.commands.calibrate import load_model
-    from polykv.contract.model_data import load_side_files, needs_of_rules
-    from polykv.solvers.refine import MeasureOn
-
-    model, tokenizer = load_model(args.model, args.device)
+    model, tokenizer = load_by_name(args.model, dtype="float32", device=args.device, error=ProfileError)
     rules = sorted({c.rule for c in profile.configs if not c.keeps_everything})
     data = load_side_files(args.profile, needs_of_rules(registry, rules), model=model)
-    import sys
-
     return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model,
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def check_metric(metric: str, params: dict, profile, solver: str) -> str:
     """``--metric``: a table the profile has, for a solver that routes on one, not contradicting ``--param``."""
-    from polykv.registry import get_registry
-
     if "metric" in params and params["metric"] != metric:
         raise SolverError(f"--metric {metric} and --param metric={params['metric']} disagree; give one of them")
     if metric not in profile.metrics:
@@ -156,13 +155,6 @@ def check_metric(metric: str, params: dict, profile, solver: str) -> str:
 
 
 def run(args) -> int:
-    from polykv.atomic import check_output
-    from polykv.plan.io import is_plan_file
-    from polykv.profiling.budget import Budget
-    from polykv.profiling.calibrate import query_stats_path
-    from polykv.profiling.profile import load_profile
-    from polykv.solvers import solve
-
     check_output(args.output, what="plan file", option="-o", recognise=is_plan_file,
                  inputs=[args.profile, query_stats_path(args.profile)])
     profile = load_profile(args.profile)
@@ -171,8 +163,6 @@ def run(args) -> int:
     budget = Budget.parse(args.budget, args.context, basis=args.basis, batch=args.batch, cache_dtype=args.cache_dtype)
     geometry = None
     if args.model:
-        from polykv.commands.plan import model_geometry
-
         geometry = model_geometry(args.model)
     qparams = None if args.quantizer_param is None else parse_params(args.quantizer_param, "--quantizer-param")
     params = parse_params(args.param)
@@ -185,8 +175,6 @@ def run(args) -> int:
     plan.save(args.output)
     prov = plan.provenance
     loss = "n/a" if prov.predicted_loss is None else f"{prov.predicted_loss:.6g}"
-    from polykv.solvers.windowed import budget_bytes
-
     limit = budget_bytes(profile, budget)  # window-bounded layers at their window, the budget on the others
     measured = prov.measured or {}
     if measured:

@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
+from polykv.atomic import check_output
+from polykv.commands.demo import set_threads
+from polykv.models.devices import check_threads
 from polykv.plan.validation import check_side_files
 from polykv.registry import get_registry
+from polykv.studies.distributed import run_study_ray
+from polykv.studies.report import check_report_folder, write_report
+from polykv.studies.results import is_results_file
+from polykv.studies.runner import prepare, run_study
+from polykv.studies.spec import load_spec
 
 
 def register(subparsers) -> None:
@@ -40,39 +48,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-REMOTE_THREADS_MAX = 1024
-"""Most ``--threads`` a Ray worker (on a machine this process cannot see) may be asked for."""
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def check_threads(n: int | None, error=None, *, remote: bool = False) -> None:
-    """``--threads`` lies in 1..(CPUs of this machine), checked before anything is written: torch accepts
-    any number, and a number past what the OS lets one process start aborts the process later (libgomp)."""
-    from polykv.errors import StudyError
-
-    if n is None:
-        return
-    error = error or StudyError
-    high = REMOTE_THREADS_MAX if remote else cpu_count()
-    if not 1 <= n <= high:
-        where = "per Ray worker" if remote else f"this machine gives this process {high} CPU(s)"
-        raise error(f"--threads {n}: give a whole number from 1 to {high} ({where}; more threads than CPUs only "
-                    "slow torch down)")
-
-
 def check_outputs(spec, results: str, report: str | None) -> None:
     """The results file and report folder are none of the spec's inputs and not foreign files."""
-    from polykv.atomic import check_output
-    from polykv.studies.report import check_report_folder
-    from polykv.studies.results import is_results_file
-
     inputs = [spec.source, *spec.digests]
     check_output(results, what="results file", option="--results", inputs=inputs, recognise=is_results_file)
     if report:
@@ -80,9 +57,6 @@ def check_outputs(spec, results: str, report: str | None) -> None:
 
 
 def run(args) -> int:
-    from polykv.studies.runner import prepare, run_study
-    from polykv.studies.spec import load_spec
-
     check_threads(args.threads, remote=args.ray is not None)
     spec = load_spec(args.spec)
     results = args.results or os.path.join("results", spec.name, "results.jsonl")
@@ -98,14 +72,10 @@ def run(args) -> int:
         for pol in prepared.policies:
             print(f"  {pol.name}: {pol.plan.provenance.note or pol.method}")
         return 0
-    from polykv.commands.demo import set_threads
-
     set_threads(args.threads)
     if args.ray is None:
         counts = run_study(prepared, progress=not args.no_progress)
     else:
-        from polykv.studies.distributed import run_study_ray
-
         counts = run_study_ray(prepared, address=None if args.ray == "local" else args.ray, workers=args.workers,
                                cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
                                threads=args.threads, progress=not args.no_progress,
@@ -114,8 +84,6 @@ def run(args) -> int:
           + (f" ({counts['workers']} Ray workers, {counts['retried']} unit(s) rerun after a worker died)"
              if args.ray is not None else ""))
     if args.report:
-        from polykv.studies.report import write_report
-
         for path in write_report(results, args.report, option="--report"):
             print(f"wrote {path}")
     return 0

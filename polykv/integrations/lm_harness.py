@@ -37,13 +37,18 @@ from typing import Any
 
 import torch
 
+import polykv
 from polykv.contract.model_data import needs_of_rules, side_file
 from polykv.errors import DeviceFallbackWarning, PolykvError
 from polykv.models.devices import check_device
+from polykv.models.geometry import geometry_of_model
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
-from polykv.plan import load_plan
+from polykv.plan import Plan, full_plan, load_plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime.answer import answer_from_context
+from polykv.runtime.fork import forward
+from polykv.studies.fidelity import forced_logprobs
+from polykv.studies.runner import plan_model_data
 
 try:
     from lm_eval.api.registry import register_model
@@ -116,13 +121,9 @@ def load_pretrained(pretrained: Any, dtype: str = "float32", device: str = "cpu"
 
 def resolve_plan(plan: Any, model):
     """A :class:`~polykv.plan.Plan` from a Plan, ``"full"`` or a plan file, checked against ``model``."""
-    import polykv
-    from polykv.models.geometry import geometry_of_model
-    from polykv.plan import Plan, full_plan
-
     geometry = geometry_of_model(model)
     if isinstance(plan, Plan):
-        plan.validate(registry=polykv.get_registry(), geometry=geometry)
+        validate_plan(plan, registry=polykv.get_registry(), geometry=geometry)
         return plan
     if plan is None or plan == FULL:
         return full_plan(geometry)
@@ -159,8 +160,6 @@ class PolykvLM(HFLM):
         self.plan = resolve_plan(plan, model)
         super().__init__(pretrained=model, tokenizer=tok, batch_size=1, **kwargs)
         self.plan_source = plan if isinstance(plan, str) else (self.plan.provenance.note or "Plan object")
-        from polykv.studies.runner import plan_model_data
-
         self.model_data = plan_model_data(model, self.tokenizer, [self.plan], profile)
         self._session()  # checks the plan against the model (stores, attention) before any request
         self.requests: list[dict[str, Any]] = []
@@ -182,13 +181,9 @@ class PolykvLM(HFLM):
 
     # -- helpers ------------------------------------------------------------------------------------
     def _session(self):
-        import polykv
-
         return polykv.apply(self.model, self.plan, model_data=self.model_data)
 
     def _full_bytes(self, tokens: int) -> int:
-        from polykv.models.geometry import geometry_of_model
-
         geo = geometry_of_model(self.model)
         elem = next(self.model.parameters()).element_size()
         return 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * tokens * elem
@@ -213,8 +208,6 @@ class PolykvLM(HFLM):
 
     def _score(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
         """(sum of log p(continuation | context), whether greedy decoding reproduces it), under the plan."""
-        from polykv.studies.fidelity import forced_logprobs
-
         if not context_enc or not continuation_enc:
             raise PolykvError("a loglikelihood request needs a non-empty context and continuation")
         whole = (context_enc + continuation_enc)[-(self.max_length + 1):]    # lm-eval's left truncation
@@ -237,8 +230,6 @@ class PolykvLM(HFLM):
     # -- generation ----------------------------------------------------------------------------------
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         """Greedy generation of one prompt ``context`` [1, T] under the plan: [1, T + new] token ids."""
-        from polykv.runtime.fork import forward
-
         marker = generation_kwargs.pop(QUESTION_MARKER, None)
         mask = generation_kwargs.pop("attention_mask", None)
         if context.shape[0] != 1 or (mask is not None and not bool(mask.all())):

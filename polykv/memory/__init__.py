@@ -55,8 +55,6 @@ them each such row reports the allocator's bound (:meth:`Allocator.bound`) and i
 """
 
 from polykv.memory.budgets import (
-                                   BASES,
-                                   STORAGE_DTYPE_BYTES,
                                    context_note,
                                    full_cache_bytes_16bit,
                                    held_bytes_per_layer,
@@ -67,11 +65,9 @@ from polykv.memory.resident import MemoryRow, predict_resident, stream_bound_byt
 from polykv.memory.tokens import MEMORY_PHASES, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes
 
 __all__ = [
-    "BASES",
     "MEMORY_PHASES",
     "MemoryReport",
     "MemoryRow",
-    "STORAGE_DTYPE_BYTES",
     "context_note",
     "decode_held_tokens",
     "full_cache_bytes_16bit",

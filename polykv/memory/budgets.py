@@ -1,5 +1,7 @@
-"""What a memory budget counts: budget bases, storage dtypes, the 16-bit full-cache ratio basis, and the
-bytes a layer holds at its peak over phases."""
+"""What a memory budget counts: the 16-bit full-cache ratio basis and the bytes a layer holds at its peak over
+phases, on a budget basis (:data:`polykv.plan.BASES`: ``resident`` = bytes the runtime holds, stores + metadata,
+the peak over phases; ``nominal`` = MoE-nD's formula, codes only, at the decode bound) in a storage dtype
+(:data:`polykv.plan.STORAGE_DTYPE_BYTES`)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,7 @@ import attrs
 from polykv.errors import PlanError
 from polykv.memory.resident import predict_resident
 from polykv.memory.tokens import MEMORY_PHASES
-from polykv.plan import LayerPlan
-
-BASES = ("resident", "nominal")
-"""Budget bases: ``resident`` = bytes the runtime holds (stores + metadata, the peak over phases);
-``nominal`` = MoE-nD's formula (codes only, at the decode bound)."""
-
-STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-"""Element size of each cache storage dtype a budget may name."""
+from polykv.plan import BASES, STORAGE_DTYPE_BYTES, LayerPlan
 
 
 def full_cache_bytes_16bit(geometry: Any, context_tokens: int, batch: int = 1) -> int:

@@ -7,7 +7,9 @@ from typing import Any, Sequence
 import attrs
 
 from polykv.memory.resident import MemoryRow, predict_resident
-from polykv.memory.tokens import op_kept_tokens
+from polykv.memory.tokens import plan_geometry
+from polykv.models.kv_bases import bytes_of_bases
+from polykv.registry import get_registry
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -142,15 +144,13 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
 
     >>> print(memory_report(plan, geometry, 16000).format_table())  # doctest: +SKIP
     """
-    from polykv.registry import get_registry
-
     rows = predict_resident(plan, geometry, context_tokens, batch=batch, dtype_bytes=dtype_bytes,
                             registry=registry, phase=phase, num_heads=num_heads, decode_slack=decode_slack,
                             new_tokens=new_tokens, head_counts=head_counts, allocations=allocations)
     registry = registry if registry is not None else get_registry()
     groups, members, planned = [], [], {}
     for g in getattr(plan, "allocation", ()):
-        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        caps = [plan.layers[i].prefill.kept_tokens(context_tokens) for i in g.layers]
         groups.append((g.describe(), int(registry.allocator(g.allocator)(**g.params).group_bound(caps, context_tokens))))
         members.append(tuple(g.layers))
         planned.update({i: {"budget": cap} for i, cap in zip(g.layers, caps)})
@@ -167,9 +167,6 @@ def memory_report(plan: Any, geometry: Any = None, context_tokens: int = 4096, *
 
 def bases_bytes(plan: Any, geometry: Any, dtype_bytes: int) -> int:
     """Bytes of the basis slices a run of ``plan`` holds (:func:`polykv.models.kv_bases.bytes_of_bases`)."""
-    from polykv.memory.tokens import plan_geometry
-    from polykv.models.kv_bases import bytes_of_bases
-
     geo = plan_geometry(plan, geometry)
     return bytes_of_bases([(lp.k_rank, lp.v_rank) for lp in plan.layers], num_kv_heads=int(geo.num_kv_heads),
                           head_dim=int(geo.head_dim), dtype_bytes=dtype_bytes)

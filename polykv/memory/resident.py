@@ -10,8 +10,10 @@ import attrs
 
 from polykv.errors import PlanError
 from polykv.memory.tokens import (check_context, code_bits, decode_held_tokens, kept_tokens, layer_bounds, nominal_bytes,
-                                  op_kept_tokens, plan_geometry)
+                                  plan_geometry)
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
+from polykv.registry import get_registry
+from polykv.storage.layer_share import DEFAULT_RETENTION_RATIO, retained_count, shared_pair_bytes
 from polykv.storage.reserve import (cut_back_rows, grown_capacity, layer_hold, reserve_tokens,
                                     reserved_stream_bytes)
 
@@ -133,8 +135,6 @@ def predict_resident(plan: Any, geometry: Any, context_tokens: int, *, batch: in
         ``session.allocations()``: the budgets an allocator gave; without them allocated layers
         report the allocator's bound.
     """
-    from polykv.registry import get_registry
-
     check_context(context_tokens, phase)
     geo = plan_geometry(plan, geometry)
     registry = registry if registry is not None else get_registry()
@@ -201,8 +201,6 @@ def _shared(plan: Any, rows: list[MemoryRow], context_tokens: int, *, batch: int
     tokens (``ceil(retention_ratio * T)`` per head, known in advance) and, in decode, its own unmerged decode
     tokens (a buffer grown in blocks from empty); the upper layer's metadata counts the retained indices
     (``share_index``, int64, key and value streams)."""
-    from polykv.storage.layer_share import DEFAULT_RETENTION_RATIO, retained_count, shared_pair_bytes
-
     out = list(rows)
     decode_rows = grown_capacity(int(new_tokens or 0), 0) if phase == "decode" else 0
     for lp in plan.layers:
@@ -239,9 +237,9 @@ def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, 
         cap = after_prefill if after_prefill is not None else lp.decode.resolve_capacity(context_tokens + n)
     hold = layer_hold(capacity=cap, decode_slack=decode_slack, bound=wbound)
     if hold is None:  # exactly the prompt until the first decode token, then grown in blocks
-        start = after_prefill if after_prefill is not None else op_kept_tokens(lp.prefill, context_tokens)
+        start = after_prefill if after_prefill is not None else lp.prefill.kept_tokens(context_tokens)
         return grown_capacity(start + n, start), start
-    start = after_prefill if after_prefill is not None else op_kept_tokens(lp.prefill, context_tokens)
+    start = after_prefill if after_prefill is not None else lp.prefill.kept_tokens(context_tokens)
     fixed = cap is None or after_prefill is not None or lp.decode.capacity_ratio is None
     if new_tokens is not None and fixed and start + n <= hold:   # not cut back yet: the prompt and its slack
         rows = cut_back_rows(start, n, hold, slack=decode_slack)
@@ -306,7 +304,7 @@ def _allocation_bounds(plan: Any, registry: Any, context_tokens: int, allocation
     """Allocator bound per allocated layer that ``allocations`` does not cover."""
     out: dict[int, int] = {}
     for group in getattr(plan, "allocation", ()):
-        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in group.layers]
+        caps = [plan.layers[i].prefill.kept_tokens(context_tokens) for i in group.layers]
         bounds = registry.allocator(group.allocator)(**group.params).bound(caps, context_tokens)
         for layer, b in zip(group.layers, bounds):
             if layer not in allocations:

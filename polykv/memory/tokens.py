@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from polykv.errors import PlanError
-from polykv.plan import LayerPlan, OpSpec
+from polykv.plan import LayerPlan
 
 MEMORY_PHASES = ("prefill", "decode")
 
@@ -35,21 +35,15 @@ def check_context(context_tokens: int, phase: str) -> None:
         raise ValueError(f"phase must be one of {MEMORY_PHASES}, got {phase!r}")
 
 
-def op_kept_tokens(op: OpSpec, context_tokens: int) -> int:
-    """Tokens ``op`` keeps of a ``context_tokens`` context: its capacity there, at most the context."""
-    cap = op.resolve_capacity(context_tokens)
-    return context_tokens if cap is None else min(cap, context_tokens)
-
-
 def kept_tokens(layer: LayerPlan, context_tokens: int, phase: str = "prefill", *, bound: int | None = None) -> int:
     """Tokens a layer holds for a ``context_tokens`` context in ``phase`` (see :mod:`polykv.memory`).
 
     ``bound``: the layer's own token bound (a window-bounded layer), or None.
     """
     check_context(context_tokens, phase)
-    kept = op_kept_tokens(layer.prefill, context_tokens)
+    kept = layer.prefill.kept_tokens(context_tokens)
     if phase == "decode" and not layer.decode.keeps_everything:
-        kept = op_kept_tokens(layer.decode, context_tokens)
+        kept = layer.decode.kept_tokens(context_tokens)
     return kept if bound is None else min(kept, bound)
 
 
@@ -87,7 +81,7 @@ def decode_held_tokens(layer: LayerPlan, context_tokens: int, *, decode_slack: i
     check_context(context_tokens, "decode")
     n = int(new_tokens or 0)
     if after_prefill is None:
-        after_prefill = op_kept_tokens(layer.prefill, context_tokens)
+        after_prefill = layer.prefill.kept_tokens(context_tokens)
     if layer.decode.keeps_everything:  # after k >= 1 decode forwards of one token each
         return after_prefill + min(n, 1), after_prefill + n
     cap = layer.decode.resolve_capacity(context_tokens + n)

@@ -1,4 +1,4 @@
-"""The one check of a ``--device`` / ``--dtype`` pair every verb runs before it loads a model.
+"""The one check of a ``--device`` / ``--dtype`` pair every verb runs before it loads a model, and of ``--threads``.
 
 ``calibrate``, ``solve --solver refine``, ``model-data`` and the lm-eval model's ``device=`` / ``dtype=`` all
 call :func:`check_device`, so a device this machine lacks (``cuda`` without CUDA, ``cuda:3`` on a one-GPU
@@ -11,9 +11,11 @@ there cannot run) or an unknown dtype is one line naming the option, before any 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from polykv.errors import PolykvError
+from polykv.errors import PolykvError, StudyError
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "half": "float16"}
@@ -53,3 +55,28 @@ def check_device(device, dtype="float32", *, device_option: str = "--device", dt
         raise error(f"{dtype_option} float16 on {device_option} cpu: CPU half-precision kernels are slow and "
                     "incomplete; use float16 on a GPU, or bfloat16 or float32 on the CPU")
     return name
+
+
+REMOTE_THREADS_MAX = 1024
+"""Most ``--threads`` a Ray worker (on a machine this process cannot see) may be asked for."""
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(n: int | None, error=None, *, remote: bool = False) -> None:
+    """``--threads`` lies in 1..(CPUs of this machine), checked before anything is written: torch accepts
+    any number, and a number past what the OS lets one process start aborts the process later (libgomp)."""
+    if n is None:
+        return
+    error = error or StudyError
+    high = REMOTE_THREADS_MAX if remote else cpu_count()
+    if not 1 <= n <= high:
+        where = "per Ray worker" if remote else f"this machine gives this process {high} CPU(s)"
+        raise error(f"--threads {n}: give a whole number from 1 to {high} ({where}; more threads than CPUs only "
+                    "slow torch down)")

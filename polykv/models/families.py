@@ -188,7 +188,6 @@ def _describe(model, geo) -> str:
 
 def check_family(model_type: str) -> FamilyResult:
     """Build ``model_type`` tiny and sort it (see the module docstring); exactness is measured, not assumed."""
-
     model, why = build(model_type)
     if model is None:
         meta, _ = build(model_type, device="meta") if "parameters" in why else (None, None)

@@ -27,8 +27,10 @@ from typing import Any, Iterable
 import attrs
 import torch
 
+from polykv.atomic import replace_with
 from polykv.contract.model_data import ModelDataNeed
 from polykv.errors import ProfileError
+from polykv.models.geometry import fingerprints_match, geometry_of_model, rope_of_model
 from polykv.models.tagged_tensors import read_tagged
 
 FORMAT = "polykv-kv-bases"
@@ -97,13 +99,9 @@ class KVBases:
 
     def check_model(self, model: Any) -> None:
         """Raise unless ``model`` has this shape and (when both are known) this fingerprint."""
-        from polykv.models.geometry import geometry_of_model
-
         self.check_geometry(geometry_of_model(model))
 
     def check_geometry(self, geo: Any) -> None:
-        from polykv.models.geometry import fingerprints_match
-
         if (geo.num_layers, geo.num_kv_heads, geo.head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ProfileError(f"key/value bases are for L={self.num_layers}, Hkv={self.num_kv_heads}, "
                                f"d={self.head_dim}; the model has L={geo.num_layers}, Hkv={geo.num_kv_heads}, "
@@ -121,8 +119,6 @@ class KVBases:
     def save(self, path: str | os.PathLike) -> None:
         """Write a ``.safetensors`` file atomically."""
         from safetensors.torch import save_file
-
-        from polykv.atomic import replace_with
 
         path = os.fspath(path)
         if not path.endswith(".safetensors"):
@@ -212,8 +208,6 @@ def compute_kv_bases(model: Any, token_batches: Iterable[torch.Tensor], *, posit
     offsets : int
         Offsets sampled over that range.
     """
-    from polykv.models.geometry import geometry_of_model, rope_of_model
-
     geo = geometry_of_model(model)
     L, Hkv, d = geo.num_layers, geo.num_kv_heads, geo.head_dim
     ck = torch.zeros(L, Hkv, d, d, dtype=torch.float64)

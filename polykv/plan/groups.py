@@ -10,18 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polykv.errors import PlanError, RegistryError
-from polykv.plan import AllocationGroup
-
-
-def groups_to_json(groups) -> list[dict[str, Any]]:
-    out = []
-    for g in groups:
-        row: dict[str, Any] = {"allocator": g.allocator, "layers": list(g.layers)}
-        if g.params:
-            row["params"] = dict(sorted(g.params.items()))
-        out.append(row)
-    return out
+from polykv.errors import PlanError, PolykvError
+from polykv.plan.records import AllocationGroup, Plan
 
 
 def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
@@ -46,9 +36,9 @@ def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
     return tuple(groups)
 
 
-def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = None) -> None:
-    """Members exist, belong to one group, and evict in prefill; allocators and their params are known
-    (parameters without a spec are added to ``unchecked``, see :func:`polykv.plan.validation.plugin_instance`)."""
+def check_groups(plan: Plan, *, source: str) -> None:
+    """Members exist, belong to one group, and evict in prefill (the allocators and their params are checked
+    against the registry by :func:`polykv.plan.validation.validate_plan`)."""
     seen: dict[int, int] = {}
     for gi, g in enumerate(plan.allocation):
         field = f"allocation[{gi}]"
@@ -65,39 +55,13 @@ def check_groups(plan, *, source: str, registry=None, unchecked: dict | None = N
                                 "of the group's budget)", source=source, layer=layer,
                                 field=f"layers[{layer}].prefill.rule",
                                 hint="route the layer's prefill to an eviction rule, or leave it out of the group")
-        if registry is not None:
-            try:
-                cls = registry.allocator(g.allocator)
-            except RegistryError as exc:
-                raise PlanError(str(exc), source=source, field=field + ".allocator") from None
-            from polykv.plan.validation import plugin_instance
-
-            allocator = plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
-                                        unchecked={} if unchecked is None else unchecked,
-                                        hint=f"fix the value; the group holds layers {list(g.layers)}")
-            _check_members(plan, g, allocator, source=source, field=field)
-
-
-def _check_members(plan, group, allocator, *, source: str, field: str) -> None:
-    """Every member op is one the group's allocator can budget (:meth:`Allocator.check_op`)."""
-    for layer in group.layers:
-        for phase in ("prefill", "decode"):
-            problem = allocator.check_op(getattr(plan.layers[layer], phase))
-            if problem is not None:
-                where, reason = problem
-                raise PlanError(f"{reason} (allocation group {field}, {group.describe()})", source=source,
-                                layer=layer, field=f"layers[{layer}].{phase}.{where}",
-                                hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")
 
 
 def check_group_bounds(plan, registry, context_tokens: int, *, source: str) -> None:
     """Every group's allocator can budget its layers at ``context_tokens`` (e.g. a pyramid window below
     the group's average); an allocator's refusal names the group's field and the parameter it gives."""
-    from polykv.errors import PolykvError
-    from polykv.memory.tokens import op_kept_tokens
-
     for gi, g in enumerate(plan.allocation):
-        caps = [op_kept_tokens(plan.layers[i].prefill, context_tokens) for i in g.layers]
+        caps = [plan.layers[i].prefill.kept_tokens(context_tokens) for i in g.layers]
         try:
             registry.allocator(g.allocator)(**g.params).bound(caps, context_tokens)
         except (PolykvError, TypeError, ValueError) as exc:

@@ -1,5 +1,5 @@
-"""Plan files: deterministic JSON writing and strict parsing with precise errors (validation against the
-plugins and the model: :mod:`polykv.plan.validation`).
+"""Plan files, read: strict parsing with precise errors, and :func:`load_plan` (validation against the plugins and
+the model: :mod:`polykv.plan.validation`; writing: :mod:`polykv.plan.writing`).
 
 Every error is a :class:`polykv.errors.PlanError` naming the file, the layer (when there is one)
 and the dotted field, and saying what to do.
@@ -7,79 +7,23 @@ and the dotted field, and saying what to do.
 
 from __future__ import annotations
 
-import json
+import datetime
 import os
 from typing import Any
 
 import attrs
 
-from polykv.atomic import write_text_atomic
+from polykv.atomic import read_json_head
 from polykv.errors import PlanError
-from polykv.plan import (BUDGET_KINDS, DEFAULT_QUANTIZER, FULL_RULE, MAX_BATCH, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS,
-                         MAX_LOSS, OPTIONAL_PROVENANCE, PASSTHROUGH_BITS, RANK_SCHEMA_VERSION, SCHEMA_VERSION,
-                         SHARE_SCHEMA_VERSION, LayerPlan, ModelInfo, OpSpec,
-                         Plan, Provenance, TriggerSettings)
+from polykv.plan.groups import check_groups, parse_groups
+from polykv.plan.records import (BASES, BUDGET_KINDS, DEFAULT_QUANTIZER, MAX_BATCH, MAX_BUDGET_VALUE,
+                                 MAX_CONTEXT_TOKENS, MAX_LOSS, PASSTHROUGH_BITS, RANK_SCHEMA_VERSION, SCHEMA_VERSION,
+                                 SHARE_SCHEMA_VERSION, STORAGE_DTYPE_BYTES, LayerPlan, ModelInfo, OpSpec, Plan, Provenance,
+                                 TriggerSettings)
+from polykv.plan.sharing import check_shares
+from polykv.plan.validation import check_op, validate_plan
+from polykv.plan.writing import RANK_FIELDS
 from polykv.strict_json import FieldReader
-
-PHASES = ("prefill", "decode")
-
-
-# -- writing --------------------------------------------------------------------------------------
-
-def _op_dict(op: OpSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {"rule": op.rule}
-    if op.capacity is not None:
-        out["capacity"] = op.capacity
-    if op.capacity_ratio is not None:
-        out["capacity_ratio"] = op.capacity_ratio
-    if op.params:
-        out["params"] = dict(sorted(op.params.items()))
-    return out
-
-
-def layer_dict(lp: LayerPlan) -> dict[str, Any]:
-    out: dict[str, Any] = {"layer": lp.layer, "prefill": _op_dict(lp.prefill), "decode": _op_dict(lp.decode),
-                           "k_bits": lp.k_bits, "v_bits": lp.v_bits, "quantizer": lp.quantizer}
-    if lp.quantizer_params:
-        out["quantizer_params"] = dict(sorted(lp.quantizer_params.items()))
-    if lp.share is not None:  # schema version 2 (polykv.plan.sharing)
-        out["share"] = lp.share
-    if lp.share_params:
-        out["share_params"] = dict(sorted(lp.share_params.items()))
-    for name in RANK_FIELDS:  # written only when set: a full-rank layer's line is what version 1 wrote
-        if getattr(lp, name) is not None:
-            out[name] = getattr(lp, name)
-    return out
-
-
-RANK_FIELDS = ("k_rank", "v_rank")
-"""Layer fields of schema version 2: channels of the stored key and value codes (absent = full rank)."""
-
-
-def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
-    """The plan as JSON data; ``model_data`` paths relative to ``folder`` when given (the plan file's folder)."""
-    from polykv.plan.groups import groups_to_json
-
-    out = {
-        "schema_version": plan.written_schema_version,
-        "model": attrs.asdict(plan.model) if plan.model else None,
-        "trigger": attrs.asdict(plan.trigger),
-        "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
-                       if v is not None or k not in OPTIONAL_PROVENANCE},
-        "layers": [layer_dict(lp) for lp in plan.layers],
-    }
-    if plan.allocation:
-        out["allocation"] = groups_to_json(plan.allocation)
-    if plan.model_data:
-        out["model_data"] = {k: _relative(v, folder) for k, v in sorted(plan.model_data.items())}
-    return out
-
-
-def _relative(path: str, folder: str | None) -> str:
-    """``path`` as written in a plan file in ``folder`` (forward slashes); unchanged without a folder."""
-    if folder is None:
-        return path
-    return os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).replace(os.sep, "/")
 
 
 def _resolved(plan: Plan, source: str) -> Plan:
@@ -91,46 +35,8 @@ def _resolved(plan: Plan, source: str) -> Plan:
                                           for k, v in plan.model_data.items()})
 
 
-def _check_json(value: Any, field: str) -> None:
-    """Refuse what a plan file cannot hold (a set, an object), naming its field, before any JSON is written."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _check_json(v, f"{field}.{k}" if field else str(k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_json(v, f"{field}[{i}]")
-    else:
-        raise PlanError(f"{field} holds a {type(value).__name__} ({value!r}), which a plan file cannot hold",
-                        field=field, hint="give a number, a string, true/false, null, a list or a mapping")
-
-
-def dumps(plan: Plan, folder: str | None = None) -> str:
-    """Stable text: one top-level field per line, one layer per line, trailing newline."""
-    d = plan_dict(plan, folder)
-    _check_json(d, "")
-    enc = lambda v: json.dumps(v, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)  # noqa: E731
-    lines = ["{"]
-    for key in ("schema_version", "model", "trigger", "provenance", "allocation", "model_data"):
-        if key in d:
-            lines.append(f'  "{key}": {enc(d[key])},')
-    lines.append('  "layers": [')
-    rows = [f"    {enc(row)}" for row in d["layers"]]
-    lines.append(",\n".join(rows))
-    lines.append("  ]")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def save(plan: Plan, path: str) -> None:
-    write_text_atomic(path, dumps(plan, os.path.dirname(os.path.abspath(path))))
-
-
 def is_plan_file(path: str) -> bool:
     """True when ``path`` holds a JSON object shaped like a plan (``schema_version`` and ``layers``)."""
-    from polykv.atomic import read_json_head
-
     raw = read_json_head(path)
     return isinstance(raw, dict) and "schema_version" in raw and "layers" in raw
 
@@ -163,14 +69,10 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
-    from polykv.plan.groups import check_groups, parse_groups
-
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
                 allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
     check_groups(plan, source=source)
     _check_version_fields(r, plan)
-    from polykv.plan.sharing import check_shares
-
     check_shares(plan, source=source)
     return plan
 
@@ -233,8 +135,6 @@ def _parse_trigger(r: FieldReader, raw: Any) -> TriggerSettings:
 
 
 def _parse_provenance(r: FieldReader, raw: Any) -> Provenance:
-    from polykv.memory.budgets import BASES, STORAGE_DTYPE_BYTES
-
     if raw is None:
         return Provenance()
     r.obj(raw, "provenance", optional=[f.name for f in attrs.fields(Provenance)])
@@ -278,8 +178,6 @@ def _budget(r: FieldReader, value: Any, field: str) -> dict | None:
 
 
 def _created(r: FieldReader, value: Any, field: str) -> str | None:
-    import datetime
-
     created = r.str_(value, field, optional=True)
     if created is not None:
         try:
@@ -304,26 +202,6 @@ def _parse_op(r: FieldReader, layer: int, phase: str, raw: Any) -> OpSpec:
     op = OpSpec(rule=rule, capacity=cap, capacity_ratio=ratio, params=params)
     check_op(op, layer=layer, phase=phase, source=r.source)
     return op
-
-
-def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
-    """Capacity rules every op obeys, whatever rule it names."""
-    field = f"layers[{layer}].{phase}"
-    if op.rule == FULL_RULE:
-        if op.capacity is not None or op.capacity_ratio is not None:
-            raise PlanError("rule 'full' keeps everything and takes no capacity", source=source, layer=layer,
-                            field=field + ".capacity", hint="remove the capacity or name a retention rule")
-        return
-    if (op.capacity is None) == (op.capacity_ratio is None):
-        raise PlanError(f"rule '{op.rule}' needs exactly one of 'capacity' (tokens) or 'capacity_ratio'",
-                        source=source, layer=layer, field=field + ".capacity",
-                        hint="e.g. \"capacity\": 256 or \"capacity_ratio\": 0.25")
-    if op.capacity is not None and op.capacity < 1:
-        raise PlanError(f"capacity must be a positive number of tokens, got {op.capacity}", source=source,
-                        layer=layer, field=field + ".capacity", hint="use at least 1, or rule 'full'")
-    if op.capacity_ratio is not None and not (0.0 < op.capacity_ratio <= 1.0):
-        raise PlanError(f"capacity_ratio must be in (0, 1], got {op.capacity_ratio}", source=source,
-                        layer=layer, field=field + ".capacity_ratio", hint="e.g. 0.25 keeps a quarter")
 
 
 def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
@@ -353,13 +231,12 @@ def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
     )
 
 
-def load(path: str, *, registry=None, geometry=None) -> Plan:
+def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
+    """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
     source = str(path)
     raw = FieldReader(source, PlanError).read("plan file", missing_hint="check the path",
                                               text_hint="give a plan file (JSON)")
     plan = _resolved(parse_plan_dict(raw, source), source)
     if registry is not None or geometry is not None:
-        from polykv.plan.validation import validate
-
-        validate(plan, registry=registry, geometry=geometry, source=source)
+        validate_plan(plan, registry=registry, geometry=geometry, source=source)
     return plan

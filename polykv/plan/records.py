@@ -1,10 +1,12 @@
 """Plans: for every layer and phase, which retention rule runs, how much it keeps, and at how many bits.
 
 A plan is a plain JSON file (``schema_version`` 1), written deterministically so that it diffs well
-and round-trips byte for byte: top-level fields one per line, one line per layer. Load with
-:func:`load_plan`, save with :meth:`Plan.save` (atomic). Build plans in Python with
-:func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is documented
-in ``docs/plan-format.md``; :mod:`polykv.plan.io` parses and checks files strictly.
+and round-trips byte for byte: top-level fields one per line, one line per layer. Save with
+:meth:`Plan.save` (atomic, :mod:`polykv.plan.writing`), load with :func:`polykv.plan.io.load_plan`. Build plans
+in Python with :func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is
+documented in ``docs/plan-format.md``; :mod:`polykv.plan.io` parses and checks files strictly, and
+:func:`polykv.plan.validation.validate_plan` checks a plan against the plugins and a model. The records know
+neither: the reader and the checks import them, never the other way round.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
+
+from polykv.errors import PlanError
+from polykv.plan.writing import dumps, save
 
 SCHEMA_VERSION = 1
 """The version a plan file carries when it uses only the token and bit axes (every plan before ranks and sharing)."""
@@ -37,6 +42,12 @@ MAX_LOSS = 1e12
 above any measured (relative errors and KL stay below ~100); larger values overflow the solvers' sums."""
 MAX_BATCH = 1 << 20
 """Most batch rows a resident budget may be counted for."""
+PHASES = ("prefill", "decode")
+"""The phases a layer has an op for, in the order they run."""
+BASES = ("resident", "nominal")
+"""What a budget counts (:attr:`Provenance.basis`): the bytes the runtime holds, or MoE-nD's nominal bytes."""
+STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Storage dtypes a resident budget may be counted in (:attr:`Provenance.cache_dtype`), and their bytes."""
 
 
 def _plain_value(value: Any, field: str) -> Any:
@@ -48,8 +59,6 @@ def _plain_value(value: Any, field: str) -> Any:
     if type(value).__module__ == "numpy" and type(value).__name__ != "ndarray" and hasattr(value, "item"):
         return value.item()
     if hasattr(value, "shape"):
-        from polykv.errors import PlanError
-
         raise PlanError(f"{field} must be a plain number (or JSON value), got a {type(value).__module__}."
                         f"{type(value).__name__} of shape {tuple(value.shape)}", field=field,
                         hint="give one number per field: int(x) or float(x)")
@@ -101,6 +110,11 @@ class OpSpec:
         assert self.capacity_ratio is not None
         return max(1, math.ceil(self.capacity_ratio * context_tokens - 1e-9))
 
+    def kept_tokens(self, context_tokens: int) -> int:
+        """Tokens this op keeps of a ``context_tokens`` context: its capacity there, at most the context."""
+        cap = self.resolve_capacity(context_tokens)
+        return context_tokens if cap is None else min(cap, context_tokens)
+
     def describe(self) -> str:
         if self.keeps_everything:
             return "full"
@@ -115,8 +129,6 @@ def _rank(instance, attribute, value) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        from polykv.errors import PlanError
-
         raise PlanError(f"{attribute.name} must be a whole number of channels >= 1 (or None for full rank), got "
                         f"{value!r}", layer=getattr(instance, "layer", None), field=attribute.name,
                         hint="e.g. half the head dim; the rank may not exceed the head dim")
@@ -173,8 +185,6 @@ class LayerPlan:
 
 def _positive_slack(instance, attribute, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        from polykv.errors import PlanError
-
         raise PlanError(f"decode_slack must be a whole number of tokens >= 1, got {value!r}",
                         field="trigger.decode_slack",
                         hint="pass decode_slack=1 to evict on every step past capacity, or more to evict less often")
@@ -230,10 +240,6 @@ class Provenance:
     measured: dict[str, Any] | None = attrs.field(default=None, converter=_plain("provenance.measured"))
     """What a solver measured end to end on a model (``refine``: every measured move, the exact plan's and the
     final plan's measured KL); None for solvers that only read the profile."""
-
-
-OPTIONAL_PROVENANCE = ("basis", "batch", "cache_dtype", "measured")
-"""Provenance fields written only when set (older plan files lack them and round-trip unchanged)."""
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -325,29 +331,12 @@ class Plan:
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        from polykv.plan.io import dumps
-
+        """The plan file's text (:func:`polykv.plan.writing.dumps`)."""
         return dumps(self)
 
     def save(self, path: str) -> None:
         """Write the plan atomically (temp file + rename): an existing file is never half-written."""
-        from polykv.plan.io import save
-
         save(self, path)
-
-    def validate(self, *, registry=None, geometry=None, source: str = "<plan>") -> "Plan":
-        """Check names/params against the registry and shape against a model geometry; returns self."""
-        from polykv.plan.validation import validate
-
-        validate(self, registry=registry, geometry=geometry, source=source)
-        return self
-
-
-def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
-    """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
-    from polykv.plan.io import load
-
-    return load(path, registry=registry, geometry=geometry)
 
 
 def _model_info(geometry, name: str = "") -> ModelInfo:
@@ -395,8 +384,6 @@ def per_layer_plan(geometry, layers: Sequence[Mapping[str, Any] | LayerPlan], *,
     >>> per_layer_plan(geo, [{"prefill": OpSpec(rule="tova", capacity=512)}] * geo.num_layers)  # doctest: +SKIP
     """
     if len(layers) != geometry.num_layers:
-        from polykv.errors import PlanError
-
         raise PlanError(f"got {len(layers)} layer entries for a {geometry.num_layers}-layer model",
                         field="layers", hint="give exactly one entry per layer")
     out = []
@@ -409,4 +396,4 @@ def per_layer_plan(geometry, layers: Sequence[Mapping[str, Any] | LayerPlan], *,
 
 def layer_ops(layers: Iterable[LayerPlan]) -> list[tuple[int, str, OpSpec]]:
     """Flatten to (layer, phase, op) triples."""
-    return [(lp.layer, ph, getattr(lp, ph)) for lp in layers for ph in ("prefill", "decode")]
+    return [(lp.layer, ph, getattr(lp, ph)) for lp in layers for ph in PHASES]

@@ -3,20 +3,48 @@ takes its parameters, code widths and ranks fit, per-model data files are read b
 model, and the layers fit the model's geometry.
 
 Every error is a :class:`polykv.errors.PlanError` naming the file, the layer (when there is one) and the dotted
-field, and saying what to do. :func:`polykv.plan.io.load` calls :func:`validate` when given a registry or a
-geometry.
+field, and saying what to do. :func:`polykv.plan.io.load_plan` calls :func:`validate_plan` when given a registry or
+a geometry.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
-from polykv.errors import PlanError, RegistryError
-from polykv.plan import PASSTHROUGH_BITS, LayerPlan, Plan
-from polykv.plan.io import PHASES, RANK_FIELDS, check_op
+from polykv.contract.model_data import ModelDataNote, needs_of_rules, side_file_problem
+from polykv.contract.params import UncheckedParamsWarning, unchecked_params
+from polykv.errors import PlanError, PolykvError, ProfileError, RegistryError
+from polykv.models.geometry import fingerprints_match
+from polykv.models.kv_bases import KV_BASES_KEY, KV_BASES_NEED, KVBases
+from polykv.plan.groups import check_groups
+from polykv.plan.records import FULL_RULE, PASSTHROUGH_BITS, PHASES, LayerPlan, OpSpec, Plan
+from polykv.plan.sharing import check_shares
+from polykv.plan.writing import RANK_FIELDS
 
-def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> None:
-    """Check op capacities, names and params against ``registry`` and shape against ``geometry``.
+
+def check_op(op: OpSpec, *, layer: int, phase: str, source: str) -> None:
+    """Capacity rules every op obeys, whatever rule it names."""
+    field = f"layers[{layer}].{phase}"
+    if op.rule == FULL_RULE:
+        if op.capacity is not None or op.capacity_ratio is not None:
+            raise PlanError("rule 'full' keeps everything and takes no capacity", source=source, layer=layer,
+                            field=field + ".capacity", hint="remove the capacity or name a retention rule")
+        return
+    if (op.capacity is None) == (op.capacity_ratio is None):
+        raise PlanError(f"rule '{op.rule}' needs exactly one of 'capacity' (tokens) or 'capacity_ratio'",
+                        source=source, layer=layer, field=field + ".capacity",
+                        hint="e.g. \"capacity\": 256 or \"capacity_ratio\": 0.25")
+    if op.capacity is not None and op.capacity < 1:
+        raise PlanError(f"capacity must be a positive number of tokens, got {op.capacity}", source=source,
+                        layer=layer, field=field + ".capacity", hint="use at least 1, or rule 'full'")
+    if op.capacity_ratio is not None and not (0.0 < op.capacity_ratio <= 1.0):
+        raise PlanError(f"capacity_ratio must be in (0, 1], got {op.capacity_ratio}", source=source,
+                        layer=layer, field=field + ".capacity_ratio", hint="e.g. 0.25 keeps a quarter")
+
+
+def validate_plan(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>") -> Plan:
+    """Check op capacities, names and params against ``registry`` and shape against ``geometry``; returns ``plan``.
 
     Parameters of rules, quantizers and allocators are checked against their ``param_specs``; a
     given parameter its plugin declares no spec for is reported once per plugin as an
@@ -28,12 +56,10 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
     unchecked: dict[str, set[str]] = {}
     # groups, pairs, per-model data and ranks are checked when the plan has them (a plain plan has none)
     if plan.allocation:
-        from polykv.plan.groups import check_groups
-
-        check_groups(plan, source=source, registry=registry, unchecked=unchecked)
+        check_groups(plan, source=source)
+        if registry is not None:
+            _validate_groups(plan, registry, source, unchecked)
     if any(lp.share is not None or lp.share_params for lp in plan.layers):
-        from polykv.plan.sharing import check_shares
-
         check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
@@ -45,16 +71,33 @@ def validate(plan: Plan, *, registry=None, geometry=None, source: str = "<plan>"
         _check_ranks(plan, plan.model.head_dim, source)
     if unchecked:
         _warn_unchecked(unchecked, source)
+    return plan
+
+
+def _validate_groups(plan: Plan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
+    """Every group's allocator is registered, takes its params, and can budget its members' ops."""
+    for gi, g in enumerate(plan.allocation):
+        field = f"allocation[{gi}]"
+        try:
+            cls = registry.allocator(g.allocator)
+        except RegistryError as exc:
+            raise PlanError(str(exc), source=source, field=field + ".allocator") from None
+        allocator = plugin_instance(cls, g.params, source=source, layer=g.layers[0], field=field + ".params",
+                                    unchecked=unchecked, hint=f"fix the value; the group holds layers {list(g.layers)}")
+        for layer in g.layers:
+            for phase in PHASES:
+                problem = allocator.check_op(getattr(plan.layers[layer], phase))
+                if problem is not None:
+                    where, reason = problem
+                    raise PlanError(f"{reason} (allocation group {field}, {g.describe()})", source=source,
+                                    layer=layer, field=f"layers[{layer}].{phase}.{where}",
+                                    hint=f"set layers[{layer}].{phase}.{where} and {field}.{where} to one value")
 
 
 def _validate_model_data(plan: Plan, registry, source: str) -> None:
     """Every ``model_data`` key is data some rule of the plan reads (a misspelt key would go unused)."""
-    from polykv.contract.model_data import needs_of_rules
-
     read = sorted(n.key for n in needs_of_rules(registry, sorted(plan.rules_used())))
     if plan.low_rank:
-        from polykv.models.kv_bases import KV_BASES_KEY
-
         read = sorted(read + [KV_BASES_KEY])
     for key in sorted(plan.model_data):
         if key not in read:
@@ -67,8 +110,6 @@ def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, 
                     hint: str = "fix the value (see `polykv plugins`)"):
     """``cls(**params)`` for a plan's rule, quantizer or allocator: a refused value is one PlanError naming
     the parameter (``field.<name>``); given names without a spec are added to ``unchecked``."""
-    from polykv.contract.params import unchecked_params
-
     try:
         obj = cls(**params)
     except (TypeError, ValueError) as exc:
@@ -83,10 +124,6 @@ def plugin_instance(cls, params, *, source: str, layer: int | None, field: str, 
 
 
 def _warn_unchecked(unchecked: dict[str, set[str]], source: str) -> None:
-    import warnings
-
-    from polykv.contract.params import UncheckedParamsWarning
-
     for owner, names in sorted(unchecked.items()):
         warnings.warn(f"{source}: {owner} declares no param_specs for {sorted(names)}: their values are not checked "
                       "until it runs (its author can declare a ParamSpec per parameter)", UncheckedParamsWarning,
@@ -168,8 +205,6 @@ def _check_ranks(plan: Plan, head_dim: int, source: str) -> None:
 
 
 def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
-    from polykv.models.geometry import fingerprints_match
-
     if plan.num_layers != geometry.num_layers:
         raise PlanError(f"the plan has {plan.num_layers} layers but the model has {geometry.num_layers}",
                         source=source, field="layers", hint="use a plan made for this model (polykv solve)")
@@ -196,9 +231,6 @@ def validate_geometry(plan: Plan, geometry, source: str = "<plan>") -> None:
 
 def _check_bases_file(plan: Plan, geometry, source: str) -> None:
     """The key/value bases file a plan with ranks names (when it exists) was measured on this model."""
-    from polykv.errors import ProfileError
-    from polykv.models.kv_bases import KV_BASES_KEY, KVBases
-
     path = plan.model_data.get(KV_BASES_KEY)
     if not plan.low_rank or not path or not os.path.isfile(path):
         return
@@ -214,12 +246,6 @@ def check_side_files(plan: Plan, registry, source: str) -> None:
     checks dtypes, finite and non-negative values, orthonormal bases), of the plan's layers (and KV heads and head
     dim when the plan names its model). A file outside the plan's folder, or one without a model fingerprint, gets
     a one-line note."""
-    import warnings
-
-    from polykv.contract.model_data import ModelDataNote, needs_of_rules, side_file_problem
-    from polykv.errors import PolykvError
-    from polykv.models.kv_bases import KV_BASES_NEED
-
     needs = {n.key: n for n in needs_of_rules(registry, sorted(plan.rules_used()))}
     if plan.low_rank:
         needs[KV_BASES_NEED.key] = KV_BASES_NEED

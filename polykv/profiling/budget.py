@@ -35,10 +35,11 @@ from typing import Any
 import attrs
 
 from polykv.errors import SolverError
-from polykv.memory import BASES, STORAGE_DTYPE_BYTES, layer_held_bytes
-from polykv.plan import BUDGET_KINDS, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS  # noqa: F401 - re-exported
+from polykv.memory import kept_tokens, layer_held_bytes
+from polykv.memory.budgets import pair_held_bytes
+from polykv.plan import (BASES, BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, STORAGE_DTYPE_BYTES,
+                         LayerPlan)
 
-KINDS = BUDGET_KINDS
 CONTEXT_SLACK = 32
 """Resident costs of profiled configs hold for any context from T - 32 to T tokens (see Budget.layer_bits_bound)."""
 _BOUND_CACHE: dict = {}
@@ -79,7 +80,7 @@ def bits_to_bytes(bits: int) -> int:
 class Budget:
     """A memory budget at a stated context length."""
 
-    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    kind: str = attrs.field(validator=attrs.validators.in_(BUDGET_KINDS))
     """``"bytes"``, ``"ratio"`` or ``"tokens_per_layer"``."""
     value: float
     """Bytes, the compression ratio (>= 1), or average tokens per layer."""
@@ -177,8 +178,6 @@ class Budget:
         """
         T = self.context_tokens
         if not self.resident:
-            from polykv.memory import kept_tokens
-
             return kept_tokens(layer, T, "decode") * slot_bits(model, layer.k_bits, layer.v_bits)
         return 8 * layer_held_bytes(layer, model, T, batch=self.batch, dtype_bytes=self.dtype_bytes,
                                     registry=registry)
@@ -215,13 +214,9 @@ class Budget:
         the pair (merged directions, magnitudes, retained tokens, indices), charged like :meth:`layer_bits_bound`
         at its largest share of the full cache from ``T - CONTEXT_SLACK`` to ``T`` (``bound=False``: at T exactly).
         Nominal: the nominal model counts no sharing, two full 16-bit layers."""
-        from polykv.plan import LayerPlan
-
         lower = LayerPlan(layer=0)
         if not self.resident:
             return 2 * self.layer_bits(model, lower, registry)
-        from polykv.memory.budgets import pair_held_bytes
-
         T = self.context_tokens
         if not bound:
             return 8 * pair_held_bytes(model, T, share_params, batch=self.batch, dtype_bytes=self.dtype_bytes,
@@ -248,8 +243,6 @@ class Budget:
         """Bits one 16-bit token costs in one layer (nominal: ``32 * Hkv * d``; resident: K, V and its position)."""
         if not self.resident:
             return slot_bits(model, FULL_BITS, FULL_BITS)
-        from polykv.plan import LayerPlan
-
         return 8 * layer_held_bytes(LayerPlan(layer=0), model, 1, batch=self.batch, dtype_bytes=self.dtype_bytes)
 
     def uniform_tokens(self, model: Any, k_bits: int = FULL_BITS, v_bits: int = FULL_BITS, *,
@@ -272,8 +265,6 @@ class Budget:
         ``layer`` None (or a layer without rules): a layer that holds ``tokens`` tokens and no rule state
         (with ``layer``'s quantizer when given).
         """
-        from polykv.plan import FULL_OP, LayerPlan
-
         T = self.context_tokens
         if layer is None or (layer.prefill.keeps_everything and layer.decode.keeps_everything):
             shorter = attrs.evolve(self, context_tokens=max(1, min(int(tokens), T)))

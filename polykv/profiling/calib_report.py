@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from polykv.profiling.profile import FULL_RULE, Profile
+from polykv.profiling.profile import Profile, load_profile
+from polykv.profiling.profile_checks import FULL_RULE
 
 
 def operation_rows(profile: Profile, metric: str = "l2") -> list[tuple[str, float, float, float]]:
@@ -59,8 +60,6 @@ def validation_markdown(profile: Profile) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polykv.profiling.profile import load_profile
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m polykv.profiling.calib_report PROFILE", file=sys.stderr)

@@ -37,12 +37,12 @@ from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling import axes_endtoend as axes
 from polykv.profiling.calibrate_axes import measure_pairs, pair_stats, pair_uppers, rank_pairs, with_ranks
-from polykv.profiling.calibrate_settings import (  # noqa: F401 (re-exported: this module held them)
-    CalibrationResult, CalibrationSettings, candidate_configs, corpus_sequences, default_rules, model_data_for,
-    query_stats_path, tokenizer_params)
+from polykv.profiling.calibrate_settings import (CalibrationResult, CalibrationSettings, candidate_configs,
+                                                 default_rules)
 from polykv.contract.model_data import needs_of_rules, tokenizer_of
 from polykv.profiling.objectives import METRIC_OF, build as followups, describe as describe_objective, parse_objectives
-from polykv.profiling.profile import MIX_METRIC, Profile, ProfileProvenance, StatTable, mix_tables, model_info, now_iso
+from polykv.profiling.profile import Profile, ProfileProvenance, StatTable, model_info, now_iso
+from polykv.profiling.profile_checks import MIX_METRIC, mix_tables
 from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
 from polykv.profiling import endtoend as e2e

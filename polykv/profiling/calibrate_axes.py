@@ -18,7 +18,8 @@ import numpy as np
 
 from polykv.errors import ProfileError
 from polykv.profiling.capture import stack_layer
-from polykv.profiling.profile import MIX_METRIC, CandidateConfig, PairTable, Profile, StatTable, mix_tables
+from polykv.profiling.profile import CandidateConfig, PairTable, Profile, StatTable
+from polykv.profiling.profile_checks import MIX_METRIC, mix_tables
 from polykv.profiling.share_error import pair_errors
 
 

@@ -22,7 +22,8 @@ import torch
 from polykv.errors import ProfileError
 from polykv.contract.model_data import ModelDataNeed, load_side_files, registered_needs, side_file
 from polykv.plan import DEFAULT_QUANTIZER
-from polykv.profiling.profile import FULL_RULE, CandidateConfig, Profile, moend_configs
+from polykv.profiling.profile import CandidateConfig, Profile, moend_configs
+from polykv.profiling.profile_checks import FULL_RULE
 
 
 QUERY_STATS_SUFFIX = ".qstats.safetensors"

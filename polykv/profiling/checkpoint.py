@@ -17,11 +17,12 @@ import os
 import re
 import shutil
 import stat
+import zipfile
 from typing import Any
 
 import numpy as np
 
-from polykv.atomic import write_text_atomic
+from polykv.atomic import clean_stale_temps, replace_with, temp_path, write_text_atomic
 from polykv.errors import ProfileError
 from polykv.strict_json import JsonInputError, loads_strict
 
@@ -104,8 +105,6 @@ class Checkpoint:
                 f"resume, or delete the folder to start over")
 
     def _create(self) -> None:
-        from polykv.atomic import clean_stale_temps, temp_path
-
         parent = os.path.dirname(os.path.abspath(self.folder))
         os.makedirs(parent, exist_ok=True)
         clean_stale_temps(parent)
@@ -127,8 +126,6 @@ class Checkpoint:
     def load(self, layer: int, required: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
         """The saved arrays of ``layer``, or None when it is not finished; a ProfileError naming the file
         when it is damaged (unreadable, not an ``.npz``, or without one of the ``required`` arrays)."""
-        import zipfile
-
         if self.folder is None:
             return None
         path = self._path(layer)
@@ -154,8 +151,6 @@ class Checkpoint:
         """Write ``layer``'s arrays atomically."""
         if self.folder is None:
             return
-        from polykv.atomic import replace_with
-
         def write(tmp: str) -> None:
             with open(tmp, "xb") as fh:
                 np.savez(fh, **{k: np.asarray(v) for k, v in arrays.items()})
@@ -172,8 +167,6 @@ def remove_folder(folder: str | os.PathLike) -> list[str]:
     there (``run.json``, ``layer-NNN.npz``, temp files of finished processes), then the folder if that
     leaves it empty. Returns the names of anything else found (then the folder stays). Nothing happens
     when the folder is absent or is not one :func:`folder_digest` recognises."""
-    from polykv.atomic import clean_stale_temps
-
     folder = os.fspath(folder)
     try:
         if folder_digest(folder) is None:

@@ -51,7 +51,8 @@ from polykv.runtime.fork import (attention_signature, capture_prefill, plan_rank
                                  restore_prefill, session_probe)
 from polykv.runtime.support import attention_modules
 from polykv.plan import Plan
-from polykv.profiling.profile import FULL_RULE, CandidateConfig
+from polykv.profiling.profile import CandidateConfig
+from polykv.profiling.profile_checks import FULL_RULE
 from polykv.profiling import validation as val
 
 KL_MODES = ("subset", "all")

@@ -33,7 +33,7 @@ import torch
 from polykv.errors import ProfileError, StudyError
 from polykv.models.corpus import reserved_text
 from polykv.profiling.calibrate_settings import tokenizer_params
-from polykv.profiling.profile import MIX_METRIC
+from polykv.profiling.profile_checks import MIX_METRIC
 from polykv.registry import get_registry
 
 OBJECTIVES = ("continuation", "reconstruction", "retrieval")

@@ -61,7 +61,8 @@ def heldout_sequences(tokenize: Callable[[str], Sequence[int]], n: int, tokens: 
     ids equal one of the profile's calibration sequences (redrawn from its provenance with the same
     tokenizer) is dropped. A draw made on another corpus version cannot be redrawn and is an error.
     """
-    from polykv.profiling.calibrate import corpus_sequences
+    from polykv.models.corpus import corpus_id
+    from polykv.profiling.calibrate_settings import corpus_sequences
 
     draw = calibration_draw(profile) if profile is not None else None
     excluded: list[torch.Tensor] = []

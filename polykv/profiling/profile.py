@@ -22,35 +22,12 @@ import numpy as np
 
 from polykv.atomic import write_text_atomic
 from polykv.errors import ProfileError
+from polykv.models.geometry import fingerprints_match
 from polykv.plan import DEFAULT_QUANTIZER
-
-SCHEMA_VERSION = 1
-FORMAT = "polykv-profile"
-PHASES = ("prefill", "decode", "both")
-BITS = (2, 4, 8, 16)
-MIN_KEEP = 1e-7
-"""Smallest keep ratio: below it a config keeps less than one token of any context a budget may name."""
-DTYPES = ("float32", "bfloat16", "float16")
-FULL_RULE = "full"
-MIX_METRIC = "kl_mix"
-"""The metric table mixing several calibration objectives' tables (:attr:`Profile.objective_weights`)."""
-
-
-def mix_tables(metrics: Mapping[str, Any], weights: Mapping[str, float]) -> np.ndarray:
-    """The ``kl_mix`` table: ``sum weights[name] * metrics[name]`` over the weighted tables, in float64."""
-    return sum(float(w) * np.asarray(metrics[name], dtype=np.float64) for name, w in sorted(weights.items()))
-
-
-def profile_error(message: str, *, source: str, field: str | None = None, layer: int | None = None,
-                  hint: str | None = None) -> ProfileError:
-    """A :class:`ProfileError` naming the file (``source``) and ``field``, with what to do (``hint``)."""
-    where = ", ".join(x for x in (source, f"field '{field}'" if field else "") if x)
-    return ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
-
-
-def raise_profile_error(source: str, field: str | None, message: str, hint: str | None = None):
-    raise profile_error(message, source=source, field=field, hint=hint)
-
+from polykv.profiling.profile_checks import (SCHEMA_VERSION, check, profile_error,
+                                             raise_profile_error)
+from polykv.profiling.profile_writing import FORMAT, dumps, to_dict
+from polykv.strict_json import FieldReader
 
 @attrs.define(frozen=True, kw_only=True)
 class CandidateConfig:
@@ -205,8 +182,6 @@ class Profile:
     _fingerprint: str | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
-        from polykv.profiling.profile_checks import check
-
         check(self, self.source)
 
     # -- access ----------------------------------------------------------------------------------
@@ -261,8 +236,6 @@ class Profile:
     def fingerprint(self) -> str:
         """``prof-<12 hex>``: digest of the profile's content (provenance excluded), computed once."""
         if self._fingerprint is None:
-            from polykv.profiling.profile_io import to_dict
-
             d = to_dict(self, tables=False)
             d.pop("provenance")
             h = hashlib.sha256(json.dumps(d, sort_keys=True, allow_nan=False).encode())
@@ -301,14 +274,10 @@ class Profile:
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> str:
-        from polykv.profiling.profile_io import dumps
-
         return dumps(self)
 
     def save(self, path: str) -> None:
         """Write atomically (temp file + rename)."""
-        from polykv.profiling.profile_io import dumps
-
         write_text_atomic(path, dumps(self))
 
 
@@ -350,17 +319,8 @@ def moend_configs(rule: str, phase: str = "both", *, keeps: Sequence[float] = (0
             for k in keeps for kb in k_bits for vb in v_bits]
 
 
-def load_profile(path: str) -> Profile:
-    """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
-    from polykv.profiling.profile_io import load_profile as _load
-
-    return _load(path)
-
-
 def check_measured_on(model: ProfileModel, geometry: Any, source: str) -> None:
     """Raise ProfileError (naming ``source``) unless a profile of ``model`` was measured on ``geometry``."""
-    from polykv.models.geometry import fingerprints_match
-
     for field in ("num_layers", "num_kv_heads", "head_dim"):
         if getattr(model, field) != getattr(geometry, field):
             raise_profile_error(source, f"model.{field}", f"the profile was measured on {field}={getattr(model, field)} "
@@ -368,3 +328,116 @@ def check_measured_on(model: ProfileModel, geometry: Any, source: str) -> None:
     if not fingerprints_match(model.fingerprint, getattr(geometry, "fingerprint", None)):
         raise_profile_error(source, "model.fingerprint", f"the profile was measured on model {model.fingerprint} but "
                             f"this model is {geometry.fingerprint}", "calibrate a profile for this model (polykv calibrate)")
+
+
+# -- reading files ----------------------------------------------------------------------------------
+
+def load_profile(path: str) -> Profile:
+    """Read a profile file strictly; every problem is a ProfileError naming the file and field."""
+    source = str(path)
+    raw = FieldReader(source, profile_error).read("profile file",
+                                                  missing_hint="check the path, or run polykv calibrate",
+                                                  text_hint="give a profile written by polykv calibrate")
+    return from_dict(raw, source)
+
+
+def is_profile_file(path: str) -> bool:
+    """True when ``path`` looks like a profile polykv wrote (its header names the profile format)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096)
+    return f'"format": "{FORMAT}"'.encode() in head
+
+
+def loads(text: str, source: str = "<profile>") -> Profile:
+    return from_dict(FieldReader(source, profile_error).parse(text), source)
+
+
+def _num_table(r: FieldReader, field: str, raw: Any) -> np.ndarray:
+    if not isinstance(raw, list) or not all(isinstance(row, list) for row in raw):
+        r.fail("expected a list of rows, each a list of numbers", field=field)
+    width = {len(row) for row in raw}
+    if len(width) > 1:
+        r.fail(f"rows have different lengths {sorted(width)}", field=field, hint="every row needs one value per column")
+    for i, row in enumerate(raw):
+        for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                r.fail(f"expected a number, got {v!r}", field=f"{field}[{i}][{j}]")
+    return np.asarray(raw, dtype=np.float64).reshape(len(raw), width.pop() if width else 0)
+
+
+def _attrs_record(r: FieldReader, cls, raw: dict, field: str):
+    """``cls(**raw)``, its refusal one error naming ``field``."""
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        r.fail(str(exc), field=field)
+
+
+def from_dict(raw: Any, source: str = "<profile>") -> Profile:
+    """Build a profile from parsed JSON, checking every key and type."""
+    r = FieldReader(source, profile_error)
+    r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer",
+                                                                   "routing_metric", "objective_weights", "pairs"])
+    version = raw["schema_version"]
+    if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
+        r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
+               field="schema_version", hint="upgrade polykv or re-save the profile with this version")
+    if raw.get("format", FORMAT) != FORMAT:
+        r.fail(f"expected {FORMAT!r}, got {raw['format']!r}", field="format", hint="is this a plan file?")
+    model_fields = [f.name for f in attrs.fields(ProfileModel)]
+    model = _attrs_record(r, ProfileModel, r.obj(raw["model"], "model", model_fields[:3], model_fields[3:]), "model")
+    configs = []
+    for i, c in enumerate(r.list_(raw["configs"], "configs", what="a list of config objects")):
+        f = f"configs[{i}]"
+        r.obj(c, f, ["rule", "keep"], ["phase", "k_bits", "v_bits", "params", "k_rank", "v_rank"])
+        r.str_(c["rule"], f + ".rule")
+        r.str_(c.get("phase", ""), f + ".phase")
+        r.dict_(c.get("params", {}), f + ".params")
+        r.int_(c.get("k_bits", 16), f + ".k_bits")
+        r.int_(c.get("v_bits", 16), f + ".v_bits")
+        for name in ("k_rank", "v_rank"):
+            r.int_(c.get(name), f"{f}.{name}", minimum=1, optional=True)
+        if isinstance(c["keep"], bool) or not isinstance(c["keep"], (int, float)):
+            r.fail(f"expected a number in (0, 1], got {c['keep']!r}", field=f + ".keep")
+        configs.append(CandidateConfig(**{**c, "keep": float(c["keep"])}))
+    metrics_raw = r.dict_(raw["metrics"], "metrics")
+    metrics = {k: _num_table(r, f"metrics.{k}", v) for k, v in metrics_raw.items()}
+    stats = {}
+    for k, s in (r.dict_(raw.get("stats"), "stats", optional=True) or {}).items():
+        f = f"stats.{k}"
+        r.obj(s, f, ["columns", "values", "higher_is_better"], ["phase", "capacity", "description"])
+        if not isinstance(s["columns"], list) or not all(isinstance(x, str) for x in s["columns"]):
+            r.fail("expected a list of column labels (strings)", field=f + ".columns")
+        cap = r.int_(s.get("capacity"), f + ".capacity", minimum=1, optional=True)
+        stats[k] = StatTable(columns=s["columns"], values=_num_table(r, f + ".values", s["values"]),
+                             higher_is_better=r.bool_(s["higher_is_better"], f + ".higher_is_better"),
+                             phase=s.get("phase", "both"), capacity=cap, description=str(s.get("description", "")))
+    praw = r.obj(raw.get("provenance") or {}, "provenance", optional=[f.name for f in attrs.fields(ProfileProvenance)])
+    prov = _attrs_record(r, ProfileProvenance, praw, "provenance")
+    qraw = r.obj(raw.get("quantizer", {"name": DEFAULT_QUANTIZER}), "quantizer", ["name"], ["params"])
+    r.str_(qraw["name"], "quantizer.name", nonempty=True)
+    routing = raw.get("routing_metric")
+    if routing is not None:
+        r.str_(routing, "routing_metric", nonempty=True)
+    weights = raw.get("objective_weights")
+    if weights is not None:
+        for name, w in r.dict_(weights, "objective_weights").items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)):
+                r.fail(f"expected a number, got {w!r}", field=f"objective_weights.{name}",
+                       hint="give each mixed metric table a weight >= 0")
+    pairs = None
+    if raw.get("pairs") is not None:
+        praw_ = r.obj(raw["pairs"], "pairs", ["uppers", "values"], ["share_params", "description"])
+        ups = r.list_(praw_["uppers"], "pairs.uppers", what="a list of upper layer indices")
+        for i, u in enumerate(ups):
+            r.int_(u, f"pairs.uppers[{i}]", minimum=1)
+        vals = _num_table(r, "pairs.values", praw_["values"])
+        if vals.shape != (len(ups), 2):
+            r.fail(f"expected shape [{len(ups)}, 2], got {list(vals.shape)}", field="pairs.values",
+                   hint="one row per pair: [lower error, upper error]")
+        pairs = PairTable(uppers=ups, values=vals, share_params=r.dict_(praw_.get("share_params", {}),
+                                                                        "pairs.share_params"),
+                          description=str(praw_.get("description", "")))
+    return Profile(pairs=pairs, routing_metric=routing, objective_weights=weights, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+                   quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
+                   schema_version=version, source=source)

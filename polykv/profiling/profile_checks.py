@@ -1,16 +1,45 @@
 """The rules every profile obeys, whether built in Python or read from a file (:func:`check`, run by
-:class:`~polykv.profiling.profile.Profile` itself): each broken one is a ProfileError naming the file and the field."""
+:class:`~polykv.profiling.profile.Profile` itself): each broken one is a ProfileError naming the file and the field.
+The constants those rules name (schema version, phases, bit widths, ...) are defined here, below the records."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from polykv.errors import PlanError, ProfileError
 from polykv.plan import MAX_CONTEXT_TOKENS, MAX_LOSS
-from polykv.profiling.profile import (BITS, DTYPES, FULL_RULE, MIN_KEEP, MIX_METRIC, PHASES, SCHEMA_VERSION, PairTable,
-                                      Profile, mix_tables,
-                                      ProfileModel, ProfileProvenance, raise_profile_error)
+from polykv.plan.sharing import check_share_params
+
+if TYPE_CHECKING:
+    from polykv.profiling.profile import PairTable, Profile, ProfileModel, ProfileProvenance
+
+SCHEMA_VERSION = 1
+PHASES = ("prefill", "decode", "both")
+BITS = (2, 4, 8, 16)
+MIN_KEEP = 1e-7
+"""Smallest keep ratio: below it a config keeps less than one token of any context a budget may name."""
+DTYPES = ("float32", "bfloat16", "float16")
+FULL_RULE = "full"
+MIX_METRIC = "kl_mix"
+"""The metric table mixing several calibration objectives' tables (:attr:`Profile.objective_weights`)."""
+
+
+def mix_tables(metrics: Mapping[str, Any], weights: Mapping[str, float]) -> np.ndarray:
+    """The ``kl_mix`` table: ``sum weights[name] * metrics[name]`` over the weighted tables, in float64."""
+    return sum(float(w) * np.asarray(metrics[name], dtype=np.float64) for name, w in sorted(weights.items()))
+
+
+def profile_error(message: str, *, source: str, field: str | None = None, layer: int | None = None,
+                  hint: str | None = None) -> ProfileError:
+    """A :class:`ProfileError` naming the file (``source``) and ``field``, with what to do (``hint``)."""
+    where = ", ".join(x for x in (source, f"field '{field}'" if field else "") if x)
+    return ProfileError(f"{where}: {message}" + (f" ({hint})" if hint else ""))
+
+
+def raise_profile_error(source: str, field: str | None, message: str, hint: str | None = None):
+    raise profile_error(message, source=source, field=field, hint=hint)
 
 
 def check(p: Profile, source: str) -> None:
@@ -115,9 +144,6 @@ def _check_pairs(source: str, pairs: PairTable, num_layers: int) -> None:
                             f"got {ups}", "name each measured pair (l - 1, l) once by its upper layer l")
     _check_array(source, "pairs.values", pairs.values, (len(ups), 2), "one row per pair: [lower error, upper error]")
     _check_range(source, "pairs.values", pairs.values, 0.0, "a loss (0 = no error, lower is better)")
-    from polykv.errors import PlanError
-    from polykv.plan.sharing import check_share_params
-
     try:
         check_share_params(pairs.share_params, layer=ups[0], source=source)
     except PlanError as exc:

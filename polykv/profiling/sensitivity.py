@@ -38,7 +38,8 @@ import torch
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import tokens_for_keep
 from polykv.profiling.capture import LayerCapture
-from polykv.profiling.profile import FULL_RULE, CandidateConfig
+from polykv.profiling.profile import CandidateConfig
+from polykv.profiling.profile_checks import FULL_RULE
 from polykv.attention.kernels import sdpa
 from polykv.errors import ProfileError
 from polykv.runtime.layers import build_layer, new_storage, observe_prompt

@@ -22,8 +22,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from polykv.errors import StudyError
 from polykv.plan import DEFAULT_QUANTIZER, FULL_OP, OpSpec, full_plan
 from polykv.profiling.profile import CandidateConfig
+from polykv.profiling.stats import pearson, spearman
+from polykv.runtime import apply
 
 
 def one_layer_plan(geometry, layer: int, *, rule: str, k_bits: int = 16, v_bits: int = 16,
@@ -59,8 +62,6 @@ def reference_logprobs(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
 def plan_logprobs(model, plan, ids: torch.Tensor, prefix: int, *, model_data: Mapping[str, Any] | None = None,
                   seed: int = 0) -> torch.Tensor:
     """[F, V] float64 log-probabilities under ``plan``: prefill ``prefix`` tokens, then the follow-up."""
-    from polykv.runtime import apply
-
     ids = ids.view(1, -1).to(next(model.parameters()).device)
     with apply(model, plan, model_data=model_data, seed=seed) as session:
         first = session.prefill(ids[:, :prefix]).logits[:, -1:]                     # (1, 1, V)
@@ -98,9 +99,6 @@ def correlations(l2: np.ndarray, kl: np.ndarray, *, seed: int = 0) -> np.ndarray
     Uses :func:`polykv.profiling.stats.pearson` / :func:`~polykv.profiling.stats.spearman`; a layer whose
     values are constant on one side gets NaN (the correlation is undefined there).
     """
-    from polykv.errors import StudyError
-    from polykv.profiling.stats import pearson, spearman
-
     out = np.full((l2.shape[0], 2), np.nan)
     for layer in range(l2.shape[0]):
         for j, fn in enumerate((pearson, spearman)):

@@ -28,7 +28,7 @@ from polykv.contract.score_checks import checks_enabled
 from polykv.contract.probe import set_probe_runner
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
-from polykv.plan import OpSpec, Plan, uniform_plan
+from polykv.plan import OpSpec, Plan, uniform_plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime.cache import PlanCache, cache_keyword
 from polykv.runtime.calls import SessionCalls
@@ -118,7 +118,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         raise RuntimeConfigError(
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
-    plan.validate(registry=registry, geometry=geometry)
+    validate_plan(plan, registry=registry, geometry=geometry)
     check_probe_phases(plan, registry)
     rules = [registry.rule(name) for name in sorted(plan.rules_used())]
     if any(getattr(cls, "tokenizer_params", ()) or token_id_params(cls.param_specs) for cls in rules):

@@ -18,7 +18,8 @@ from polykv.errors import SolverError
 from polykv.plan import FULL_OP
 from polykv.profiling.budget import Budget
 from polykv.profiling.calibrate_axes import pair_losses
-from polykv.profiling.profile import MIX_METRIC, Profile
+from polykv.profiling.profile import Profile
+from polykv.profiling.profile_checks import MIX_METRIC
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits, min_bytes_message
 from polykv.solvers.chain import PAIRED, solve_chain
 from polykv.solvers.mckp import Infeasible, solve_mckp

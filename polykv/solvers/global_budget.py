@@ -34,7 +34,8 @@ from polykv.contract.params import ParamSpec
 from polykv.errors import RegistryError, SolverError
 from polykv.plan import AllocationGroup
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import BITS, Profile
+from polykv.profiling.profile import Profile
+from polykv.profiling.profile_checks import BITS
 from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver
 from polykv.solvers.exact import candidate_columns, check_axes_metric, optimal_columns, solve_columns
 from polykv.solvers.uniform import fill_tokens, interpolated_loss, rule_layer, template_of

@@ -41,7 +41,8 @@ from polykv.plan import AllocationGroup
 from polykv.profiling.budget import Budget, bits_to_bytes
 from polykv.profiling.objectives import METRIC_OF, build as build_followups, parse_objectives
 from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
-from polykv.profiling.profile import MIX_METRIC, Profile, check_measured_on
+from polykv.profiling.profile import Profile, check_measured_on
+from polykv.profiling.profile_checks import MIX_METRIC
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
 from polykv.solvers.global_budget import check_pairing, global_columns, members_of

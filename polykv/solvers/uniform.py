@@ -30,7 +30,8 @@ from polykv.errors import SolverError
 from polykv.contract.params import ParamSpec
 from polykv.plan import FULL_OP, LayerPlan, OpSpec
 from polykv.profiling.budget import Budget
-from polykv.profiling.profile import BITS, MIN_KEEP, Profile
+from polykv.profiling.profile import Profile
+from polykv.profiling.profile_checks import BITS, MIN_KEEP
 from polykv.solvers.base import METRIC_SPEC, RULE_SPEC, Solver, min_bytes_message
 from polykv.solvers.mckp import Infeasible, solve_mckp
 

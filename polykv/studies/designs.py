@@ -29,8 +29,9 @@ from polykv.errors import PolykvError, StudyError
 from polykv.memory import full_cache_bytes_16bit, held_bytes_per_layer, nominal_bytes, predict_resident
 from polykv.models import model_geometry
 from polykv.models.geometry import geometry_from_config
-from polykv.plan import Plan, Provenance, full_plan, load_plan
-from polykv.plan.io import plan_dict
+from polykv.plan import Plan, Provenance, full_plan, load_plan, validate_plan
+from polykv.plan.writing import plan_dict
+from polykv.profiling import stats as paired_stats
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.solvers import solve
@@ -218,7 +219,7 @@ def placement(results, task: str, budget: str, *, seed: int = 0, metric: str = "
     x = [-results.policies[n]["profile_score"] for n in names]
     y = [mean[n] if higher else -mean[n] for n in names]
     try:
-        out["spearman"] = stats.spearman(x, y, seed=seed, alternative="less")
+        out["spearman"] = paired_stats.spearman(x, y, seed=seed, alternative="less")
     except StudyError as exc:  # fewer than 3 routes, or a constant side: say why instead of a number
         out["spearman"] = None
         out["spearman_note"] = str(exc)
@@ -236,9 +237,9 @@ def budget_sweep(results, task: str) -> dict[str, list[tuple[str, str]]]:
     return {m: v for m, v in out.items() if len(v) > 1}
 
 
-def paired_vs(results, task: str, a: str, b: str, **kw) -> stats.Interval:
+def paired_vs(results, task: str, a: str, b: str, **kw) -> paired_stats.Interval:
     """Paired bootstrap interval of mean(score of a) - mean(score of b) over the shared items."""
-    return stats.paired_bootstrap(results.scores(a, task), results.scores(b, task), **kw)
+    return paired_stats.paired_bootstrap(results.scores(a, task), results.scores(b, task), **kw)
 
 
 def mean_bytes(results, policy: str, task: str, field: str = "kv_bytes") -> float:
@@ -298,7 +299,7 @@ def check_policies_fit(spec: StudySpec, policies: list[Policy], *, registry=None
     ordered = [p for p in policies if p.name != FULL_POLICY] + [p for p in policies if p.name == FULL_POLICY]
     for pol in ordered:
         source = spec.plans.get(pol.name) or f"{spec.source}: policy '{pol.name}'"
-        pol.plan.validate(registry=registry, geometry=geo, source=source)
+        validate_plan(pol.plan, registry=registry, geometry=geo, source=source)
     notes = []
     longest = [("context_tokens", spec.context_tokens)] + [
         (f"tasks[{i}].params.{k}", t.params[k]) for i, t in enumerate(spec.tasks)

@@ -10,10 +10,10 @@ from typing import Any
 from polykv.errors import PolykvError, StudyError
 from polykv.plan import Plan
 from polykv.plan.io import parse_plan_dict
+from polykv.profiling import stats
 from polykv.profiling.budget import Budget
 from polykv.solvers import solve
 from polykv.solvers.pricing import layer_loss
-from polykv.studies import stats
 from polykv.studies.combine import executed_plan
 
 SPEARMAN_CONVENTION = ("Spearman rho(predicted loss, measured score): negative = the prediction ranks the plans "

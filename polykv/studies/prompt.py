@@ -9,7 +9,6 @@ import functools
 
 from polykv.errors import StudyError
 from polykv.runtime import prompt as rule
-from polykv.runtime.prompt import BOS_CHOICES, PROMPT_FORMATS  # noqa: F401 (the spec's choices)
 
 
 class PromptEncoder(rule.PromptEncoder):

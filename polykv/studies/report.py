@@ -28,6 +28,7 @@ from polykv.memory import context_note, memory_report
 from polykv.plan.io import parse_plan_dict
 from polykv.profiling.profile import load_profile
 from polykv.studies import designs, plots, predicted, stats
+from polykv.profiling import stats as paired_stats
 from polykv.studies.combine import combine_results
 from polykv.studies.conclusion import backed, conclusion_markdown, glossary_markdown, varying
 from polykv.studies.figures import Figures
@@ -37,11 +38,11 @@ from polykv.studies.results import Results
 from polykv.studies.routes import route_rows
 
 
-def _pct(iv: stats.Interval) -> str:
+def _pct(iv: paired_stats.Interval) -> str:
     return f"{iv.estimate:.1%} [{iv.low:.1%}, {iv.high:.1%}]"
 
 
-def _diff(iv: stats.Interval, differing: int) -> str:
+def _diff(iv: paired_stats.Interval, differing: int) -> str:
     """The interval, starred when it shows a difference backed by enough differing items (:func:`backed`)."""
     mark = " *" if backed(iv, differing) else ""
     return f"{iv.estimate:+.3f} [{iv.low:+.3f}, {iv.high:+.3f}]{mark}"
@@ -66,7 +67,7 @@ def policy_rows(res: Results, task: str) -> list[dict[str, Any]]:
         rows.append({"policy": name, "method": rec.get("method"), "budget": rec.get("budget"),
                      "role": rec.get("role"), "k": k, "n": n, "mean": float(scores.mean()),
                      "binary": bool(np.all((scores == 0) | (scores == 1))),
-                     "wilson": stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
+                     "wilson": paired_stats.wilson_interval(k, n) if np.all((scores == 0) | (scores == 1)) else None,
                      "bytes": held, "kv_bytes": designs.mean_bytes(res, name, task),
                      "ratio": full / held if held else float("inf"),
                      "nominal": rec.get("nominal_bytes"), "full16": rec.get("full_bytes_16bit"),
@@ -198,7 +199,7 @@ def _matched(res: Results, task: str) -> list[str]:
     return out if rows else []
 
 
-def _intervals(title: str, policies: dict[str, str], intervals: dict[str, stats.Interval], differing: int
+def _intervals(title: str, policies: dict[str, str], intervals: dict[str, paired_stats.Interval], differing: int
                ) -> list[str]:
     """A design's contrasts; ``differing``: items on which its policies' scores are not all equal (a star needs
     enough of them)."""
@@ -279,7 +280,7 @@ def _task_section(res: Results, task: str, figures: Figures, profile=None, place
         lines += [f"### Across budgets at matched measured memory (within {MATCHED:g}x)", ""] + matched + [""]
     for b in designs.budgets(res):
         lines += [f"### Budget {cell(b)}", "", "Paired differences (`*`: the interval excludes 0 and at least "
-                  f"{stats.min_units_for_difference()} items differ, the fewest that can show a difference at 95%):",
+                  f"{paired_stats.min_units_for_difference()} items differ, the fewest that can show a difference at 95%):",
                   ""]
         lines += _pairs(res, task, b) + [""]
         chain = designs.moend_chain(res, task, b)

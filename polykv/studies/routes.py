@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from polykv.memory import STORAGE_DTYPE_BYTES, kept_tokens, predict_resident
+from polykv.memory import kept_tokens, predict_resident
+from polykv.plan import STORAGE_DTYPE_BYTES
 from polykv.plan.io import parse_plan_dict
 from polykv.studies.results import Results
 

@@ -39,7 +39,7 @@ from polykv.contract.model_data import find_model_data, needs_of_rules, side_fil
 from polykv.errors import StudyError
 from polykv.models import load_default_model, load_model as load_named
 from polykv.models.geometry import geometry_of_model
-from polykv.plan import Plan
+from polykv.plan import Plan, validate_plan
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.runtime.answer import answer_from_context, compress_context, stop_ids
@@ -237,7 +237,7 @@ class LoadedStudy:
         if spec.profile is not None:
             load_profile(spec.profile).check_model(geo)
         for pol in policies:
-            pol.plan.validate(registry=registry, geometry=geo, source=f"policy '{pol.name}'")
+            validate_plan(pol.plan, registry=registry, geometry=geo, source=f"policy '{pol.name}'")
         # rule parameters built from the tokenizer (KVzip's prompt ids) where a plan leaves them unset
         plugins = registry or get_registry()
         policies = [attrs.evolve(pol, plan=fill_tokenizer_params(pol.plan, plugins, model, tokenizer))

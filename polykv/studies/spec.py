@@ -54,7 +54,7 @@ from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.runtime.prompt import PROMPT_FORMATS
 from polykv.strict_json import FieldReader
-from polykv.studies.corpus import corpus_id
+from polykv.models.corpus import corpus_id
 from polykv.studies.tasks.base import GENERATE, TEACHER_FORCED
 
 CHAIN_ROLES = ("full", "1d", "2d_uniform", "2d", "2d_hetero")

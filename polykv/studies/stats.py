@@ -1,6 +1,6 @@
-"""Statistics of studies: the paired statistics of :mod:`polykv.profiling.stats` (re-exported; a bottom module,
-because calibration's validation uses the same correlations), and the summaries of particular study
-designs built on them:
+"""Statistics of studies: the summaries of particular study designs, built on the paired statistics of
+:mod:`polykv.profiling.stats` (intervals, bootstraps, correlations; in profiling because calibration's validation
+uses the same correlations):
 
 - :func:`placement_control` — PolyKV's count-matched placement control: the guided route's rank among
   N random placements and the one-sided Monte Carlo p = (1 + #random >= guided) / (N + 1).
@@ -18,21 +18,7 @@ import numpy as np
 
 from polykv.solvers import placements
 from polykv.errors import StudyError
-from polykv.profiling.stats import (  # noqa: F401 (re-exported)
-                                    DEFAULT_PERMUTATIONS,
-                                    DEFAULT_REPLICATES,
-                                    Correlation,
-                                    Interval,
-                                    as_scores,
-                                    min_units_for_difference,
-                                    bootstrap_mean,
-                                    paired_bootstrap,
-                                    paired_bootstrap_tasks,
-                                    pearson,
-                                    rankdata,
-                                    spearman,
-                                    wilson_interval,
-                                    )
+from polykv.profiling.stats import DEFAULT_REPLICATES, Interval, as_scores, bootstrap_mean, paired_bootstrap
 
 
 @attrs.define(frozen=True, kw_only=True)

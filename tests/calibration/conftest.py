@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polykv.profiling.calibrate import CalibrationSettings
+from polykv.profiling.calibrate_settings import CalibrationSettings
 from polykv.testing import tiny_model
 
 PREFIX = 64

@@ -9,7 +9,8 @@ import pytest
 
 from polykv.errors import ProfileError
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import calibrate, candidate_configs, query_stats_path
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import candidate_configs, query_stats_path
 from polykv.profiling.profile import load_profile
 from polykv.adapters.rules.query_stats import QueryStats
 from polykv.registry import get_registry

@@ -11,7 +11,7 @@ from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.calibrate_axes import rank_pairs
 from polykv.profiling.capture import capture_sequence, stack_layer
-from polykv.profiling.profile_io import loads
+from polykv.profiling.profile import loads
 from polykv.profiling.rank_error import layer_rank_errors
 from polykv.profiling.share_error import pair_errors
 

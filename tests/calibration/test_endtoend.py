@@ -20,7 +20,8 @@ from polykv.models.geometry import geometry_of_model
 from polykv.profiling import endtoend as e2e
 from polykv.profiling import validation as val
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import calibrate, default_rules
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import default_rules
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.solvers import solve
@@ -102,7 +103,7 @@ def test_probe_rule_is_calibrated_by_default_and_its_l2_selects_as_the_runtime(m
     assert "kvzip" in prof.stat("cosine").columns
     # the selection the l2 path measures is the runtime's
     from polykv.profiling import calibrate as cal
-    from polykv.profiling.calibrate import CalibrationSettings
+    from polykv.profiling.calibrate_settings import CalibrationSettings
     from polykv.profiling.sensitivity import LayerContext
 
     seqs, geometry = sequences(2), geometry_of_model(model)
@@ -172,7 +173,8 @@ def test_metric_flag_errors(result, tmp_path, capsys):
 
 def test_old_profiles_route_on_l2_and_solve_as_before(result, tmp_path):
     """A profile without routing_metric (every profile of before) loads, routes on l2 and fingerprints as it did."""
-    from polykv.profiling.profile_io import dumps, loads
+    from polykv.profiling.profile import loads
+    from polykv.profiling.profile_writing import dumps
 
     text = dumps(result.profile)
     old = json.loads(text)

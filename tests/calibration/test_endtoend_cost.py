@@ -12,7 +12,7 @@ import torch
 
 from polykv.models.geometry import geometry_of_model
 from polykv.profiling import endtoend as e2e
-from polykv.profiling.calibrate import candidate_configs
+from polykv.profiling.calibrate_settings import candidate_configs
 from polykv.registry import get_registry
 
 KVZIP = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10], "chunk_size": 32}

@@ -16,7 +16,8 @@ from polykv.adapters.rules.key_norm import KeyNormRule
 from polykv.contract.hookspecs import hookimpl
 from polykv.contract.model_data import ModelDataNeed, load_side_files, needs_of_rules, registered_needs, side_file
 from polykv.plan import OpSpec, uniform_plan
-from polykv.profiling.calibrate import calibrate, model_data_for, query_stats_path
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import model_data_for, query_stats_path
 from polykv.adapters.rules.query_stats import QUERY_STATS_SUFFIX, QueryStats
 from polykv.registry import Registry, get_registry
 

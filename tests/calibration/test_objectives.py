@@ -17,7 +17,7 @@ from polykv.profiling import endtoend as e2e
 from polykv.profiling import objectives as ob
 from polykv.profiling import validation as val
 from polykv.profiling.calibrate import calibrate
-from polykv.profiling.profile_io import loads
+from polykv.profiling.profile import loads
 from polykv.registry import get_registry
 from polykv.studies.tasks import WhitespaceTokenizer
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polykv.plan import load_plan
+from polykv.plan import load_plan, validate_plan
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import model_data_for, query_stats_path
+from polykv.profiling.calibrate_settings import model_data_for, query_stats_path
 from polykv.profiling.profile import load_profile
 from polykv.adapters.rules.query_stats import QueryStats
 from polykv.runtime import apply
@@ -30,7 +30,7 @@ def test_profile_matches_the_default_model_and_solves(default_model, default_geo
     QueryStats.load(query_stats_path(str(PROFILE))).check_model(default_model[0])
     budget = Budget.parse("8x", 4096)
     plan = solve(prof, budget, "exact")
-    plan.validate(geometry=default_geometry)
+    validate_plan(plan, geometry=default_geometry)
     assert plan.provenance.predicted_bytes <= budget.to_bytes(prof.model)
 
 

@@ -21,7 +21,7 @@ import torch
 import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.contract.rules import SelectionContext
-from polykv.plan import OpSpec, load_plan, per_layer_plan
+from polykv.plan import OpSpec, load_plan, per_layer_plan, validate_plan
 from polykv.testing import tiny_model
 
 PROMPT, NEW, SLACK = 20, 10, 2
@@ -69,7 +69,7 @@ def main() -> None:
         {"decode": OpSpec(rule="value-norm", capacity=16)},
     ]
     plan = per_layer_plan(geo, ops, decode_slack=SLACK)
-    plan.validate(registry=registry, geometry=geo)
+    validate_plan(plan, registry=registry, geometry=geo)
     path = Path(tempfile.mkdtemp()) / "value-norm-plan.json"
     plan.save(str(path))
     plan = load_plan(str(path), registry=registry)

@@ -22,9 +22,15 @@ Plugins (``adapters/``, installed as ``polykv.adapters``) import only the plugin
 ``polykv.errors`` and their own package (``PLUGIN_PENDING`` lists what has yet to move into them). Core never imports a
 plugin, except the package root, which names the built-in plugin modules (``BUILTIN_PLUGINS``).
 
-Import circles: no circle of module-level imports between any two modules. A function-local import
-is how a few modules still defer an import (a method of a record that delegates to its file format,
-a lazy kernel); ``python tests/foundation/test_layering.py`` prints the circles they close.
+The bottom packages have an order of their own (``BOTTOM_ORDER``): the attention math, the plugin contract,
+storage, models, plans, the byte model. A module of one imports only its own package, the lower ones and the
+shared modules of the package root, at module level or inside a function (``BOTTOM_EXCEPTIONS`` lists the
+few crossings the contract still makes, each with its reason).
+
+Import circles: none, counting function-local imports too: a function-local import may defer a heavy
+import (a lazy kernel, the CLI's verb modules), never close a circle. Fewer than ``MAX_LOCAL_IMPORTS``
+function-local ``polykv`` imports in the tree: a module imports what it uses at its top.
+``python tests/foundation/test_layering.py`` prints the counts.
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ import ast
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
+from polykv.cli import VERBS, build_parser
 from polykv.plan import FULL_RULE
 from polykv.registry import get_registry
 
@@ -75,6 +84,28 @@ PLUGIN_MAY_IMPORT = ("polykv.contract", "polykv.errors")
 modules, which it reaches as names of the package: ``from polykv.contract import state``)."""
 PLUGIN_PENDING: set[tuple[str, str]] = set()   # empty: every plugin imports only the contract
 """(plugin module, core module) imports that stay until what they import moves into the plugin."""
+
+BOTTOM_ORDER = ("polykv.attention", "polykv.contract", "polykv.storage", "polykv.models", "polykv.plan",
+                "polykv.memory")
+"""The bottom packages, lowest first: the attention math needs nothing; the contract declares what plugins
+implement (its rules read attention signals); storage fills the contract's stores; models load and measure
+models (per-model data the contract declares); a plan names rules, stores and model data; the byte model
+counts what a plan holds."""
+
+# (importing module, imported module): why a lower bottom package imports a higher one.
+BOTTOM_EXCEPTIONS = {
+    ("polykv.attention.kivi_triton", "polykv.storage.token_blocks"):
+        "KIVI's fused decode kernel reads the packed streams it attends over",
+    ("polykv.contract", "polykv.memory.schedules"): "the plugins' front door re-exports the pyramid schedule",
+    ("polykv.contract", "polykv.models.kvzip_heads"): "the plugins' front door re-exports KVzip head scores",
+    ("polykv.contract", "polykv.models.query_stats"): "the plugins' front door re-exports query statistics",
+    ("polykv.contract.checks", "polykv.plan"): "the runtime's checks of plugin results know 16-bit passthrough",
+    ("polykv.contract.checks", "polykv.storage.reserve"): "and a store's reserved bytes",
+    ("polykv.contract.model_data", "polykv.models.corpus"): "per-model data is computed over the offline corpus",
+}
+
+MAX_LOCAL_IMPORTS = 100
+"""Function-local ``from polykv ...`` / ``import polykv...`` lines the tree may hold (polykv/ and adapters/)."""
 
 # Module paths removed in 0.2 (CHANGELOG.md) -> where the module lives now.
 REMOVED_PATHS = {
@@ -396,6 +427,64 @@ def test_no_import_circles_at_module_level():
         "\n".join(" <-> ".join(c) for c in found)
 
 
+def _bottom_package(module: str) -> str | None:
+    """The bottom package ``module`` is in (``BOTTOM_ORDER``), None for any other module or a runtime-layer one."""
+    if layer_of(module) != "bottom":
+        return None
+    return next((p for p in BOTTOM_ORDER if module == p or module.startswith(p + ".")), None)
+
+
+def bottom_order_breaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, target) for every import of a higher bottom package by a lower one, exceptions included."""
+    rank = {p: i for i, p in enumerate(BOTTOM_ORDER)}
+    out = []
+    for module, targets in sorted(graph.items()):
+        mine = _bottom_package(module)
+        for target in sorted(targets):
+            theirs = _bottom_package(target)
+            if mine and theirs and rank[theirs] > rank[mine]:
+                out.append((module, target))
+    return out
+
+
+def test_the_bottom_packages_keep_their_order():
+    """No module of a lower bottom package imports a higher one, at module level or inside a function."""
+    found = [f"{m} imports {t}" for m, t in bottom_order_breaks(import_graph(module_level_only=False))
+             if (m, t) not in BOTTOM_EXCEPTIONS]
+    assert not found, ("a bottom package imports one above it in BOTTOM_ORDER (move the shared part down, or add "
+                       "a justified entry to BOTTOM_EXCEPTIONS):\n" + "\n".join(found))
+
+
+def test_every_bottom_exception_is_still_needed():
+    used = set(bottom_order_breaks(import_graph(module_level_only=False)))
+    assert set(BOTTOM_EXCEPTIONS) <= used, f"bottom exceptions nothing needs: {sorted(set(BOTTOM_EXCEPTIONS) - used)}"
+
+
+def test_every_bottom_package_is_ordered():
+    assert set(BOTTOM_ORDER) == {p for p, layer in PACKAGE_LAYER.items() if layer == "bottom"}
+
+
+def test_the_bottom_order_check_catches_one():
+    graph = {"polykv.plan.records": {"polykv.memory.tokens"}, "polykv.memory.tokens": {"polykv.plan.records"},
+             "polykv.models.families": {"polykv.runtime.cache"}}
+    assert bottom_order_breaks(graph) == [("polykv.plan.records", "polykv.memory.tokens")]
+
+
+def test_no_import_circles_counting_function_local_imports():
+    """A function-local import defers a heavy import; it never closes a circle (the shared part moves down)."""
+    found = circles(import_graph(module_level_only=False))
+    assert not found, "modules that import each other, counting imports inside functions:\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_modules_import_at_their_top():
+    """Fewer than MAX_LOCAL_IMPORTS function-local polykv imports in polykv/ and adapters/."""
+    found = local_import_lines()
+    assert len(found) < MAX_LOCAL_IMPORTS, (f"{len(found)} function-local polykv imports (import at the module's "
+                                            f"top unless a real cycle or a heavy optional import forbids it):\n"
+                                            + "\n".join(found))
+
+
 def test_the_circle_check_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
@@ -500,13 +589,59 @@ def test_the_private_import_check_catches_one():
     assert private_imports("polykv.memory.resident", tree) == [(1, "polykv.memory.tokens._kept")]
 
 
+_LOCAL_IMPORT = re.compile(r"^\s+(from polykv|import polykv)")
+
+
+def local_import_lines() -> list[str]:
+    """``file:line`` of every indented ``from polykv ...`` / ``import polykv...`` line in polykv/ and adapters/."""
+    return [f"{p.relative_to(REPO)}:{i}" for base in (ROOT, PLUGIN_ROOT) for p in sorted(base.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if _LOCAL_IMPORT.match(line)]
+
+
 if __name__ == "__main__":   # the counts the layering docs quote
-    every = import_graph(False)
-    local = {m: every[m] - edges for m, edges in import_graph().items()}
+    module_level, every = import_graph(), import_graph(False)
+    local = {m: every[m] - edges for m, edges in module_level.items()}
     print(f"modules directly in polykv/: {len(list(ROOT.glob('*.py')))}")
-    print(f"circles of module-level imports: {len(circles(import_graph()))}")
+    print(f"circles of module-level imports: {len(circles(module_level))}")
     print(f"function-local imports of polykv modules (module -> module edges): {sum(map(len, local.values()))}")
+    print(f"function-local polykv import lines: {len(local_import_lines())} (at most {MAX_LOCAL_IMPORTS - 1})")
     closed = circles(every)
     print(f"circles closed only through function-local imports: {len(closed)}")
     for c in closed:
         print("  " + " <-> ".join(c))
+    for m, t in bottom_order_breaks(every):
+        print(f"  bottom order: {m} -> {t}" + (" (excepted)" if (m, t) in BOTTOM_EXCEPTIONS else ""))
+
+
+# -- the CLI imports the verb it runs ------------------------------------------------------------------
+
+def test_every_verb_module_is_in_the_cli_table():
+    """cli.VERBS names every module of polykv/commands, and each module registers the help the table lists."""
+    modules = {p.stem for p in (ROOT / "commands").glob("*.py") if p.stem != "__init__"}
+    assert {module for module, _ in VERBS.values()} == modules
+    listed = {a.dest: a.help for action in build_parser()._subparsers._group_actions for a in action._choices_actions}
+    assert listed == {verb: help_line for verb, (_, help_line) in VERBS.items()}
+
+
+_VERB_PROBE = """import contextlib, io, sys
+from polykv.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        main(sys.argv[1:])
+    except SystemExit:
+        pass
+print(sorted(m for m in sys.modules if m.startswith("polykv.commands.")))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, imported", [
+    (["--help"], []),
+    (["nosuchverb"], []),
+    (["plan", "validate", "no-such-plan.json"], ["polykv.commands.plan"]),
+])
+def test_the_cli_imports_only_the_verb_it_runs(argv, imported):
+    """``polykv --help`` lists the verbs from the table; a run imports its verb's module alone."""
+    out = subprocess.run([sys.executable, "-c", _VERB_PROBE, *argv], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == repr(imported), out.stderr[-2000:]

@@ -15,8 +15,9 @@ from polykv.models.geometry import ModelGeometry
 from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
                          OpSpec, Plan, Provenance, TriggerSettings)
 from polykv.plan.records import SCHEMA_VERSIONS
-from polykv.plan.io import dumps, parse_plan_text, plan_dict
-from polykv.plan.validation import validate
+from polykv.plan.io import parse_plan_text
+from polykv.plan.validation import validate_plan
+from polykv.plan.writing import dumps, plan_dict
 from polykv.registry import get_registry
 
 REGISTRY = get_registry()
@@ -108,7 +109,7 @@ def test_generated_plans_round_trip_byte_identically(plan):
 @settings(max_examples=60)
 @given(plans(any_names=False, with_model=True))
 def test_generated_registry_plans_validate(plan):
-    validate(plan, registry=REGISTRY, geometry=matching_geometry(plan), source="generated.json")
+    validate_plan(plan, registry=REGISTRY, geometry=matching_geometry(plan), source="generated.json")
 
 
 # -- malformed plans ------------------------------------------------------------------------------
@@ -280,7 +281,7 @@ def test_malformed_plans_fail_naming_the_field(mutate, plan, data):
     text = out if isinstance(out, str) else json.dumps(out, ensure_ascii=False)
     with pytest.raises(PlanError) as exc:
         parsed = parse_plan_text(text, "generated.json")
-        validate(parsed, registry=REGISTRY, geometry=geometry or matching_geometry(plan), source="generated.json")
+        validate_plan(parsed, registry=REGISTRY, geometry=geometry or matching_geometry(plan), source="generated.json")
     err = exc.value
     assert err.source == "generated.json"
     if field is None and mutate is m_json_syntax:

@@ -9,8 +9,9 @@ import pytest
 
 from polykv.errors import PlanError
 from polykv.models.geometry import ModelGeometry
-from polykv.plan import LayerPlan, load_plan, uniform_plan
-from polykv.plan.io import dumps, parse_plan_text
+from polykv.plan import LayerPlan, load_plan, uniform_plan, validate_plan
+from polykv.plan.io import parse_plan_text
+from polykv.plan.writing import dumps
 
 GEO = ModelGeometry(model_type="llama", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4)
 
@@ -74,6 +75,6 @@ def test_a_bad_rank_in_python_is_refused_at_construction(value):
 def test_a_rank_above_the_model_head_dim_is_refused_by_validation():
     plan = uniform_plan(GEO).with_layer(0, v_rank=32)
     with pytest.raises(PlanError, match=r"layer 0, field 'layers\[0\]\.v_rank': rank 32 exceeds the model's head dim 16"):
-        plan.validate(geometry=GEO)
+        validate_plan(plan, geometry=GEO)
     with pytest.raises(PlanError, match=r"rank 32 exceeds"):
-        attrs.evolve(plan, model=None).validate(geometry=GEO)
+        validate_plan(attrs.evolve(plan, model=None), geometry=GEO)

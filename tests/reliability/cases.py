@@ -52,7 +52,7 @@ def profile_dict() -> dict[str, Any]:
     import numpy as np
 
     from polykv.profiling.profile import CandidateConfig, Profile, moend_configs
-    from polykv.profiling.profile_io import to_dict
+    from polykv.profiling.profile_writing import to_dict
 
     configs = moend_configs("snapkv", "prefill", keeps=(0.25, 0.5, 1.0), k_bits=(16, 8), v_bits=(16, 8))
     configs = [c if c.keep < 1.0 else CandidateConfig(rule="full", keep=1.0, k_bits=c.k_bits, v_bits=c.v_bits)

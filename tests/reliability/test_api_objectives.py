@@ -10,9 +10,10 @@ import torch
 from cases_objectives import PROFILES, mixed_profile
 
 from polykv.errors import ProfileError
-from polykv.profiling.calibrate import CalibrationSettings, calibrate
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import CalibrationSettings
 from polykv.profiling.profile import Profile
-from polykv.profiling.profile_io import from_dict
+from polykv.profiling.profile import from_dict
 from polykv.testing import tiny_model
 
 

@@ -16,6 +16,7 @@ from polykv.contract.allocators import Allocator
 from polykv.errors import PlanError
 from polykv.memory import memory_report, predict_resident
 from polykv.contract.params import ParamError, ParamSpec, UncheckedParamsWarning, with_defaults
+from polykv.plan import validate_plan
 from polykv.plan.io import parse_plan_text
 from polykv.registry import get_registry
 from polykv.testing import tiny_model
@@ -57,7 +58,7 @@ def _one_line(exc) -> str:
 def test_a_wrong_typed_quantizer_param_names_the_quantizer_layer_and_field(registry):
     plan = _plan(**{"layers.0.quantizer_params": {"max_code": "448"}})
     with pytest.raises(PlanError) as exc:
-        plan.validate(registry=registry, source="p.json")
+        validate_plan(plan, registry=registry, source="p.json")
     text = _one_line(exc)
     assert "p.json, layer 0, field 'layers[0].quantizer_params.max_code'" in text
     assert "quantizer 'test-fp8': parameter 'max_code' must be a number in [1, 448], got '448'" in text
@@ -66,7 +67,7 @@ def test_a_wrong_typed_quantizer_param_names_the_quantizer_layer_and_field(regis
 def test_a_wrong_typed_allocator_param_names_the_allocator_layer_and_field(registry):
     plan = _plan(allocation=[{"allocator": "test-min-tokens", "layers": [0, 1], "params": {"min_tokens": "64"}}])
     with pytest.raises(PlanError) as exc:
-        plan.validate(registry=registry, source="p.json")
+        validate_plan(plan, registry=registry, source="p.json")
     text = _one_line(exc)
     assert "p.json, layer 0, field 'allocation[0].params.min_tokens'" in text
     assert "allocator 'test-min-tokens': parameter 'min_tokens' must be an integer" in text
@@ -76,10 +77,10 @@ def test_a_wrong_typed_allocator_param_names_the_allocator_layer_and_field(regis
 def test_builtin_allocator_and_quantizer_params_are_checked_by_type(registry):
     plan = _plan(allocation=[{"allocator": "cake", "layers": [0, 1], "params": {"window": "32"}}])
     with pytest.raises(PlanError, match=r"allocation\[0\].params.window'.*allocator 'cake': parameter 'window'"):
-        plan.validate(registry=registry)
+        validate_plan(plan, registry=registry)
     plan = _plan(**{"layers.0.quantizer": "kivi", "layers.0.quantizer_params": {"group_size": 16.0}})
     with pytest.raises(PlanError, match=r"layers\[0\].quantizer_params.group_size'.*quantizer 'kivi'"):
-        plan.validate(registry=registry)
+        validate_plan(plan, registry=registry)
 
 
 def test_apply_refuses_a_wrong_typed_quantizer_param_before_any_forward(registry):
@@ -94,14 +95,14 @@ def test_a_rule_without_specs_gets_one_warning_at_validation(registry):
                     "layers.1.prefill": {"rule": "test-unspecced", "capacity": 16, "params": {"min_similarity": 0.2}}})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan.validate(registry=registry, source="p.json")
+        validate_plan(plan, registry=registry, source="p.json")
     got = [w for w in caught if issubclass(w.category, UncheckedParamsWarning)]
     assert len(got) == 1, [str(w.message) for w in caught]
     assert str(got[0].message).startswith("p.json: rule 'test-unspecced' declares no param_specs for "
                                           "['min_similarity']")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _plan().validate(registry=registry)        # plugins that declare their specs: no warning
+        validate_plan(_plan(), registry=registry)        # plugins that declare their specs: no warning
 
 
 def test_plan_validate_prints_the_warning_in_one_line(tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 import polykv
 from polykv.errors import PlanError, RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
-from polykv.plan import AllocationGroup, OpSpec
+from polykv.plan import AllocationGroup, OpSpec, validate_plan
 from polykv.testing import tiny_model
 
 IDS = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10, 11]}
@@ -71,14 +71,14 @@ def test_a_rank_over_the_head_dim_is_refused(model, plain, field):
 def test_a_rank_over_the_head_dim_is_refused_without_a_geometry(plain):
     plan = plain.with_layer(0, k_rank=17)
     with pytest.raises(PlanError) as exc:
-        plan.validate()
+        validate_plan(plan)
     _one_line(exc, "layers[0].k_rank", "exceeds")
 
 
 def test_share_params_without_share_are_refused(model, plain):
     plan = plain.with_layer(1, share_params={"x": 1})
     with pytest.raises(PlanError) as exc:
-        plan.validate()
+        validate_plan(plan)
     _one_line(exc, "layers[1].share_params", "without share")
 
 
@@ -93,14 +93,14 @@ def test_a_share_that_is_not_the_layer_below_is_refused(model):
 def test_an_allocation_group_past_the_last_layer_is_refused(model, plain):
     plan = attrs.evolve(plain, allocation=(AllocationGroup(allocator="uniform", layers=(0, 5)),))
     with pytest.raises(PlanError) as exc:
-        plan.validate()
+        validate_plan(plan)
     _one_line(exc, "allocation[0].layers", "layer 5")
 
 
 def test_a_layer_in_two_allocation_groups_is_refused(model, plain):
     groups = (AllocationGroup(allocator="uniform", layers=(0, 1)), AllocationGroup(allocator="uniform", layers=(1,)))
     with pytest.raises(PlanError) as exc:
-        attrs.evolve(plain, allocation=groups).validate()
+        validate_plan(attrs.evolve(plain, allocation=groups))
     _one_line(exc, "allocation[1].layers", "groups 0 and 1")
 
 

@@ -7,7 +7,7 @@ import pytest
 import polykv
 from polykv.errors import PlanError, RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
-from polykv.plan import OpSpec
+from polykv.plan import OpSpec, validate_plan
 from polykv.testing import tiny_model, token_ids
 
 IDS = {"repeat_ids": [5, 6, 7], "continue_ids": [8, 9], "suffix_ids": [10, 11]}
@@ -27,8 +27,8 @@ def _not_run(model):
 def test_kvzip_in_decode_is_refused_when_the_plan_is_read(model):
     geo = geometry_of_model(model)
     with pytest.raises(PlanError, match=r"layer 0.*'kvzip'.*decode"):
-        polykv.uniform_plan(geo, decode=OpSpec(rule="kvzip", capacity=8, params=IDS)).validate(
-            registry=polykv.get_registry(), geometry=geo)
+        validate_plan(polykv.uniform_plan(geo, decode=OpSpec(rule="kvzip", capacity=8, params=IDS)),
+                      registry=polykv.get_registry(), geometry=geo)
 
 
 def test_missing_prompt_ids_are_refused_before_the_model_runs(model):
@@ -66,8 +66,8 @@ def test_a_probe_past_the_models_positions_is_refused_before_the_model_runs():
 def test_bad_prompt_ids_are_refused_when_the_plan_is_read(model):
     geo = geometry_of_model(model)
     with pytest.raises(PlanError, match="repeat_ids"):
-        polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=8, params={"repeat_ids": ["x"]}),
-                            decode="full").validate(registry=polykv.get_registry(), geometry=geo)
+        validate_plan(polykv.uniform_plan(geo, prefill=OpSpec(rule="kvzip", capacity=8, params={"repeat_ids": ["x"]}),
+                                          decode="full"), registry=polykv.get_registry(), geometry=geo)
 
 
 def test_prefix_covering_the_whole_prompt_is_refused(model):
@@ -81,6 +81,6 @@ def test_prefix_covering_the_whole_prompt_is_refused(model):
 def test_calibration_measures_a_probe_rule_by_default(model):
     """Calibration runs a probe rule's probe through the runtime (tests/calibration/test_endtoend.py checks its rows
     against a direct run), so the default rule list includes it."""
-    from polykv.profiling.calibrate import default_rules
+    from polykv.profiling.calibrate_settings import default_rules
 
     assert "kvzip" in default_rules(polykv.get_registry())

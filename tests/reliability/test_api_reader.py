@@ -11,7 +11,7 @@ import pytest
 from cases import plan_dict, profile_dict
 from polykv.errors import PlanError, ProfileError, StudyError
 from polykv.plan.io import parse_plan_dict
-from polykv.profiling.profile_io import from_dict
+from polykv.profiling.profile import from_dict
 from polykv.strict_json import FieldReader
 from polykv.studies.spec import load_spec
 

@@ -17,7 +17,7 @@ from polykv.adapters.rules.kvzip import prompt_params
 from polykv.commands.solve import parse_params
 from polykv.errors import PlanError, PolykvError, RuntimeConfigError, SolverError
 from polykv.models.geometry import geometry_of_model
-from polykv.plan import LayerPlan, OpSpec
+from polykv.plan import LayerPlan, OpSpec, validate_plan
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, moend_configs
 from polykv.solvers import solve
@@ -92,7 +92,7 @@ def test_kvzip_head_sinks_larger_than_the_capacity_are_refused(model, params, pa
     plan = polykv.uniform_plan(geometry_of_model(model), prefill=OpSpec(rule="kvzip-head", capacity=8, params=params),
                                decode="full")
     with pytest.raises(PlanError) as err:
-        plan.validate(registry=polykv.get_registry())
+        validate_plan(plan, registry=polykv.get_registry())
     msg = _one_line(err)
     assert f"layers[0].prefill.params.{param}" in msg and "9" in msg and "8" in msg
 

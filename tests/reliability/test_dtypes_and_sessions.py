@@ -12,7 +12,7 @@ import polykv
 from polykv.cli import main
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import fingerprints_match, geometry_of_model, weights_digest
-from polykv.plan import OpSpec, load_plan, uniform_plan
+from polykv.plan import OpSpec, load_plan, uniform_plan, validate_plan
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.testing import tiny_model
@@ -41,7 +41,7 @@ def test_a_plan_made_in_float32_runs_in_bfloat16():
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=32, vocab=64)
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule="snapkv", capacity=16), k_bits=8, v_bits=4)
     model = model.to(torch.bfloat16)
-    plan.validate(registry=get_registry(), geometry=geometry_of_model(model))
+    validate_plan(plan, registry=get_registry(), geometry=geometry_of_model(model))
     ids = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), polykv.apply(model, plan) as session:
         out = session.prefill(ids)

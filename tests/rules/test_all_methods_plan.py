@@ -14,6 +14,7 @@ import torch
 import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.adapters.rules.query_stats import compute_query_stats
+from polykv.plan import validate_plan
 from polykv.testing import tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def test_shipped_plan_names_every_method_and_validates():
     assert {g.allocator for g in plan.allocation} == {"pyramidkv", "cake", "d2o"}
     from polykv.registry import get_registry
 
-    plan.validate(registry=get_registry())
+    validate_plan(plan, registry=get_registry())
 
 
 def test_all_methods_run_together_on_a_tiny_model():

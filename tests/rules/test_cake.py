@@ -9,6 +9,7 @@ import torch
 
 from polykv.adapters.rules.cake import CAKEAllocator, CAKERule, split_budgets
 from polykv.contract.state import QueryWindow
+from polykv.plan import validate_plan
 
 
 def naive_rows(ctx, attn_row, b, h, rows):
@@ -197,10 +198,10 @@ def test_a_cake_rule_window_other_than_its_allocators_is_refused_at_validation()
     for rule_window, group_window in [(8, None), (None, 8), (16, 8)]:
         plan = _cake_group_plan(geo, capacity=40, rule_window=rule_window, group_window=group_window)
         with pytest.raises(PlanError) as info:
-            plan.validate(registry=polykv.get_registry())
+            validate_plan(plan, registry=polykv.get_registry())
         text = str(info.value)
         assert "layers[0].prefill.params.window" in text and "allocator 'cake'" in text and "\n" not in text
-    _cake_group_plan(geo, capacity=40, rule_window=8, group_window=8).validate(registry=polykv.get_registry())
+    validate_plan(_cake_group_plan(geo, capacity=40, rule_window=8, group_window=8), registry=polykv.get_registry())
 
 
 def test_the_cake_allocator_refuses_a_batch_of_several_rows():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from polykv.adapters.rules.cam import merge_values, merge_weights
+from polykv.plan import validate_plan
 
 
 def naive_cam(values, kept, acc, m, draws, divide_by):
@@ -104,7 +105,7 @@ def test_a_plan_with_a_bad_inner_rule_fails_validation_naming_layer_and_field():
             ({"rule": "snapkv", "rule_params": {"window": 0}}, "window", "params.rule_params.window")]:
         plan = polykv.uniform_plan(geo, prefill=OpSpec(rule="cam", capacity=8, params=params))
         with pytest.raises(PlanError, match=needle) as err:
-            plan.validate(registry=get_registry(), geometry=geo)
+            validate_plan(plan, registry=get_registry(), geometry=geo)
         assert f"field 'layers[0].prefill.{field}'" in str(err.value)
 
 
@@ -120,7 +121,7 @@ def test_cam_around_a_prefill_only_rule_is_refused_in_decode_when_the_plan_is_va
     geo = geometry_of_model(tiny_model("llama", layers=2))
     plan = polykv.uniform_plan(geo, decode=OpSpec(rule="cam", capacity=8, params={"rule": "snapkv"}))
     with pytest.raises(PlanError, match="does not run in the decode phase") as err:
-        plan.validate(registry=get_registry(), geometry=geo)
+        validate_plan(plan, registry=get_registry(), geometry=geo)
     assert "field 'layers[0].decode.params'" in str(err.value)
     ok = polykv.uniform_plan(geo, decode=OpSpec(rule="cam", capacity=8, params={"rule": "h2o"}))
-    ok.validate(registry=get_registry(), geometry=geo)
+    validate_plan(ok, registry=get_registry(), geometry=geo)

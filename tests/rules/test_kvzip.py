@@ -151,7 +151,7 @@ def test_check_rule_runs_kvzip_through_its_probe():
 
 def test_plan_show_states_the_probe_cost_and_the_plan_round_trips(model, tmp_path):
     from polykv.commands.plan import format_plan
-    from polykv.plan.io import save
+    from polykv.plan.writing import save
 
     geo = geometry_of_model(model)
     params = dict(IDS, chunk_size=1000)

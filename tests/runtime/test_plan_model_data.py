@@ -18,7 +18,7 @@ from polykv.errors import PlanError
 from polykv.models.geometry import geometry_of_model
 from polykv.contract.hookspecs import hookimpl
 from polykv.contract.model_data import ModelDataError, ModelDataNeed, ModelDataNote, cached_file
-from polykv.plan import OpSpec, load_plan, uniform_plan
+from polykv.plan import OpSpec, load_plan, uniform_plan, validate_plan
 from polykv.adapters.rules.query_stats import QUERY_STATS_SUFFIX, QueryStats, compute_query_stats
 from polykv.registry import Registry, get_registry
 from polykv.studies.runner import CharTokenizer
@@ -127,7 +127,7 @@ def test_a_malformed_field_is_refused_naming_it(model, tmp_path, value, message)
 def test_a_key_no_rule_of_the_plan_reads_is_refused_at_validation(model):
     plan = _plan(model, rule="h2o", model_data={STATS_KEY: "x.safetensors"})
     with pytest.raises(PlanError, match=r"field 'model_data.triattention': no rule of this plan reads"):
-        plan.validate(registry=get_registry())
+        validate_plan(plan, registry=get_registry())
 
 
 # -- apply ------------------------------------------------------------------------------------------

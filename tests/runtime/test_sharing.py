@@ -193,7 +193,7 @@ def test_no_sharing_takes_todays_path_bit_for_bit(model):
     geo = geometry_of_model(model)
     prompt = token_ids(1, PROMPT, seed=7)
     plain = polykv.full_plan(geo)
-    assert plain.to_json() == polykv.plan.io.dumps(plain) and '"schema_version": 1' in plain.to_json()
+    assert plain.to_json() == polykv.plan.writing.dumps(plain) and '"schema_version": 1' in plain.to_json()
     logits, _, _, cache = _run(model, plain, prompt, STEPS)
     assert not any(isinstance(layer.key_store, SharedStore) for layer in cache.layers)
     with torch.no_grad():

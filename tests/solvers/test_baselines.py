@@ -8,6 +8,7 @@ import pytest
 from polykv import get_registry
 from polykv.errors import SolverError
 from polykv.memory import nominal_bytes
+from polykv.plan import validate_plan
 from polykv.profiling.budget import Budget, full_cache_bytes
 from polykv.profiling.profile import CandidateConfig, Profile
 from polykv.solvers import solve
@@ -110,7 +111,7 @@ def test_pyramid_plan_is_prefill_snapkv_within_budget(profile):
     assert caps == sorted(caps, reverse=True) and sum(caps) <= 8 * 128
     assert all(lp.prefill.rule == "snapkv" and lp.prefill.params == {"window": 8} for lp in plan.layers)
     assert all(lp.decode.keeps_everything for lp in plan.layers)
-    plan.validate(registry=get_registry())
+    validate_plan(plan, registry=get_registry())
     assert solve(profile, Budget.of_tokens(4096, 2048), "pyramid").keeps_everything
 
 

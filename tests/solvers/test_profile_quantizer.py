@@ -14,9 +14,9 @@ import polykv
 from polykv.errors import SolverError
 from polykv.plan import LayerPlan
 from polykv.profiling.budget import Budget
-from polykv.profiling.calibrate import CalibrationSettings, calibrate
-from polykv.profiling.profile import CandidateConfig, Profile, load_profile, moend_configs
-from polykv.profiling.profile_io import loads
+from polykv.profiling.calibrate import calibrate
+from polykv.profiling.calibrate_settings import CalibrationSettings
+from polykv.profiling.profile import CandidateConfig, Profile, load_profile, loads, moend_configs
 from polykv.solvers import solve
 from polykv.solvers.base import Solver
 from polykv.testing import tiny_model

@@ -214,7 +214,7 @@ def test_meter_takes_a_menu_of_probe_rules_with_list_parameters(tiny, profile):
 def test_heldout_sequences_leave_out_the_profile_calibration_draw(tiny, profile):
     import attrs
 
-    from polykv.profiling.calibrate import corpus_sequences
+    from polykv.profiling.calibrate_settings import corpus_sequences
 
     tok = _tokenize(tiny[2])
     cal, desc = corpus_sequences(tok, 3, 80, seed=0)

@@ -9,6 +9,7 @@ import pytest
 
 from polykv import get_registry
 from polykv.errors import SolverError
+from polykv.plan import validate_plan
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, StatTable, moend_configs
 from polykv.solvers import solve
@@ -34,7 +35,7 @@ def test_route_takes_the_top_ranked_rule_per_layer():
     assert [lp.prefill.rule for lp in plan.layers] == ["tova", "snapkv", "h2o", "snapkv"]
     assert all(lp.prefill.resolve_capacity(1000) == 100 and lp.decode.keeps_everything for lp in plan.layers)
     assert plan.provenance.params["route"] == ["tova", "snapkv", "h2o", "snapkv"]
-    plan.validate(registry=get_registry())
+    validate_plan(plan, registry=get_registry())
 
 
 def test_both_phase_scope_skips_prefill_only_rules():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from polykv.studies.corpus import corpus_texts
+from polykv.models.corpus import corpus_texts
 from polykv.studies.tasks import CharTokenizer, WhitespaceTokenizer
 
 

@@ -6,7 +6,7 @@ import platform
 import pytest
 
 from polykv.errors import StudyError
-from polykv.studies import corpus
+from polykv.models import corpus
 
 
 def test_corpus_id_names_recipe_and_python():

@@ -9,7 +9,8 @@ import pytest
 
 from polykv.cli import main
 from polykv.errors import OutputError
-from polykv.studies import designs, stats
+from polykv.profiling import stats
+from polykv.studies import designs
 from polykv.studies.combine import combine_results
 from polykv.studies.export import ITEM_COLUMNS, POLICY_COLUMNS, csv_texts, write_csv
 from polykv.studies.report import policy_rows

@@ -127,7 +127,7 @@ def test_continuation_items_split_one_text(tokenizer):
     assert task.mode == TEACHER_FORCED and item.question == "" and item.max_new_tokens == 0
     assert abs(count_tokens(tokenizer, item.context) - 800) <= 40
     assert abs(count_tokens(tokenizer, item.answers[0]) - 100) <= 16
-    from polykv.studies.corpus import filler_text
+    from polykv.models.corpus import filler_text
     # The continuation is the text that follows the context in the same corpus stream.
     stream = item.context + item.answers[0]
     assert filler_text(len(stream) + 1, kind="prose", seed=item.meta["filler_seed"]).startswith(stream)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from polykv.commands.demo import DEMO_SPEC, demo_spec
 from polykv.registry import get_registry
-from polykv.studies import stats
+from polykv.profiling import stats
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "demo_study.json"
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from polykv.cli import main
 from polykv.studies import designs, stats
+from polykv.profiling import stats as paired_stats
 from polykv.studies.report import policy_rows, write_report
 from polykv.studies.results import FORMAT, Results
 
@@ -56,7 +57,7 @@ def test_report_numbers_are_the_paired_statistics_of_the_scores(tmp_path):
 
     rows = {r["policy"]: r for r in policy_rows(res, "passkey")}
     for name, values in scores.items():
-        w = stats.wilson_interval(sum(values), len(values))
+        w = paired_stats.wilson_interval(sum(values), len(values))
         assert (rows[name]["wilson"].low, rows[name]["wilson"].high) == (w.low, w.high)
         assert rows[name]["ratio"] == 1000 / kv[name]
 
@@ -71,7 +72,7 @@ def test_report_numbers_are_the_paired_statistics_of_the_scores(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     d = want["d_evict"]
     assert f"| d_evict | {d.estimate:+.3f} [{d.low:+.3f}, {d.high:+.3f}]" in md
-    w = stats.wilson_interval(sum(scores["2d@8x"]), 25)
+    w = paired_stats.wilson_interval(sum(scores["2d@8x"]), 25)
     assert f"{w.estimate:.1%} [{w.low:.1%}, {w.high:.1%}]" in md
 
 

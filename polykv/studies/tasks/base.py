@@ -24,7 +24,7 @@ import attrs
 
 from polykv.contract.params import ParamError, check_params
 from polykv.errors import StudyError
-from polykv.studies.corpus import filler_text
+from polykv.models.corpus import filler_text
 from polykv.studies.prompt import as_encoder
 from polykv.studies.tasks import metrics
 
@@ -162,7 +162,7 @@ def text_units(text: str) -> list[str]:
 
 
 def filler_units(tokenizer, tokens: int, *, kind: str, seed: int) -> list[str]:
-    """Real filler text (see :func:`polykv.studies.corpus.filler_text`) of at least ``tokens`` tokens, as units."""
+    """Real filler text (see :func:`polykv.models.corpus.filler_text`) of at least ``tokens`` tokens, as units."""
     chars = max(1024, 4 * tokens)
     while True:
         text = filler_text(chars, kind=kind, seed=seed)

@@ -1,7 +1,7 @@
 """Long-text continuation fidelity: how far a compressed cache moves the next-token distribution.
 
 An item is one long real text from the offline corpus (whole documents joined by blank lines, see
-:func:`polykv.studies.corpus.filler_text`) cut into a ``context`` of about
+:func:`polykv.models.corpus.filler_text`) cut into a ``context`` of about
 ``context_tokens`` tokens and the ``continuation`` that follows it (``answers[0]``, about
 ``continuation_tokens`` tokens). The runner prefills and compresses the context, teacher-forces the
 continuation through the compressed cache and, at every continuation position, compares the next-token
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from polykv.studies.tasks.base import (TEACHER_FORCED, Task, TaskItem, check_length, count_tokens, filler_units,
                                        fit_length, prompt_length)
-from polykv.studies.corpus import KINDS
+from polykv.models.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack, param_error
-from polykv.studies.corpus import KINDS
+from polykv.models.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
 ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",

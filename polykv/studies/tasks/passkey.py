@@ -4,7 +4,7 @@ After Mohtashami & Jaggi (2023), "Landmark Attention: Random-Access Infinite Con
 Transformers" (the passkey test), as a plain completion prompt: the context is an instruction, the
 filler and one line "The pass key is 71432. Remember it."; the question "What is the pass key? The
 pass key is" is fed through the compressed cache and the first number generated must be the key.
-The filler is real text from the offline corpus (:mod:`polykv.studies.corpus`), not the repeated
+The filler is real text from the offline corpus (:mod:`polykv.models.corpus`), not the repeated
 "The grass is green" lines of the original, so positions differ in content. The default filler is
 standard-library source code: the prose filler (the Python reference manual, which itself explains
 "keys" and "special methods") distracts SmolLM2-135M even with a full cache (16/20 found at 2048 tokens,
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
-from polykv.studies.corpus import KINDS
+from polykv.models.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
 INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from polykv.errors import StudyError
 from polykv.studies.tasks.base import Task, TaskItem, draw_number, filler_units, fit_haystack
-from polykv.studies.corpus import KINDS
+from polykv.models.corpus import KINDS
 from polykv.contract.params import ParamSpec
 
 INSTRUCTION = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
