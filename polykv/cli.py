@@ -57,7 +57,7 @@ VERBS = {
                                  "file"),
     "plan": ("plan", "show or validate a plan file"),
     "plugins": ("plugins", "list registered rules, quantizers, solvers and tasks"),
-    "report": ("report", "write a study report (Markdown + PNG figures) from a results file"),
+    "report": ("report", "write a study report (Markdown + figures) from a results file"),
     "solve": ("solve", "make a plan from a profile at a memory budget"),
     "study": ("study", "run plans head-to-head on tasks at matched memory (resumable)"),
 }

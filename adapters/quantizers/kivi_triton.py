@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from polykv.contract import storage
-from polykv.adapters.quantizers.packed_stream import PackedStream
 
 try:
     import triton
@@ -178,17 +177,16 @@ def _flat(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor,
     return t, t.stride(0), t.stride(1)
 
 
-def _packed(view: storage.TokenRows) -> PackedStream:
-    """A KIVI view as it is; the 16-bit store's view (full-precision rows only) as a passthrough stream."""
-    if isinstance(view, PackedStream):
-        return view
-    if view.codes is not None:
+def _packed(view: storage.TokenRows) -> storage.TokenRows:
+    """A KIVI view (per-channel keys or per-token values) or the 16-bit store's view (full-precision rows only,
+    layout ``"none"``), as the kernel reads it; any other view is refused."""
+    if view.layout not in LAYOUT_CODE or (view.layout == "none") != (view.codes is None):
         raise ValueError(f"the fused KIVI decode kernel reads KIVI streams and full-precision rows, not "
                          f"{type(view).__name__}")
-    return PackedStream(layout="none", residual=view.residual, residual_len=view.residual_len)
+    return view
 
 
-def _stream_args(s: PackedStream) -> tuple[list, list]:
+def _stream_args(s: storage.TokenRows) -> tuple[list, list]:
     """(tensors, strides) of one stream for the kernel."""
     B, H, Tr, d = s.residual.shape
     anchor = s.residual if Tr else s.residual.new_zeros(B, H, 1, d)  # stands in for empty tensors
@@ -212,7 +210,7 @@ def decode_attention(query: torch.Tensor, keys: storage.TokenRows, values: stora
     ----------
     query : torch.Tensor
         The q newest tokens' queries; they are the last q tokens of every head (lower-right causal).
-    keys, values : PackedStream or TokenRows
+    keys, values : storage.TokenRows (a KIVI view, or the 16-bit store's)
         Views of the layer's stores (``store.token_blocks()``: a KIVI store's, or the 16-bit store's), possibly
         with ragged head counts.
     scaling : float
@@ -256,7 +254,7 @@ def decode_attention(query: torch.Tensor, keys: storage.TokenRows, values: stora
         rows = rows.contiguous()
     (kc, ks, kz, kr), kst = _stream_args(keys)
     (vc, vs, vz, vr), vst = _stream_args(values)
-    kg = keys.group_ids
+    kg = getattr(keys, "group_ids", None)   # a KIVI key view's group of each code row
     has_gid = kg is not None and keys.layout == "channel"
     kg, g_bh, g_t = _flat(kg.unsqueeze(-1), kc) if has_gid else (kc, 0, 0)
     block_n = BLOCK_N

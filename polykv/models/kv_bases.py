@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from polykv.atomic import replace_with
-from polykv.contract.model_data import ModelDataNeed
+from polykv.models.data_need import ModelDataNeed
 from polykv.errors import ProfileError
 from polykv.models.geometry import fingerprints_match, geometry_of_model, rope_of_model
 from polykv.models.tagged_tensors import read_tagged

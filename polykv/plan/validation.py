@@ -58,7 +58,7 @@ def validate_plan(plan: Plan, *, registry=None, geometry=None, source: str = "<p
     if plan.allocation:
         check_groups(plan, source=source)
         if registry is not None:
-            _validate_groups(plan, registry, source, unchecked)
+            check_group_allocators(plan, registry, source=source, unchecked=unchecked)
     if any(lp.share is not None or lp.share_params for lp in plan.layers):
         check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
@@ -74,8 +74,10 @@ def validate_plan(plan: Plan, *, registry=None, geometry=None, source: str = "<p
     return plan
 
 
-def _validate_groups(plan: Plan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
-    """Every group's allocator is registered, takes its params, and can budget its members' ops."""
+def check_group_allocators(plan: Plan, registry, *, source: str, unchecked: dict[str, set[str]] | None = None) -> None:
+    """Every group's allocator is registered, takes its params, and can budget its members' ops (parameters
+    without a spec are added to ``unchecked``)."""
+    unchecked = {} if unchecked is None else unchecked
     for gi, g in enumerate(plan.allocation):
         field = f"allocation[{gi}]"
         try:

@@ -20,6 +20,7 @@ from polykv.registry import get_registry
 from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import AllocationGroup, FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.plan.groups import check_group_bounds, check_groups
+from polykv.plan.validation import check_group_allocators
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
 METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: the profile's routing "
@@ -151,7 +152,8 @@ class Solver:
         if allocation:
             plan = attrs.evolve(plan, allocation=tuple(allocation))
             try:
-                check_groups(plan, source=f"solver '{self.name}'", registry=self.registry)
+                check_groups(plan, source=f"solver '{self.name}'")
+                check_group_allocators(plan, self.registry, source=f"solver '{self.name}'")
                 check_group_bounds(plan, self.registry, budget.context_tokens, source=f"solver '{self.name}'")
             except PlanError as exc:
                 raise SolverError(f"solver '{self.name}' built an allocation group the runtime would refuse: {exc}; "

@@ -6,8 +6,10 @@
 - :mod:`polykv.storage.token_blocks` — the token-blocks view of a stored stream that attention reads a
   block at a time (full-precision rows; a quantizer's view adds its codes).
 
-A bottom layer: it imports only the plugin contract's store base classes, never the runtime.
-Import the modules themselves (this package re-exports nothing, so that the contract, which
-imports the reserve policy, and the token buffer, which implements the contract's store, never
-wait on each other).
+- :mod:`polykv.storage.store` — the store base (:class:`~polykv.storage.store.KVStore`), what a write cost,
+  the bit widths.
+
+A bottom layer below the plugin contract: it imports nothing of the contract (which offers these building
+blocks to quantizer plugins) and never the runtime. Import the modules themselves (this package re-exports
+nothing).
 """

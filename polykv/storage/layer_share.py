@@ -26,7 +26,7 @@ import math
 import attrs
 import torch
 
-from polykv.contract.stores import KVStore
+from polykv.storage.store import KVStore
 from polykv.errors import RuntimeConfigError
 from polykv.storage.store_checks import held_bytes
 from polykv.storage.token_buffer import TokenBuffer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from polykv.contract.stores import UNQUANTIZED_BITS
+from polykv.storage.store import UNQUANTIZED_BITS
 from polykv.storage.store_checks import gather_tokens
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from polykv.contract.stores import UNQUANTIZED_BITS, KVStore, WriteCost
+from polykv.storage.store import UNQUANTIZED_BITS, KVStore, WriteCost
 from polykv.storage.reserve import capacity_after, grown_capacity
 from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes
 from polykv.storage.token_blocks import TokenRows

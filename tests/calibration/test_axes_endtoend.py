@@ -13,7 +13,7 @@ from polykv.profiling import validation as val
 from polykv.profiling.budget import Budget
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.calibrate_axes import pair_losses, rank_label, rank_pairs
-from polykv.profiling.profile_io import loads
+from polykv.profiling.profile import loads
 from polykv.solvers import solve
 
 from tests.calibration.test_objectives import PREFIX, Words, _held

@@ -22,10 +22,10 @@ Plugins (``adapters/``, installed as ``polykv.adapters``) import only the plugin
 ``polykv.errors`` and their own package (``PLUGIN_PENDING`` lists what has yet to move into them). Core never imports a
 plugin, except the package root, which names the built-in plugin modules (``BUILTIN_PLUGINS``).
 
-The bottom packages have an order of their own (``BOTTOM_ORDER``): the attention math, the plugin contract,
-storage, models, plans, the byte model. A module of one imports only its own package, the lower ones and the
-shared modules of the package root, at module level or inside a function (``BOTTOM_EXCEPTIONS`` lists the
-few crossings the contract still makes, each with its reason).
+The bottom packages have an order of their own (``BOTTOM_ORDER``): models, the attention math, storage, the
+plugin contract, plans, the byte model. A module of one imports only its own package, the lower ones and the
+shared modules of the package root, at module level or inside a function (``BOTTOM_EXCEPTIONS`` would list a
+crossing with its reason; there is none).
 
 Import circles: none, counting function-local imports too: a function-local import may defer a heavy
 import (a lazy kernel, the CLI's verb modules), never close a circle. Fewer than ``MAX_LOCAL_IMPORTS``
@@ -85,24 +85,16 @@ modules, which it reaches as names of the package: ``from polykv.contract import
 PLUGIN_PENDING: set[tuple[str, str]] = set()   # empty: every plugin imports only the contract
 """(plugin module, core module) imports that stay until what they import moves into the plugin."""
 
-BOTTOM_ORDER = ("polykv.attention", "polykv.contract", "polykv.storage", "polykv.models", "polykv.plan",
+BOTTOM_ORDER = ("polykv.models", "polykv.attention", "polykv.storage", "polykv.contract", "polykv.plan",
                 "polykv.memory")
-"""The bottom packages, lowest first: the attention math needs nothing; the contract declares what plugins
-implement (its rules read attention signals); storage fills the contract's stores; models load and measure
-models (per-model data the contract declares); a plan names rules, stores and model data; the byte model
-counts what a plan holds."""
+"""The bottom packages, lowest first: models load and describe models (geometry, per-model data and what a rule
+needs measured); the attention math reads a model's attention types; storage holds a layer's tokens (the store
+base and its building blocks); the plugin contract declares what plugins implement and offers them the storage
+and attention building blocks; a plan names rules, stores and model data; the byte model counts what a plan
+holds."""
 
-# (importing module, imported module): why a lower bottom package imports a higher one.
-BOTTOM_EXCEPTIONS = {
-    ("polykv.attention.kivi_triton", "polykv.storage.token_blocks"):
-        "KIVI's fused decode kernel reads the packed streams it attends over",
-    ("polykv.contract", "polykv.memory.schedules"): "the plugins' front door re-exports the pyramid schedule",
-    ("polykv.contract", "polykv.models.kvzip_heads"): "the plugins' front door re-exports KVzip head scores",
-    ("polykv.contract", "polykv.models.query_stats"): "the plugins' front door re-exports query statistics",
-    ("polykv.contract.checks", "polykv.plan"): "the runtime's checks of plugin results know 16-bit passthrough",
-    ("polykv.contract.checks", "polykv.storage.reserve"): "and a store's reserved bytes",
-    ("polykv.contract.model_data", "polykv.models.corpus"): "per-model data is computed over the offline corpus",
-}
+# (importing module, imported module): why a lower bottom package imports a higher one. None does.
+BOTTOM_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 MAX_LOCAL_IMPORTS = 100
 """Function-local ``from polykv ...`` / ``import polykv...`` lines the tree may hold (polykv/ and adapters/)."""

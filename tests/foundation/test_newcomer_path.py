@@ -24,7 +24,7 @@ import torch
 import polykv
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
-from polykv.plan.io import save
+from polykv.plan.writing import save
 from polykv.testing import tiny_model, token_ids
 
 ROOT = Path(__file__).resolve().parents[2]

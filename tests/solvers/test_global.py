@@ -10,7 +10,7 @@ import pytest
 
 import polykv
 from polykv.plan import load_plan
-from polykv.plan.validation import validate
+from polykv.plan.validation import validate_plan
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, load_profile, moend_configs
 from polykv.solvers import solve
@@ -58,7 +58,7 @@ def test_the_profiled_split_is_no_worse_than_the_uniform_share_by_the_profile(ra
     members = split.allocation[0].layers
     stored = {(split.layers[i].k_bits, split.layers[i].v_bits) for i in members}
     assert len(stored) == 1                                   # members share one storage signature
-    validate(split, registry=polykv.get_registry())
+    validate_plan(split, registry=polykv.get_registry())
 
 
 def _toy_profile(seed: int) -> Profile:

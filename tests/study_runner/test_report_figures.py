@@ -15,7 +15,7 @@ from polykv.cli import main
 from polykv.memory import kept_tokens, memory_report, predict_resident
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import AllocationGroup, OpSpec, Provenance
-from polykv.plan.io import plan_dict
+from polykv.plan.writing import plan_dict
 from polykv.studies.figures import Figures
 from polykv.studies.plots import is_report_figure
 from polykv.studies.results import FORMAT, Results
