@@ -17,7 +17,7 @@ from polykv.contract.model_data import recognises, registered_needs, side_file
 from polykv.errors import ProfileError
 from polykv.models import MODEL_ALIASES, NAMED_MODELS
 from polykv.models.devices import check_device, check_threads
-from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.calibrate import calibrate

@@ -19,7 +19,7 @@ from polykv.atomic import check_output
 from polykv.contract.model_data import compute_over_corpus, need_of
 from polykv.errors import OutputError, PolykvError, ProfileError
 from polykv.models.devices import check_device
-from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
 from polykv.registry import get_registry
 

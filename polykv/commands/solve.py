@@ -13,7 +13,7 @@ from polykv.commands.plan import model_geometry
 from polykv.contract.model_data import load_side_files, needs_of_rules, side_file_references
 from polykv.errors import ProfileError, SolverError
 from polykv.models.devices import check_device
-from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import load_by_name
 from polykv.plan.io import is_plan_file
 from polykv.profiling.budget import Budget

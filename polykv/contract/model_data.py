@@ -20,13 +20,13 @@ and :func:`write_atomically` (a temp file renamed over the path).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+import attrs
 
 from polykv.atomic import replace_with
 from polykv.errors import CacheWriteWarning, PolykvError, RuntimeConfigError
 from polykv.models.geometry import fingerprints_match, geometry_of_model
-from polykv.models.data_need import ModelDataNeed
 from polykv.models.tagged_tensors import check_tensors, read_tagged
 
 model_geometry = geometry_of_model
@@ -42,6 +42,30 @@ class ModelDataError(RuntimeConfigError):
 
 NEED_ATTRIBUTE = "model_data_need"
 """The rule class attribute that holds a :class:`ModelDataNeed` (absent or None: the rule needs nothing)."""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ModelDataNeed:
+    """What a rule needs measured on the model, and where that lives beside a profile."""
+
+    key: str
+    """Key of ``ctx.model_data`` (and of ``model_data=`` in :func:`polykv.apply`) the rule reads."""
+    suffix: str
+    """Side-file suffix: a profile ``x.profile.json`` keeps the data in ``x`` + suffix."""
+    compute: Callable[[Any, list], Any]
+    """``compute(model, token_batches)`` -> the data (token batches: LongTensor [1, T] of plain text)."""
+    load: Callable[[str], Any]
+    """``load(path)`` -> the data saved there with ``data.save(path)``."""
+    check: Callable[[Any, Any], None] | None = None
+    """``check(data, model)`` raises when loaded data was measured on another model."""
+    recognise: Callable[[str], bool] | None = None
+    """``recognise(path)``: True when the file at ``path`` is this data as polykv writes it (a command then
+    replaces it); None: a file is recognised when :attr:`load` reads it."""
+    description: str = ""
+    """What the data is, for messages (e.g. ``"query statistics"``)."""
+    takes_tokenizer: bool = False
+    """True: ``compute`` also takes ``tokenizer=`` (the tokenizer the data is computed with, e.g. to build the
+    token ids of a probe's prompts); called without it, the need finds the model's own or refuses."""
 
 
 def need_of(rule_class: Any) -> ModelDataNeed | None:

@@ -28,7 +28,6 @@ import attrs
 import torch
 
 from polykv.atomic import replace_with
-from polykv.models.data_need import ModelDataNeed
 from polykv.errors import ProfileError
 from polykv.models.geometry import fingerprints_match, geometry_of_model, rope_of_model
 from polykv.models.tagged_tensors import read_tagged
@@ -249,15 +248,12 @@ def compute_kv_bases(model: Any, token_batches: Iterable[torch.Tensor], *, posit
                    positions=positions if positions > longest else 0)
 
 
-def _check(data: Any, model: Any) -> None:
+def check_bases_of(data: Any, model: Any) -> None:
+    """Raise ValueError when ``data`` (:class:`KVBases`) was measured on another model than ``model`` (the check a
+    per-model data need runs); TypeError when it is not bases at all."""
     if not isinstance(data, KVBases):
         raise TypeError(f"expected polykv.models.kv_bases.KVBases, got {type(data).__name__}")
     try:
         data.check_model(model)
     except ProfileError as exc:  # the model-data contract's check raises ValueError on data of another model
         raise ValueError(str(exc)) from None
-
-
-KV_BASES_NEED = ModelDataNeed(key=KV_BASES_KEY, suffix=KV_BASES_SUFFIX, compute=compute_kv_bases, load=KVBases.load,
-                              check=_check, description="key/value bases")
-"""The bases as per-model data a plan with ranks declares (found, checked or computed like a rule's data)."""

@@ -16,7 +16,8 @@ from polykv.contract.model_data import ModelDataNote, needs_of_rules, side_file_
 from polykv.contract.params import UncheckedParamsWarning, unchecked_params
 from polykv.errors import PlanError, PolykvError, ProfileError, RegistryError
 from polykv.models.geometry import fingerprints_match
-from polykv.models.kv_bases import KV_BASES_KEY, KV_BASES_NEED, KVBases
+from polykv.models.kv_bases import KV_BASES_KEY, KVBases
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.plan.groups import check_groups
 from polykv.plan.records import FULL_RULE, PASSTHROUGH_BITS, PHASES, LayerPlan, OpSpec, Plan
 from polykv.plan.sharing import check_shares

@@ -31,7 +31,7 @@ import torch
 
 from polykv.errors import ProfileError
 from polykv.models.geometry import geometry_of_model, rope_of_model
-from polykv.models.kv_bases import KV_BASES_NEED
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.profiling.rank_error import layer_rank_errors
 from polykv.profiling.capture import capture_sequence, stack_layer
 from polykv.profiling.checkpoint import Checkpoint, run_digest

@@ -12,7 +12,8 @@ import torch
 from polykv.contract.model_data import find_model_data, needs_of_rules, tokenizer_of
 from polykv.contract.rules import SIGNAL_PREROPE_STATS
 from polykv.errors import PlanError, RuntimeConfigError
-from polykv.models.kv_bases import KV_BASES_KEY, KV_BASES_NEED
+from polykv.models.kv_bases import KV_BASES_KEY
+from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.plan import Plan
 from polykv.runtime.storage import new_store, quantizer_of
 from polykv.runtime.support import SERVED, model_type
@@ -109,7 +110,7 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
 
 def plan_needs(plan: Plan, registry) -> list:
     """The per-model data ``plan`` reads: its rules' (:func:`polykv.contract.model_data.needs_of_rules`), and the
-    key/value bases when a layer has a rank (:data:`polykv.models.kv_bases.KV_BASES_NEED`)."""
+    key/value bases when a layer has a rank (:data:`polykv.plan.bases_need.KV_BASES_NEED`)."""
     needs = needs_of_rules(registry, sorted(plan.rules_used()))
     return needs + [KV_BASES_NEED] if plan.low_rank else needs
 

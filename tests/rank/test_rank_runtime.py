@@ -237,7 +237,7 @@ def test_the_plan_names_its_bases_file_and_the_runtime_loads_it(model, bases, tm
 
 def test_missing_bases_are_computed_from_the_corpus_and_cached(model):
     from polykv.contract.model_data import ModelDataNote, cached_file
-    from polykv.models.kv_bases import KV_BASES_NEED
+    from polykv.plan.bases_need import KV_BASES_NEED
 
     m, geo = model
 
