@@ -4,7 +4,7 @@
 #
 #   bash scripts/check_transformers.sh                  # oldest and newest allowed release
 #   bash scripts/check_transformers.sh 5.2.0 5.17.0     # these releases instead
-#   TESTS="tests/runtime tests/families" bash scripts/check_transformers.sh
+#   TESTS="tests/runtime tests/models" bash scripts/check_transformers.sh
 #
 # torch==2.13.0 goes in first: on these machines it is a CPU wheel on disk, and any other torch version
 # downloads a multi-GB CUDA build. Then polykv (editable, --no-deps), its real dependencies and the default

@@ -2,7 +2,7 @@
 
     python scripts/family_table.py [MODEL_TYPE ...] [--all]
 
-Rows come from :func:`polykv.models.families.check_family`, the same check ``tests/families/test_family_matrix.py``
+Rows come from :func:`polykv.models.families.check_family`, the same check ``tests/models/test_family_matrix.py``
 asserts. Without ``--all`` only served and refused families are listed (encoder-decoder, composite and
 unbuildable ones are counted below the table).
 """

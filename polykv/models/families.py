@@ -13,7 +13,7 @@ them) and sorts it into one of:
   or bidirectional encoder families;
 * ``not built``: no tiny configuration of it runs in vanilla transformers here (the reason is kept).
 
-``python scripts/family_table.py`` prints the table; ``tests/families/test_family_matrix.py`` asserts it.
+``python scripts/family_table.py`` prints the table; ``tests/models/test_family_matrix.py`` asserts it.
 """
 
 from __future__ import annotations

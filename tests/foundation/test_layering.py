@@ -637,3 +637,20 @@ def test_the_cli_imports_only_the_verb_it_runs(argv, imported):
     out = subprocess.run([sys.executable, "-c", _VERB_PROBE, *argv], capture_output=True, text=True, cwd=REPO,
                          timeout=300)
     assert out.stdout.strip().splitlines()[-1] == repr(imported), out.stderr[-2000:]
+
+
+# -- test folders -----------------------------------------------------------------------------------
+
+CROSS_CUTTING_TESTS = {"foundation", "reliability", "examples"}
+"""Test folders that test across the package (its layering and docs, bad input of every kind, the example
+plugin); every other folder of ``tests/`` is named after the package it tests."""
+
+
+def test_test_folders_mirror_the_package():
+    """``tests/<name>/`` tests ``polykv/<name>/`` (``tests/adapters/<name>/``: ``adapters/<name>/``)."""
+    tests = REPO / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} | {"adapters"}
+    assert folders - CROSS_CUTTING_TESTS <= packages, sorted(folders - CROSS_CUTTING_TESTS - packages)
+    plugins = {p.name for p in (tests / "adapters").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert plugins <= {p.name for p in PLUGIN_ROOT.iterdir() if (p / "__init__.py").is_file()}, plugins

@@ -79,7 +79,7 @@ def test_prefix_covering_the_whole_prompt_is_refused(model):
 
 
 def test_calibration_measures_a_probe_rule_by_default(model):
-    """Calibration runs a probe rule's probe through the runtime (tests/calibration/test_endtoend.py checks its rows
+    """Calibration runs a probe rule's probe through the runtime (tests/profiling/test_endtoend.py checks its rows
     against a direct run), so the default rule list includes it."""
     from polykv.profiling.calibrate_settings import default_rules
 

@@ -14,7 +14,7 @@ from polykv.solvers.pricing import layer_config, price_config
 from polykv.studies import predicted
 from polykv.studies.results import FORMAT, Results
 from polykv.plan.writing import plan_dict
-from tests.study_runner.conftest import tiny_profile
+from tests.studies.runner.conftest import tiny_profile
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from polykv.adapters.rules.query_stats import compute_query_stats
 from polykv.plan import validate_plan
 from polykv.testing import tiny_model
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 SHIPPED = ROOT / "examples" / "smollm2-all-methods.4x.plan.json"
 NINE = {"h2o", "tova", "cam", "pyramidkv", "snapkv", "d2o", "cake", "scissorhands", "streamingllm"}
 

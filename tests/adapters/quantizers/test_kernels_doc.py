@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "kernels.md"
 
 

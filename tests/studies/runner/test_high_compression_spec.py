@@ -11,7 +11,7 @@ import pytest
 from polykv.studies.combine import SAME_EXPERIMENT
 from polykv.studies.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WHOLE = ROOT / "examples" / "high_compression_study.json"
 PARTS = sorted((ROOT / "bench" / "high_compression").glob("*.json"))
 

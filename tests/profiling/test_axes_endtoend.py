@@ -16,7 +16,7 @@ from polykv.profiling.calibrate_axes import pair_losses, rank_label, rank_pairs
 from polykv.profiling.profile import loads
 from polykv.solvers import solve
 
-from tests.calibration.test_objectives import PREFIX, Words, _held
+from tests.profiling.test_objectives import PREFIX, Words, _held
 
 OBJECTIVES = ("continuation", "reconstruction", "retrieval")
 

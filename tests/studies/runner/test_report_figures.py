@@ -22,8 +22,8 @@ from polykv.studies.results import FORMAT, Results
 from polykv.studies.routes import route_rows
 from polykv.testing import tiny_model
 
-from tests.study_runner.conftest import TINY
-from tests.study_runner.test_report_conclusion import write_results
+from tests.studies.runner.conftest import TINY
+from tests.studies.runner.test_report_conclusion import write_results
 
 
 def _svg_texts(path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Regenerate the golden plan files in this folder: ``python tests/golden/make_golden.py``.
+"""Regenerate the golden plan files in this folder: ``python tests/plan/golden/make_golden.py``.
 
 Valid files are canonical plans (as :meth:`polykv.Plan.save` writes them) for a 2-layer model with
 2 KV heads of dimension 16. Each invalid file breaks exactly one rule of the plan format; the dotted

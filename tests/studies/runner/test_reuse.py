@@ -112,7 +112,7 @@ def test_a_chunked_capture_equals_a_chunked_prefill(model):
 
 def _reusable_rules():
     """Every registered prefill rule that needs neither per-model data nor a probe (those have their own reuse
-    tests: tests/runtime/test_probe.py, tests/rank): a study restores each of them from one prefill per item."""
+    tests: tests/runtime/test_probe.py, tests/runtime/test_rank_runtime.py): a study restores each of them from one prefill per item."""
     from polykv.contract.model_data import need_of
     from polykv.registry import get_registry
 
@@ -150,7 +150,7 @@ def test_a_study_gives_its_prefill_capture_the_model_data_it_found(tmp_path, spe
 
     from polykv.contract.model_data import ModelDataNote
     from polykv.adapters.rules.query_stats import compute_query_stats
-    from tests.study_runner.conftest import TINY
+    from tests.studies.runner.conftest import TINY
 
     monkeypatch.setenv("POLYKV_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: a lookup would compute
     tiny = tiny_model(**TINY)
@@ -176,7 +176,7 @@ def test_plans_naming_different_model_data_each_read_their_own(tmp_path, spec_wr
     scores each as a study of it alone."""
     from polykv.adapters.rules.query_stats import QueryStats, compute_query_stats
     from polykv.studies.runner import LoadedStudy
-    from tests.study_runner.conftest import TINY
+    from tests.studies.runner.conftest import TINY
 
     tiny = tiny_model(**TINY)
     geo = geometry_of_model(tiny)

@@ -7,7 +7,7 @@ import re
 
 from polykv.adapters.rules import RULES
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "rules.md"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "rules.md"
 
 
 def test_every_rule_has_a_section_with_its_defaults():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "studies-guide.md"
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "studies-guide.md"
 
 
 def test_guide_examples_run():

@@ -10,7 +10,7 @@ import pytest
 from polykv.registry import get_registry
 from polykv.studies.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPECS = {4096: ROOT / "examples" / "ruler_study.json", 8192: ROOT / "examples" / "ruler_study_8k.json"}
 RULER_TASKS = {"niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "cwe", "fwe"}
 

@@ -147,7 +147,7 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
     seqs = sequences(1)
     stats = compute_query_stats(model, [s.view(1, -1) for s in seqs])
     inv_freq, rope_scaling = rope_of_model(model)
-    # kvzip-head reads head scores; any [L, Hkv] table exercises its selection (tests/rules checks the scores)
+    # kvzip-head reads head scores; any [L, Hkv] table exercises its selection (tests/adapters/rules checks the scores)
     heads = HeadScores.measured(torch.rand(model.config.num_hidden_layers, model.config.num_key_value_heads,
                                            generator=torch.Generator().manual_seed(0)), model, num_tokens=1)
     ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(),

@@ -14,7 +14,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.testing import tiny_model, token_ids
-from tests.rules.test_kvzip import reference_scores
+from tests.adapters.rules.test_kvzip import reference_scores
 
 
 class Tok:

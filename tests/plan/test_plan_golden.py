@@ -1,7 +1,7 @@
 """Golden plan files: valid ones round-trip byte for byte; each invalid one fails naming its field.
 
-``tests/golden/Plan-valid-*.json`` are canonical plan files for a 2-layer model with 2 KV heads of
-dimension 16. ``tests/golden/Plan-invalid-*.json`` each break one rule; ``expected-errors.json`` gives,
+``tests/plan/golden/Plan-valid-*.json`` are canonical plan files for a 2-layer model with 2 KV heads of
+dimension 16. ``tests/plan/golden/Plan-invalid-*.json`` each break one rule; ``expected-errors.json`` gives,
 per file, the dotted field the error must name (null for JSON syntax errors) and a message fragment.
 """
 
@@ -20,7 +20,7 @@ from polykv.models.geometry import geometry_from_config
 from polykv.plan import load_plan
 from polykv.registry import get_registry
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+GOLDEN = Path(__file__).resolve().parent / "golden"
 VALID = sorted(GOLDEN.glob("Plan-valid-*.json"))
 INVALID = sorted(GOLDEN.glob("Plan-invalid-*.json"))
 EXPECTED = json.loads((GOLDEN / "expected-errors.json").read_text(encoding="utf-8"))

@@ -15,9 +15,9 @@ from polykv.cli import main
 from polykv.models.geometry import geometry_of_model
 from polykv.profiling.profile import CandidateConfig, Profile, moend_configs
 from polykv.testing import tiny_model
-from tests.study_runner.conftest import TINY
+from tests.studies.runner.conftest import TINY
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "examples" / "my_data_study.json"
 ITEMS = ROOT / "examples" / "my_data" / "items.jsonl"
 GUIDE = ROOT / "docs" / "studies-guide.md"

@@ -9,7 +9,7 @@ from polykv.commands.demo import DEMO_SPEC, demo_spec
 from polykv.registry import get_registry
 from polykv.profiling import stats
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "demo_study.json"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "demo_study.json"
 
 
 def test_the_example_file_is_the_demo_spec():

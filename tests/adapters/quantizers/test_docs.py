@@ -5,7 +5,7 @@ import re
 
 from polykv.adapters.quantizers import QUANTIZERS
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "quantizers.md"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "quantizers.md"
 
 
 def test_every_quantizer_has_a_section_with_its_defaults():
