@@ -202,6 +202,7 @@ def check_signals(device, small) -> str:
     on CUDA also the pass's time against SDPA over one layer of the timing model's shape."""
     from polykv.contract.state import SignalRequest, attention_column_sums, attention_last_rows
     from polykv.attention import kernels as attention
+    from polykv.runtime import attention as attention_function   # where the prefill pass looks signal_request up
     from polykv.attention.signals import attention_with_signals
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -231,15 +232,15 @@ def check_signals(device, small) -> str:
         plan = polykv.uniform_plan(geo, decode_slack=2, **ops)
         kept = []
         for generic in (False, True):
-            saved = attention.signal_request
+            saved = attention_function.signal_request
             if generic:  # states compute their own signals (the path third-party states take)
-                attention.signal_request = lambda states: SignalRequest()
+                attention_function.signal_request = lambda states: SignalRequest()
             try:
                 with torch.no_grad(), polykv.apply(model, plan, seed=3) as session:
                     session.prefill(ids, chunk_size=16)
                     kept.append([layer.positions.clone() for layer in session.cache.layers])
             finally:
-                attention.signal_request = saved
+                attention_function.signal_request = saved
         assert all(torch.equal(a, b) for a, b in zip(*kept)), f"{name}: the pass selected other tokens"
     notes.append(f"selections equal for {', '.join(SIGNAL_PLANS)}")
     if device.type == "cuda":

@@ -184,3 +184,15 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         for owner, name, original in patched:
             setattr(owner, name, original)
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """A local Ray with 2 CPUs for the whole test session (started on first use, shut down after): the
+    distributed study and calibration tests share it (Ray starts once per process)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()

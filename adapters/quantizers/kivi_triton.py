@@ -286,9 +286,9 @@ def decode_attention(query: torch.Tensor, keys: storage.TokenRows, values: stora
         *counts, *uniform, acc, m, l,
         float(scaling), chunk, M, q, d, RAGGED=ragged,
         K_LAYOUT=LAYOUT_CODE[keys.layout], K_BITS=keys.bits if keys.layout != "none" else 8,
-        K_GROUP=keys.group_size, K_HAS_GID=has_gid,
+        K_GROUP=getattr(keys, "group_size", 1), K_HAS_GID=has_gid,
         V_LAYOUT=LAYOUT_CODE[values.layout], V_BITS=values.bits if values.layout != "none" else 8,
-        V_GROUP=values.group_size, DOT_DTYPE=dot_dtype, DOT_PREC=prec,
+        V_GROUP=getattr(values, "group_size", 1), DOT_DTYPE=dot_dtype, DOT_PREC=prec,
         BLOCK_M=_pow2(M), BLOCK_N=block_n, BLOCK_D=_pow2(d),
         enable_fp_fusion=False)  # separate multiply and add, as the stores dequantize
     out = torch.empty(B * Hkv, M, d, dtype=query.dtype, device=query.device)

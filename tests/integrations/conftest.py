@@ -41,17 +41,6 @@ def comparable(records: list[dict]) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def local_ray():
-    """A local Ray with 2 CPUs for the whole test session (started here, shut down after)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
 def tiny_spec():
     """``tiny_spec(folder, passkey_samples=3, continuation_samples=2)`` -> path of a tiny study spec."""
     return write_tiny_spec

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -18,16 +17,6 @@ pytestmark = pytest.mark.slow  # starts a local Ray
 
 def _load(layers: int):
     return tiny_model("llama", layers=layers, heads=4, kv_heads=2, head_dim=32), None
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def test_a_ray_calibration_is_the_serial_one(local_ray, sequences, small_settings):
