@@ -27,7 +27,7 @@ from polykv.models.reference import masked_reference_logits, record_run
 from polykv.plan import OpSpec, full_plan, uniform_plan
 from polykv.runtime.cache import cache_keyword, output_cache
 from polykv.runtime.session import apply
-from polykv.runtime.support import check_servable
+from polykv.runtime.support import attention_bypasses_interface, check_servable
 
 TOL = 1e-4
 PROMPT, STEPS, WINDOW = 20, 6, 8
@@ -184,6 +184,14 @@ def _describe(model, geo) -> str:
         extra.append("sinks")
     extra.append("MHA" if geo.num_kv_heads == geo.num_heads else "MQA" if geo.num_kv_heads == 1 else "GQA")
     return ", ".join([kinds] + extra)
+
+
+def falcon_computes_attention_itself() -> bool:
+    """Whether the installed transformers' Falcon attention computes attention itself (up to 5.24: polykv refuses
+    it) rather than through the attention interface (from 5.25: served like any other family)."""
+    from transformers.models.falcon import modeling_falcon
+
+    return attention_bypasses_interface(modeling_falcon.FalconAttention)
 
 
 def check_family(model_type: str) -> FamilyResult:

@@ -64,9 +64,10 @@ def refusal_reason(model) -> str | None:
 
 
 def attention_bypasses_interface(module) -> bool:
-    """True when an attention module's ``forward`` computes attention itself, never through transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (BLOOM, Falcon): polykv's attention function would never run there."""
-    return _forward_bypasses(type(module).forward)
+    """True when an attention module's (or attention class's) ``forward`` computes attention itself, never through
+    transformers' ``ALL_ATTENTION_FUNCTIONS`` (BLOOM; Falcon up to transformers 5.24): polykv's attention function
+    would never run there."""
+    return _forward_bypasses((module if isinstance(module, type) else type(module)).forward)
 
 
 @functools.lru_cache(maxsize=256)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from polykv.models.families import TOL, check_family, model_types
+from polykv.models.families import TOL, check_family, falcon_computes_attention_itself, model_types
 
 MUST_SERVE = {
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "olmo3",
     "exaone4", "llama4_text", "gpt2", "gptj", "gpt_neox", "opt", "persimmon", "codegen", "phi", "starcoder2",
 }
 """Families the runtime must serve: sliding and hybrid layers, softcap, sinks, chunks, multi-head."""
-MUST_REFUSE = {"deepseek_v2", "deepseek_v3", "minicpm3", "diffllama", "falcon_h1", "bloom", "falcon", "gemma4_text"}
-"""Families that must be refused before anything is patched."""
+MUST_REFUSE = {"deepseek_v2", "deepseek_v3", "minicpm3", "diffllama", "falcon_h1", "bloom", "gemma4_text"} | \
+    ({"falcon"} if falcon_computes_attention_itself() else set())
+"""Families that must be refused before anything is patched (Falcon while its attention bypasses transformers'
+attention interface, as it does up to transformers 5.24; from 5.25 it dispatches through it and is served)."""
 STARTS_A_PROCESS = {"rwkv": "building the model runs `ninja --version` to look for a compiler of its CUDA kernel"}
 """Families whose tiny model starts a process while it is built: slow tests (see tests/conftest.py)."""
 
