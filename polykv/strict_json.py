@@ -6,23 +6,58 @@ UTF-8), and nesting deep enough to raise ``RecursionError``. :func:`loads_strict
 with a :class:`JsonInputError` that carries the line and column. :class:`FieldReader` reads one such
 file field by field (objects with known keys, typed and ranged values) and raises the file kind's own
 error, naming the file, the layer, the dotted field and what to do. Study results lines are checked
-by the tables of :mod:`polykv.studies.records`.
+by the tables of :mod:`polykv.studies.records`. :func:`check_readable_file` is what every reader checks of a
+path before it opens it (a folder, a FIFO or a device is refused, never read).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from typing import Any, Callable, Iterable, NoReturn
 
-from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
 from polykv.errors import OutputError
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects any polykv file needs (plans and profiles use fewer than 8)."""
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+
+MAX_DOCUMENT_BYTES = 64 << 20
+"""Largest single JSON document (plan, profile, study spec, model config) polykv reads: the largest it
+writes is a profile of a few MB; anything past this is not one of its files."""
+
+
+def check_readable_file(path: str, what: str, *, max_bytes: int | None = None) -> None:
+    """Refuse a path that is missing, a folder, a FIFO or device (reading it could block), unreadable, or
+    (with ``max_bytes``) larger than any such file can be."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise OutputError(f"{path}: no such file (the {what}); check the path") from None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read the {what} ({exc.strerror}); check the path") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{path}: is a folder, not a {what}; give the file's path")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{path}: not a regular file (a pipe, socket or device); give the {what}'s path")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise OutputError(f"{path}: {st.st_size:,} bytes is larger than any {what} can be (at most {max_bytes:,}); "
+                          f"check the path")
+
+
+def read_json_head(path: str, limit: int = 1 << 20):
+    """The JSON object in a (small) file, or None when it is not one; for ``recognise`` callbacks."""
+    if not os.path.isfile(path) or os.path.getsize(path) > limit * 64:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 class JsonInputError(ValueError):

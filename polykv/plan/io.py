@@ -13,7 +13,6 @@ from typing import Any
 
 import attrs
 
-from polykv.atomic import read_json_head
 from polykv.errors import PlanError
 from polykv.plan.groups import check_groups, parse_groups
 from polykv.plan.records import (BASES, BUDGET_KINDS, DEFAULT_QUANTIZER, MAX_BATCH, MAX_BUDGET_VALUE,
@@ -23,7 +22,7 @@ from polykv.plan.records import (BASES, BUDGET_KINDS, DEFAULT_QUANTIZER, MAX_BAT
 from polykv.plan.sharing import check_shares
 from polykv.plan.validation import check_op, validate_plan
 from polykv.plan.writing import RANK_FIELDS
-from polykv.strict_json import FieldReader
+from polykv.strict_json import FieldReader, read_json_head
 
 
 def _resolved(plan: Plan, source: str) -> Plan:

@@ -22,11 +22,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from polykv.atomic import check_output, check_readable_file, write_text_atomic
+from polykv.atomic import check_output, write_text_atomic
 from polykv.errors import OutputError
 from polykv.memory import context_note, memory_report
 from polykv.plan.io import parse_plan_dict
 from polykv.profiling.profile import load_profile
+from polykv.strict_json import check_readable_file
 from polykv.studies import designs, plots, predicted, stats
 from polykv.profiling import stats as paired_stats
 from polykv.studies.combine import combine_results

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 import attrs
 import numpy as np
 
-from polykv.atomic import append_line_durable, check_readable_file
+from polykv.atomic import append_line_durable
 from polykv.errors import OutputError, StudyError
-from polykv.strict_json import JsonInputError, loads_strict
+from polykv.strict_json import JsonInputError, check_readable_file, loads_strict
 from polykv.studies.records import FORMAT, VERSION, BadField, NewerVersion, RecordChecker
 from polykv.studies.results_lock import ResultsLock
 

@@ -25,10 +25,9 @@ import random
 import string
 from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
-from polykv.atomic import check_readable_file
 from polykv.contract.params import ParamSpec
 from polykv.errors import OutputError, StudyError
-from polykv.strict_json import JsonInputError, loads_strict
+from polykv.strict_json import JsonInputError, check_readable_file, loads_strict
 from polykv.studies.tasks.base import Task, TaskItem, param_error
 from polykv.studies.tasks.metrics import METRICS
 
