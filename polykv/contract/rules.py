@@ -6,7 +6,8 @@ cache storage: the runtime hands it a :class:`SelectionContext` and the rule ret
 merge of evicted tokens into kept ones), or simply an index tensor. A rule that remembers
 something between forwards owns a :class:`~polykv.contract.state.RuleState` (:meth:`RetentionRule.new_state`).
 Quantizers and their stores have their own contract (:mod:`polykv.contract.stores`).
-Budgets decided at run time come from allocators (:mod:`polykv.contract.allocators`).
+Budgets decided at run time come from allocators (:mod:`polykv.contract.allocators`). :class:`ScoredRule` checks
+a rule's own scores (:func:`checked_scores`; the expensive checks when :func:`checks_enabled`).
 
 Shapes: B batch, H query heads, Hkv key/value heads, G = H // Hkv, T stored tokens, d head dim.
 """
@@ -14,17 +15,18 @@ Shapes: B batch, H query heads, Hkv key/value heads, G = H // Hkv, T stored toke
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, ClassVar, Mapping
 
 import attrs
 import torch
 
 from polykv.attention.signals import attention_probabilities
-from polykv.contract.score_checks import check_deciding_scores, checked_scores, checks_enabled
 from polykv.contract.params import DeclaredParams, ParamError
 from polykv.contract.probe import ProbeChunk
 from polykv.contract.selection import Selection, ragged_top_k, top_k_sorted
 from polykv.contract.state import AccumulatedAttention, QueryWindow, RuleState
+from polykv.errors import PluginContractError, RuntimeConfigError
 
 PHASES = ("prefill", "decode")
 
@@ -36,6 +38,21 @@ SIGNAL_WINDOW = "observation_window"      # attention rows of the last `window` 
 SIGNAL_ACCUMULATED = "accumulated_attention"  # running column sums of attention (H2O)
 SIGNAL_PREROPE_STATS = "prerope_key_stats"    # offline query statistics per layer (TriAttention)
 SIGNALS = (SIGNAL_NONE, SIGNAL_LAST_QUERY, SIGNAL_WINDOW, SIGNAL_ACCUMULATED, SIGNAL_PREROPE_STATS)
+
+CHECK_ENV = "POLYKV_CHECK"
+"""Environment variable that turns the expensive checks on (``1``) everywhere."""
+
+
+def checks_enabled(check: bool | None = None) -> bool:
+    """Whether the expensive checks run: ``check`` when given, else ``POLYKV_CHECK`` (``1``/``true``/``yes``)."""
+    if check is not None:
+        return bool(check)
+    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def where(layer: int, phase: str, kind: str, name: str) -> str:
+    """The head of every contract message: ``layer 3 (decode): rule 'h2o'``."""
+    return f"layer {layer} ({phase}): {kind} '{name}'"
 
 
 @attrs.define(kw_only=True)
@@ -289,6 +306,46 @@ class ScoredRule(RetentionRule):
         if ctx.checks:
             check_deciding_scores(self, scores, ctx)
         return ragged_top_k(scores, counts)
+
+
+# -- the checks ScoredRule runs on a rule's own scores ----------------------------------------------------
+# A rule's ``score()`` must return a float tensor of exactly [B, Hkv, T] (always checked); with the expensive
+# checks on, no NaN may sit among the scores that decide. A failure is one PluginContractError line naming the
+# layer, the phase and the rule; the runtime's checks of everything else plugins return live in
+# polykv.runtime.plugin_results.
+
+def checked_scores(rule, scores: Any, ctx) -> torch.Tensor:
+    """``rule.score(ctx)`` must be a float tensor of shape exactly [B, Hkv, T] ([B, 1, T] is allowed
+    when the rule is ``shared_across_heads``); nothing is broadcast."""
+    B, Hkv, T = ctx.positions.shape
+    shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else None
+    allowed = [(B, Hkv, T)] + ([(B, 1, T)] if getattr(rule, "shared_across_heads", False) else [])
+    if shape not in allowed:
+        got = f"shape {shape}" if shape is not None else f"a {type(scores).__name__}"
+        raise PluginContractError(f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)} score() returned {got}; "
+                                  f"expected [B, Hkv, T] = {allowed[0]} (nothing is broadcast; fix the rule's score())")
+    if not scores.is_floating_point():
+        raise PluginContractError(f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)} score() returned dtype "
+                                  f"{scores.dtype}; expected a floating-point [B, Hkv, T] tensor (fix the rule's "
+                                  f"score())")
+    return scores
+
+
+def check_deciding_scores(rule, scores: torch.Tensor, ctx) -> None:
+    """Expensive: no NaN among the scores that decide (protected columns already +inf, padding -inf)."""
+    if bool(torch.isnan(scores).any()):
+        bad = torch.isnan(scores).sum().item()
+        stored = [t for t in (getattr(ctx, "keys", None), getattr(ctx, "values", None)) if isinstance(t, torch.Tensor)]
+        broken = sum(int((~torch.isfinite(t)).sum()) for t in stored)
+        if broken:  # the model's own activations overflowed: no rule can score them
+            raise RuntimeConfigError(
+                f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)}: the model's keys/values hold {broken} "
+                f"non-finite value(s) (inf or NaN) before the rule scored them: the model overflows in "
+                f"{stored[0].dtype} (Gemma 3 does in float16, without polykv too); load it in torch.bfloat16 or "
+                f"torch.float32")
+        raise PluginContractError(f"{where(ctx.layer_idx, ctx.phase, 'rule', rule.name)} score() returned {bad} "
+                                  f"NaN score(s) on stored tokens; expected finite scores or +-inf "
+                                  f"(fix the rule's score())")
 
 
 Register = Callable[[type], None]

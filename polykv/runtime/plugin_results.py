@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import torch
 
-from polykv.contract.score_checks import where
+from polykv.contract.rules import where
 from polykv.contract.selection import Selection, as_selection
 from polykv.contract.stores import UNQUANTIZED_BITS
 from polykv.errors import PluginContractError

@@ -24,8 +24,8 @@ import torch
 from polykv.attention import attach
 from polykv.contract.model_data import NEED_ATTRIBUTE
 from polykv.contract.params import token_id_params
-from polykv.contract.score_checks import checks_enabled
 from polykv.contract.probe import set_probe_runner
+from polykv.contract.rules import checks_enabled
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
 from polykv.plan import OpSpec, Plan, uniform_plan, validate_plan

@@ -356,7 +356,7 @@ def test_budgets_above_the_declared_bound_fail(model):
 # -- the switch --------------------------------------------------------------------------------------
 
 def test_the_switch_reads_the_environment_and_apply_overrides_it(model, monkeypatch):
-    from polykv.contract.score_checks import checks_enabled
+    from polykv.contract.rules import checks_enabled
 
     monkeypatch.setenv("POLYKV_CHECK", "1")
     assert checks_enabled() and checks_enabled(True) and not checks_enabled(False)
