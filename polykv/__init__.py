@@ -22,18 +22,23 @@ package, so the registry (a bottom module) names no higher layer."""
 declare_builtin_plugins(BUILTIN_PLUGINS, version=__version__)
 
 
-def apply(model, plan, **kwargs):
-    """Run ``plan`` on ``model`` inside a ``with`` block; see :func:`polykv.runtime.session.apply`."""
-    from polykv.runtime.session import apply as _apply  # the runtime loads torch and transformers: on first use
+def __getattr__(name: str):
+    """``apply`` (run a plan on a model inside a ``with`` block) and ``answer`` (compress a context once and answer
+    questions from it) are the runtime's own :func:`polykv.runtime.session.apply` and
+    :func:`polykv.runtime.answer.answer`: imported on first use (the runtime loads torch and transformers), then
+    bound here, so later calls go straight to them."""
+    if name == "apply":
+        from polykv.runtime.session import apply as value
+    elif name == "answer":
+        from polykv.runtime.answer import answer as value
+    else:
+        raise AttributeError(f"module 'polykv' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-    return _apply(model, plan, **kwargs)
 
-
-def answer(model, plan, tokenizer, **kwargs):
-    """Compress a context once under ``plan`` and answer questions from it; see :func:`polykv.runtime.answer.answer`."""
-    from polykv.runtime.answer import answer as _answer
-
-    return _answer(model, plan, tokenizer, **kwargs)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"apply", "answer"})
 
 
 __all__ = ["__version__", "hookimpl", "get_registry", "load_plan", "validate_plan", "Plan", "LayerPlan", "OpSpec", "ModelInfo",
