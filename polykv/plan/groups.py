@@ -17,8 +17,6 @@ from polykv.plan.records import AllocationGroup, Plan
 def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
     """Parse the ``allocation`` list with the plan's :class:`~polykv.strict_json.FieldReader` (errors name
     file and field)."""
-    if raw is None:
-        return ()
     reader.list_(raw, "allocation", what="a list of allocation groups")
     groups = []
     for i, entry in enumerate(raw):

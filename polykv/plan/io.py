@@ -27,8 +27,6 @@ from polykv.strict_json import FieldReader, read_json_head
 
 def _resolved(plan: Plan, source: str) -> Plan:
     """A loaded plan with its ``model_data`` paths resolved against the plan file's folder."""
-    if not plan.model_data:
-        return plan
     folder = os.path.dirname(os.path.abspath(source))
     return attrs.evolve(plan, model_data={k: os.path.normpath(os.path.join(folder, v))
                                           for k, v in plan.model_data.items()})
@@ -47,8 +45,10 @@ def parse_plan_text(text: str, source: str = "<plan>") -> Plan:
     return parse_plan_dict(FieldReader(source, PlanError).parse(text), source)
 
 
-def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
-    r = FieldReader(source, PlanError)
+def parse_plan_dict(raw: Any, source: str = "<plan>", *, reader: FieldReader | None = None) -> Plan:
+    """A plan from parsed plan-file JSON, checked strictly; an optional section (allocation groups, shared pairs,
+    ranks, per-model data) is read and checked when the file gives it (``null`` is leaving it out)."""
+    r = reader or FieldReader(source, PlanError)
     if not isinstance(raw, dict):
         r.fail(f"a plan must be a JSON object, got {type(raw).__name__}")
     if "schema_version" not in raw:
@@ -64,15 +64,20 @@ def parse_plan_dict(raw: Any, source: str = "<plan>") -> Plan:
     prov = _parse_provenance(r, raw.get("provenance"))
     layers_raw = r.list_(raw["layers"], "layers", nonempty=True, what="a non-empty list of layer entries")
     layers = [_parse_layer(r, i, entry) for i, entry in enumerate(layers_raw)]
-    _check_rank_version(r, version, layers, model)
+    if any(lp.low_rank for lp in layers):
+        _check_rank_version(r, version, layers, model)
     if model is not None and model.num_layers != len(layers):
         r.fail(f"the plan lists {len(layers)} layers but model.num_layers is {model.num_layers}",
                field="model.num_layers", hint="give exactly one entry per layer")
+    groups, data = raw.get("allocation"), raw.get("model_data")
     plan = Plan(layers=layers, model=model, trigger=trigger, provenance=prov, schema_version=version,
-                allocation=parse_groups(r, raw.get("allocation")), model_data=_parse_model_data(r, raw.get("model_data")))
-    check_groups(plan, source=source)
-    _check_version_fields(r, plan)
-    check_shares(plan, source=source)
+                allocation=() if groups is None else parse_groups(r, groups),
+                model_data={} if data is None else _parse_model_data(r, data))
+    if plan.allocation:
+        check_groups(plan, source=source)
+    if plan.shares:
+        _check_version_fields(r, plan)
+        check_shares(plan, source=source)
     return plan
 
 
@@ -91,6 +96,8 @@ def _check_rank_version(r: FieldReader, version: int, layers: list[LayerPlan], m
             if model is not None and rank > model.head_dim:
                 r.fail(f"rank {rank} exceeds the head dim {model.head_dim}", layer=lp.layer, field=field,
                        hint=f"use a rank in 1..{model.head_dim}, or remove it for full rank")
+
+
 def _check_version_fields(r: FieldReader, plan: Plan) -> None:
     """A version-1 file holds no field of version 2 (``share``)."""
     if plan.schema_version == SCHEMA_VERSION:
@@ -114,8 +121,6 @@ def _parse_model(r: FieldReader, raw: Any) -> ModelInfo | None:
 
 def _parse_model_data(r: FieldReader, raw: Any) -> dict[str, str]:
     """``model_data``: data key -> file (a non-empty path, relative to the plan file's folder)."""
-    if raw is None:
-        return {}
     r.dict_(raw, "model_data")
     for key, path in raw.items():
         if not key:
@@ -134,14 +139,17 @@ def _parse_trigger(r: FieldReader, raw: Any) -> TriggerSettings:
 
 
 def _parse_provenance(r: FieldReader, raw: Any) -> Provenance:
+    """Where the plan came from; a budget, a time and the basis fields are read when given (a hand-made plan's
+    are null or absent)."""
     if raw is None:
         return Provenance()
     r.obj(raw, "provenance", optional=[f.name for f in attrs.fields(Provenance)])
     f = "provenance."
+    given = {key for key in ("budget", "created", "basis", "cache_dtype") if raw.get(key) is not None}
     return Provenance(
         solver=r.str_(raw.get("solver"), f + "solver", optional=True),
         params=r.dict_(raw.get("params", {}), f + "params"),
-        budget=_budget(r, raw.get("budget"), f + "budget"),
+        budget=_budget(r, raw["budget"], f + "budget") if "budget" in given else None,
         context_tokens=r.int_(raw.get("context_tokens"), f + "context_tokens", minimum=1,
                               maximum=MAX_CONTEXT_TOKENS, optional=True),
         predicted_loss=r.float_(raw.get("predicted_loss"), f + "predicted_loss", optional=True, minimum=0.0,
@@ -150,24 +158,23 @@ def _parse_provenance(r: FieldReader, raw: Any) -> Provenance:
                                maximum=MAX_BUDGET_VALUE, optional=True),
         profile_fingerprint=r.str_(raw.get("profile_fingerprint"), f + "profile_fingerprint", optional=True),
         polykv_version=r.str_(raw.get("polykv_version"), f + "polykv_version", optional=True),
-        created=_created(r, raw.get("created"), f + "created"),
+        created=_created(r, raw["created"], f + "created") if "created" in given else None,
         note=r.str_(raw.get("note", ""), f + "note"),
-        basis=_choice(r, raw.get("basis"), f + "basis", BASES, "basis"),
+        basis=_choice(r, raw["basis"], f + "basis", BASES, "basis") if "basis" in given else None,
         batch=r.int_(raw.get("batch"), f + "batch", minimum=1, maximum=MAX_BATCH, optional=True),
-        cache_dtype=_choice(r, raw.get("cache_dtype"), f + "cache_dtype", tuple(STORAGE_DTYPE_BYTES), "cache dtype"),
+        cache_dtype=_choice(r, raw["cache_dtype"], f + "cache_dtype", tuple(STORAGE_DTYPE_BYTES), "cache dtype")
+        if "cache_dtype" in given else None,
         measured=r.dict_(raw.get("measured"), f + "measured", optional=True),
     )
 
 
-def _choice(r: FieldReader, value: Any, field: str, choices: tuple[str, ...], what: str) -> str | None:
-    return None if value is None else r.choice(r.str_(value, field), field, choices, what)
+def _choice(r: FieldReader, value: Any, field: str, choices: tuple[str, ...], what: str) -> str:
+    return r.choice(r.str_(value, field), field, choices, what)
 
 
-def _budget(r: FieldReader, value: Any, field: str) -> dict | None:
+def _budget(r: FieldReader, value: Any, field: str) -> dict:
     """``{"ratio": 8.0}``, ``{"bytes": N}`` or ``{"tokens_per_layer": N}``: one kind, a positive finite value."""
-    budget = r.dict_(value, field, optional=True)
-    if budget is None:
-        return None
+    budget = r.dict_(value, field)
     if len(budget) != 1 or next(iter(budget)) not in BUDGET_KINDS:
         r.fail(f"expected one budget kind, got {sorted(budget)}", field=field,
                hint="e.g. {\"ratio\": 8.0}, {\"bytes\": 1048576} or {\"tokens_per_layer\": 256}")
@@ -176,14 +183,13 @@ def _budget(r: FieldReader, value: Any, field: str) -> dict | None:
     return budget
 
 
-def _created(r: FieldReader, value: Any, field: str) -> str | None:
-    created = r.str_(value, field, optional=True)
-    if created is not None:
-        try:
-            datetime.datetime.fromisoformat(created)
-        except ValueError:
-            r.fail(f"expected an ISO-8601 time like \"2026-01-31T12:00:00+00:00\", got {created!r}", field=field,
-                   hint="write the time polykv writes, or leave the field out")
+def _created(r: FieldReader, value: Any, field: str) -> str:
+    created = r.str_(value, field)
+    try:
+        datetime.datetime.fromisoformat(created)
+    except ValueError:
+        r.fail(f"expected an ISO-8601 time like \"2026-01-31T12:00:00+00:00\", got {created!r}", field=field,
+               hint="write the time polykv writes, or leave the field out")
     return created
 
 
@@ -233,9 +239,11 @@ def _parse_layer(r: FieldReader, i: int, raw: Any) -> LayerPlan:
 def load_plan(path: str, *, registry=None, geometry=None) -> Plan:
     """Read a plan file; checks syntax, schema and, when given, the registry and model geometry."""
     source = str(path)
-    raw = FieldReader(source, PlanError).read("plan file", missing_hint="check the path",
-                                              text_hint="give a plan file (JSON)")
-    plan = _resolved(parse_plan_dict(raw, source), source)
+    r = FieldReader(source, PlanError)
+    plan = parse_plan_dict(r.read("plan file", missing_hint="check the path", text_hint="give a plan file (JSON)"),
+                           source, reader=r)
+    if plan.model_data:
+        plan = _resolved(plan, source)
     if registry is not None or geometry is not None:
         validate_plan(plan, registry=registry, geometry=geometry, source=source)
     return plan

@@ -314,6 +314,11 @@ class Plan:
             return SHARE_SCHEMA_VERSION
         return SCHEMA_VERSION
 
+    @property
+    def shares(self) -> bool:
+        """Whether some layer names ``share`` or ``share_params`` (the pairs' checks run only then)."""
+        return any(lp.share is not None or lp.share_params for lp in self.layers)
+
     def share_pairs(self) -> list[tuple[int, int]]:
         """(lower, upper) of every shared layer pair, by upper layer."""
         return [(lp.share, lp.layer) for lp in self.layers if lp.share is not None]

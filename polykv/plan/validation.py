@@ -60,7 +60,7 @@ def validate_plan(plan: Plan, *, registry=None, geometry=None, source: str = "<p
         check_groups(plan, source=source)
         if registry is not None:
             check_group_allocators(plan, registry, source=source, unchecked=unchecked)
-    if any(lp.share is not None or lp.share_params for lp in plan.layers):
+    if plan.shares:
         check_shares(plan, source=source, geometry=geometry)
     if registry is not None:
         _validate_registry(plan, registry, source, unchecked)
