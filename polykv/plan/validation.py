@@ -165,21 +165,26 @@ def _validate_registry(plan: Plan, registry, source: str, unchecked: dict[str, s
                                 layer=lp.layer, field=field + ".params",
                                 hint=f"choose parameters (e.g. an inner rule) that run in {phase}, or another rule")
         if lp.quantized:
-            field = f"layers[{lp.layer}]"
-            try:
-                qcls = registry.quantizer(lp.quantizer)
-            except RegistryError as exc:
-                raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".quantizer") from None
-            for name in ("k_bits", "v_bits"):
-                bits = getattr(lp, name)
-                if bits != PASSTHROUGH_BITS and bits not in qcls.bits:
-                    raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
-                                    f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
-                                    field=f"{field}.{name}", hint="pick a supported width or 16")
-            quantizer = plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
-                                        field=field + ".quantizer_params", unchecked=unchecked,
-                                        hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
-            _check_code_widths(lp, quantizer, source)
+            _validate_quantizer(lp, registry, source, unchecked)
+
+
+def _validate_quantizer(lp: LayerPlan, registry, source: str, unchecked: dict[str, set[str]]) -> None:
+    """A quantized layer's quantizer is registered, stores its bit widths, takes its params and codes its ranks."""
+    field = f"layers[{lp.layer}]"
+    try:
+        qcls = registry.quantizer(lp.quantizer)
+    except RegistryError as exc:
+        raise PlanError(str(exc), source=source, layer=lp.layer, field=field + ".quantizer") from None
+    for name in ("k_bits", "v_bits"):
+        bits = getattr(lp, name)
+        if bits != PASSTHROUGH_BITS and bits not in qcls.bits:
+            raise PlanError(f"quantizer '{lp.quantizer}' does not store {bits} bits (it supports "
+                            f"{sorted(qcls.bits)})", source=source, layer=lp.layer,
+                            field=f"{field}.{name}", hint="pick a supported width or 16")
+    quantizer = plugin_instance(qcls, lp.quantizer_params, source=source, layer=lp.layer,
+                                field=field + ".quantizer_params", unchecked=unchecked,
+                                hint="fix the value (see `polykv plugins` and docs/quantizers.md)")
+    _check_code_widths(lp, quantizer, source)
 
 
 def _check_code_widths(lp: LayerPlan, quantizer, source: str) -> None:
