@@ -180,16 +180,20 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     measured = _Items([it for o in objectives for it in items.get(o, ())], P)
-    refs = [e2e.KLReference.of(val.reference_logprobs(model, it.ids, P), it.rows) for it in measured.items] \
-        if todo and held else []
     snapshots = below = plain = None
+    refs = []
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
         snapshots = e2e.PrefixSnapshots(model, measured.prefixes, plans, registry=registry, model_data=model_data)
         plain = snapshots.plain()
-        below = [e2e.LayerOutputs(model, plain[k], it.ids, P, layers=todo, registry=registry)
+        # One follow-up forward of the full plan per item, restored from its prefix's plain prefill, gives both the
+        # layer outputs below each measured layer and the reference distributions (no whole-sequence forward).
+        below = [e2e.LayerOutputs(model, plain[k], it.ids, P, layers=todo, registry=registry, logits=True)
                  for it, k in zip(measured.items, measured.prompts)]
+        refs = [e2e.KLReference.of_logits(b.logits, it.rows) for b, it in zip(below, measured.items)]
+        for b in below:
+            b.logits = None
     if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
         ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
