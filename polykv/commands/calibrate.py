@@ -100,6 +100,9 @@ def register(subparsers) -> None:
     p.add_argument("--pairs", action="store_true",
                    help="measure the error of sharing each adjacent layer pair (in l2, and end to end on every "
                         "objective with --validate N)")
+    p.add_argument("--head-losses", action="store_true",
+                   help="also measure every config's l2 per KV head (the profile's head_metrics, which the global "
+                        "solver prices its members' head shares with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ray = p.add_argument_group("running on Ray (docs/calibration.md)")
     ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -289,6 +292,7 @@ def run(args) -> int:
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
         delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
         quantizer_params=qparams, kl_configs=args.kl_configs, pairs=args.pairs, objectives=objectives,
+        head_losses=args.head_losses,
         objective_weights=weights,
         ranks=() if args.ranks is None else parse_ranks(args.ranks, model_geometry(args.model).head_dim))
     stats_path = args.query_stats or query_stats_path(args.output)

@@ -137,6 +137,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"the objectives {list(objectives)} are measured on held-out sequences, and none are given; "
                            f"give held-out sequences (--validate N) or leave the objectives out")
     geometry = geometry_of_model(model)
+    if settings.head_losses and settings.ranks:
+        raise ProfileError("--head-losses measures the token and bit configs per KV head, and --ranks adds rank configs "
+                           "it does not measure per head; calibrate the ranks in another run (or leave one out)")
     bad_ranks = [r for r in settings.ranks if r is not None and not 1 <= r <= geometry.head_dim]
     if bad_ranks:
         raise ProfileError(f"--ranks: rank(s) {bad_ranks} outside 1..{geometry.head_dim} (the model's head dim)")
@@ -169,7 +172,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,
                        rule_params=settings.rule_params)
     L = geometry.num_layers
-    saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
+    saved = ("l2", "cosine", "entropy") + (("head_l2",) if settings.head_losses else ()) + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
         tuple(METRIC_OF[o] for o in objectives) if held else ()) + (("rank_l2",) if rpairs else ()) + (
         tuple(f"{axis}_{METRIC_OF[o]}" for o in objectives for axis, on in (("rank", rpairs), ("pair", settings.pairs))
               if on) if held else ())
@@ -300,9 +303,12 @@ def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, h
     """Every table row of one layer."""
     cap = stack_layer(captures, layer)                  # every sequence as one batch row
     ref = full_reference(cap, P)
-    arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref, tick=tick)),
+    heads: list | None = [] if settings.head_losses else None
+    arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref, tick=tick, heads=heads)),
               "cosine": np.asarray(rule_cosines(cap, P, rules, ctx, capacity=settings.stat_capacity, reference=ref)),
               "entropy": np.asarray([attention_entropy(cap, P)])}
+    if heads is not None:
+        arrays["head_l2"] = np.asarray(heads).T             # [Hkv, C]
     if ppl_seqs:
         arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
     if held:  # every objective's follow-ups through one measurement; one table per objective
@@ -384,6 +390,9 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
         routing = MIX_METRIC
         note.append(f"metric {MIX_METRIC} (the routing table): "
                     + " + ".join(f"{w:g} x {name}" for name, w in sorted(mixed.items())))
+    heads = {"l2": table("head_l2")} if "head_l2" in done[0] else None
+    if heads is not None:
+        note.append("head_metrics l2: each config's l2 per KV head (that head's query group's output error alone)")
     prov = ProfileProvenance(dtype=dtype, corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
                              context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
@@ -391,4 +400,4 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
     return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    quantizer=settings.quantizer, quantizer_params=settings.quantizer_params, routing_metric=routing,
-                   objective_weights=mixed)
+                   objective_weights=mixed, head_metrics=heads)
