@@ -21,8 +21,8 @@ from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.calibrate import calibrate
-from polykv.profiling.calibrate_settings import (CalibrationSettings, corpus_sequences, default_rules,
-                                                 query_stats_path, tokenizer_params)
+from polykv.profiling.calibrate_settings import (CalibrationSettings, check_head_losses, corpus_sequences,
+                                                 default_rules, query_stats_path, tokenizer_params)
 from polykv.profiling.checkpoint import folder_digest, remove_folder
 from polykv.profiling.merge import merge_profiles
 from polykv.profiling.objectives import parse_objectives
@@ -234,6 +234,7 @@ def check_args(args) -> dict:
     if args.ray is not None and (args.workers is not None and args.workers < 1 or not args.cpus_per_worker > 0):
         raise ProfileError(f"--workers {args.workers} / --cpus-per-worker {args.cpus_per_worker}: give a positive "
                            "number of workers and of CPUs per worker")
+    check_head_losses(args.head_losses, args.ranks)
     if args.ray is None and (args.workers is not None or args.cpus_per_worker != 1):
         raise ProfileError("--workers / --cpus-per-worker place Ray workers; add --ray (or leave them out)")
     if args.delta_ppl > args.sequences:

@@ -38,7 +38,7 @@ from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling import axes_endtoend as axes
 from polykv.profiling.calibrate_axes import measure_pairs, pair_stats, pair_uppers, rank_pairs, with_ranks
 from polykv.profiling.calibrate_settings import (CalibrationResult, CalibrationSettings, candidate_configs,
-                                                 default_rules)
+                                                 check_head_losses, default_rules)
 from polykv.contract.model_data import needs_of_rules, tokenizer_of
 from polykv.profiling.objectives import METRIC_OF, build as followups, describe as describe_objective, parse_objectives
 from polykv.profiling.profile import Profile, ProfileProvenance, StatTable, model_info, now_iso
@@ -137,9 +137,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"the objectives {list(objectives)} are measured on held-out sequences, and none are given; "
                            f"give held-out sequences (--validate N) or leave the objectives out")
     geometry = geometry_of_model(model)
-    if settings.head_losses and settings.ranks:
-        raise ProfileError("--head-losses measures the token and bit configs per KV head, and --ranks adds rank configs "
-                           "it does not measure per head; calibrate the ranks in another run (or leave one out)")
+    check_head_losses(settings.head_losses, settings.ranks)
     bad_ranks = [r for r in settings.ranks if r is not None and not 1 <= r <= geometry.head_dim]
     if bad_ranks:
         raise ProfileError(f"--ranks: rank(s) {bad_ranks} outside 1..{geometry.head_dim} (the model's head dim)")

@@ -88,6 +88,13 @@ class CalibrationSettings:
     """Prefix tokens per chunk of the reconstruction objective's follow-ups."""
 
 
+def check_head_losses(head_losses: bool, ranks) -> None:
+    """Per-KV-head losses are measured for the token and bit configs only: refused with a rank axis."""
+    if head_losses and ranks:
+        raise ProfileError("--head-losses measures the token and bit configs per KV head, and --ranks adds rank configs "
+                           "it does not measure per head; calibrate the ranks in another run (or leave one out)")
+
+
 @attrs.define(frozen=True, kw_only=True, eq=False)
 class CalibrationResult:
     profile: Profile | None

@@ -53,6 +53,9 @@ class MeterPool:
     def __init__(self, loader: Callable[[], tuple], meter_args: Mapping[str, Any], *, address: str | None = None,
                  workers: int | None = None, cpus_per_worker: float = 1, threads: int | None = None,
                  max_attempts: int = 3):
+        if workers is not None and workers < 1 or not cpus_per_worker > 0:
+            raise SolverError(f"Ray workers {workers} / CPUs per worker {cpus_per_worker}: give a positive number of "
+                              f"workers and of CPUs per worker (--workers, --cpus-per-worker)")
         self.ray = _ray()
         self.loader, self.meter_args = loader, dict(meter_args)
         self.cpus, self.threads, self.max_attempts = cpus_per_worker, threads, int(max_attempts)
