@@ -15,7 +15,7 @@ import collections
 from typing import Any, Callable, Mapping, Sequence
 
 from polykv.errors import PolykvError, SolverError
-from polykv.profiling.distributed import WAIT_S, _ray
+from polykv.profiling.distributed import WAIT_S, ray_module
 from polykv.profiling.plan_meter import PlanMeter
 
 
@@ -56,7 +56,7 @@ class MeterPool:
         if workers is not None and workers < 1 or not cpus_per_worker > 0:
             raise SolverError(f"Ray workers {workers} / CPUs per worker {cpus_per_worker}: give a positive number of "
                               f"workers and of CPUs per worker (--workers, --cpus-per-worker)")
-        self.ray = _ray()
+        self.ray = ray_module()
         self.loader, self.meter_args = loader, dict(meter_args)
         self.cpus, self.threads, self.max_attempts = cpus_per_worker, threads, int(max_attempts)
         self.started_here = not self.ray.is_initialized()

@@ -45,7 +45,7 @@ from polykv.profiling.profile_checks import MIX_METRIC
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
 from polykv.solvers.global_budget import check_pairing, global_columns, members_of
-from polykv.solvers.refine_moves import _apply, _menu_neighbours, ranked_moves
+from polykv.solvers.refine_moves import apply_move, menu_neighbours, ranked_moves
 from polykv.solvers.windowed import whole_model, whole_model_plan
 
 
@@ -154,7 +154,7 @@ class Refine(Solver):
         Ray workers at once, then taken in the serial order, so the plan and the record are the serial run's."""
         bits = config_bits(profile, budget, self)
         cap = budget.to_bits(profile.model)
-        neighbours = _menu_neighbours(profile.configs)
+        neighbours = menu_neighbours(profile.configs)
         allowed = {int(c) for c in cols}
 
         def plan_of(ch):
@@ -187,16 +187,16 @@ class Refine(Solver):
             if accepted >= p["steps"]:
                 break
             moves = [m for m in ranked_moves(table, bits, choice, cap, neighbours, allowed)
-                     if tuple(_apply(choice, m)) not in measured][:p["tries"]]
+                     if tuple(apply_move(choice, m)) not in measured][:p["tries"]]
             if not moves:
                 stopped = "no untried move fits the budget"
                 break
             took = False
             if pool is not None:
-                todo = [_apply(choice, m) for m in moves if tuple(_apply(choice, m)) not in ahead]
+                todo = [apply_move(choice, m) for m in moves if tuple(apply_move(choice, m)) not in ahead]
                 ahead.update(zip((tuple(c) for c in todo), pool.measure([runnable(plan_of(c)) for c in todo])))
             for move in moves:
-                cand = _apply(choice, move)
+                cand = apply_move(choice, move)
                 value = kl(cand)
                 ok = value < current
                 steps.append({"step": accepted + 1, "move": [{"layer": l, "from": profile.configs[choice[l]].label,

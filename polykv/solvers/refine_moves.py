@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 
-def _menu_neighbours(configs) -> list[list[int]]:
+def menu_neighbours(configs) -> list[list[int]]:
     """Per config, the configs one step away (module docstring), in column order."""
     def family(c):
         return (c.rule, c.phase, json.dumps(c.params, sort_keys=True))
@@ -104,7 +104,8 @@ def ranked_moves(table: np.ndarray, bits: np.ndarray, choice: list[int], cap: in
     return [m[2] for m in moves]
 
 
-def _apply(choice: list[int], move) -> list[int]:
+def apply_move(choice: list[int], move) -> list[int]:
+    """``choice`` (a column per layer) with the move's ``(layer, column)`` changes made."""
     out = list(choice)
     for layer, col in move:
         out[layer] = col
