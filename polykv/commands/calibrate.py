@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import attrs
 
@@ -320,6 +321,7 @@ def run(args) -> int:
                            f"{base.provenance.seed}, prefix {base.provenance.context_tokens}) but this run would "
                            f"measure '{corpus}' (seed {args.seed}, prefix {args.prefix}); pass the base profile's "
                            f"--sequences, --tokens, --prefix, --seed, --corpus and --validate")
+    cpu = time.process_time()
     if args.ray is not None:
         import functools
 
@@ -350,7 +352,8 @@ def run(args) -> int:
               file=sys.stderr)
     prof = profile
     print(f"{args.output}: {prof.num_layers} layers x {len(prof.configs)} configs, metrics {sorted(prof.metrics)}, "
-          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: "
+          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s wall, {time.process_time() - cpu:.0f} s CPU of this "
+          f"process; query statistics: "
           f"{stats_path if result.query_stats is not None else 'none (no calibrated rule needs them)'}"
           + (f"; {prof.provenance.note.split('; ', 1)[1]}" if "; " in prof.provenance.note else ""))
     return 0
