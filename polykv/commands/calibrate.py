@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import attrs
 
@@ -21,8 +22,8 @@ from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder as check_folder, load_by_name
 from polykv.plan import DEFAULT_QUANTIZER
 from polykv.profiling.calibrate import calibrate
-from polykv.profiling.calibrate_settings import (CalibrationSettings, corpus_sequences, default_rules,
-                                                 query_stats_path, tokenizer_params)
+from polykv.profiling.calibrate_settings import (CalibrationSettings, check_head_losses, corpus_sequences,
+                                                 default_rules, query_stats_path, tokenizer_params)
 from polykv.profiling.checkpoint import folder_digest, remove_folder
 from polykv.profiling.merge import merge_profiles
 from polykv.profiling.objectives import parse_objectives
@@ -100,6 +101,9 @@ def register(subparsers) -> None:
     p.add_argument("--pairs", action="store_true",
                    help="measure the error of sharing each adjacent layer pair (in l2, and end to end on every "
                         "objective with --validate N)")
+    p.add_argument("--head-losses", action="store_true",
+                   help="also measure every config's l2 per KV head (the profile's head_metrics, which the global "
+                        "solver prices its members' head shares with)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     ray = p.add_argument_group("running on Ray (docs/calibration.md)")
     ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
@@ -231,6 +235,7 @@ def check_args(args) -> dict:
     if args.ray is not None and (args.workers is not None and args.workers < 1 or not args.cpus_per_worker > 0):
         raise ProfileError(f"--workers {args.workers} / --cpus-per-worker {args.cpus_per_worker}: give a positive "
                            "number of workers and of CPUs per worker")
+    check_head_losses(args.head_losses, args.ranks)
     if args.ray is None and (args.workers is not None or args.cpus_per_worker != 1):
         raise ProfileError("--workers / --cpus-per-worker place Ray workers; add --ray (or leave them out)")
     if args.delta_ppl > args.sequences:
@@ -289,6 +294,7 @@ def run(args) -> int:
         phase=args.phase, prefix=args.prefix, seed=args.seed, stat_capacity=args.stat_capacity,
         delta_ppl_sequences=args.delta_ppl, validate_configs=args.validate_configs, quantizer=args.quantizer,
         quantizer_params=qparams, kl_configs=args.kl_configs, pairs=args.pairs, objectives=objectives,
+        head_losses=args.head_losses,
         objective_weights=weights,
         ranks=() if args.ranks is None else parse_ranks(args.ranks, model_geometry(args.model).head_dim))
     stats_path = args.query_stats or query_stats_path(args.output)
@@ -315,6 +321,7 @@ def run(args) -> int:
                            f"{base.provenance.seed}, prefix {base.provenance.context_tokens}) but this run would "
                            f"measure '{corpus}' (seed {args.seed}, prefix {args.prefix}); pass the base profile's "
                            f"--sequences, --tokens, --prefix, --seed, --corpus and --validate")
+    cpu = time.process_time()
     if args.ray is not None:
         import functools
 
@@ -345,7 +352,8 @@ def run(args) -> int:
               file=sys.stderr)
     prof = profile
     print(f"{args.output}: {prof.num_layers} layers x {len(prof.configs)} configs, metrics {sorted(prof.metrics)}, "
-          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s; query statistics: "
+          f"stats {sorted(prof.stats)}, {result.seconds:.0f} s wall, {time.process_time() - cpu:.0f} s CPU of this "
+          f"process; query statistics: "
           f"{stats_path if result.query_stats is not None else 'none (no calibrated rule needs them)'}"
           + (f"; {prof.provenance.note.split('; ', 1)[1]}" if "; " in prof.provenance.note else ""))
     return 0

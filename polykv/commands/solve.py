@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -21,7 +22,7 @@ from polykv.profiling.calibrate_settings import query_stats_path
 from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.solvers import solve
-from polykv.solvers.refine import MeasureOn
+from polykv.solvers.refine import MeasureOn, OnRay
 from polykv.solvers.windowed import budget_bytes
 
 
@@ -70,6 +71,13 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", metavar="DEV",
                    help="measuring solvers: device the model runs on (default cpu)")
     p.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan file to write (atomically)")
+    ray = p.add_argument_group("measuring on Ray (docs/solvers.md#refine)")
+    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                     help="measuring solvers: measure each step's candidate plans on Ray workers: no ADDRESS starts a "
+                          "local Ray, 'auto' or host:port joins a cluster")
+    ray.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="Ray workers (default: the cluster's CPUs / --cpus-per-worker)")
+    ray.add_argument("--cpus-per-worker", type=float, default=1, metavar="C", help="CPUs each worker reserves (1)")
     p.set_defaults(func=run)
 
 
@@ -124,6 +132,9 @@ def measuring_model(args, profile, params: dict, geometry=None):
             raise SolverError(f"--tokens {args.tokens} and --param tokens={params['tokens']} disagree; give one")
         params["tokens"] = args.tokens
     if not measures:
+        if args.ray is not None:
+            raise SolverError(f"--ray: solver '{args.solver}' measures no plans on a model, so there is nothing to send "
+                              "to Ray workers; leave --ray out (it serves measuring solvers such as refine)")
         return None
     if not args.model:
         raise SolverError(f"--solver {args.solver} measures its candidate plans on the model: add --model default "
@@ -136,8 +147,25 @@ def measuring_model(args, profile, params: dict, geometry=None):
     model, tokenizer = load_by_name(args.model, dtype="float32", device=args.device, error=ProfileError)
     rules = sorted({c.rule for c in profile.configs if not c.keeps_everything})
     data = load_side_files(args.profile, needs_of_rules(registry, rules), model=model)
-    return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model,
+    on_ray = None
+    if args.ray is not None:
+        import torch
+
+        on_ray = OnRay(loader=functools.partial(load_by_name, args.model, dtype="float32", device=args.device,
+                                                error=ProfileError),
+                       address=args.ray, workers=args.workers, cpus_per_worker=args.cpus_per_worker,
+                       threads=torch.get_num_threads())
+    return MeasureOn(model=model, tokenizer=tokenizer, model_data=data, name=args.model, ray=on_ray,
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def check_ray(args) -> None:
+    """``--workers`` / ``--cpus-per-worker``: only with ``--ray``, at least one worker and a positive CPU count."""
+    if args.ray is None and (args.workers is not None or args.cpus_per_worker != 1):
+        raise SolverError("--workers / --cpus-per-worker place Ray workers; add --ray (or leave them out)")
+    if args.ray is not None and (args.workers is not None and args.workers < 1 or not args.cpus_per_worker > 0):
+        raise SolverError(f"--workers {args.workers} / --cpus-per-worker {args.cpus_per_worker}: give a positive "
+                          "number of workers and of CPUs per worker")
 
 
 def check_metric(metric: str, params: dict, profile, solver: str) -> str:
@@ -157,6 +185,7 @@ def check_metric(metric: str, params: dict, profile, solver: str) -> str:
 def run(args) -> int:
     check_output(args.output, what="plan file", option="-o", recognise=is_plan_file,
                  inputs=[args.profile, query_stats_path(args.profile)])
+    check_ray(args)
     profile = load_profile(args.profile)
     if args.batch < 1:
         raise SolverError(f"--batch must be a positive number of rows, got {args.batch}")

@@ -38,7 +38,7 @@ from polykv.profiling.checkpoint import Checkpoint, run_digest
 from polykv.profiling import axes_endtoend as axes
 from polykv.profiling.calibrate_axes import measure_pairs, pair_stats, pair_uppers, rank_pairs, with_ranks
 from polykv.profiling.calibrate_settings import (CalibrationResult, CalibrationSettings, candidate_configs,
-                                                 default_rules)
+                                                 check_head_losses, default_rules)
 from polykv.contract.model_data import needs_of_rules, tokenizer_of
 from polykv.profiling.objectives import METRIC_OF, build as followups, describe as describe_objective, parse_objectives
 from polykv.profiling.profile import Profile, ProfileProvenance, StatTable, model_info, now_iso
@@ -137,6 +137,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
         raise ProfileError(f"the objectives {list(objectives)} are measured on held-out sequences, and none are given; "
                            f"give held-out sequences (--validate N) or leave the objectives out")
     geometry = geometry_of_model(model)
+    check_head_losses(settings.head_losses, settings.ranks)
     bad_ranks = [r for r in settings.ranks if r is not None and not 1 <= r <= geometry.head_dim]
     if bad_ranks:
         raise ProfileError(f"--ranks: rank(s) {bad_ranks} outside 1..{geometry.head_dim} (the model's head dim)")
@@ -169,7 +170,7 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,
                        rule_params=settings.rule_params)
     L = geometry.num_layers
-    saved = ("l2", "cosine", "entropy") + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
+    saved = ("l2", "cosine", "entropy") + (("head_l2",) if settings.head_losses else ()) + (("delta_ppl",) if settings.delta_ppl_sequences else ()) + (
         tuple(METRIC_OF[o] for o in objectives) if held else ()) + (("rank_l2",) if rpairs else ()) + (
         tuple(f"{axis}_{METRIC_OF[o]}" for o in objectives for axis, on in (("rank", rpairs), ("pair", settings.pairs))
               if on) if held else ())
@@ -180,16 +181,20 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     measured = _Items([it for o in objectives for it in items.get(o, ())], P)
-    refs = [e2e.KLReference.of(val.reference_logprobs(model, it.ids, P), it.rows) for it in measured.items] \
-        if todo and held else []
     snapshots = below = plain = None
+    refs = []
     if todo and held:
         plans = e2e.one_layer_plans(geometry, todo, configs, kl_cols, quantizer=settings.quantizer,
                                     quantizer_params=settings.quantizer_params)
         snapshots = e2e.PrefixSnapshots(model, measured.prefixes, plans, registry=registry, model_data=model_data)
         plain = snapshots.plain()
-        below = [e2e.LayerOutputs(model, plain[k], it.ids, P, layers=todo, registry=registry)
+        # One follow-up forward of the full plan per item, restored from its prefix's plain prefill, gives both the
+        # layer outputs below each measured layer and the reference distributions (no whole-sequence forward).
+        below = [e2e.LayerOutputs(model, plain[k], it.ids, P, layers=todo, registry=registry, logits=True)
                  for it, k in zip(measured.items, measured.prompts)]
+        refs = [e2e.KLReference.of_logits(b.logits, it.rows) for b, it in zip(below, measured.items)]
+        for b in below:
+            b.logits = None
     if todo and probing:  # a probe rule selects from the runtime's prefill of the calibration prefixes
         ctx.prefills = _probe_prefills(model, geometry, todo, probing, seqs, P, settings, registry, model_data)
     ppl_seqs = seqs[:settings.delta_ppl_sequences]
@@ -296,9 +301,12 @@ def _layer(model, geometry, layer, captures, P, configs, rules, settings, ctx, h
     """Every table row of one layer."""
     cap = stack_layer(captures, layer)                  # every sequence as one batch row
     ref = full_reference(cap, P)
-    arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref, tick=tick)),
+    heads: list | None = [] if settings.head_losses else None
+    arrays = {"l2": np.asarray(layer_l2(cap, P, configs, ctx, reference=ref, tick=tick, heads=heads)),
               "cosine": np.asarray(rule_cosines(cap, P, rules, ctx, capacity=settings.stat_capacity, reference=ref)),
               "entropy": np.asarray([attention_entropy(cap, P)])}
+    if heads is not None:
+        arrays["head_l2"] = np.asarray(heads).T             # [Hkv, C]
     if ppl_seqs:
         arrays["delta_ppl"] = _delta_ppl(model, geometry, layer, rules, ppl_seqs, ppl_refs, settings, ctx)
     if held:  # every objective's follow-ups through one measurement; one table per objective
@@ -380,6 +388,9 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
         routing = MIX_METRIC
         note.append(f"metric {MIX_METRIC} (the routing table): "
                     + " + ".join(f"{w:g} x {name}" for name, w in sorted(mixed.items())))
+    heads = {"l2": table("head_l2")} if "head_l2" in done[0] else None
+    if heads is not None:
+        note.append("head_metrics l2: each config's l2 per KV head (that head's query group's output error alone)")
     prov = ProfileProvenance(dtype=dtype, corpus=corpus or f"{n_seq} sequences of {tokens} tokens", seed=settings.seed,
                              context_tokens=settings.prefix, versions=_versions(), created=now_iso(),
                              note="; ".join([f"{n_seq} calibration sequences of {tokens} tokens, prefix {settings.prefix}"
@@ -387,4 +398,4 @@ def _assemble(geometry, configs, rules, done, kl_cols, settings, corpus, n_seq, 
                                              f"{settings.quantizer}{dict(settings.quantizer_params) or ''}"] + note))
     return Profile(model=model_info(geometry), configs=configs, metrics=metrics, stats=stats, provenance=prov,
                    quantizer=settings.quantizer, quantizer_params=settings.quantizer_params, routing_metric=routing,
-                   objective_weights=mixed)
+                   objective_weights=mixed, head_metrics=heads)

@@ -73,6 +73,9 @@ class CalibrationSettings:
     """Key and value ranks of the low-rank axis (None = full width); empty: the axis is not measured. Every
     (k_rank, v_rank) pair of them but full x full is measured per layer (:mod:`polykv.profiling.rank_error`, at 16
     bits, keeping everything) and composed additively with every config (:func:`~polykv.profiling.calibrate_axes.rank_configs`)."""
+    head_losses: bool = False
+    """Also measure every config's ``l2`` per KV head (only that head's query group's output error) into the profile's
+    ``head_metrics`` (the ``global`` solver's head shares)."""
     pairs: bool = False
     """Measure the error of sharing every adjacent pair of full-attention layers (:mod:`polykv.profiling.share_error`)
     into the profile's pair table."""
@@ -83,6 +86,13 @@ class CalibrationSettings:
     """Weight of each objective (by objective name; 1.0 unless given) in the routing table ``kl_mix`` of several."""
     reconstruction_chunk: int = 64
     """Prefix tokens per chunk of the reconstruction objective's follow-ups."""
+
+
+def check_head_losses(head_losses: bool, ranks) -> None:
+    """Per-KV-head losses are measured for the token and bit configs only: refused with a rank axis."""
+    if head_losses and ranks:
+        raise ProfileError("--head-losses measures the token and bit configs per KV head, and --ranks adds rank configs "
+                           "it does not measure per head; calibrate the ranks in another run (or leave one out)")
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

@@ -29,7 +29,7 @@ WAIT_S = 0.5
 """Longest time the driver blocks in Ray before Python can see a Ctrl-C."""
 
 
-def _ray():
+def ray_module():
     try:
         import ray
     except ImportError:
@@ -74,7 +74,7 @@ def calibrate_ray(loader: Callable[[], tuple], sequences: Sequence, settings: Ca
     a local one (``"auto"`` or ``"host:6379"`` joins a cluster). ``progress(done, total)`` is called after each
     layer; ``on_dispatch(worker_pid, layer)`` after each layer is sent. ``driver``: the ``(model, tokenizer)`` the
     driver already loaded (else it calls ``loader`` too)."""
-    ray = _ray()
+    ray = ray_module()
     start = time.perf_counter()
     model, tokenizer = driver if driver is not None else loader()
     L = geometry_of_model(model).num_layers

@@ -225,22 +225,31 @@ class LayerOutputs:
     """What each decoder layer outputs during the follow-up forward of the full plan (every layer uncompressed),
     restored from an uncompressed prefill: in a one-layer plan on layer l, layers 0..l-1 keep every token at 16
     bits, so they compute exactly this; the plan's follow-up forward starts from layer l-1's output and runs only
-    layers l..L-1 (:func:`followup_logprobs`)."""
+    layers l..L-1 (:func:`followup_logprobs`).
 
-    def __init__(self, model, snapshot, ids: torch.Tensor, prefix: int, *, layers: Sequence[int], registry=None):
+    With ``logits=True`` the same forward keeps the full plan's follow-up logits (:attr:`logits`), the reference
+    every one-layer plan's KL is taken against (:meth:`KLReference.of_logits`): the full model's predictions at the
+    follow-up positions from the prefill already captured, instead of a forward over the whole sequence per item."""
+
+    def __init__(self, model, snapshot, ids: torch.Tensor, prefix: int, *, layers: Sequence[int], registry=None,
+                 logits: bool = False):
         want = {layer - 1 for layer in layers if layer > 0}
         blocks = decoder_layers(model)
         self.outputs: dict[int, Any] = {}
         """Layer index -> its output (what the next layer takes), for the layers below a measured one."""
+        self.logits: torch.Tensor | None = None
+        """[F-1, V] the full plan's follow-up logits (predicting tokens ``prefix+1`` .. T-1) with ``logits=True``."""
         hooks = [blocks[i].register_forward_hook(lambda _m, _a, out, i=i: self.outputs.__setitem__(i, _detached(out)))
                  for i in sorted(want)]
         ids = ids.view(1, -1).to(next(model.parameters()).device)
         try:
             with torch.no_grad(), apply(model, full_plan(geometry_of_model(model)), registry=registry) as session:
                 cache = restore_prefill(session, snapshot)
-                keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters \
-                    else {}
-                model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}, **keep)
+                keep = {"logits_to_keep": 1} if not logits and \
+                    "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
+                out = model(input_ids=ids[:, prefix:-1], use_cache=True, **{session.cache_keyword: cache}, **keep)
+                if logits:
+                    self.logits = out.logits[0]
         finally:
             for hook in hooks:
                 hook.remove()
@@ -327,6 +336,13 @@ class KLReference:
         """From :func:`~polykv.profiling.validation.reference_logprobs` (all F positions; the first, predicted by
         the prefill before any layer compresses, is left out), at follow-up prediction ``rows`` only (None: all)."""
         return cls(reference[1:] if rows is None else reference[1:][list(rows)])
+
+    @classmethod
+    def of_logits(cls, logits: torch.Tensor, rows: Sequence[int] | None = None) -> "KLReference":
+        """From the full plan's [F-1, V] follow-up logits (:attr:`LayerOutputs.logits`), at follow-up prediction
+        ``rows`` only (None: all)."""
+        z = logits if rows is None else logits[list(rows)]
+        return cls(torch.log_softmax(z.double(), dim=-1))
 
     def kl(self, logits: torch.Tensor) -> float:
         """Mean over positions of KL(p_full || softmax(``logits``)); ``logits`` [F-1, V]."""

@@ -62,6 +62,7 @@ def merge_profiles(base: Profile, extra: Profile) -> Profile:
     _same(base, extra, "quantizer_params", base.quantizer_params, extra.quantizer_params)
     _same(base, extra, "metrics", sorted(base.metrics), sorted(extra.metrics))
     _same(base, extra, "objective_weights", base.objective_weights, extra.objective_weights)
+    _same(base, extra, "head_metrics", sorted(base.head_metrics or {}), sorted(extra.head_metrics or {}))
     if extra.pairs is not None:
         raise ProfileError(f"{extra.source}: has a layer-pair table; merge only rule configs into a profile "
                            f"(calibrate the pairs into the base)")
@@ -88,6 +89,9 @@ def merge_profiles(base: Profile, extra: Profile) -> Profile:
     created = extra.provenance.created or "an unrecorded time"
     note = f"{base.provenance.note}; rules {', '.join(rules)} added from a calibration of {created}" + (
         f" (dropped {', '.join(dropped)}: it summarised each calibration's own configs)" if dropped else "")
+    heads = None if base.head_metrics is None else {
+        k: np.concatenate([base.head_metrics[k], extra.head_metrics[k][:, :, new]], axis=2) for k in base.head_metrics}
     return attrs.evolve(base, configs=base.configs + tuple(extra.configs[i] for i in new), metrics=metrics, stats=stats,
+                        head_metrics=heads,
                         provenance=attrs.evolve(base.provenance, note=note,
                                                 extends=base.provenance.extends + (base.fingerprint,)))

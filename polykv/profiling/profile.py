@@ -24,8 +24,8 @@ from polykv.atomic import write_text_atomic
 from polykv.errors import ProfileError
 from polykv.models.geometry import fingerprints_match
 from polykv.plan import DEFAULT_QUANTIZER
-from polykv.profiling.profile_checks import (SCHEMA_VERSION, check, profile_error,
-                                             raise_profile_error)
+from polykv.profiling.profile_checks import (SCHEMA_VERSION, check, profile_error, raise_profile_error,
+                                             read_head_tables)
 from polykv.profiling.profile_writing import FORMAT, dumps, to_dict
 from polykv.strict_json import FieldReader
 
@@ -176,6 +176,9 @@ class Profile:
         default=None, converter=lambda v: None if v is None else dict(v))
     """Metric table -> weight of the calibration objectives mixed into the table ``kl_mix`` (its values are
     ``sum w * table``; :mod:`polykv.profiling.objectives`); None (every profile of before): no mix."""
+    head_metrics: dict[str, np.ndarray] | None = attrs.field(default=None, converter=lambda d: None if d is None else {
+        str(k): np.asarray(v, dtype=np.float64) for k, v in dict(d).items()})
+    """Metric -> [L, Hkv, C] loss of each config with only that KV head compressed; None: not measured."""
     schema_version: int = SCHEMA_VERSION
     source: str = attrs.field(default="<profile>", eq=False, repr=False)
     """File the profile was read from (for error messages)."""
@@ -222,7 +225,8 @@ class Profile:
             return self
         cols = [i for i, c in enumerate(self.configs) if not c.low_rank]
         out = attrs.evolve(self, configs=[self.configs[i] for i in cols], pairs=None,
-                           metrics={k: v[:, cols] for k, v in self.metrics.items()})
+                           metrics={k: v[:, cols] for k, v in self.metrics.items()}, head_metrics=None if
+                           self.head_metrics is None else {k: v[:, :, cols] for k, v in self.head_metrics.items()})
         object.__setattr__(out, "_fingerprint", self.fingerprint)
         return out
 
@@ -245,6 +249,8 @@ class Profile:
                 h.update(name.encode() + self.stats[name].values.astype("<f8").tobytes())
             if self.pairs is not None:  # profiles without a pair table hash exactly as before it existed
                 h.update(b"pairs" + self.pairs.values.astype("<f8").tobytes())
+            h.update(b"".join(b"heads" + n.encode() + self.head_metrics[n].astype("<f8").tobytes()  # none: no bytes
+                              for n in sorted(self.head_metrics or {})))
             object.__setattr__(self, "_fingerprint", "prof-" + h.hexdigest()[:12])
         return self._fingerprint
 
@@ -344,8 +350,7 @@ def load_profile(path: str) -> Profile:
 def is_profile_file(path: str) -> bool:
     """True when ``path`` looks like a profile polykv wrote (its header names the profile format)."""
     with open(path, "rb") as fh:
-        head = fh.read(4096)
-    return f'"format": "{FORMAT}"'.encode() in head
+        return f'"format": "{FORMAT}"'.encode() in fh.read(4096)
 
 
 def loads(text: str, source: str = "<profile>") -> Profile:
@@ -377,7 +382,8 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
     """Build a profile from parsed JSON, checking every key and type."""
     r = FieldReader(source, profile_error)
     r.obj(raw, "", ["schema_version", "model", "configs", "metrics"], ["format", "stats", "provenance", "quantizer",
-                                                                   "routing_metric", "objective_weights", "pairs"])
+                                                                   "routing_metric", "objective_weights", "pairs",
+                                                                   "head_metrics"])
     version = raw["schema_version"]
     if type(version) is not int or version != SCHEMA_VERSION:  # 1.0 and true are not version 1
         r.fail(f"unknown schema version {version!r}; this polykv reads version {SCHEMA_VERSION}",
@@ -438,6 +444,7 @@ def from_dict(raw: Any, source: str = "<profile>") -> Profile:
         pairs = PairTable(uppers=ups, values=vals, share_params=r.dict_(praw_.get("share_params", {}),
                                                                         "pairs.share_params"),
                           description=str(praw_.get("description", "")))
-    return Profile(pairs=pairs, routing_metric=routing, objective_weights=weights, model=model, configs=configs, metrics=metrics, stats=stats, provenance=prov,
+    return Profile(pairs=pairs, routing_metric=routing, objective_weights=weights, model=model, configs=configs,
+                   metrics=metrics, stats=stats, provenance=prov, head_metrics=read_head_tables(r, raw.get("head_metrics")),
                    quantizer=qraw["name"], quantizer_params=r.dict_(qraw.get("params", {}), "quantizer.params"),
                    schema_version=version, source=source)

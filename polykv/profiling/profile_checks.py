@@ -99,6 +99,7 @@ def check(p: Profile, source: str) -> None:
         _check_range(source, f + ".values", st.values, -MAX_LOSS, "a statistic")
     if p.pairs is not None:
         _check_pairs(source, p.pairs, m.num_layers)
+    _check_heads(source, p)
     _check_mix(source, p)
     _check_model(source, m)
     _check_provenance(source, p.provenance)
@@ -148,6 +149,48 @@ def _check_pairs(source: str, pairs: PairTable, num_layers: int) -> None:
         check_share_params(pairs.share_params, layer=ups[0], source=source)
     except PlanError as exc:
         raise_profile_error(source, "pairs.share_params", str(exc))
+
+
+def read_head_tables(r, raw: Any) -> dict[str, np.ndarray] | None:
+    """``head_metrics`` of a profile file (metric -> [L][Hkv][C] nested lists of numbers) as arrays; None when
+    absent. ``r`` is the file's :class:`~polykv.strict_json.FieldReader`."""
+    if raw is None:
+        return None
+    out = {}
+    for name, table in r.dict_(raw, "head_metrics").items():
+        field = f"head_metrics.{name}"
+        try:
+            a = np.asarray(table, dtype=np.float64)
+        except (TypeError, ValueError):
+            a = None
+        if a is None or a.ndim != 3 or _has_bools(table):
+            r.fail("expected [layers][KV heads][configs] nested lists of numbers", field=field,
+                   hint="one row per KV head in each layer, one value per config")
+        out[name] = a
+    return out
+
+
+def _has_bools(x: Any) -> bool:
+    return isinstance(x, bool) or (isinstance(x, list) and any(_has_bools(v) for v in x))
+
+
+def _check_heads(source: str, p: "Profile") -> None:
+    """``head_metrics``: each names a metric table of the profile, [L, Hkv, C], finite losses >= 0."""
+    m = p.model
+    for name, t in (p.head_metrics or {}).items():
+        field = f"head_metrics.{name}"
+        if name not in p.metrics:
+            raise_profile_error(source, field, f"names metric {name!r}, which the profile has no table of",
+                                f"use one of {', '.join(sorted(p.metrics))}, or drop the per-head table")
+        shape = (m.num_layers, m.num_kv_heads, len(p.configs))
+        if t.shape != shape:
+            raise_profile_error(source, field, f"expected shape {list(shape)}, got {list(t.shape)}",
+                                "layers x KV heads x configs in order")
+        bad = np.argwhere(~np.isfinite(t) | (t < 0) | (t > MAX_LOSS))
+        if len(bad):
+            l, h, c = (int(x) for x in bad[0])
+            raise_profile_error(source, field, f"value {t[l, h, c]} at layer {l}, KV head {h}, column {c} is not a "
+                                f"loss ({len(bad)} such values)", f"every value must lie in [0, {MAX_LOSS:g}]")
 
 
 def _check_range(source: str, field: str, a: np.ndarray, low: float, what: str) -> None:

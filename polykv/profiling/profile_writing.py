@@ -46,6 +46,8 @@ def to_dict(p: Profile, *, tables: bool = True) -> dict[str, Any]:
                       "values": s.values.tolist() if tables else None}
                   for k, s in sorted(p.stats.items())},
         **({} if p.pairs is None else {"pairs": _pairs_dict(p.pairs, tables)}),
+        **({} if p.head_metrics is None else {"head_metrics": {k: p.head_metrics[k].tolist() if tables else None
+                                                              for k in sorted(p.head_metrics)}}),
         "provenance": _provenance_dict(p.provenance),
     }
 
@@ -95,9 +97,13 @@ def dumps(p: Profile) -> str:
         head = enc({key: val for key, val in s.items() if key != "values"})[1:-1]
         stat_rows.append(f"    {enc(k)}: {{{head}, \"values\": {rows(s['values'], '      ')}}}")
     lines.append('  "stats": {' + ("\n" + ",\n".join(stat_rows) + "\n  " if stat_rows else "") + "}"
-                 + ("," if "pairs" in d else ""))
+                 + ("," if "pairs" in d or "head_metrics" in d else ""))
     if "pairs" in d:
         head = enc({key: val for key, val in d["pairs"].items() if key != "values"})[1:-1]
-        lines.append(f'  "pairs": {{{head}, "values": {rows(d["pairs"]["values"], "    ")}}}')
+        lines.append(f'  "pairs": {{{head}, "values": {rows(d["pairs"]["values"], "    ")}}}'
+                     + ("," if "head_metrics" in d else ""))
+    if "head_metrics" in d:  # one layer's [KV heads][configs] per line
+        tables = [f"    {enc(k)}: " + rows(v, "    ") for k, v in d["head_metrics"].items()]
+        lines.append('  "head_metrics": {\n' + ",\n".join(tables) + "\n  }")
     lines.append("}")
     return "\n".join(lines) + "\n"

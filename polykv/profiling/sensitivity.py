@@ -161,11 +161,13 @@ def _whole_prefix(cap: LayerCapture, prefix: int) -> StorageView:
 
 @torch.no_grad()
 def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig], ctx: LayerContext, *,
-             reference: torch.Tensor | None = None, tick=None) -> list[float]:
+             reference: torch.Tensor | None = None, tick=None, heads: list | None = None) -> list[float]:
     """Relative L2 error of every config on one captured layer (module docstring); one value per config.
 
     The capture may hold B sequences of one length (batch rows); the error is the mean over rows.
-    ``tick``, when given, is called after each config (a progress bar).
+    ``tick``, when given, is called after each config (a progress bar). ``heads``, when given (a list), receives
+    one row per config: the relative error of each KV head's query group alone, what the config costs when only
+    that KV head's tokens are compressed (a query head reads its own KV head only), [C][Hkv].
     """
     import json
 
@@ -174,6 +176,10 @@ def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig],
         raise ValueError(f"layer {cap.layer_idx}: prefix {prefix} must lie strictly inside the {T}-token sequence")
     ref = reference if reference is not None else full_reference(cap, prefix)
     ref_norm = _row_norms(ref)
+    Hkv = cap.key.shape[1]
+    groups = lambda x: x.reshape(x.shape[0], Hkv, -1, *x.shape[2:])  # noqa: E731  [B, Hkv, H/Hkv, F, d]
+    head_refs = [groups(ref)[:, h] for h in range(Hkv)] if heads is not None else []
+    head_norms = [_row_norms(r) for r in head_refs]
     out = [float("nan")] * len(configs)
     runs: dict[tuple, PrefixRun] = {}
     selections: dict[tuple, StorageView] = {}
@@ -192,6 +198,8 @@ def layer_l2(cap: LayerCapture, prefix: int, configs: Sequence[CandidateConfig],
                 selections[key] = runs[rule_key].select(capacity)
         o = followup_through_storage(cap, prefix, selections[key], c.k_bits, c.v_bits, ctx)
         out[i] = relative_error(o, ref, ref_norm)
+        if heads is not None:
+            heads.append([relative_error(groups(o)[:, h], r, n) for h, (r, n) in enumerate(zip(head_refs, head_norms))])
         if tick is not None:
             tick()
     return out

@@ -120,6 +120,7 @@ class GlobalBudget(Solver):
                               + (f" at K{p['k_bits'] or '*'} V{p['v_bits'] or '*'}" if p["k_bits"] or p["v_bits"]
                                  else "") + "; give widths the profile measured for it")
         tried, failures = [], []
+        heads_note = head_note(profile, p["metric"]) if p["shares"] == "profile" else None
         for sig in signatures:
             try:
                 if p["shares"] == "uniform":
@@ -138,12 +139,15 @@ class GlobalBudget(Solver):
                 + f"; {len(tried)} member signature(s) compared")
         if best.shared is not None:
             note += f"; shared pairs: {best.shared}"
+        if heads_note:
+            note += f"; {heads_note}"
         return self.plan(profile, budget, best.layers, {**p, "rule": rule}, predicted_loss=best.loss,
                          predicted_bits=best.bits, note=note, allocation=group)
 
     def _profiled(self, profile, budget, table, cols, rule, sig, members, metric) -> Outcome:
         """The exact knapsack with the group rule at ``sig`` only; members are the layers that take it."""
         keep = signature_columns(profile, cols, rule, sig, members)
+        table = head_priced(profile, table, metric, [int(c) for c in members if _signature(profile.configs[c]) == sig])
         layers, loss, used, shared = solve_columns(self, profile, budget, table, keep, metric)
         joined = [i for i, e in enumerate(layers) if _joins(e, rule)]
         return Outcome(sig, layers, joined, loss, used, shared)
@@ -164,6 +168,56 @@ class GlobalBudget(Solver):
         layers = [lp] * L
         joined = [] if lp.prefill.keeps_everything else list(range(L))
         return Outcome(sig, layers, joined, None if loss is None else float(loss.sum()), 0, None)
+
+
+KEEP_UNITS = 1000
+"""Keep ratios are compared in thousandths when the head shares are split (:func:`head_priced`)."""
+
+
+def head_note(profile: Profile, metric: str | None) -> str | None:
+    """What the plan's note says about head shares: priced from ``head_metrics``, or why not (None: no table)."""
+    if not profile.head_metrics:
+        return None
+    name = metric or profile.default_metric
+    if name in profile.head_metrics:
+        return f"members priced at their best KV-head split (head_metrics.{name})"
+    return (f"members priced per layer: head_metrics has no {name} table (it has "
+            f"{', '.join(sorted(profile.head_metrics))})")
+
+
+def head_priced(profile: Profile, table: np.ndarray, metric: str | None, columns: list[int]) -> np.ndarray:
+    """``table`` with each group column (``columns``: one rule at one storage signature) priced at the allocator's
+    best split over KV heads, when the profile has a per-head table of the metric (``head_metrics``).
+
+    A member at keep k holds ``k * Hkv`` heads' worth of tokens, which the allocator may split unevenly: head h at
+    keep k_h, ``mean_h k_h <= k``, each k_h one of the signature's keeps (or the keep-1.0 config at its widths).
+    The per-head table gives each split's loss, ``sum_h head[l, h, c(k_h)]``; the best split (a knapsack over
+    heads) lowers the layer's price by the same factor: ``table[l, c] * best / sum_h head[l, h, c]``. Without a
+    per-head table of the metric the table is returned unchanged."""
+    heads = (profile.head_metrics or {}).get(metric or profile.default_metric)
+    if heads is None or not columns:
+        return table
+    first = profile.configs[columns[0]]
+    full = [i for i, c in enumerate(profile.configs) if c.keeps_everything and (c.k_bits, c.v_bits, c.k_rank, c.v_rank)
+            == (first.k_bits, first.v_bits, first.k_rank, first.v_rank)]
+    options = [(round(profile.configs[c].keep * KEEP_UNITS), c) for c in columns + full[:1]]
+    out = table.copy()
+    L, H = heads.shape[:2]
+    for layer in range(L):
+        for c in columns:
+            cap = round(profile.configs[c].keep * KEEP_UNITS) * H
+            best = np.full(cap + 1, np.inf)   # best[u]: least loss of the heads so far using u keep units
+            best[0] = 0.0
+            for h in range(H):
+                nxt = np.full(cap + 1, np.inf)
+                for units, col in options:
+                    if units <= cap:
+                        nxt[units:] = np.minimum(nxt[units:], best[:cap + 1 - units] + heads[layer, h, col])
+                best = nxt
+            even = float(heads[layer, :, c].sum())
+            if even > 0 and np.isfinite(best.min()):
+                out[layer, c] = table[layer, c] * min(1.0, float(best.min()) / even)
+    return out
 
 
 def _allocators(solver: Solver) -> str:

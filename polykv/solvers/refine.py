@@ -26,12 +26,10 @@ measured move and the final measured KL of ``exact`` and ``refine``. Determinist
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
-import numpy as np
 
 from polykv.contract.params import ParamSpec
 from polykv.errors import ProfileError, SolverError, StudyError
@@ -40,12 +38,14 @@ from polykv.models.geometry import geometry_of_model
 from polykv.plan import AllocationGroup
 from polykv.profiling.budget import Budget, bits_to_bytes
 from polykv.profiling.objectives import METRIC_OF, build as build_followups, parse_objectives
+from polykv.profiling.meter_pool import MeterPool
 from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 from polykv.profiling.profile import Profile, check_measured_on
 from polykv.profiling.profile_checks import MIX_METRIC
 from polykv.solvers.base import METRIC_SPEC, Solver, config_bits
 from polykv.solvers.exact import candidate_columns, optimal_columns
 from polykv.solvers.global_budget import check_pairing, global_columns, members_of
+from polykv.solvers.refine_moves import apply_move, menu_neighbours, ranked_moves
 from polykv.solvers.windowed import whole_model, whole_model_plan
 
 
@@ -66,6 +66,24 @@ class MeasureOn:
     """What the model is, for the provenance (e.g. ``default``)."""
     progress: Any = None
     """Called with one line of text after each measured plan (``polykv solve`` prints it to stderr), or None."""
+    ray: "OnRay | None" = None
+    """Measure each step's candidate plans on Ray workers (:class:`OnRay`); None: here, one after the other."""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class OnRay:
+    """Where ``refine`` measures its candidates on Ray (:class:`polykv.profiling.meter_pool.MeterPool`)."""
+
+    loader: Callable[[], tuple]
+    """Picklable (a module-level function or a ``functools.partial`` of one): ``(model, tokenizer)`` on a worker,
+    the model :attr:`MeasureOn.model` is."""
+    address: str | None = None
+    """None: the Ray initialised in this process; ``"local"`` starts one; ``"auto"`` / ``"host:port"`` joins one."""
+    workers: int | None = None
+    """Workers (None: the cluster's CPUs / ``cpus_per_worker``)."""
+    cpus_per_worker: float = 1
+    threads: int | None = None
+    """torch threads per worker (None: ``cpus_per_worker``); the serial run's count gives the serial bits."""
 
 
 STARTS = ("exact", "global")
@@ -73,102 +91,6 @@ STARTS = ("exact", "global")
 
 def _count(minimum: int, what: str) -> ParamSpec:
     return ParamSpec(int, low=minimum, description=what)
-
-
-def _menu_neighbours(configs) -> list[list[int]]:
-    """Per config, the configs one step away (module docstring), in column order."""
-    def family(c):
-        return (c.rule, c.phase, json.dumps(c.params, sort_keys=True))
-
-    keeps: dict[tuple, list[float]] = {}
-    bits: dict[tuple, dict[str, list[int]]] = {}
-    at: dict[tuple, int] = {}
-    for i, c in enumerate(configs):
-        at[(family(c), c.keep, c.k_bits, c.v_bits)] = i
-    full = {(c.k_bits, c.v_bits): i for i, c in enumerate(configs) if c.keeps_everything}
-    for c in configs:
-        if c.keeps_everything:
-            continue
-        keeps.setdefault((family(c), c.k_bits, c.v_bits), []).append(c.keep)
-        b = bits.setdefault((family(c), c.keep), {"k": [], "v": []})
-        b["k"].append(c.k_bits)
-        b["v"].append(c.v_bits)
-    by_widths: dict[tuple, list[int]] = {}
-    for i, c in enumerate(configs):
-        if not c.keeps_everything:
-            by_widths.setdefault((c.keep, c.k_bits, c.v_bits), []).append(i)
-
-    def adjacent(values, value):
-        vs = sorted(set(values))
-        j = vs.index(value)
-        return [vs[k] for k in (j - 1, j + 1) if 0 <= k < len(vs)]
-
-    out = []
-    for i, c in enumerate(configs):
-        near = set()
-        if c.keeps_everything:
-            for (fam, k, v), ks in keeps.items():  # every rule's largest keep at these widths
-                if (k, v) == (c.k_bits, c.v_bits):
-                    near.add(at[(fam, max(ks), k, v)])
-            for k in adjacent([kv[0] for kv in full if kv[1] == c.v_bits], c.k_bits):
-                near.add(full[(k, c.v_bits)])
-            for v in adjacent([kv[1] for kv in full if kv[0] == c.k_bits], c.v_bits):
-                near.add(full[(c.k_bits, v)])
-        else:
-            fam = family(c)
-            ks = keeps[(fam, c.k_bits, c.v_bits)]
-            for keep in adjacent(ks, c.keep):
-                near.add(at[(fam, keep, c.k_bits, c.v_bits)])
-            if c.keep == max(ks) and (c.k_bits, c.v_bits) in full:
-                near.add(full[(c.k_bits, c.v_bits)])
-            for k in adjacent(bits[(fam, c.keep)]["k"], c.k_bits):
-                if (fam, c.keep, k, c.v_bits) in at:
-                    near.add(at[(fam, c.keep, k, c.v_bits)])
-            for v in adjacent(bits[(fam, c.keep)]["v"], c.v_bits):
-                if (fam, c.keep, c.k_bits, v) in at:
-                    near.add(at[(fam, c.keep, c.k_bits, v)])
-            near.update(by_widths[(c.keep, c.k_bits, c.v_bits)])
-        near.discard(i)
-        out.append(sorted(near))
-    return out
-
-
-def ranked_moves(table: np.ndarray, bits: np.ndarray, choice: list[int], cap: int,
-                 neighbours: list[list[int]], allowed: set[int]) -> list[tuple]:
-    """Every move of ``choice`` (a column per layer) that keeps the plan within ``cap`` bits, best predicted
-    gain per bit first: ``((layer, new column), ...)`` tuples with one or two changes.
-
-    A single move changes one layer; a swap raises one layer's bits and lowers another's, for an upgrade
-    that does not fit alone (one that does is a single move). The order is
-    -Δloss / max(1, bits added to the upgraded layer), ties by smaller Δloss, then by layer and column.
-    """
-    used = int(sum(int(bits[c]) for c in choice))
-    single = []  # (layer, new, dloss, dbits)
-    for layer, c in enumerate(choice):
-        for n in neighbours[c]:
-            if n in allowed:
-                single.append((layer, n, float(table[layer, n] - table[layer, c]), int(bits[n]) - int(bits[c])))
-    moves = []  # (key, dloss, changes)
-    for layer, n, dl, db in single:
-        if used + db <= cap:
-            moves.append((-dl / max(1, db), dl, ((layer, n),)))
-    ups = [m for m in single if m[3] > 0]
-    downs = [m for m in single if m[3] < 0]
-    if ups and downs:
-        udl = np.array([m[2] for m in ups])
-        udb = np.array([m[3] for m in ups], dtype=np.int64)
-        ddl = np.array([m[2] for m in downs])
-        ddb = np.array([m[3] for m in downs], dtype=np.int64)
-        fits = (used + udb[:, None] + ddb[None, :] <= cap) & (used + udb[:, None] > cap)  # only as a pair
-        ulay = np.array([m[0] for m in ups])
-        dlay = np.array([m[0] for m in downs])
-        fits &= ulay[:, None] != dlay[None, :]
-        for a, b in zip(*np.nonzero(fits)):
-            dl = float(udl[a] + ddl[b])
-            changes = tuple(sorted(((ups[a][0], ups[a][1]), (downs[b][0], downs[b][1]))))
-            moves.append((-dl / max(1, int(udb[a])), dl, changes))
-    moves.sort(key=lambda m: (-m[0], m[1], m[2]))
-    return [m[2] for m in moves]
 
 
 class Refine(Solver):
@@ -213,12 +135,26 @@ class Refine(Solver):
             choice, sig = global_columns(self, profile, budget, table, cols, p["allocator"])
             group = (p["allocator"], sig)
         weights = self._objectives(profile, p)
-        meter, check, desc, tokens, follow = self._meter(profile, budget, p, on, cols, whole, weights)
+        meter, check, desc, tokens, follow, meter_args = self._meter(profile, budget, p, on, cols, whole, weights)
         if group is None:
             choice, _, _ = optimal_columns(self, profile, budget, table, cols, "the lightest config per layer")
+        pool = None if on.ray is None else MeterPool(on.ray.loader, meter_args, address=on.ray.address,
+                                                     workers=on.ray.workers, cpus_per_worker=on.ray.cpus_per_worker,
+                                                     threads=on.ray.threads)
+        try:
+            return self._search(profile, budget, p, on, table, cols, whole, group, choice, weights, meter, check,
+                                desc, tokens, follow, pool, start)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _search(self, profile, budget, p, on, table, cols, whole, group, choice, weights, meter, check, desc, tokens,
+                follow, pool, start):
+        """The search of :meth:`solve` (module docstring); with a ``pool`` each step's tried moves are measured on
+        Ray workers at once, then taken in the serial order, so the plan and the record are the serial run's."""
         bits = config_bits(profile, budget, self)
         cap = budget.to_bits(profile.model)
-        neighbours = _menu_neighbours(profile.configs)
+        neighbours = menu_neighbours(profile.configs)
         allowed = {int(c) for c in cols}
 
         def plan_of(ch):
@@ -233,11 +169,12 @@ class Refine(Solver):
             return plan if whole is None else whole_model_plan(whole, plan)
 
         measured: dict[tuple, float] = {}
+        ahead: dict[tuple, float] = {}  # measured on Ray, not yet reached by the serial order
 
         def kl(ch) -> float:
             key = tuple(ch)
             if key not in measured:
-                measured[key] = meter.measure(runnable(plan_of(ch)))
+                measured[key] = ahead.pop(key) if key in ahead else meter.measure(runnable(plan_of(ch)))
                 if on.progress is not None:
                     on.progress(f"refine: plan {len(measured)} measured, KL {measured[key]:.6g} nats "
                                 f"({meter.prefills} prefills, {time.perf_counter() - start:.0f} s)")
@@ -250,13 +187,16 @@ class Refine(Solver):
             if accepted >= p["steps"]:
                 break
             moves = [m for m in ranked_moves(table, bits, choice, cap, neighbours, allowed)
-                     if tuple(_apply(choice, m)) not in measured][:p["tries"]]
+                     if tuple(apply_move(choice, m)) not in measured][:p["tries"]]
             if not moves:
                 stopped = "no untried move fits the budget"
                 break
             took = False
+            if pool is not None:
+                todo = [apply_move(choice, m) for m in moves if tuple(apply_move(choice, m)) not in ahead]
+                ahead.update(zip((tuple(c) for c in todo), pool.measure([runnable(plan_of(c)) for c in todo])))
             for move in moves:
-                cand = _apply(choice, move)
+                cand = apply_move(choice, move)
                 value = kl(cand)
                 ok = value < current
                 steps.append({"step": accepted + 1, "move": [{"layer": l, "from": profile.configs[choice[l]].label,
@@ -284,7 +224,9 @@ class Refine(Solver):
                      if mixed else {}),
                   **({"exact_kl": exact_kl} if p["start"] == "exact" else {"start_kl": exact_kl}),
                   "refine_kl": current, "accepted": accepted, "measured": len(steps) + 1,
-                  "prefills": meter.prefills, "stopped": stopped, "seconds": round(time.perf_counter() - start, 3),
+                  "prefills": meter.prefills + (sum(pool.prefills.values()) if pool is not None else 0),
+                  **({"ray_measured": len(measured) + len(ahead) - 1} if pool is not None else {}),
+                  "stopped": stopped, "seconds": round(time.perf_counter() - start, 3),
                   "validation": validation, "steps": steps}
         what = "KL" if not mixed else f"{record['metric']} KL"
         note = (f"the {p['start']} plan refined by {accepted} measured move(s): held-out {what} {exact_kl:.6g} "
@@ -377,37 +319,32 @@ class Refine(Solver):
             dtype = getattr(torch, budget.cache_dtype)
         menu = [self.config_layer(profile.configs[int(c)], f"config {profile.configs[int(c)].label}", profile=profile)
                 for c in cols]
-        meters = [self._part_meter(on, part, tokens, dtype, menu, weights, p["seed"]) if part else None
-                  for part in (seqs[:n], seqs[n:])]
-        return meters[0], meters[1], desc, tokens, follow
+        args = [self._part_meter(on, part, tokens, dtype, menu, weights, p["seed"]) if part else None
+                for part in (seqs[:n], seqs[n:])]
+        meters = [PlanMeter(on.model, registry=self.registry, **a) if a is not None else None for a in args]
+        return meters[0], meters[1], desc, tokens, follow, args[0]
 
-    def _part_meter(self, on: MeasureOn, seqs, tokens: int, dtype, menu, weights, seed: int) -> PlanMeter:
-        """A meter of the continuation KL of ``seqs``, or of the objective mix ``weights`` built on them (every
-        objective's follow-ups, each weighted by its objective's weight over its count)."""
-        kw = dict(model_data=on.model_data, registry=self.registry, storage_dtype=dtype, layer_menu=menu)
+    def _part_meter(self, on: MeasureOn, seqs, tokens: int, dtype, menu, weights, seed: int) -> dict[str, Any]:
+        """The :class:`PlanMeter` arguments (but the model and registry) of the continuation KL of ``seqs``, or of
+        the objective mix ``weights`` built on them (every objective's follow-ups, each weighted by its objective's
+        weight over its count)."""
+        kw = dict(prefix=tokens, model_data=on.model_data, storage_dtype=dtype, layer_menu=menu)
         if weights is None:
-            return PlanMeter(on.model, seqs, tokens, **kw)
+            return dict(sequences=list(seqs), **kw)
         try:
             items = build_followups(tuple(weights), seqs, tokens, tokenizer=on.tokenizer, registry=self.registry,
                                     seed=seed)
         except (ProfileError, StudyError) as exc:
             raise SolverError(f"solver 'refine': parameter 'objectives': {exc}") from None
         flat = [(it, weights[name] / len(got)) for name, got in items.items() for it in got]
-        return PlanMeter(on.model, [it.ids for it, _ in flat], tokens, rows=[it.rows for it, _ in flat],
-                         weights=[w for _, w in flat], **kw)
+        return dict(sequences=[it.ids for it, _ in flat], rows=[it.rows for it, _ in flat],
+                    weights=[w for _, w in flat], **kw)
 
 
 def _too_few(p: Mapping[str, Any], length: int) -> SolverError:
     return SolverError(f"solver 'refine': the offline corpus ({p['corpus']}) holds too few texts for "
                        f"{p['sequences'] + p['validate']} held-out sequences of {length} tokens (--param "
                        f"sequences={p['sequences']} + --param validate={p['validate']}); lower them, or --tokens")
-
-
-def _apply(choice: list[int], move) -> list[int]:
-    out = list(choice)
-    for layer, col in move:
-        out[layer] = col
-    return out
 
 
 def _metric_name(weights: Mapping[str, float] | None) -> str:

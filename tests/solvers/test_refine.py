@@ -14,7 +14,8 @@ from polykv.profiling.budget import Budget
 from polykv.profiling.plan_meter import PlanMeter, calibration_draw, heldout_sequences
 from polykv.profiling.profile import CandidateConfig, Profile, ProfileProvenance, moend_configs
 from polykv.solvers import solve
-from polykv.solvers.refine import MeasureOn, _menu_neighbours, ranked_moves
+from polykv.solvers.refine import MeasureOn
+from polykv.solvers.refine_moves import menu_neighbours, ranked_moves
 
 T, FOLLOW = 64, 16
 PARAMS = {"tokens": T, "follow_up": FOLLOW, "sequences": 2, "steps": 3, "tries": 4}
@@ -237,7 +238,7 @@ def test_ranked_moves_fit_and_come_best_gain_per_bit_first():
     configs = _configs()
     table = rng.random((4, len(configs)))
     bits = np.array([int(1000 * c.keep * (c.k_bits + c.v_bits)) for c in configs], dtype=np.int64)
-    nbrs = _menu_neighbours(configs)
+    nbrs = menu_neighbours(configs)
     choice = [1, 4, 9, 20]
     used = int(bits[choice].sum())
     cap = used + 3000
@@ -260,7 +261,7 @@ def test_ranked_moves_fit_and_come_best_gain_per_bit_first():
 
 def test_menu_neighbours_are_one_step_away():
     configs = _configs()
-    nbrs = _menu_neighbours(configs)
+    nbrs = menu_neighbours(configs)
     label = {c.label: i for i, c in enumerate(configs)}
     got = {configs[j].label for j in nbrs[label["snapkv@0.5/prefill/K8V16"]]}
     assert got == {"snapkv@0.25/prefill/K8V16", "snapkv@0.75/prefill/K8V16", "snapkv@0.5/prefill/K16V16",
