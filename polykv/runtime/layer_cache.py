@@ -40,7 +40,7 @@ from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_view
 from polykv.runtime.layer_rules import LayerRules, over_budget
 from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec
 from polykv.runtime.storage import LayerStorage, StorageView
-from polykv.storage.reserve import layer_hold, reserve_tokens
+from polykv.storage.token_buffer import layer_hold, reserve_tokens
 
 
 class LayerCache(CacheLayerMixin):
@@ -119,7 +119,7 @@ class LayerCache(CacheLayerMixin):
         return int(budget), None
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
+        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.token_buffer.layer_hold`):
         ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
@@ -128,7 +128,7 @@ class LayerCache(CacheLayerMixin):
         return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
-        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.reserve.reserve_tokens`)."""
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.token_buffer.reserve_tokens`)."""
         return reserve_tokens(kept, self.hold_tokens(kept, ragged), slack=self.settings.decode_slack)
 
     def _new_store(self, stream: str):

@@ -29,7 +29,7 @@ from polykv.contract.score_checks import where
 from polykv.contract.selection import Selection, as_selection
 from polykv.contract.stores import UNQUANTIZED_BITS
 from polykv.errors import PluginContractError
-from polykv.storage.reserve import reserved_stream_bytes
+from polykv.storage.token_buffer import reserved_stream_bytes
 
 
 # -- rules -----------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ class StoreContract:
 
     def _check_bytes(self, storage) -> None:
         """Right after the prompt is stored each store is fresh: reserved, then appended once; its resident
-        bytes must equal :func:`polykv.storage.reserve.reserved_stream_bytes` (the memory model's prediction)."""
+        bytes must equal :func:`polykv.storage.token_buffer.reserved_stream_bytes` (the memory model's prediction)."""
         held = self.storage_dtype or self.dtype
         for stream, store, n, B, H in self._stores(storage):
             spec = self.streams[stream]

@@ -25,7 +25,7 @@ import torch
 from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.plugin_results import NoContract
 from polykv.contract.stores import KVStore, WriteCost
-from polykv.storage.reserve import reserve_tokens
+from polykv.storage.token_buffer import reserve_tokens
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.storage.token_buffer import PassthroughStore, TokenBuffer
@@ -156,12 +156,12 @@ class LayerStorage:
         ``new_store(stream)`` -> an empty :class:`~polykv.contract.stores.KVStore` for ``"key"`` or ``"value"``.
     reserve_for : callable, optional
         ``reserve_for(kept, ragged)`` -> token rows to reserve per head for a head holding ``kept``
-        tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.reserve`); by default
+        tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.token_buffer`); by default
         exactly ``kept``.
     exact_growth : bool
         True for a layer that is cut back (an evicting decode op, a window): an append that does not fit
         grows the buffers to ``reserve_for`` of the new length (another decode slack of room, capped at
-        what the layer can hold), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
+        what the layer can hold), not to the next :data:`polykv.storage.token_buffer.GROWTH_BLOCK`.
     contract : StoreContract, optional
         The checks run after every store call (:class:`polykv.runtime.plugin_results.StoreContract`); none by default.
     """

@@ -19,7 +19,12 @@ import attrs
 import torch
 
 from polykv.storage.store import UNQUANTIZED_BITS
-from polykv.storage.store_checks import gather_tokens
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, c] at index [B, H, k] along the token dim -> a new [B, H, k, c] tensor."""
+    B, H, _, c = x.shape
+    return torch.gather(x, 2, index.unsqueeze(-1).expand(B, H, index.shape[2], c))
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -114,9 +114,12 @@ REMOVED_PATHS = {
     "polykv.memory.schedules": "polykv.contract.schedules",
     # storage building blocks (the last two were in the quantizer plugins' folder)
     "polykv.token_buffer": "polykv.storage.token_buffer",
-    "polykv.reserve": "polykv.storage.reserve",
-    "polykv.store_checks": "polykv.storage.store_checks",
-    "polykv.adapters.quantizers.storage": "polykv.storage.store_checks",
+    "polykv.reserve": "polykv.storage.token_buffer",
+    "polykv.store_checks": "polykv.storage.token_buffer",
+    "polykv.adapters.quantizers.storage": "polykv.storage.token_buffer",
+    # the reserve policy and the store checks joined the buffers they size and check (0.3)
+    "polykv.storage.reserve": "polykv.storage.token_buffer",
+    "polykv.storage.store_checks": "polykv.storage.token_buffer",
     "polykv.adapters.quantizers.passthrough": "polykv.storage.token_buffer",
     # KIVI's min-max codes, bit packing and fused kernel live in its plugin (they were core modules in 0.2's
     # development; the 0.1 paths in the plugin folder import again)
