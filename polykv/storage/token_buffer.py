@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from polykv.storage.store import UNQUANTIZED_BITS, KVStore, WriteCost
-from polykv.storage.token_blocks import TokenRows, gather_tokens
+from polykv.storage.token_blocks import TokenRows
 
 
 # -- the reserve policy -------------------------------------------------------------------------------------
@@ -109,6 +109,13 @@ def reserved_stream_bytes(quantizer, stream: str, bits: int, *, tokens: int, res
     return int(quantizer.predict_reserved_bytes(stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                                                 tokens=tokens, reserved=reserved, dtype_bytes=dtype_bytes))
 
+
+
+def reserve_store(store, tokens: int) -> None:
+    """Ask ``store`` to make room for ``tokens`` token rows per head, when it can (``reserve`` is optional)."""
+    reserve = getattr(store, "reserve", None)
+    if reserve is not None:
+        reserve(tokens)
 
 # -- a store's inputs checked, its bytes counted ------------------------------------------------------------
 
@@ -243,13 +250,10 @@ class TokenBuffer:
     def gather(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B, H, k] (ascending), compacted to the front of the same buffer."""
         view = self.view()
-        if view.dim() == 3:
-            kept = view.gather(2, index)
-        else:
-            kept = gather_tokens(view.reshape(*view.shape[:3], -1), index)
-        k = index.shape[2]
-        self.data[:, :, :k].copy_(kept.view(*kept.shape[:3], *view.shape[3:]))
-        self.length = k
+        trail = view.shape[3:]
+        kept = view.gather(2, index.view(*index.shape, *(1,) * len(trail)).expand(*index.shape, *trail))
+        self.data[:, :, :index.shape[2]].copy_(kept)
+        self.length = index.shape[2]
 
     def replace(self, x: torch.Tensor, *, exact: bool = False) -> None:
         """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer, growing when
