@@ -29,7 +29,7 @@ from polykv.contract.stores import KVStore, WriteCost
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.runtime.ragged import RaggedHeads, Segment
-from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, reserve_store, reserve_tokens
+from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, gather_tokens, reserve_store, reserve_tokens
 from polykv.errors import RuntimeConfigError
 from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO, SharedStore, merge_pair
 
@@ -114,13 +114,8 @@ class StorageView:
         positions = self.positions.gather(-1, sel.index)
         if valid is not None:
             positions = positions.masked_fill(~valid, -1)
-        return StorageView(keys=_gather_tokens(self.keys, sel.index), values=_gather_tokens(self.values, sel.index),
+        return StorageView(keys=gather_tokens(self.keys, sel.index), values=gather_tokens(self.values, sel.index),
                            positions=positions, valid=valid)
-
-
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, Hkv, T, w] at token ``index`` [B, Hkv, n]: [B, Hkv, n, w] (keys and values may differ in w)."""
-    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
 
 class LayerStorage(RaggedHeads):

@@ -21,12 +21,6 @@ import torch
 from polykv.storage.store import UNQUANTIZED_BITS
 
 
-def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, c] at index [B, H, k] along the token dim -> a new [B, H, k, c] tensor."""
-    B, H, _, c = x.shape
-    return torch.gather(x, 2, index.unsqueeze(-1).expand(B, H, index.shape[2], c))
-
-
 @attrs.define(frozen=True, kw_only=True)
 class TokenRows:
     """One stream of one layer: full-precision rows, optionally behind a quantizer's code rows."""
@@ -120,7 +114,7 @@ class TokenRows:
         if Tr:
             j = torch.arange(start, stop, device=out.device)
             at = (j - nq.unsqueeze(-1)).clamp(0, Tr - 1)             # (B, H, n): residual row of token j
-            res = gather_tokens(self.residual, at)
+            res = self.residual.gather(2, at.unsqueeze(-1).expand(B, H, n, d))    # each head's residual rows
             out = torch.where((j < nq.unsqueeze(-1)).unsqueeze(-1), out, res)
         return out
 

@@ -176,6 +176,12 @@ def check_index(index: torch.Tensor, shape: tuple[int, int, int] | None, stored:
 
 
 
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, c] at index [B, H, k] along the token dim -> a new [B, H, k, c] tensor."""
+    B, H, _, c = x.shape
+    return torch.gather(x, 2, index.unsqueeze(-1).expand(B, H, index.shape[2], c))
+
+
 def check_write(mask: torch.Tensor, x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     """Check a write: ``mask`` [B, Hkv, T] bool and ``x`` [B, Hkv, T, d] matching the stored [B, Hkv, T, d]."""
     if mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape[:3]):
@@ -250,10 +256,13 @@ class TokenBuffer:
     def gather(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B, H, k] (ascending), compacted to the front of the same buffer."""
         view = self.view()
-        trail = view.shape[3:]
-        kept = view.gather(2, index.view(*index.shape, *(1,) * len(trail)).expand(*index.shape, *trail))
-        self.data[:, :, :index.shape[2]].copy_(kept)
-        self.length = index.shape[2]
+        if view.dim() == 3:
+            kept = view.gather(2, index)
+        else:
+            kept = gather_tokens(view.reshape(*view.shape[:3], -1), index)
+        k = index.shape[2]
+        self.data[:, :, :k].copy_(kept.view(*kept.shape[:3], *view.shape[3:]))
+        self.length = k
 
     def replace(self, x: torch.Tensor, *, exact: bool = False) -> None:
         """The rows in use become ``x`` [B, H, k, *trail], copied to the front of the buffer, growing when
