@@ -237,7 +237,7 @@ class LayerCache(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward and return the keys and values it attends
-        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.attention.serve`)."""
+        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.layer_spec.serve`)."""
         step = probe_step(self, key_states, value_states, probe) if probe is not None \
             else self.begin(key_states, value_states, ends_prompt=ends_prompt)
         self.attended = False

@@ -147,6 +147,11 @@ REMOVED_PATHS = {
     "polykv.runtime.stores": "polykv.runtime.storage",
     # the one-pass attention and signals joined the rest of the attention math
     "polykv.runtime.signals": "polykv.attention.signals",
+    # the newcomer path through the runtime: one module per responsibility (0.3)
+    "polykv.runtime.layer_rules": "polykv.runtime.layer_cache",
+    "polykv.runtime.attention": "polykv.runtime.layer_spec",
+    "polykv.runtime.support": "polykv.runtime.checks",
+    "polykv.runtime.plan_checks": "polykv.runtime.checks",
 }
 """Old dotted module path -> the module it is now; none of them imports any more."""
 
