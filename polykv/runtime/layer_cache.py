@@ -67,10 +67,11 @@ class LayerCache(CacheLayerMixin):
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
-        self.storage = LayerStorage(self._new_store, self.reserve_for,
-                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
-                                    contract=spec.store_contract(storage_dtype=settings.storage_dtype,
-                                                                 full=settings.check))
+        contract = None  # a 16-bit layer's stores are polykv's own buffers: checked only with the expensive checks
+        if settings.check or spec.quantizer is not None:
+            contract = spec.store_contract(storage_dtype=settings.storage_dtype, full=settings.check)
+        self.storage = LayerStorage(self._new_store, self.reserve_for, contract=contract,
+                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
         self.states = spec.new_states()
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` of the layer's rules (one object when
         shared)."""
@@ -162,7 +163,8 @@ class LayerCache(CacheLayerMixin):
         return int(budget), None
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.token_buffer.layer_hold`):
+        """Most tokens per head this layer keeps between forwards from now on
+        (:func:`polykv.storage.token_buffer.layer_hold`):
         ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
@@ -241,7 +243,7 @@ class LayerCache(CacheLayerMixin):
         step = probe_step(self, key_states, value_states, probe) if probe is not None \
             else self.begin(key_states, value_states, ends_prompt=ends_prompt)
         self.attended = False
-        return hand_over(step.keys, step.values, functools.partial(serve, self, step))
+        return hand_over(step.view.keys, step.view.values, functools.partial(serve, self, step))
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, *, ends_prompt: bool = True) -> ForwardStep:
         """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.

@@ -25,7 +25,7 @@ from polykv.attention.kernels import eager_attention, sdpa, window_visibility
 from polykv.attention.low_rank import LowRank
 from polykv.attention.signals import AttentionSignals, attention_with_signals, signal_request
 from polykv.errors import RuntimeConfigError
-from polykv.runtime.plugin_results import NoContract, StoreContract, StreamSpec
+from polykv.runtime.plugin_results import StoreContract, StreamSpec
 from polykv.models.geometry import FULL, SLIDING, ModelGeometry
 from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
@@ -65,12 +65,10 @@ class LayerSpec:
         """An empty store of ``stream`` ("key" or "value") from this layer's quantizer and bit widths."""
         return new_store(self.quantizer, self.plan, stream, dtype=dtype, device=device, storage_dtype=storage_dtype)
 
-    def store_contract(self, *, storage_dtype: torch.dtype | None, full: bool) -> StoreContract | NoContract:
-        """The checks of this layer's stores (:class:`~polykv.runtime.plugin_results.StoreContract`); none for a
-        16-bit layer without the expensive checks (its stores are polykv's own buffers, no quantizer's)."""
+    def store_contract(self, *, storage_dtype: torch.dtype | None, full: bool) -> StoreContract:
+        """The checks of this layer's stores (:class:`~polykv.runtime.plugin_results.StoreContract`); a layer cache
+        builds them for a quantized layer, or for any layer with the expensive checks on (``full``)."""
         lp = self.plan
-        if not full and not lp.quantized:
-            return NoContract()
         streams = {stream: StreamSpec(None, bits) if bits == PASSTHROUGH_BITS
                    else StreamSpec(lp.quantizer, bits, self.quantizer)
                    for stream, bits in (("key", lp.k_bits), ("value", lp.v_bits))}
@@ -100,13 +98,11 @@ def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry | None = None,
                      attention_type=geometry.layer_types[lp.layer] if windowed else FULL,
                      window=geometry.sliding_window if windowed else None,
                      token_bound=geometry.token_bound(lp.layer) if geometry is not None else None,
-                     low_rank=_low_rank(lp, model_data or {}), plain=plain)
+                     low_rank=_low_rank(lp, model_data or {}) if lp.low_rank else None, plain=plain)
 
 
-def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]) -> LowRank | None:
-    """The layer's bases when the plan gives it a rank, else None."""
-    if not lp.low_rank:
-        return None
+def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]) -> LowRank:
+    """The bases of a layer the plan gives a rank."""
     bases = model_data[KV_BASES_KEY]
     return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
                    None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
@@ -195,7 +191,8 @@ def serve(layer, step, module, query, key, value, attention_mask, *, scaling: fl
     if dropout and module.training:
         raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves attention in eval mode; this model "
                                  f"asks for attention dropout in training mode (call model.eval())")
-    _check_window(step, layer_idx, kwargs.get("sliding_window"))
+    if kwargs.get("sliding_window") is not None:  # the model's own window: only a windowed model passes one
+        _check_window(step, layer_idx, kwargs["sliding_window"])
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if layer.spec.plain and (softcap is not None or sinks is not None):
@@ -213,18 +210,19 @@ def attend(step, low_rank, query, key, value, scaling: float, softcap=None, sink
     low-rank layer's codes, attended in code space and lifted), and the signals its states read, if computed."""
     if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling
         query = low_rank.queries(query)
+    view = step.view
     visible = None if step.window is None else window_visibility(
-        step.positions, step.first_position, query.shape[2], window=step.window, attention_type=step.attention_type,
+        view.positions, step.first_position, query.shape[2], window=step.window, attention_type=step.attention_type,
         same_rows=step.phase == "prefill")
     signals = None
     if step.stores is not None:
         out = step.stores.attend(query, scaling)
     elif softcap is not None or sinks is not None:
-        out = eager_attention(query, key, value, scaling, step.valid, visible=visible, softcap=softcap, sinks=sinks)
+        out = eager_attention(query, key, value, scaling, view.valid, visible=visible, softcap=softcap, sinks=sinks)
     elif visible is None:
-        out, signals = attention_and_signals(step, query, key, value, scaling, step.valid)
+        out, signals = attention_and_signals(step, query, key, value, scaling, view.valid)
     else:
-        out = sdpa(query, key, value, scaling, step.valid, visible=visible)
+        out = sdpa(query, key, value, scaling, view.valid, visible=visible)
     return (out if low_rank is None else low_rank.lift(out)), signals
 
 
@@ -249,7 +247,7 @@ def attention_and_signals(step, query: torch.Tensor, key: torch.Tensor, value: t
 
 def _check_window(step, layer_idx, model_window) -> None:
     """The model's own ``sliding_window`` argument must agree with the layer's recorded attention type."""
-    if model_window is None or (step.attention_type == SLIDING and step.window == int(model_window)):
+    if step.attention_type == SLIDING and step.window == int(model_window):
         return
     raise RuntimeConfigError(
         f"layer {layer_idx}: the model attends with sliding window {model_window} but its geometry records "

@@ -122,8 +122,9 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     validate_plan(plan, registry=registry, geometry=geometry)
-    check_probe_phases(plan, registry)
     rules = [registry.rule(name) for name in sorted(plan.rules_used())]
+    if any(cls.declares_probe() for cls in rules):
+        check_probe_phases(plan, registry)
     if any(getattr(cls, "tokenizer_params", ()) or token_id_params(cls.param_specs) for cls in rules):
         plan = fill_tokenizer_params(plan, registry, model, tokenizer)
         check_token_ids(plan, registry, model)

@@ -13,7 +13,8 @@ that no padding column is ever attended.
 Every later selection, merge and append goes through the same three calls, whatever the layout:
 :meth:`append` (new tokens), :meth:`view` (what attention and rules read), :meth:`evict` (merge,
 then gather). Each does the uniform layout here and hands a ragged layer to its ragged half
-(:class:`~polykv.runtime.ragged.RaggedHeads`), so a uniform layer runs none of the per-head code. Shapes: B batch, Hkv KV heads, T stored tokens (padded width when ragged), d head dim.
+(:class:`~polykv.runtime.ragged.RaggedHeads`), so a uniform layer runs none of the per-head code.
+Shapes: B batch, Hkv KV heads, T stored tokens (padded width when ragged), d head dim.
 """
 
 from __future__ import annotations
