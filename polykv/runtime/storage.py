@@ -62,8 +62,10 @@ def new_store(quantizer, lp: LayerPlan, stream: str, *, dtype: torch.dtype, devi
 
 
 def passthrough_store(*, dtype: torch.dtype, device: torch.device) -> KVStore:
-    """The 16-bit store: unquantized tensors in the compute dtype."""
-    return PassthroughStore(dtype=dtype, device=device)
+    """The 16-bit store: unquantized tensors in the compute dtype. Its gathers are not checked again: the runtime
+    gathers a layer's stores only with selections it checked (:func:`~polykv.runtime.plugin_results.checked_selection`)
+    or built itself (a window's newest tokens, a ragged head's own columns)."""
+    return PassthroughStore(dtype=dtype, device=device, checks_gathers=False)
 
 
 class StorageCast(KVStore):

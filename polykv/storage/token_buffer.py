@@ -298,13 +298,18 @@ class PassthroughStore(KVStore):
         Storage dtype (the model's compute dtype: float32 on CPU tests, bfloat16/float16 on GPU).
     device : torch.device or str
         Where the tensors live; appended chunks are copied here.
+    checks_gathers : bool
+        Check every :meth:`gather` index (:func:`check_index`). False only for a store whose gathers are
+        checked before they reach it: a layer's own 16-bit store, which the runtime gathers with selections it
+        has checked (:func:`polykv.runtime.plugin_results.checked_selection`) or built itself.
     """
 
     bits = UNQUANTIZED_BITS
 
-    def __init__(self, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, *, dtype: torch.dtype, device: torch.device | str, checks_gathers: bool = True):
         self.dtype = dtype
         self.device = torch.device(device)
+        self.checks_gathers = checks_gathers
         self.buffer = TokenBuffer(dtype=dtype, device=self.device)
         self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
 
@@ -350,7 +355,9 @@ class PassthroughStore(KVStore):
     def gather(self, index: torch.Tensor) -> None:
         """Keep only tokens ``index`` [B, Hkv, k] (strictly ascending), compacted in place."""
         data = self._data()
-        index = check_index(index.to(data.device), self._shape, len(self), "passthrough store")
+        index = index.to(data.device)
+        if self.checks_gathers:
+            index = check_index(index, self._shape, len(self), "passthrough store")
         self.buffer.gather(index)
 
     def write(self, mask: torch.Tensor, x: torch.Tensor) -> WriteCost:
@@ -367,7 +374,7 @@ class PassthroughStore(KVStore):
         out = []
         for b in range(data.shape[0]):
             for h in range(data.shape[1]):
-                s = PassthroughStore(dtype=self.dtype, device=self.device)
+                s = PassthroughStore(dtype=self.dtype, device=self.device, checks_gathers=self.checks_gathers)
                 s._shape = (1, 1, data.shape[3])
                 s.reserve(data.shape[2])
                 s.append(data[b:b + 1, h:h + 1])

@@ -21,6 +21,7 @@ from polykv.errors import PluginContractError, RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
 from polykv.plan import OpSpec
 from polykv.registry import Registry
+from polykv.storage.token_buffer import PassthroughStore
 from polykv.testing import tiny_model, token_ids
 
 CAPACITY = 6
@@ -153,3 +154,21 @@ def test_a_cache_from_another_session_is_refused_by_generate(model):
         with pytest.raises(RuntimeConfigError) as err, _session(model):
             model.generate(token_ids(1, PROMPT), max_new_tokens=2, **{first.cache_keyword: other})
     assert "not this session's live cache" in _one_line(err)
+
+
+@pytest.mark.parametrize("index,words", [
+    (torch.tensor([[[3, 1]]]), "strictly ascending"),
+    (torch.tensor([[[1, 4]]]), "out of range"),
+    (torch.tensor([[[0.0, 1.0]]]), "integer indices"),
+    (torch.tensor([[0, 1]]), "index of shape [1, 1, k]"),
+], ids=["descending", "past-the-end", "float", "2-D"])
+def test_the_16_bit_store_used_directly_still_checks_every_gather(index, words):
+    """A layer's own 16-bit store leaves its gathers to the runtime's checked selections; the same store built by
+    a plugin or a test (the default) checks each one, naming the store."""
+    store = PassthroughStore(dtype=torch.float32, device="cpu")
+    store.append(torch.randn(1, 1, 4, 8))
+    with pytest.raises(ValueError) as err:
+        store.gather(index)
+    msg = _one_line(err)
+    assert msg.startswith("passthrough store: gather") and words in msg
+    assert len(store) == 4
