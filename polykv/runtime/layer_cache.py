@@ -47,7 +47,7 @@ from polykv.plan import PASSTHROUGH_BITS
 from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_step
 from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec, serve
 from polykv.runtime.plugin_results import checked_selection
-from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.runtime.storage import LayerStorage, StorageView, joined
 from polykv.storage.token_buffer import layer_hold, reserve_tokens
 
 
@@ -262,16 +262,7 @@ class LayerCache(CacheLayerMixin):
                                      f"but this forward has {B}; start a new cache with session.new_cache()")
         stores, states = None, tuple(self.observing_states())
         if not self.prefilled:
-            pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
-            pos = pos.view(1, 1, q).expand(B, Hkv, q)
-            raw = self.prompt
-            if raw is None:
-                self.prompt = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
-            else:
-                self.prompt = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
-                                          values=torch.cat([raw.values, value_states], dim=2),
-                                          positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
-            view = self.prompt
+            self.prompt = view = joined(self.prompt, key_states, value_states, self.tokens_seen)
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
             if not states and self.reads_stores():  # attention reads the stores; no dense view is built

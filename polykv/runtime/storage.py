@@ -121,6 +121,17 @@ class StorageView:
                            positions=positions, valid=valid)
 
 
+def joined(prompt: StorageView | None, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> StorageView:
+    """The unstored ``prompt`` (None: nothing yet) followed by q new ``keys``/``values`` [B, Hkv, q, d] at positions
+    ``first_position ..``: a prefill chunk joining the prompt, or a probe forward attending after it."""
+    B, Hkv, q, _ = keys.shape
+    pos = torch.arange(first_position, first_position + q, device=keys.device).view(1, 1, q).expand(B, Hkv, q)
+    if prompt is None:
+        return StorageView(keys=keys, values=values, positions=pos.contiguous(), valid=None)
+    return StorageView(keys=torch.cat([prompt.keys, keys], dim=2), values=torch.cat([prompt.values, values], dim=2),
+                       positions=torch.cat([prompt.positions, pos], dim=-1), valid=None)
+
+
 class LayerStorage(RaggedHeads):
     """Stores and positions of one layer (see the module docstring).
 
