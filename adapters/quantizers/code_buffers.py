@@ -7,7 +7,7 @@ buffer whose first rows are in use. Two modes:
   exactly its rows in use, so resident bytes depend on the token count only (``predict_bytes``);
 * **reserved** (after ``reserve(tokens)``): the store sizes every buffer for the rows it can need while
   it holds up to ``tokens`` tokens, so appends write into free rows in place; a buffer that must hold
-  more grows by whole :data:`polykv.storage.reserve.GROWTH_BLOCK` blocks counted from its own size (the runtime's
+  more grows by whole :data:`polykv.storage.token_buffer.GROWTH_BLOCK` blocks counted from its own size (the runtime's
   growth policy, for a store that adds a row per token: values), or to exactly the rows needed (a store
   that adds a block of rows every ``residual`` tokens: keys, whose group rows hold a scale and minimum
   per channel, as costly as two full-precision tokens each); a later ``reserve`` sets the sizes again
@@ -107,5 +107,5 @@ class CodeBuffers(KVStore):
             self._buffers[name].reserve(n)
 
     def _buffer_tensors(self) -> list[torch.Tensor]:
-        """The allocated buffers (for :func:`polykv.storage.store_checks.held_bytes`)."""
+        """The allocated buffers (for :func:`polykv.storage.token_buffer.held_bytes`)."""
         return [b.data for b in self._buffers.values() if b.data is not None]

@@ -87,7 +87,7 @@ class KiviQuantizer(Quantizer):
         """Exact resident bytes of a fresh store asked to ``reserve(reserved)`` before ``tokens`` appends
         (no eviction): the quantized part holds the rows ``reserved`` tokens need (keys:
         ``floor(reserved / R) * R`` code rows and ``/ G`` group rows, grown to exactly what ``tokens`` need
-        past them; values: ``reserved - R`` rows, grown by whole :data:`polykv.storage.reserve.GROWTH_BLOCK` blocks);
+        past them; values: ``reserved - R`` rows, grown by whole :data:`polykv.storage.token_buffer.GROWTH_BLOCK` blocks);
         the residual holds exactly its tokens, as in :meth:`predict_bytes`."""
         return self._bytes(key_bytes, value_bytes, stream, bits, batch=batch, kv_heads=kv_heads, head_dim=head_dim,
                            tokens=tokens, dtype_bytes=dtype_bytes, reserved=int(reserved))

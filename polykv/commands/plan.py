@@ -15,7 +15,7 @@ from polykv.plan import MAX_CONTEXT_TOKENS, load_plan
 from polykv.plan.groups import check_group_bounds
 from polykv.plan.validation import check_side_files
 from polykv.registry import get_registry
-from polykv.runtime.plan_checks import layer_spans
+from polykv.runtime.checks import layer_spans
 from polykv.storage.layer_share import SHARE_PARAMS, retained_count
 
 DEFAULT_SHOW_CONTEXT = 2048

@@ -17,10 +17,9 @@ The definitions live in :mod:`polykv.storage` (the runtime's own stores use them
 
 from polykv.attention.online_softmax import check_lengths
 from polykv.contract.stores import QUANTIZED_BITS, UNQUANTIZED_BITS, WriteCost
-from polykv.storage.reserve import grown_capacity
-from polykv.storage.store_checks import check_chunk, check_index, check_write, gather_tokens, held_bytes, own_copy
 from polykv.storage.token_blocks import TokenRows
-from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, passthrough_bytes
+from polykv.storage.token_buffer import (PassthroughStore, TokenBuffer, check_chunk, check_index, check_write,
+                                         gather_tokens, grown_capacity, held_bytes, own_copy, passthrough_bytes)
 
 __all__ = ["UNQUANTIZED_BITS", "QUANTIZED_BITS", "TokenBuffer", "PassthroughStore", "passthrough_bytes", "WriteCost",
            "TokenRows", "check_lengths", "grown_capacity", "check_chunk", "check_index", "check_write",

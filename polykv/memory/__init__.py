@@ -8,7 +8,7 @@ Two numbers per layer, for a context of ``T`` tokens:
   minima and full-precision residuals are not counted; this is what solvers budget against.
 * **resident** bytes: exactly what the runtime's stores hold, via each quantizer's
   ``predict_reserved_bytes`` (16-bit streams: their preallocated buffers, ``C * Hkv * d * dtype_bytes``
-  per batch row for the ``C`` token rows :mod:`polykv.storage.reserve` reserves). Metadata the runtime keeps
+  per batch row for the ``C`` token rows :mod:`polykv.storage.token_buffer` reserves). Metadata the runtime keeps
   beside the stores is reported separately.
 
 Which op bounds storage (``phase=``):

@@ -14,7 +14,7 @@ from polykv.memory.tokens import (check_context, code_bits, decode_held_tokens, 
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
 from polykv.registry import get_registry
 from polykv.storage.layer_share import DEFAULT_RETENTION_RATIO, retained_count, shared_pair_bytes
-from polykv.storage.reserve import (cut_back_rows, grown_capacity, layer_hold, reserve_tokens,
+from polykv.storage.token_buffer import (cut_back_rows, grown_capacity, layer_hold, reserve_tokens,
                                     reserved_stream_bytes)
 
 
@@ -69,7 +69,7 @@ def stream_bound_bytes(quantizer: Any, stream: str, bits: int, *, held: tuple[in
                        reserved: int | None = None) -> list[int]:
     """Bytes one stream's store holds at each token count of ``held`` = (fewest, most), or one bound.
 
-    ``reserved``: the tokens the runtime asks the store to reserve (:mod:`polykv.storage.reserve`): after each
+    ``reserved``: the tokens the runtime asks the store to reserve (:mod:`polykv.storage.token_buffer`): after each
     eviction (evicting layers), or once for the prompt (None: never). With eviction: ``[bound]``, the
     quantizer's ``bound_reserved_bytes`` (or ``bound_bytes`` at the most tokens, a store that does not
     preallocate): the worst layout after appends and gathers; a quantizer with neither is assumed to
@@ -223,11 +223,11 @@ def _shared(plan: Any, rows: list[MemoryRow], context_tokens: int, *, batch: int
 def _decode_rows(lp: LayerPlan, context_tokens: int, after_prefill: int | None, decode_slack: int,
                  wbound: int | None, new_tokens: int | None) -> tuple[int, int]:
     """(rows, reserved): the most token rows a layer's 16-bit buffers and positions hold after any one-token
-    decode forward (:mod:`polykv.storage.reserve`), and the most tokens its stores were asked to reserve.
+    decode forward (:mod:`polykv.storage.token_buffer`), and the most tokens its stores were asked to reserve.
 
     A layer cut back to ``hold`` tokens reserves ``hold + 1`` rows (at the most tokens seen, for a ratio
     capacity) after each eviction; before its first eviction (a prompt shorter than ``hold``, ``new_tokens``
-    known) it holds what :func:`polykv.storage.reserve.cut_back_rows` says. A layer that keeps everything
+    known) it holds what :func:`polykv.storage.token_buffer.cut_back_rows` says. A layer that keeps everything
     reserved exactly what prefill kept and then grows (``new_tokens`` None or 0: the start of decoding,
     exactly that)."""
     n = int(new_tokens or 0)

@@ -27,7 +27,7 @@ from polykv.models.reference import masked_reference_logits, record_run
 from polykv.plan import OpSpec, full_plan, uniform_plan
 from polykv.runtime.cache import cache_keyword, output_cache
 from polykv.runtime.session import apply
-from polykv.runtime.support import attention_bypasses_interface, check_servable
+from polykv.runtime.checks import attention_bypasses_interface, check_servable
 
 TOL = 1e-4
 PROMPT, STEPS, WINDOW = 20, 6, 8

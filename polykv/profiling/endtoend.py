@@ -49,7 +49,7 @@ from polykv.runtime import apply
 from polykv.runtime import session as runtime_session
 from polykv.runtime.fork import (attention_signature, capture_prefill, plan_ranks, plan_states, probe_key,
                                  restore_prefill, session_probe)
-from polykv.runtime.support import attention_modules
+from polykv.runtime.checks import attention_modules
 from polykv.plan import Plan
 from polykv.profiling.profile import CandidateConfig
 from polykv.profiling.profile_checks import FULL_RULE

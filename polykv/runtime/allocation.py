@@ -41,8 +41,7 @@ class GroupRun:
         state = self.states[layer.layer_idx]
         if state is None and self.allocator.reads_rule_state:
             state = layer.states["prefill"]
-        return layer.rules.context("prefill", layer.prompt, state, tokens_seen=layer.tokens_seen, scaling=layer.scaling,
-                                   values=True)
+        return layer.context("prefill", layer.prompt, state, values=True)
 
     def layer_done(self, layer) -> None:
         """``layer`` finished its prefill: record its statistic, allocate when due, store when final."""

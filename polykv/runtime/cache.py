@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 from polykv.errors import RuntimeConfigError
 from polykv.runtime.allocation import GroupRun
 from polykv.runtime.layer_cache import LayerCache
+from polykv.runtime.layer_parts import probe_step
 from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 
 
@@ -87,7 +88,7 @@ class PlanCache(Cache):
         """:meth:`update` without the model: the layer's :class:`~polykv.runtime.layer_cache.ForwardStep`,
         to hand to ``layers[layer_idx].after_attention``."""
         if self.probe is not None:
-            return self.layers[layer_idx].begin_probe(key_states, value_states, self.probe)
+            return probe_step(self.layers[layer_idx], key_states, value_states, self.probe)
         return self.layers[layer_idx].begin(key_states, value_states, ends_prompt=not self.prefill_continues)
 
     def end_probe(self, chunks) -> None:

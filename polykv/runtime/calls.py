@@ -1,18 +1,15 @@
-"""The calls a session serves inside its ``with`` block: the model's forwards, ``generate`` and ``prefill``.
+"""The calls a session serves inside its ``with`` block besides the model's forwards: ``generate`` and ``prefill``.
 
-:class:`SessionCalls` (one per :class:`~polykv.runtime.session.Session`, which holds it as ``session.calls``) is
-what these calls enter through: ``model.forward`` wrapped by :meth:`SessionCalls.guarded_forward` (a plan with a
-probe runs it after the prompt, :mod:`polykv.runtime.probe_pass`), ``model.generate`` replaced by
-:meth:`SessionCalls.generate` (a fresh plan cache unless one is passed; ``use_cache=False`` only for a plan that
-keeps everything), and :meth:`SessionCalls.prefill` (a fresh cache filled in chunks). :class:`OneCaller` lets
-one thread's call in at a time; :meth:`SessionCalls.note_context` warns (:class:`ContextLengthWarning`, once per
-plan) when a plan's absolute capacities meet another context length than the one it was budgeted for.
+``model.generate`` is replaced by :func:`generate` (a fresh plan cache unless one is passed; ``use_cache=False``
+only for a plan that keeps everything), and ``session.prefill`` is :func:`prefill` (a fresh cache filled in
+chunks); both claim the session for their thread (:class:`~polykv.runtime.session.OneCaller`) and run the model's
+guarded forward (:meth:`~polykv.runtime.session.Session.guarded_forward`). :func:`note_context` warns
+(:class:`ContextLengthWarning`, once per plan) when a plan's absolute capacities meet another context length than
+the one it was budgeted for.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import threading
 import warnings
 from typing import Any, Mapping
@@ -22,7 +19,7 @@ import torch
 from polykv.errors import RuntimeConfigError
 from polykv.attention.attach import refuse_padding
 from polykv.memory import context_note
-from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, given_cache
+from polykv.runtime.cache import given_cache
 
 _NOTED: set = set()
 
@@ -77,150 +74,92 @@ def check_chunk_size(chunk_size: Any, where: str) -> None:
                                  f"one forward over the whole prompt; got {chunk_size!r}")
 
 
-class OneCaller:
-    """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
-    or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
-    thread meanwhile is refused in one line, instead of replacing the cache under the running one."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def check(self, what: str) -> None:
-        owner = self._owner
-        if owner is not None and owner != threading.get_ident():
-            raise RuntimeConfigError(
-                f"{what} was called from a second thread while another thread's call runs in this polykv session; "
-                f"a session serves one generate/prefill/forward at a time (it holds one cache): give each thread its "
-                f"own model copy and polykv.apply session, or serialise the calls with a lock")
-
-    @contextlib.contextmanager
-    def claim(self, what: str):
-        me = threading.get_ident()
-        with self._lock:
-            self.check(what)
-            self._owner, self._depth = me, self._depth + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._owner = None
+def generate(session, *args, **kwargs):
+    """``model.generate`` inside ``session``'s block."""
+    session.require_active()
+    with session.one_caller.claim("generate()"):
+        return _generate_one(session, *args, **kwargs)
 
 
-class SessionCalls:
-    """The calls that enter a :class:`~polykv.runtime.session.Session`: the session's public face (``model``,
-    ``plan``, ``registry``, ``probe``, ``cache``, ``cache_keyword``, ``new_cache``) is all they read."""
+def _generate_one(session, *args, **kwargs):
+    model = session.model
+    refuse_unsupported_modes(model, kwargs)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        note_context(session, ids.shape[1])
+    if session.probe is not None and isinstance(ids, torch.Tensor):
+        session.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
+    refuse_padding(kwargs.get("attention_mask"))
+    given = given_cache(kwargs, session.cache_keyword)
+    if not uses_cache(model, kwargs):
+        return _generate_uncached(session, given, *args, **kwargs)
+    if given is None:
+        kwargs[session.cache_keyword] = session.new_cache()
+    elif given is not session.cache:
+        raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
+                                 "session.cache or session.new_cache(), or no cache at all")
+    return type(model).generate(model, *args, **kwargs)
 
-    def __init__(self, session):
-        self.session = session
-        self.one_caller = OneCaller()
-        self._uncached_thread: int | None = None
-        """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
 
-    def guarded_forward(self, forward):
-        """``model.forward`` inside the block: one caller at a time (:class:`OneCaller`); inside an uncached
-        ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does)."""
+def _generate_uncached(session, given, *args, **kwargs):
+    """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
+    for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
+    fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
+           "checkpoints' generation_config.json say false), or generate outside polykv.apply")
+    if not session.plan.keeps_everything:
+        raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
+                                 f"without a cache there is nothing to compress: {fix}")
+    if given is not None:
+        raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
+    session.uncached_thread = threading.get_ident()
+    try:
+        return type(session.model).generate(session.model, *args, **kwargs)
+    finally:
+        session.uncached_thread = None
 
-        @functools.wraps(forward)
-        def guarded(*args, **kwargs):
-            session = self.session
-            with self.one_caller.claim("a model forward"):
-                if self._uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
-                    kwargs.pop(LEGACY_CACHE_KEYWORD, None)
-                    kwargs[session.cache_keyword] = session.new_cache()
-                cache = given_cache(kwargs, session.cache_keyword)
-                if session.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
-                        and not any(layer.prefilled for layer in cache.layers):
-                    return session.probe.prompt_forward(forward, cache, args, kwargs)
-                return forward(*args, **kwargs)
 
-        return guarded
+def prefill(session, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
+    """Prefill a fresh cache of ``session`` with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
 
-    def generate(self, *args, **kwargs):
-        """``model.generate`` inside the block."""
-        self.session.require_active()
-        with self.one_caller.claim("generate()"):
-            return self._generate_one(*args, **kwargs)
+    Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
+    model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is ``session.cache``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.dtype == torch.bool or input_ids.is_complex():
+        tensor = isinstance(input_ids, torch.Tensor)
+        got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if tensor
+               else f"a {type(input_ids).__name__}")
+        fix = ("for one prompt pass ids[None] (shape [1, tokens])" if tensor and input_ids.dim() == 1
+               else "pass the tokenizer's input_ids, e.g. tokenizer(text, return_tensors='pt').input_ids")
+        raise RuntimeConfigError(f"prefill(input_ids) needs token ids as an integer tensor [batch, tokens], got "
+                                 f"{got}: {fix}")
+    T = input_ids.shape[1]
+    if T < 1:
+        raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
+    check_chunk_size(chunk_size, "prefill")
+    step = chunk_size or T
+    if session.probe is not None:
+        session.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
+    with session.one_caller.claim("prefill()"):
+        cache = session.new_cache()
+        note_context(session, T)
+        out = None
+        for start in range(0, T, step):
+            cache.prefill_continues = start + step < T
+            out = session.model(input_ids[:, start:start + step], use_cache=True,
+                                **{session.cache_keyword: cache}, **model_kwargs)
+        cache.prefill_continues = False
+    return out
 
-    def _generate_one(self, *args, **kwargs):
-        session, model = self.session, self.session.model
-        refuse_unsupported_modes(model, kwargs)
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            self.note_context(ids.shape[1])
-        if session.probe is not None and isinstance(ids, torch.Tensor):
-            session.probe.chunks_for(ids)  # a probe that cannot run is refused before the model runs
-        refuse_padding(kwargs.get("attention_mask"))
-        given = given_cache(kwargs, session.cache_keyword)
-        if not uses_cache(model, kwargs):
-            return self._generate_uncached(given, *args, **kwargs)
-        if given is None:
-            kwargs[session.cache_keyword] = session.new_cache()
-        elif given is not session.cache:
-            raise RuntimeConfigError("generate() got a cache that is not this session's live cache; pass "
-                                     "session.cache or session.new_cache(), or no cache at all")
-        return type(model).generate(model, *args, **kwargs)
 
-    def _generate_uncached(self, given, *args, **kwargs):
-        """``generate`` with ``use_cache=False``: vanilla semantics (every step recomputes the whole sequence)
-        for a plan that keeps everything at 16 bits; refused for any other plan, which has nothing to compress."""
-        fix = ("pass use_cache=True to generate(), or set model.generation_config.use_cache = True (some "
-               "checkpoints' generation_config.json say false), or generate outside polykv.apply")
-        if not self.session.plan.keeps_everything:
-            raise RuntimeConfigError(f"generate() runs with use_cache=False, but a plan compresses the KV cache and "
-                                     f"without a cache there is nothing to compress: {fix}")
-        if given is not None:
-            raise RuntimeConfigError(f"generate() got a cache and use_cache=False (a cache it would not use): {fix}")
-        self._uncached_thread = threading.get_ident()
-        try:
-            return type(self.session.model).generate(self.session.model, *args, **kwargs)
-        finally:
-            self._uncached_thread = None
 
-    def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
-        """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens.
-
-        Selection runs once, after the last chunk, exactly as for an unchunked prefill. Returns the
-        model output of the last chunk (its ``logits`` [B, chunk, vocab]); the cache is :attr:`cache`.
-        """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-                or input_ids.dtype == torch.bool or input_ids.is_complex():
-            tensor = isinstance(input_ids, torch.Tensor)
-            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}" if tensor
-                   else f"a {type(input_ids).__name__}")
-            fix = ("for one prompt pass ids[None] (shape [1, tokens])" if tensor and input_ids.dim() == 1
-                   else "pass the tokenizer's input_ids, e.g. tokenizer(text, return_tensors='pt').input_ids")
-            raise RuntimeConfigError(f"prefill(input_ids) needs token ids as an integer tensor [batch, tokens], got "
-                                     f"{got}: {fix}")
-        T = input_ids.shape[1]
-        if T < 1:
-            raise RuntimeConfigError("prefill got no tokens (input_ids has length 0): give a non-empty prompt")
-        check_chunk_size(chunk_size, "prefill")
-        step = chunk_size or T
-        session = self.session
-        if session.probe is not None:
-            session.probe.chunks_for(input_ids)  # a probe that cannot run is refused before the model runs
-        with self.one_caller.claim("prefill()"):
-            cache = session.new_cache()
-            self.note_context(T)
-            out = None
-            for start in range(0, T, step):
-                cache.prefill_continues = start + step < T
-                out = session.model(input_ids[:, start:start + step], use_cache=True,
-                                    **{session.cache_keyword: cache}, **model_kwargs)
-            cache.prefill_continues = False
-        return out
-
-    def note_context(self, context_tokens: int) -> None:
-        """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
-        plan = self.session.plan
-        key = id(plan)
-        if key in _NOTED:
-            return
-        note = context_note(plan, int(context_tokens), registry=self.session.registry)
-        if note:
-            _NOTED.add(key)
-            warnings.warn(note, ContextLengthWarning, stacklevel=3)
+def note_context(session, context_tokens: int) -> None:
+    """Warn once per plan (one line, with the real ratio) when absolute capacities meet another context length."""
+    plan = session.plan
+    key = id(plan)
+    if key in _NOTED:
+        return
+    note = context_note(plan, int(context_tokens), registry=session.registry)
+    if note:
+        _NOTED.add(key)
+        warnings.warn(note, ContextLengthWarning, stacklevel=3)

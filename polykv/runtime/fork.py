@@ -14,7 +14,7 @@ one object per distinct ``share_key`` (a query window of each length, accumulate
 a plan restored from it gets copies of exactly the states its own prefill would have built.
 
 One thing a plan does change during prefill: a layer whose states read every attention row (H2O's
-column sums) attends in the one-pass signal kernel, others in SDPA (:mod:`polykv.runtime.attention`);
+column sums) attends in the one-pass signal kernel, others in SDPA (:func:`polykv.runtime.layer_spec.attend`);
 the two agree to float rounding, not bit for bit. So plans are grouped by which layers take the
 signal pass (their *attention signature*), the model runs over the prompt once per group, and each
 plan is restored from its own group's prefill: still exactly its own ``Session.prefill``.

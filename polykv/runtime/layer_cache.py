@@ -3,13 +3,19 @@ holds one per layer inside a transformers ``Cache``; what it is built from is a
 :class:`~polykv.runtime.layer_spec.LayerSpec`.
 
 Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the original
-position of every stored token, uniform or ragged across KV heads) and its rules at work
-(:class:`~polykv.runtime.layer_rules.LayerRules`: rule objects, states, selection). A forward runs in two halves
-joined by one :class:`~polykv.runtime.layer_spec.ForwardStep`: :meth:`LayerCache.update` (the model's call,
-right after RoPE) begins it (:meth:`LayerCache.begin`) and returns the keys and values attention reads, carrying
-the step (:func:`polykv.attention.attach.hand_over`); attention (:func:`polykv.runtime.attention.serve`)
-attends as the step says and hands it back to :meth:`LayerCache.after_attention`, which lets every state observe
-the forward, then selects and stores (prefill) or evicts (decode).
+position of every stored token, uniform or ragged across KV heads) and its rules at work: the rule objects of its
+spec, their states (:attr:`LayerCache.states`) and the extra states that observe the same forwards (an
+allocator's, a prefill capture's). A selection runs the phase's rule on a view of the layer's tokens through a
+:class:`~polykv.contract.rules.SelectionContext` (:meth:`LayerCache.context`), is checked
+(:func:`~polykv.runtime.plugin_results.checked_selection`), and every observing state gathers with it, so the
+states keep following the kept tokens.
+
+A forward runs in two halves joined by one :class:`~polykv.runtime.layer_spec.ForwardStep`:
+:meth:`LayerCache.update` (the model's call, right after RoPE) begins it (:meth:`LayerCache.begin`) and returns
+the keys and values attention reads, carrying the step (:func:`polykv.attention.attach.hand_over`); attention
+(:func:`polykv.runtime.layer_spec.serve`) attends as the step says and hands it back to
+:meth:`LayerCache.after_attention`, which lets every state observe the forward, then selects and stores (prefill)
+or evicts (decode).
 
 Prefill (the first forward on an empty cache, or every chunk of a chunked prefill): attention runs on the raw
 prompt K/V (:attr:`LayerCache.prompt`); once the prompt is complete (:meth:`LayerCache.end_prefill`) a windowed
@@ -18,8 +24,9 @@ its selection says so) and only the survivors are stored (quantization happens a
 layer in an allocation group waits for its allocator (:mod:`polykv.runtime.allocation`), which calls the same
 two steps. Decode (every later forward): append to the stores, attend, then (:meth:`LayerCache.evict`) a windowed
 layer drops what falls out of its bound, and once some head stores more than its capacity + ``decode_slack`` the
-decode rule selects and the storage evicts. The optional parts (a window bound, a shared pair, low-rank codes) are
-picked from the plan layer when the layer is built (:mod:`polykv.runtime.layer_parts`).
+decode rule selects and the storage evicts. The optional parts (a window bound, a shared pair, low-rank codes, a
+probe forward) are picked from the plan layer when the layer is built (:mod:`polykv.runtime.layer_parts`); a
+layer without them runs none of their code.
 
 Shapes: B batch, H query heads, Hkv KV heads, T stored tokens, q new tokens, d head dim.
 """
@@ -32,15 +39,16 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from polykv.attention.attach import hand_over
-from polykv.contract.state import Observation
+from polykv.contract.rules import SelectionContext
+from polykv.contract.selection import Selection
+from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.errors import RuntimeConfigError
 from polykv.plan import PASSTHROUGH_BITS
-from polykv.runtime.attention import serve
-from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_view
-from polykv.runtime.layer_rules import LayerRules, over_budget
-from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec
-from polykv.runtime.storage import LayerStorage, StorageView
-from polykv.storage.reserve import layer_hold, reserve_tokens
+from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_step
+from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec, serve
+from polykv.runtime.plugin_results import checked_selection
+from polykv.runtime.storage import LayerStorage, StorageView, joined
+from polykv.storage.token_buffer import layer_hold, reserve_tokens
 
 
 class LayerCache(CacheLayerMixin):
@@ -59,15 +67,20 @@ class LayerCache(CacheLayerMixin):
         self.tokens_seen = 0
         """Tokens processed (= position of the next token), whatever was evicted."""
         self.prefilled = False
-        self.storage = LayerStorage(self._new_store, self.reserve_for,
-                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None,
-                                    contract=spec.store_contract(storage_dtype=settings.storage_dtype,
-                                                                 full=settings.check))
-        self.rules = LayerRules(layer_idx, spec, settings)
+        contract = None  # a 16-bit layer's stores are polykv's own buffers: checked only with the expensive checks
+        if settings.check or spec.quantizer is not None:
+            contract = spec.store_contract(storage_dtype=settings.storage_dtype, full=settings.check)
+        self.storage = LayerStorage(self._new_store, self.reserve_for, contract=contract,
+                                    exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
+        self.states = spec.new_states()
+        """``{"prefill": RuleState | None, "decode": RuleState | None}`` of the layer's rules (one object when
+        shared)."""
+        self.extra_states: list = []
+        """States observing this layer besides its rules' (an allocator's, a prefill capture's)."""
         if group is not None:
             state = group.join(self)
             if state is not None:
-                self.rules.extra_states.append(state)
+                self.extra_states.append(state)
         self.window = WindowBound(spec.token_bound) if spec.token_bound is not None else None
         self.share = SharedPrompt(lower, spec.plan.share_params) if lower is not None else None
         self.budget: int | torch.Tensor | None = None
@@ -85,28 +98,59 @@ class LayerCache(CacheLayerMixin):
         """False from an ``update`` until attention finished its step: a check that the model's attention ran
         through polykv (the step itself travels with the keys ``update`` returns)."""
 
-    # -- the layer's state, in one place ----------------------------------------------------------
-    @property
-    def states(self) -> dict:
-        """``{"prefill": RuleState | None, "decode": RuleState | None}`` of the layer's rules."""
-        return self.rules.states
-
-    @states.setter
-    def states(self, value: dict) -> None:
-        self.rules.states = value
-
-    @property
-    def extra_states(self) -> list:
-        """States observing this layer besides its rules' (an allocator's, a prefill capture's)."""
-        return self.rules.extra_states
-
-    @extra_states.setter
-    def extra_states(self, value: list) -> None:
-        self.rules.extra_states = list(value)
-
+    # -- the layer's rules at work ---------------------------------------------------------------
     def observing_states(self) -> list:
         """Every distinct state that observes this layer's forwards."""
-        return self.rules.observing()
+        out = []
+        for st in [self.states["prefill"], self.states["decode"], *self.extra_states]:
+            if st is not None and all(st is not o for o in out):
+                out.append(st)
+        return out
+
+    def gather_states(self, sel: Selection) -> None:
+        """Every observing state follows ``sel`` (the kept tokens)."""
+        for st in self.observing_states():
+            st.gather(sel)
+
+    def context(self, phase: str, view: StorageView, state, *, values: bool, head_capacity=None) -> SelectionContext:
+        """The SelectionContext of ``view``: ``state`` as ``ctx.state``, and the built-in helpers it
+        contains as ``queries``/``query_positions`` and ``accumulated``/``query_counts``."""
+        settings = self.settings
+        window = state.component(QueryWindow) if state is not None else None
+        acc = state.component(AccumulatedAttention) if state is not None else None
+        return SelectionContext(
+            layer_idx=self.layer_idx, phase=phase, keys=view.keys, positions=view.positions,
+            tokens_seen=self.tokens_seen, scaling=self.scaling,
+            queries=window.queries if window is not None else None,
+            query_positions=window.positions if window is not None else None,
+            values=view.values if values else None,
+            accumulated=acc.sums if acc is not None else None,
+            query_counts=acc.query_counts(view.positions) if acc is not None else None,
+            rope_inv_freq=settings.rope_inv_freq, rope_scaling=settings.rope_scaling, model_data=settings.model_data,
+            generator=settings.generator, state=state, valid=view.valid, head_capacity=head_capacity,
+            checks=settings.check)
+
+    def select(self, phase: str, capacity: int, view: StorageView,
+               head_capacity: torch.Tensor | None = None) -> Selection:
+        """Run the ``phase`` rule on ``view``; check its selection; gather every observing state; return it."""
+        rule = self.spec.prefill_rule if phase == "prefill" else self.spec.decode_rule
+        B, Hkv, _ = view.positions.shape
+        ctx = self.context(phase, view, self.states[phase], values=rule.needs_values,
+                           head_capacity=None if head_capacity is None
+                           else head_capacity.to(view.positions.device).expand(B, Hkv))
+        op = getattr(self.spec.plan, phase)
+        check = getattr(rule, "check_capacity", None)
+        if check is not None and head_capacity is None:  # a capacity resolved from a ratio: known only now
+            try:
+                check(int(capacity))
+            except ValueError as exc:
+                ratio = "" if op.capacity_ratio is None else \
+                    f" (capacity_ratio {op.capacity_ratio:g} of {self.tokens_seen} tokens)"
+                raise RuntimeConfigError(f"layer {self.layer_idx} ({phase}): {exc}{ratio}") from None
+        sel = checked_selection(rule.select(ctx, capacity), ctx, capacity,
+                                where=f"layer {self.layer_idx} ({phase}): rule '{op.rule}'")
+        self.gather_states(sel)
+        return sel
 
     def capacity(self, phase: str) -> tuple[int | None, torch.Tensor | None]:
         """``(tokens per head, per-head capacities [Hkv] or None)`` the layer keeps in ``phase``: the budget an
@@ -119,7 +163,8 @@ class LayerCache(CacheLayerMixin):
         return int(budget), None
 
     def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on (:func:`polykv.storage.reserve.layer_hold`):
+        """Most tokens per head this layer keeps between forwards from now on
+        (:func:`polykv.storage.token_buffer.layer_hold`):
         ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
         capped by a window's bound; None when nothing cuts the layer back."""
         cap = None
@@ -128,7 +173,7 @@ class LayerCache(CacheLayerMixin):
         return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
 
     def reserve_for(self, kept: int, ragged: bool) -> int:
-        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.reserve.reserve_tokens`)."""
+        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.token_buffer.reserve_tokens`)."""
         return reserve_tokens(kept, self.hold_tokens(kept, ragged), slack=self.settings.decode_slack)
 
     def _new_store(self, stream: str):
@@ -194,30 +239,11 @@ class LayerCache(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward and return the keys and values it attends
-        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.attention.serve`)."""
-        step = self.begin_probe(key_states, value_states, probe) if probe is not None \
+        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.layer_spec.serve`)."""
+        step = probe_step(self, key_states, value_states, probe) if probe is not None \
             else self.begin(key_states, value_states, ends_prompt=ends_prompt)
         self.attended = False
-        return hand_over(step.keys, step.values, functools.partial(serve, self, step))
-
-    def begin_probe(self, key_states: torch.Tensor, value_states: torch.Tensor, probe) -> ForwardStep:
-        """A forward of a probe (:mod:`polykv.contract.probe`): its n keys/values [B, Hkv, n, d] attend after the
-        whole unselected prompt (:func:`~polykv.runtime.layer_parts.probe_view`), unstored; only the states that
-        declare ``observes_probe`` observe it."""
-        raw = self.prompt
-        if self.prefilled or raw is None:
-            raise RuntimeConfigError(f"layer {self.layer_idx}: a probe forward runs only between the prompt and its "
-                                     f"selection, but this layer holds no unselected prompt")
-        key_states, value_states = self._codes(key_states, value_states)
-        B = key_states.shape[0]
-        if raw.positions.shape[0] != B:
-            raise RuntimeConfigError(f"layer {self.layer_idx}: the probe has a batch of {B} but the prompt "
-                                     f"{raw.positions.shape[0]}; build one probe row per prompt row")
-        states = tuple(st for st in self.observing_states() if getattr(st, "observes_probe", False))
-        return ForwardStep(layer_idx=self.layer_idx, phase="probe",
-                           view=probe_view(raw, key_states, value_states, self.tokens_seen), stores=None,
-                           first_position=self.tokens_seen, states=states, ends_prompt=False,
-                           attention_type=self.spec.attention_type, window=self.spec.window, probe=probe)
+        return hand_over(step.view.keys, step.view.values, functools.partial(serve, self, step))
 
     def begin(self, key_states: torch.Tensor, value_states: torch.Tensor, *, ends_prompt: bool = True) -> ForwardStep:
         """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.
@@ -227,42 +253,27 @@ class LayerCache(CacheLayerMixin):
         the prompt is complete after this forward (False between the chunks of a chunked prefill)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        key_states, value_states = self._codes(key_states, value_states)
+        if self.low_rank is not None:  # codes P^T k, U^T v, projected as they arrive: nothing full width is stored
+            key_states, value_states = self.low_rank.codes(key_states, value_states)
         B, Hkv, q, _ = key_states.shape
         have = self.prompt.positions.shape[0] if self.prompt is not None else (self.storage.shape or (B,))[0]
         if have != B:
             raise RuntimeConfigError(f"layer {self.layer_idx}: the cache holds a batch of {have} "
                                      f"but this forward has {B}; start a new cache with session.new_cache()")
-        stores = None
+        stores, states = None, tuple(self.observing_states())
         if not self.prefilled:
-            pos = torch.arange(self.tokens_seen, self.tokens_seen + q, device=key_states.device)
-            pos = pos.view(1, 1, q).expand(B, Hkv, q)
-            raw = self.prompt
-            if raw is None:
-                self.prompt = StorageView(keys=key_states, values=value_states, positions=pos.contiguous(), valid=None)
-            else:
-                self.prompt = StorageView(keys=torch.cat([raw.keys, key_states], dim=2),
-                                          values=torch.cat([raw.values, value_states], dim=2),
-                                          positions=torch.cat([raw.positions, pos], dim=-1), valid=None)
-            view = self.prompt
+            self.prompt = view = joined(self.prompt, key_states, value_states, self.tokens_seen)
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            if self.reads_stores():  # attention reads the stores (polykv.attention.online_softmax); no dense view is built
+            if not states and self.reads_stores():  # attention reads the stores; no dense view is built
                 stores = self.storage
                 view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
                 view = self.storage.view()
         spec = self.spec
         return ForwardStep(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", view=view,
-                           stores=stores, first_position=self.tokens_seen, states=tuple(self.observing_states()),
+                           stores=stores, first_position=self.tokens_seen, states=states,
                            ends_prompt=ends_prompt, attention_type=spec.attention_type, window=spec.window)
-
-    def _codes(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A low-rank layer's codes ``P^T k``, ``U^T v`` of the new post-RoPE keys/values (projected as they
-        arrive, so nothing full width is stored or scored); the tensors themselves for a full-width layer."""
-        if self.low_rank is None:
-            return key_states, value_states
-        return self.low_rank.codes(key_states, value_states)
 
     def reads_stores(self) -> bool:
         """Whether this decode forward attends straight from the stores
@@ -293,10 +304,12 @@ class LayerCache(CacheLayerMixin):
         if states:
             if self.low_rank is not None:  # the states read queries as the stored keys are: key codes
                 query = self.low_rank.queries(query)
-            self.rules.observe(states, Observation(
+            obs = Observation(
                 layer_idx=self.layer_idx, phase=step.phase, query=query, keys=view.keys, positions=view.positions,
                 valid=view.valid, first_position=step.first_position, scaling=scaling, signals=signals,
-                rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe))
+                rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe)
+            for st in states:
+                st.observe(obs)
         if step.probe is not None:  # the probe's keys and values go with its step; nothing is stored or counted
             return
         self.tokens_seen += query.shape[2]
@@ -314,7 +327,7 @@ class LayerCache(CacheLayerMixin):
         """The prompt is complete: select and store now, or hand the layer to its allocation group."""
         sel = self.window.newest(self.prompt) if self.window is not None else None
         if sel is not None:
-            self.rules.gather(sel)
+            self.gather_states(sel)
             self.prompt = self.prompt.take(sel)
         if self.group is not None:
             self.group.layer_done(self)
@@ -327,11 +340,14 @@ class LayerCache(CacheLayerMixin):
         raw = self.prompt
         if self.spec.prefill_rule is None or capacity is None:
             return
-        counts = self.head_counts()
-        if not over_budget(counts.sum(-1).tolist(), counts.shape[1], capacity, head_capacity, 0):
-            return
-        sel = self.rules.select("prefill", capacity, raw, tokens_seen=self.tokens_seen, scaling=self.scaling,
-                                head_capacity=head_capacity)
+        if raw.valid is None and head_capacity is None:  # every head holds the prompt: plain ints
+            if raw.positions.shape[-1] <= capacity:
+                return
+        else:
+            counts = self.head_counts()
+            if not over_budget(counts.sum(-1).tolist(), counts.shape[1], capacity, head_capacity, 0):
+                return
+        sel = self.select("prefill", capacity, raw, head_capacity)
         if sel.merge is not None:
             keys = sel.merge.apply(raw.keys)[0] if "key" in sel.merge.streams else raw.keys
             values = sel.merge.apply(raw.values)[0] if "value" in sel.merge.streams else raw.values
@@ -346,7 +362,10 @@ class LayerCache(CacheLayerMixin):
         if self.share is not None:
             self.share.merge(self.storage, held_dtype=self.settings.storage_dtype or self.dtype, compute_dtype=self.dtype)
         self.prompt = None
-        self.rules.prompt_stored()
+        dec = self.states["decode"]  # only the decode rule's state stays
+        if dec is not None:
+            dec.after_prefill()
+        self.states, self.extra_states = {"prefill": None, "decode": dec}, []
         self.prefilled = True
 
     # -- decode: evict --------------------------------------------------------------------------------
@@ -356,7 +375,7 @@ class LayerCache(CacheLayerMixin):
         view = step.view
         if self.window is not None and self.storage.width() > self.window.bound:
             sel = self.window.newest(view)
-            self.rules.gather(sel)
+            self.gather_states(sel)
             self.storage.evict(sel, view)
             view = self.storage.view()
         if self.spec.decode_rule is None:
@@ -366,8 +385,7 @@ class LayerCache(CacheLayerMixin):
             return
         if step.stores is not None:  # the stores were read: build the view to select
             view = self.storage.view()
-        sel = self.rules.select("decode", cap, view, tokens_seen=self.tokens_seen, scaling=self.scaling,
-                                head_capacity=head_cap)
+        sel = self.select("decode", cap, view, head_cap)
         self.storage.evict(sel, view)
 
     def _stores_over(self, capacity: int, head_capacity: torch.Tensor | None) -> bool:
@@ -390,7 +408,16 @@ class LayerCache(CacheLayerMixin):
     def metadata_bytes(self) -> dict[str, int]:
         """positions int64 (8 bytes per stored token per KV head) + rule-state bytes by ``metadata_name``
         (``accumulated``, ``query_window``, ``rule_state`` for any other state)."""
-        out = {"positions": self.storage.positions_bytes(), **self.rules.state_bytes()}
+        out = {"positions": self.storage.positions_bytes(), **state_bytes(self.observing_states())}
         if self.share is not None and self.prefilled:
             out["share_index"] = self.storage.share_index_bytes()
         return out
+
+
+def over_budget(totals: list[int], Hkv: int, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+    """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv`` tokens over
+    its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them); ``totals``: tokens
+    each batch row stores over its heads. With every head holding the same count this is "some head holds more
+    than capacity + slack"."""
+    budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+    return any(t > budget + slack * Hkv for t in totals)

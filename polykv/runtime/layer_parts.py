@@ -1,7 +1,7 @@
 """The optional parts of a layer cache, picked from its plan layer when the cache is built, so a layer without
 them runs none of their code: a window's token bound (:class:`WindowBound`), a shared layer pair's merge
-(:class:`SharedPrompt`) and the view a probe forward attends (:func:`probe_view`). Ragged heads live in
-:class:`~polykv.runtime.storage.LayerStorage`, low-rank codes in :class:`~polykv.attention.low_rank.LowRank`,
+(:class:`SharedPrompt`) and a probe forward (:func:`probe_step`). Ragged heads live in
+:class:`~polykv.runtime.ragged.RaggedHeads`, low-rank codes in :class:`~polykv.attention.low_rank.LowRank`,
 allocation budgets in :mod:`polykv.runtime.allocation`.
 
 Shapes: B batch, Hkv KV heads, T tokens, n probe tokens, d head dim.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from polykv.contract.selection import Selection, ragged_top_k
-from polykv.runtime.storage import LayerStorage, StorageView
+from polykv.errors import RuntimeConfigError
+from polykv.runtime.layer_spec import ForwardStep
+from polykv.runtime.storage import LayerStorage, StorageView, joined
 
 
 class WindowBound:
@@ -47,11 +49,22 @@ class SharedPrompt:
         storage.share_prompt(self.lower.storage, held_dtype=held_dtype, compute_dtype=compute_dtype, **self.params)
 
 
-def probe_view(prompt: StorageView, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> StorageView:
-    """What a probe forward attends: the whole unselected ``prompt`` joined by its n keys and values
-    [B, Hkv, n, d] at positions ``first_position ..``, without storing them."""
-    B, Hkv, n, _ = keys.shape
-    pos = torch.arange(first_position, first_position + n, device=keys.device).view(1, 1, n)
-    return StorageView(keys=torch.cat([prompt.keys, keys], dim=2),                        # (B, Hkv, T + n, d)
-                       values=torch.cat([prompt.values, values], dim=2),
-                       positions=torch.cat([prompt.positions, pos.expand(B, Hkv, n)], dim=-1), valid=None)
+def probe_step(layer, key_states: torch.Tensor, value_states: torch.Tensor, probe) -> ForwardStep:
+    """A forward of a probe (:mod:`polykv.contract.probe`) through ``layer`` (a
+    :class:`~polykv.runtime.layer_cache.LayerCache`): its n keys/values [B, Hkv, n, d] attend after the whole
+    unselected prompt (:func:`~polykv.runtime.storage.joined`), unstored; only the states that declare ``observes_probe`` observe it."""
+    raw = layer.prompt
+    if layer.prefilled or raw is None:
+        raise RuntimeConfigError(f"layer {layer.layer_idx}: a probe forward runs only between the prompt and its "
+                                 f"selection, but this layer holds no unselected prompt")
+    if layer.low_rank is not None:
+        key_states, value_states = layer.low_rank.codes(key_states, value_states)
+    B = key_states.shape[0]
+    if raw.positions.shape[0] != B:
+        raise RuntimeConfigError(f"layer {layer.layer_idx}: the probe has a batch of {B} but the prompt "
+                                 f"{raw.positions.shape[0]}; build one probe row per prompt row")
+    states = tuple(st for st in layer.observing_states() if getattr(st, "observes_probe", False))
+    return ForwardStep(layer_idx=layer.layer_idx, phase="probe",
+                       view=joined(raw, key_states, value_states, layer.tokens_seen), stores=None,
+                       first_position=layer.tokens_seen, states=states, ends_prompt=False,
+                       attention_type=layer.spec.attention_type, window=layer.spec.window, probe=probe)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from polykv.plan import LayerPlan
-from polykv.runtime.attention import attend
+from polykv.runtime.layer_spec import attend
 from polykv.runtime.layer_cache import LayerCache
 from polykv.runtime.layer_spec import CacheSettings, layer_spec
 from polykv.runtime.storage import LayerStorage, new_store, quantizer_of

@@ -29,7 +29,7 @@ from polykv.contract.rules import where
 from polykv.contract.selection import Selection, as_selection
 from polykv.contract.stores import UNQUANTIZED_BITS
 from polykv.errors import PluginContractError
-from polykv.storage.reserve import reserved_stream_bytes
+from polykv.storage.token_buffer import reserved_stream_bytes
 
 
 # -- rules -----------------------------------------------------------------------------------------
@@ -56,37 +56,45 @@ def checked_selection(result, ctx, capacity: int, *, where: str) -> Selection:
     if not sel.ragged and ctx.valid is None and ctx.head_capacity is None and idx.shape[2] != capacity:
         raise PluginContractError(f"{where} returned indices of shape {tuple(idx.shape)} and dtype {idx.dtype}; "
                                   f"expected ({B}, {Hkv}, {capacity}) int64 {fix}")
-    counts = sel.head_counts().to(idx.device)
-    lengths = ctx.head_lengths().to(idx.device)
+    kept = None
     if sel.ragged:
-        if tuple(counts.shape) != (B, Hkv) or bool((counts < 0).any()) or bool((counts > lengths).any()):
-            raise PluginContractError(f"{where} returned per-head counts {counts.tolist()} for heads storing "
-                                      f"{lengths.tolist()} tokens {fix}")
-        budget = capacity * Hkv if ctx.head_capacity is None else ctx.head_capacity.sum(-1)
-        if bool((counts.sum(-1) > torch.as_tensor(budget, device=idx.device)).any()):
-            raise PluginContractError(f"{where} kept {counts.sum(-1).tolist()} tokens per batch row, more than the "
-                                      f"layer's budget {torch.as_tensor(budget).tolist()} {fix}")
-        K = int(counts.max()) if counts.numel() else 0
-        if idx.shape[2] != K:
-            idx = idx[..., idx.shape[2] - K:]
-            sel = attrs.evolve(sel, index=idx)
-    kept = sel.kept_mask()
+        sel = _checked_counts(sel, ctx, capacity, where, fix)
+        idx, kept = sel.index, sel.kept_mask()
     if idx.numel():
         inside = (idx >= 0) & (idx < T)
-        if not bool(inside[kept].all()):
+        steps = idx[..., 1:] > idx[..., :-1]
+        if kept is not None:  # a ragged selection's padding columns are neither checked nor compared
+            inside, steps = inside[kept], steps | ~kept[..., :-1]
+        if not bool(inside.all()):
             raise PluginContractError(f"{where} returned indices outside [0, {T}) {fix}")
-        steps = (idx[..., 1:] > idx[..., :-1]) | ~kept[..., :-1]
         if not bool(steps.all()):
             raise PluginContractError(f"{where} returned indices that are not strictly ascending within "
                                       f"[0, {T}) (a repeated or unsorted column) {fix}")
         if ctx.valid is not None:
             real = ctx.valid.gather(-1, idx.clamp(0, T - 1))
-            if not bool(real[kept].all()):
+            if not bool((real if kept is None else real[kept]).all()):
                 raise PluginContractError(f"{where} kept a padding column (ctx.valid is False there) {fix}")
-    merge = sel.merge
-    if merge is not None:
-        _check_merge(merge, idx, kept, B, Hkv, T, where, fix)
+    if sel.merge is not None:
+        _check_merge(sel.merge, idx, sel.kept_mask() if kept is None else kept, B, Hkv, T, where, fix)
     return sel
+
+
+def _checked_counts(sel: Selection, ctx, capacity: int, where: str, fix: str) -> Selection:
+    """A ragged selection's per-head counts: none above a head's tokens, each batch row within the layer's budget;
+    the selection trimmed to its longest head."""
+    idx = sel.index
+    B, Hkv = idx.shape[:2]
+    counts = sel.head_counts().to(idx.device)
+    lengths = ctx.head_lengths().to(idx.device)
+    if tuple(counts.shape) != (B, Hkv) or bool((counts < 0).any()) or bool((counts > lengths).any()):
+        raise PluginContractError(f"{where} returned per-head counts {counts.tolist()} for heads storing "
+                                  f"{lengths.tolist()} tokens {fix}")
+    budget = capacity * Hkv if ctx.head_capacity is None else ctx.head_capacity.sum(-1)
+    if bool((counts.sum(-1) > torch.as_tensor(budget, device=idx.device)).any()):
+        raise PluginContractError(f"{where} kept {counts.sum(-1).tolist()} tokens per batch row, more than the "
+                                  f"layer's budget {torch.as_tensor(budget).tolist()} {fix}")
+    K = int(counts.max()) if counts.numel() else 0
+    return sel if idx.shape[2] == K else attrs.evolve(sel, index=idx[..., idx.shape[2] - K:])
 
 
 def _check_merge(merge, idx, kept, B, Hkv, T, where, fix) -> None:
@@ -264,7 +272,7 @@ class StoreContract:
 
     def _check_bytes(self, storage) -> None:
         """Right after the prompt is stored each store is fresh: reserved, then appended once; its resident
-        bytes must equal :func:`polykv.storage.reserve.reserved_stream_bytes` (the memory model's prediction)."""
+        bytes must equal :func:`polykv.storage.token_buffer.reserved_stream_bytes` (the memory model's prediction)."""
         held = self.storage_dtype or self.dtype
         for stream, store, n, B, H in self._stores(storage):
             spec = self.streams[stream]

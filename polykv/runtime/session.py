@@ -8,14 +8,17 @@ Inside the block the model's attention implementation is ``polykv`` and ``model.
 fresh plan cache unless one is passed; manual loops pass ``cache=session.new_cache()`` (then
 ``session.cache``; on transformers without the ``cache`` keyword, the older keyword
 :func:`polykv.runtime.cache.cache_keyword` names). On exit the attention implementation is restored and ``generate`` is
-unpatched. The calls the block serves (forwards, ``generate``, ``prefill``) are :mod:`polykv.runtime.calls`
-(``session.calls``), the checks ``apply`` makes :mod:`polykv.runtime.plan_checks` and :mod:`polykv.runtime.support`;
-the attention swap is :func:`polykv.attention.attach.attached`.
+unpatched. Every model forward in the block goes through :meth:`Session.guarded_forward` (one caller at a time,
+:class:`OneCaller`; a plan's probe after the prompt); ``generate`` and ``prefill`` are :mod:`polykv.runtime.calls`;
+the checks ``apply`` makes are :mod:`polykv.runtime.checks`; the attention swap is
+:func:`polykv.attention.attach.attached`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Mapping
 
 import attrs
@@ -30,13 +33,13 @@ from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
 from polykv.plan import OpSpec, Plan, uniform_plan, validate_plan
 from polykv.registry import get_registry
-from polykv.runtime.cache import PlanCache, cache_keyword
-from polykv.runtime.calls import SessionCalls
+from polykv.runtime import calls
+from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, cache_keyword, given_cache
 from polykv.runtime.layer_spec import CacheSettings, LayerSpec, layer_spec
 from polykv.runtime.probe_pass import ProbePass
-from polykv.runtime.plan_checks import (check_layer_shapes, check_model_data, check_probe_phases,
-                                        check_rank_rules, check_seed, check_stores, plan_model_data)
-from polykv.runtime.support import SERVED, attention_modules, check_servable, model_type, plain_softmax
+from polykv.runtime.checks import (SERVED, attention_modules, check_layer_shapes, check_model_data,
+                                   check_probe_phases, check_rank_rules, check_seed, check_servable, check_stores,
+                                   model_type, plain_softmax, plan_model_data)
 from polykv.runtime.tokenizer_params import check_token_ids, check_tokenizer, fill_tokenizer_params
 
 SUPPORTED_ATTN = ("sdpa", "eager")
@@ -96,7 +99,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
         for another model (layer count, KV heads, head dim, fingerprint), or quantizer parameters
         that cannot serve the model's head dim.
     RuntimeConfigError
-        The model cannot be served (:mod:`polykv.runtime.support`: latent, differential or recurrent
+        The model cannot be served (:mod:`polykv.runtime.checks`: latent, differential or recurrent
         attention, KV sharing), or uses an attention implementation the runtime cannot replace;
         :class:`polykv.contract.model_data.ModelDataError` when a rule's per-model data is missing (and cannot
         be computed) or was measured on another model.
@@ -119,8 +122,9 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
             f"the model uses attn_implementation '{impl}'; the polykv runtime replaces attention with its own SDPA "
             f"kernel and supports models loaded with {list(SUPPORTED_ATTN)} (reload with attn_implementation='sdpa')")
     validate_plan(plan, registry=registry, geometry=geometry)
-    check_probe_phases(plan, registry)
     rules = [registry.rule(name) for name in sorted(plan.rules_used())]
+    if any(cls.declares_probe() for cls in rules):
+        check_probe_phases(plan, registry)
     if any(getattr(cls, "tokenizer_params", ()) or token_id_params(cls.param_specs) for cls in rules):
         plan = fill_tokenizer_params(plan, registry, model, tokenizer)
         check_token_ids(plan, registry, model)
@@ -146,13 +150,45 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     return session
 
 
+class OneCaller:
+    """A session serves one call at a time: its cache holds the sequences of one ``generate``, ``prefill``
+    or forward. A call (and the forwards it makes) claims the session for its thread; a call from another
+    thread meanwhile is refused in one line, instead of replacing the cache under the running one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def check(self, what: str) -> None:
+        owner = self._owner
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeConfigError(
+                f"{what} was called from a second thread while another thread's call runs in this polykv session; "
+                f"a session serves one generate/prefill/forward at a time (it holds one cache): give each thread its "
+                f"own model copy and polykv.apply session, or serialise the calls with a lock")
+
+    @contextlib.contextmanager
+    def claim(self, what: str):
+        me = threading.get_ident()
+        with self._lock:
+            self.check(what)
+            self._owner, self._depth = me, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+
+
 _ACTIVE_MARK = "_polykv_active_session"
 """Attribute set on a model while a session is active on it (sessions on one model do not nest)."""
 
 
 class Session:
-    """A plan applied to a model; the live state of one ``with`` block (the calls it serves:
-    :attr:`calls`, a :class:`~polykv.runtime.calls.SessionCalls`)."""
+    """A plan applied to a model; the live state of one ``with`` block."""
 
     def __init__(self, model, plan: Plan, *, registry, modules, model_data: Mapping[str, Any], seed: int,
                  geometry: ModelGeometry):
@@ -174,8 +210,10 @@ class Session:
         self._cache: PlanCache | None = None
         self._active = False
         self._exit: contextlib.ExitStack | None = None
-        self.calls = SessionCalls(self)
-        """The calls the block serves: the guarded forward, ``generate``, ``prefill``."""
+        self.one_caller = OneCaller()
+        """Lets one thread's call (a forward, ``generate``, ``prefill``) in at a time."""
+        self.uncached_thread: int | None = None
+        """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
         self._cache_kw = cache_keyword(model)
 
     # -- context manager ---------------------------------------------------------------------------
@@ -189,8 +227,9 @@ class Session:
         model = self.model
         with contextlib.ExitStack() as stack:
             stack.enter_context(attach.attached(model, self._modules))
-            for name, patched in (("generate", self.calls.generate),
-                                  ("forward", self.calls.guarded_forward(model.forward))):
+            for name, patched in (("generate", functools.update_wrapper(functools.partial(calls.generate, self),
+                                                                        calls.generate)),
+                                  ("forward", self.guarded_forward(model.forward))):
                 stack.callback(_restore, model, name, model.__dict__.get(name, _MISSING))
                 setattr(model, name, patched)
             model.__dict__[_ACTIVE_MARK] = self
@@ -239,11 +278,30 @@ class Session:
         if not self._active:
             raise RuntimeConfigError("use the session inside its with-block: 'with polykv.apply(model, plan) as s:'")
 
+    def guarded_forward(self, forward):
+        """``model.forward`` inside the block: one caller at a time (:class:`OneCaller`); inside an uncached
+        ``generate`` every forward gets a fresh cache (it recomputes the whole sequence, as vanilla does); a plan
+        with a probe runs it after the prompt (:mod:`polykv.runtime.probe_pass`)."""
+
+        @functools.wraps(forward)
+        def guarded(*args, **kwargs):
+            with self.one_caller.claim("a model forward"):
+                if self.uncached_thread == threading.get_ident():  # generate hands back the last one: replace it
+                    kwargs.pop(LEGACY_CACHE_KEYWORD, None)
+                    kwargs[self.cache_keyword] = self.new_cache()
+                cache = given_cache(kwargs, self.cache_keyword)
+                if self.probe is not None and isinstance(cache, PlanCache) and cache.probe is None \
+                        and not any(layer.prefilled for layer in cache.layers):
+                    return self.probe.prompt_forward(forward, cache, args, kwargs)
+                return forward(*args, **kwargs)
+
+        return guarded
+
     # -- caches ----------------------------------------------------------------------------------
     def new_cache(self) -> PlanCache:
         """A fresh, empty plan cache; it becomes :attr:`cache`."""
         self.require_active()
-        self.calls.one_caller.check("new_cache()")
+        self.one_caller.check("new_cache()")
         device = next(self.model.parameters()).device
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed)
@@ -267,13 +325,13 @@ class Session:
 
     def prefill(self, input_ids: torch.Tensor, *, chunk_size: int | None = None, **model_kwargs):
         """Prefill a fresh cache with ``input_ids`` [B, T], in chunks of ``chunk_size`` tokens
-        (:meth:`polykv.runtime.calls.SessionCalls.prefill`); returns the last chunk's model output."""
-        return self.calls.prefill(input_ids, chunk_size=chunk_size, **model_kwargs)
+        (:func:`polykv.runtime.calls.prefill`); returns the last chunk's model output."""
+        return calls.prefill(self, input_ids, chunk_size=chunk_size, **model_kwargs)
 
     def note_context(self, context_tokens: int) -> None:
         """Warn once per plan when absolute capacities meet another context length
-        (:meth:`polykv.runtime.calls.SessionCalls.note_context`)."""
-        self.calls.note_context(context_tokens)
+        (:func:`polykv.runtime.calls.note_context`)."""
+        calls.note_context(self, context_tokens)
 
     def resident_bytes(self) -> ResidentBytes:
         """K/V bytes per layer and in total, with metadata reported separately (see docs/runtime.md)."""

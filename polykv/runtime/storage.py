@@ -12,7 +12,9 @@ that no padding column is ever attended.
 
 Every later selection, merge and append goes through the same three calls, whatever the layout:
 :meth:`append` (new tokens), :meth:`view` (what attention and rules read), :meth:`evict` (merge,
-then gather). Shapes: B batch, Hkv KV heads, T stored tokens (padded width when ragged), d head dim.
+then gather). Each does the uniform layout here and hands a ragged layer to its ragged half
+(:class:`~polykv.runtime.ragged.RaggedHeads`), so a uniform layer runs none of the per-head code.
+Shapes: B batch, Hkv KV heads, T stored tokens (padded width when ragged), d head dim.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch
 from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
 from polykv.runtime.plugin_results import NoContract
 from polykv.contract.stores import KVStore, WriteCost
-from polykv.storage.reserve import reserve_tokens
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
-from polykv.storage.token_buffer import PassthroughStore, TokenBuffer
+from polykv.runtime.ragged import RaggedHeads, Segment
+from polykv.storage.token_buffer import PassthroughStore, TokenBuffer, gather_tokens, reserve_store, reserve_tokens
 from polykv.errors import RuntimeConfigError
 from polykv.storage.layer_share import DEFAULT_INTERPOLATION, DEFAULT_RETENTION_RATIO, SharedStore, merge_pair
 
@@ -60,8 +62,10 @@ def new_store(quantizer, lp: LayerPlan, stream: str, *, dtype: torch.dtype, devi
 
 
 def passthrough_store(*, dtype: torch.dtype, device: torch.device) -> KVStore:
-    """The 16-bit store: unquantized tensors in the compute dtype."""
-    return PassthroughStore(dtype=dtype, device=device)
+    """The 16-bit store: unquantized tensors in the compute dtype. Its gathers are not checked again: the runtime
+    gathers a layer's stores only with selections it checked (:func:`~polykv.runtime.plugin_results.checked_selection`)
+    or built itself (a window's newest tokens, a ragged head's own columns)."""
+    return PassthroughStore(dtype=dtype, device=device, checks_gathers=False)
 
 
 class StorageCast(KVStore):
@@ -113,41 +117,22 @@ class StorageView:
         positions = self.positions.gather(-1, sel.index)
         if valid is not None:
             positions = positions.masked_fill(~valid, -1)
-        return StorageView(keys=_gather_tokens(self.keys, sel.index), values=_gather_tokens(self.values, sel.index),
+        return StorageView(keys=gather_tokens(self.keys, sel.index), values=gather_tokens(self.values, sel.index),
                            positions=positions, valid=valid)
 
 
-def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, Hkv, T, w] at token ``index`` [B, Hkv, n]: [B, Hkv, n, w] (keys and values may differ in w)."""
-    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+def joined(prompt: StorageView | None, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> StorageView:
+    """The unstored ``prompt`` (None: nothing yet) followed by q new ``keys``/``values`` [B, Hkv, q, d] at positions
+    ``first_position ..``: a prefill chunk joining the prompt, or a probe forward attending after it."""
+    B, Hkv, q, _ = keys.shape
+    pos = torch.arange(first_position, first_position + q, device=keys.device).view(1, 1, q).expand(B, Hkv, q)
+    if prompt is None:
+        return StorageView(keys=keys, values=values, positions=pos.contiguous(), valid=None)
+    return StorageView(keys=torch.cat([prompt.keys, keys], dim=2), values=torch.cat([prompt.values, values], dim=2),
+                       positions=torch.cat([prompt.positions, pos], dim=-1), valid=None)
 
 
-@attrs.define
-class Segment:
-    """The tokens of one (batch row, KV head) of a ragged layer."""
-
-    key: KVStore
-    value: KVStore
-    pos: TokenBuffer
-    """[1, 1, n] int64 original positions, preallocated."""
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[n] int64 (a view)."""
-        return self.pos.view()[0, 0]
-
-    @property
-    def length(self) -> int:
-        return self.pos.length
-
-
-def _reserve(store: KVStore, tokens: int) -> None:
-    reserve = getattr(store, "reserve", None)
-    if reserve is not None:
-        reserve(tokens)
-
-
-class LayerStorage:
+class LayerStorage(RaggedHeads):
     """Stores and positions of one layer (see the module docstring).
 
     Parameters
@@ -156,12 +141,12 @@ class LayerStorage:
         ``new_store(stream)`` -> an empty :class:`~polykv.contract.stores.KVStore` for ``"key"`` or ``"value"``.
     reserve_for : callable, optional
         ``reserve_for(kept, ragged)`` -> token rows to reserve per head for a head holding ``kept``
-        tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.reserve`); by default
+        tokens right after the prompt is stored or an eviction (:mod:`polykv.storage.token_buffer`); by default
         exactly ``kept``.
     exact_growth : bool
         True for a layer that is cut back (an evicting decode op, a window): an append that does not fit
         grows the buffers to ``reserve_for`` of the new length (another decode slack of room, capped at
-        what the layer can hold), not to the next :data:`polykv.storage.reserve.GROWTH_BLOCK`.
+        what the layer can hold), not to the next :data:`polykv.storage.token_buffer.GROWTH_BLOCK`.
     contract : StoreContract, optional
         The checks run after every store call (:class:`polykv.runtime.plugin_results.StoreContract`); none by default.
     """
@@ -202,55 +187,30 @@ class LayerStorage:
         ``reserve_for(kept)`` rows first."""
         B, H, K, _ = keys.shape
         self.shape = (B, H)
-        if counts is None:
-            rows = self._reserve_for(K, False)
-            self.key_store, self.value_store = self._new_store("key"), self._new_store("value")
-            self._pos = self._new_positions(positions.device)
-            for store in (self.key_store, self.value_store, self._pos):
-                _reserve(store, rows)
-            self.key_store.append(keys)
-            self.value_store.append(values)
-            self._pos.append(positions)
-            self.contract.after("fill", self, keys=keys, values=values)
-            return
-        self.segments = []
-        for b in range(B):
-            for h in range(H):
-                n = int(counts[b, h])
-                seg = Segment(key=self._new_store("key"), value=self._new_store("value"),
-                              pos=self._new_positions(positions.device))
-                rows = self._reserve_for(n, True)
-                for store in (seg.key, seg.value, seg.pos):
-                    _reserve(store, rows)
-                seg.key.append(keys[b:b + 1, h:h + 1, K - n:])
-                seg.value.append(values[b:b + 1, h:h + 1, K - n:])
-                seg.pos.append(positions[b:b + 1, h:h + 1, K - n:])
-                self.segments.append(seg)
+        if counts is not None:
+            return self._fill_ragged(keys, values, positions, counts)
+        rows = self._reserve_for(K, False)
+        self.key_store, self.value_store = self._new_store("key"), self._new_store("value")
+        self._pos = self._new_positions(positions.device)
+        for store in (self.key_store, self.value_store, self._pos):
+            reserve_store(store, rows)
+        self.key_store.append(keys)
+        self.value_store.append(values)
+        self._pos.append(positions)
         self.contract.after("fill", self, keys=keys, values=values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, first_position: int) -> None:
         """Append q new tokens [B, Hkv, q, d] at positions ``first_position ..`` to every head (in place)."""
-        q = keys.shape[2]
-        if not self.ragged:
-            n = self._pos.length
-            if self._exact_growth and n + q > self._pos.capacity:  # a cut-back layer grows by its reserve policy
-                rows = self._reserve_for(n + q, False)
-                for store in (self.key_store, self.value_store, self._pos):
-                    _reserve(store, rows)
-            self.key_store.append(keys)
-            self.value_store.append(values)
-            self._pos.append_arange(first_position, q)
-            self.contract.after("append", self)
-            return
-        for i, seg in enumerate(self.segments):
-            b, h = divmod(i, self.shape[1])
-            if self._exact_growth and seg.length + q > seg.pos.capacity:
-                rows = self._reserve_for(seg.length + q, True)
-                for store in (seg.key, seg.value, seg.pos):
-                    _reserve(store, rows)
-            seg.key.append(keys[b:b + 1, h:h + 1])
-            seg.value.append(values[b:b + 1, h:h + 1])
-            seg.pos.append_arange(first_position, q)
+        if self.ragged:
+            return self._append_ragged(keys, values, first_position)
+        q, n = keys.shape[2], self._pos.length
+        if self._exact_growth and n + q > self._pos.capacity:  # a cut-back layer grows by its reserve policy
+            rows = self._reserve_for(n + q, False)
+            for store in (self.key_store, self.value_store, self._pos):
+                reserve_store(store, rows)
+        self.key_store.append(keys)
+        self.value_store.append(values)
+        self._pos.append_arange(first_position, q)
         self.contract.after("append", self)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -292,28 +252,13 @@ class LayerStorage:
     def view(self) -> StorageView:
         """Dense, dequantized tensors of everything stored (see :class:`StorageView`); uniform 16-bit
         storage returns views of its buffers (no copy)."""
-        c = self.contract
-        if not self.ragged:
-            (B, H), n = self.shape, self._pos.length
-            return StorageView(keys=c.read("key", self.key_store.dequantize(), n, B, H),
-                               values=c.read("value", self.value_store.dequantize(), n, B, H),
-                               positions=self._pos.view(), valid=None)
-        B, H = self.shape
-        W = self.width()
-        parts = [(c.read("key", seg.key.dequantize(), seg.length, 1, 1),
-                  c.read("value", seg.value.dequantize(), seg.length, 1, 1)) for seg in self.segments]
-        k0 = parts[0][0]
-        keys = k0.new_zeros(B, H, W, k0.shape[-1])
-        values = keys.new_zeros(B, H, W, parts[0][1].shape[-1])
-        positions = torch.full((B, H, W), -1, dtype=torch.long, device=k0.device)
-        valid = torch.zeros(B, H, W, dtype=torch.bool, device=k0.device)
-        for i, ((k, v), seg) in enumerate(zip(parts, self.segments)):
-            b, h = divmod(i, H)
-            n = seg.length
-            keys[b, h, W - n:], values[b, h, W - n:] = k[0, 0], v[0, 0]
-            positions[b, h, W - n:] = seg.positions
-            valid[b, h, W - n:] = True
-        return StorageView(keys=keys, values=values, positions=positions, valid=valid)
+        if self.ragged:
+            keys, values, positions, valid = self._padded_heads()
+            return StorageView(keys=keys, values=values, positions=positions, valid=valid)
+        c, (B, H), n = self.contract, self.shape, self._pos.length
+        return StorageView(keys=c.read("key", self.key_store.dequantize(), n, B, H),
+                           values=c.read("value", self.value_store.dequantize(), n, B, H),
+                           positions=self._pos.view(), valid=None)
 
     # -- eviction --------------------------------------------------------------------------------
     def evict(self, selection: Selection, view: StorageView) -> None:
@@ -323,60 +268,20 @@ class LayerStorage:
                 x = view.keys if stream == "key" else view.values
                 merged, touched = selection.merge.apply(x)
                 self._write(stream, touched, merged)
-        if not self.ragged and not selection.ragged:
-            rows = self._reserve_for(selection.index.shape[-1], False)
-            for store in (self.key_store, self.value_store, self._pos):
-                store.gather(selection.index)
-                _reserve(store, rows)
-            self.contract.after("gather", self)
-            return
-        if not self.ragged:
-            self._split()
-        W, K = view.positions.shape[-1], selection.width
-        counts = selection.head_counts().cpu()
-        index = selection.index.cpu()
-        for i, seg in enumerate(self.segments):
-            b, h = divmod(i, self.shape[1])
-            n, stored = int(counts[b, h]), seg.length
-            cols = index[b, h, K - n:] - (W - stored)                     # padded column -> segment index
-            if n and int(cols.min()) < 0:
-                raise ValueError(f"the selection keeps a padding column of batch row {b}, KV head {h}")
-            idx = cols.view(1, 1, n).to(seg.pos.device)
-            rows = self._reserve_for(n, True)
-            for store in (seg.key, seg.value, seg.pos):
-                store.gather(idx)
-                _reserve(store, rows)
+        if self.ragged or selection.ragged:
+            return self._evict_ragged(selection, view)
+        rows = self._reserve_for(selection.index.shape[-1], False)
+        for store in (self.key_store, self.value_store, self._pos):
+            store.gather(selection.index)
+            reserve_store(store, rows)
         self.contract.after("gather", self)
 
     def _write(self, stream: str, mask: torch.Tensor, x: torch.Tensor) -> None:
-        if not self.ragged:
-            store = self.key_store if stream == "key" else self.value_store
-            self.write_cost += self.contract.written(stream, store, mask, store.write(mask, x))
-            self.contract.after("write", self)
-            return
-        W = x.shape[2]
-        for i, seg in enumerate(self.segments):
-            b, h = divmod(i, self.shape[1])
-            n = seg.length
-            m = mask[b:b + 1, h:h + 1, W - n:]
-            if bool(m.any()):
-                store = seg.key if stream == "key" else seg.value
-                self.write_cost += self.contract.written(stream, store, m, store.write(m, x[b:b + 1, h:h + 1, W - n:]))
+        if self.ragged:
+            return self._write_ragged(stream, mask, x)
+        store = self.key_store if stream == "key" else self.value_store
+        self.write_cost += self.contract.written(stream, store, mask, store.write(mask, x))
         self.contract.after("write", self)
-
-    def _split(self) -> None:
-        """Turn uniform storage ragged: one segment per (batch row, head), codes kept as they are."""
-        keys, values = self.key_store.split_heads(), self.value_store.split_heads()
-        H = self.shape[1]
-        positions = self._pos.view()
-        self.segments = []
-        for i, (k, v) in enumerate(zip(keys, values)):
-            pos = self._new_positions(positions.device)
-            pos.reserve(positions.shape[-1])
-            pos.append(positions[i // H:i // H + 1, i % H:i % H + 1])
-            self.segments.append(Segment(key=k, value=v, pos=pos))
-        self.key_store = self.value_store = None
-        self._pos = None
 
     # -- sharing ---------------------------------------------------------------------------------
     def share_prompt(self, lower: "LayerStorage", *, held_dtype: torch.dtype, compute_dtype: torch.dtype,

@@ -1,8 +1,7 @@
 """How a layer's tokens are held: building blocks for the runtime's stores and for quantizer plugins.
 
-- :mod:`polykv.storage.token_buffer` — a preallocated token buffer and the 16-bit passthrough store;
-- :mod:`polykv.storage.reserve` — the reserve policy (how many token rows a store preallocates);
-- :mod:`polykv.storage.store_checks` — shape checks of a store's inputs and the exact byte count;
+- :mod:`polykv.storage.token_buffer` — a preallocated token buffer and the 16-bit passthrough store, the reserve
+  policy (how many token rows a store preallocates), the shape checks of a store's inputs and the exact byte count;
 - :mod:`polykv.storage.token_blocks` — the token-blocks view of a stored stream that attention reads a
   block at a time (full-precision rows; a quantizer's view adds its codes).
 

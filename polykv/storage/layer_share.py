@@ -28,8 +28,7 @@ import torch
 
 from polykv.storage.store import KVStore
 from polykv.errors import RuntimeConfigError
-from polykv.storage.store_checks import held_bytes
-from polykv.storage.token_buffer import TokenBuffer
+from polykv.storage.token_buffer import TokenBuffer, held_bytes
 
 DEFAULT_INTERPOLATION = 0.6
 """MiniCache's ``t`` (the reference code's default; the xKV command line uses 0.5)."""

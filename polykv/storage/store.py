@@ -28,7 +28,7 @@ class KVStore:
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` tokens per head, so that appends up to that many do not reallocate
         (the runtime calls it when the prompt is stored and after each eviction, with the policy of
-        :mod:`polykv.storage.reserve`). A store may also release room beyond ``max(tokens, len(self))``.
+        :mod:`polykv.storage.token_buffer`). A store may also release room beyond ``max(tokens, len(self))``.
         Optional: the default does nothing (a store that allocates as it goes)."""
 
     def write(self, mask: torch.Tensor, x: torch.Tensor) -> "WriteCost":

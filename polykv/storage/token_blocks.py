@@ -19,7 +19,6 @@ import attrs
 import torch
 
 from polykv.storage.store import UNQUANTIZED_BITS
-from polykv.storage.store_checks import gather_tokens
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -115,7 +114,7 @@ class TokenRows:
         if Tr:
             j = torch.arange(start, stop, device=out.device)
             at = (j - nq.unsqueeze(-1)).clamp(0, Tr - 1)             # (B, H, n): residual row of token j
-            res = gather_tokens(self.residual, at)
+            res = self.residual.gather(2, at.unsqueeze(-1).expand(B, H, n, d))    # each head's residual rows
             out = torch.where((j < nq.unsqueeze(-1)).unsqueeze(-1), out, res)
         return out
 

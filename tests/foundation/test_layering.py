@@ -114,9 +114,12 @@ REMOVED_PATHS = {
     "polykv.memory.schedules": "polykv.contract.schedules",
     # storage building blocks (the last two were in the quantizer plugins' folder)
     "polykv.token_buffer": "polykv.storage.token_buffer",
-    "polykv.reserve": "polykv.storage.reserve",
-    "polykv.store_checks": "polykv.storage.store_checks",
-    "polykv.adapters.quantizers.storage": "polykv.storage.store_checks",
+    "polykv.reserve": "polykv.storage.token_buffer",
+    "polykv.store_checks": "polykv.storage.token_buffer",
+    "polykv.adapters.quantizers.storage": "polykv.storage.token_buffer",
+    # the reserve policy and the store checks joined the buffers they size and check (0.3)
+    "polykv.storage.reserve": "polykv.storage.token_buffer",
+    "polykv.storage.store_checks": "polykv.storage.token_buffer",
     "polykv.adapters.quantizers.passthrough": "polykv.storage.token_buffer",
     # KIVI's min-max codes, bit packing and fused kernel live in its plugin (they were core modules in 0.2's
     # development; the 0.1 paths in the plugin folder import again)
@@ -144,6 +147,11 @@ REMOVED_PATHS = {
     "polykv.runtime.stores": "polykv.runtime.storage",
     # the one-pass attention and signals joined the rest of the attention math
     "polykv.runtime.signals": "polykv.attention.signals",
+    # the newcomer path through the runtime: one module per responsibility (0.3)
+    "polykv.runtime.layer_rules": "polykv.runtime.layer_cache",
+    "polykv.runtime.attention": "polykv.runtime.layer_spec",
+    "polykv.runtime.support": "polykv.runtime.checks",
+    "polykv.runtime.plan_checks": "polykv.runtime.checks",
 }
 """Old dotted module path -> the module it is now; none of them imports any more."""
 

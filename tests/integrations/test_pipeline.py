@@ -8,7 +8,7 @@ import transformers
 import polykv
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import geometry_of_model
-from polykv.storage.reserve import grown_capacity
+from polykv.storage.token_buffer import grown_capacity
 
 PROMPT = "The word to repeat is amber; garden kettle meadow rocket violin walnut zipper harbor. Repeat it:" * 2
 
@@ -30,7 +30,7 @@ def test_pipeline_under_the_full_plan_generates_what_transformers_does(model_and
         T = P + 16 - 1
     assert ours == vanilla and len(ours[0]["generated_text"]) > len(PROMPT)
     geo = geometry_of_model(model)
-    rows = grown_capacity(T, P)  # exactly the prompt, then blocks of 16 rows while decoding (polykv.storage.reserve)
+    rows = grown_capacity(T, P)  # exactly the prompt, then blocks of 16 rows while decoding (polykv.storage.token_buffer)
     assert session.resident_bytes().total == 2 * geo.num_layers * geo.num_kv_heads * geo.head_dim * rows * 4
     assert pipe(PROMPT, max_new_tokens=16, do_sample=False) == vanilla  # the model is plain again after the block
 

@@ -45,7 +45,7 @@ def test_prediction_equals_the_bytes_of_real_stores():
         assert [row.key_bytes, row.value_bytes] == got
 
 
-# A 16-bit layer whose decode op keeps everything reserves exactly what it keeps (polykv.storage.reserve).
+# A 16-bit layer whose decode op keeps everything reserves exactly what it keeps (polykv.storage.token_buffer).
 @pytest.mark.parametrize("make_plan,ratio", [
     (lambda geo: full_plan(geo), 1.0),
     (lambda geo: uniform_plan(geo, prefill="snapkv", capacity_ratio=0.25), 4.0),
@@ -82,7 +82,7 @@ def test_metadata_positions_accumulated_scores_and_query_window():
         dict(decode=OpSpec(rule="tova", capacity=100)),                               # last query kept
     ])
     rows = predict_resident(plan, geo, 1_000, batch=3, dtype_bytes=2)
-    # positions live in a buffer of the layer's reserve (polykv.storage.reserve): a keep-everything layer reserves
+    # positions live in a buffer of the layer's reserve (polykv.storage.token_buffer): a keep-everything layer reserves
     # what it keeps; an evicting layer capacity + slack (128) + 1 = 229 rows
     assert rows[0].metadata == {"positions": 8 * 3 * 2 * 1_000, "accumulated": 0, "query_window": 0}
     assert rows[1].metadata == {"positions": 8 * 3 * 2 * 229, "accumulated": 4 * 3 * 2 * 100, "query_window": 0}

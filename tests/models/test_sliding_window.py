@@ -21,7 +21,7 @@ from polykv.plan import OpSpec
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, moend_configs
 from polykv.models.reference import masked_reference_logits, record_run
-from polykv.storage.reserve import layer_hold, reserve_tokens
+from polykv.storage.token_buffer import layer_hold, reserve_tokens
 from polykv.testing import chunked_prefill_against_vanilla, full_plan_against_vanilla, random_model, token_ids
 from polykv.runtime.cache import cache_keyword
 
@@ -146,7 +146,7 @@ def test_decode_memory_bound_holds_for_windowed_layers(gemma3):
     assert over == [0, 0, 0]
     slot = geo.num_kv_heads * geo.head_dim * 4 * 2                   # K + V, float32, one token
     # a sliding layer is cut back to its window (7 tokens), not to the plan's 12 + 2, and its buffers
-    # reserve that hold plus the one token a decode forward appends (polykv.storage.reserve)
+    # reserve that hold plus the one token a decode forward appends (polykv.storage.token_buffer)
     rows = reserve_tokens(WINDOW - 1, layer_hold(capacity=12, decode_slack=2, bound=WINDOW - 1), slack=2)
     assert rows == WINDOW
     assert bound[:2] == [rows * slot] * 2 and worst[:2] == bound[:2]

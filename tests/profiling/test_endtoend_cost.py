@@ -80,7 +80,7 @@ def test_attention_source_is_read_once_per_forward(model, monkeypatch):
     read anew on every layer of every session (5 ms a layer: minutes over a calibration's one-layer plans)."""
     import inspect
 
-    import polykv.runtime.support as support
+    import polykv.runtime.checks as support
     from polykv.plan import full_plan
     from polykv.runtime import apply
 

@@ -54,7 +54,7 @@ def test_the_bound_counts_slack_and_the_residual_of_a_store_after_eviction():
                         decode_slack=1)
     row = predict_resident(plan, geo, 96, dtype_bytes=4, phase="decode")[0]
     assert row.kept_tokens == 65                       # capacity + slack
-    # the stores reserve hold + 1 = 66 tokens after each eviction (polykv.storage.reserve), so the bound is taken there
+    # the stores reserve hold + 1 = 66 tokens after each eviction (polykv.storage.token_buffer), so the bound is taken there
     # keys: per reserved row 8-bit codes (16 B) + int32 group id + a float32 scale and minimum row (2 * 16 * 4),
     # and beside them up to residual - 1 = 15 keys in float32 (64 B)
     assert row.key_bytes == 66 * (16 + 4 + 128) + 15 * 64

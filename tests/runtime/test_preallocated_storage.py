@@ -7,7 +7,7 @@ import torch
 import polykv
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
-from polykv.storage.reserve import GROWTH_BLOCK, cut_back_rows, grown_capacity, reserve_tokens
+from polykv.storage.token_buffer import GROWTH_BLOCK, cut_back_rows, grown_capacity, reserve_tokens
 from polykv.runtime.cache import cache_keyword
 
 

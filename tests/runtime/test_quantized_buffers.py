@@ -9,7 +9,7 @@ import polykv.registry
 from polykv.models.geometry import geometry_of_model
 from polykv.memory import predict_resident
 from polykv.plan import OpSpec
-from polykv.storage.reserve import GROWTH_BLOCK
+from polykv.storage.token_buffer import GROWTH_BLOCK
 from polykv.testing import tiny_model
 from polykv.runtime.cache import cache_keyword
 

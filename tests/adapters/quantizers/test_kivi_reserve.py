@@ -99,7 +99,7 @@ def test_a_smaller_reserve_releases_rows(stream):
 
 def test_a_keep_everything_store_grows_in_blocks_not_every_step():
     """Values quantize one token per decode step; the buffers grow a GROWTH_BLOCK of rows at a time."""
-    from polykv.storage.reserve import GROWTH_BLOCK
+    from polykv.storage.token_buffer import GROWTH_BLOCK
 
     store = _store("value")
     x = _tokens(100, seed=4)

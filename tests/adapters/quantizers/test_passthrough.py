@@ -7,7 +7,7 @@ import torch
 from polykv.adapters.quantizers.kivi import KiviQuantizer
 from polykv.storage.token_buffer import PassthroughStore
 from polykv.registry import get_registry
-from polykv.storage.reserve import GROWTH_BLOCK, capacity_after, grown_capacity
+from polykv.storage.token_buffer import GROWTH_BLOCK, capacity_after, grown_capacity
 from polykv.storage.token_buffer import PassthroughStore as CorePassthroughStore
 
 
