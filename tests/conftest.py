@@ -138,6 +138,15 @@ def _is_slow(item) -> bool:
     return item.get_closest_marker("slow") is not None
 
 
+def pytest_sessionstart(session):
+    """Build (or load) the compiled CPU decode kernel of the KIVI stores once, before any test: any test that
+    decodes a quantized layer on the CPU uses it, and its first build starts the C compiler (a process)."""
+    from polykv.adapters.quantizers import kivi_cpu
+
+    if kivi_cpu.enabled():
+        kivi_cpu.library()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # tryfirst: before ``-m`` deselects, so the added marks count.

@@ -3,8 +3,8 @@
 :class:`PackedStream` is the *token-blocks* view (``polykv.contract.storage.TokenRows``) of a KIVI key or value
 store: attention reads it a block of tokens at a time (:meth:`PackedStream.read` dequantizes only that block,
 exactly as the store's ``dequantize`` would) or hands its codes, scales and residual to the fused decode kernel
-(:meth:`PackedStream.fused_kernel`, :mod:`polykv.adapters.quantizers.kivi_triton`). Nothing is copied when a
-view is taken.
+of the query's device (:meth:`PackedStream.fused_kernel`: :mod:`polykv.adapters.quantizers.kivi_cpu` on the CPU,
+:mod:`polykv.adapters.quantizers.kivi_triton` on a GPU). Nothing is copied when a view is taken.
 
 Layouts (see kivi_keys.py / kivi_values.py; logical order = quantized tokens, then residual):
 
@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from polykv.contract import storage
-from polykv.adapters.quantizers import minmax
+from polykv.adapters.quantizers import kivi_cpu, minmax
 
 LAYOUTS = ("channel", "token", "none")
 
@@ -81,14 +81,16 @@ class PackedStream(storage.TokenRows):
 
     # -- fused kernel -----------------------------------------------------------------------------
     def fused_kernel(self):
-        """The Triton decode kernel, ``kernel(query, keys, values, scaling=...)``, with this view as the keys
-        or the values (:func:`polykv.adapters.quantizers.kivi_triton.decode_attention`)."""
-        from polykv.adapters.quantizers import kivi_triton   # imports Triton (a second): only when a decode asks
-
-        return kivi_triton.decode_attention
+        """The fused decode kernel, ``kernel(query, keys, values, scaling=...)``, with this view as the keys or
+        the values: the compiled C kernel for a CPU query (:func:`kivi_cpu.decode_attention`), the Triton
+        kernel otherwise (:func:`polykv.adapters.quantizers.kivi_triton.decode_attention`)."""
+        return fused_decode_attention
 
     def fused_ready(self, query: torch.Tensor) -> bool:
-        """Whether :meth:`fused_kernel` runs for ``query``: a CUDA query and Triton installed."""
+        """Whether :meth:`fused_kernel` runs for ``query``: a CPU query with the C kernel built (the first call
+        builds it, or says in one warning line why it cannot), or a CUDA query with Triton installed."""
+        if query.device.type == "cpu":
+            return kivi_cpu.ready(query)
         if query.device.type != "cuda":
             return False
         from polykv.adapters.quantizers import kivi_triton   # imports Triton (a second): only when a CUDA decode asks
@@ -96,5 +98,16 @@ class PackedStream(storage.TokenRows):
         return kivi_triton.available()
 
     def fused_decode(self, query: torch.Tensor, values: storage.TokenRows, scaling: float) -> torch.Tensor:
-        """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the Triton kernel."""
+        """Attention of ``query`` [B, H, q, d] over these keys and ``values`` in the fused kernel."""
         return self.fused_kernel()(query, self, values, scaling=scaling)
+
+
+def fused_decode_attention(query: torch.Tensor, keys: storage.TokenRows, values: storage.TokenRows, *,
+                           scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [B, H, q, d] over two token-blocks views in the kernel of the query's device: the
+    compiled C kernel on the CPU, Triton elsewhere."""
+    if query.device.type == "cpu":
+        return kivi_cpu.decode_attention(query, keys, values, scaling=scaling)
+    from polykv.adapters.quantizers import kivi_triton   # imports Triton (a second): only when a GPU decode asks
+
+    return kivi_triton.decode_attention(query, keys, values, scaling=scaling)

@@ -1,0 +1,242 @@
+"""C source of the CPU decode kernel over KIVI codes (compiled on first use by :mod:`kivi_cpu`).
+
+One work item is one (batch row, KV head) and one split of its tokens. It walks its tokens a block of
+``BN`` at a time and never builds a dequantized copy of the cache:
+
+* keys (per-channel groups): for each group row ``g`` it forms ``qs = q * scale[g]`` and ``qz = q . zero[g]``
+  once, then a token's logit is ``qs . codes + qz``: the codes become floats, nothing else;
+* values (per-token groups): a token's codes become ``codes * scale + zero`` in a small buffer (in the
+  field order of the packed bytes), folded into every row's accumulator with its weight;
+* full-precision residual rows (and 16-bit streams) are read as they are.
+
+Codes are unpacked a field at a time (``(byte >> shift) & mask`` over the token's bytes), so the unpacked
+channels are in *field order* (channel ``m * per + f`` at ``f * W + m``); the key query scale and the value
+accumulator use the same order, and the accumulator is put back in channel order at the end. Every split
+keeps a running maximum, denominator and weighted sum per query row (online softmax); the splits are merged
+per head after the threads join. Math in float32; threads are POSIX threads taking items off a counter.
+"""
+
+SOURCE = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BN 64
+
+typedef struct {
+    const uint8_t *codes; const float *scale; const float *zero; const int32_t *gid; const float *res;
+    int64_t c_b, c_h, c_t, s_b, s_h, s_t, g_b, g_h, g_t, r_b, r_h, r_t;
+    const int64_t *nq; const int64_t *nr;
+    int32_t layout, bits, group, pad;
+} kv_stream;
+
+typedef struct {
+    const float *q; float *out;
+    kv_stream k, v;
+    int64_t B, H, M, qlen, d, dv, nsplit, chunk, nthreads;
+    float scaling; int32_t next;
+    float *pm, *pl, *pacc;
+} kv_job;
+
+static void unpack(const uint8_t *c, int bits, int64_t d, float *dst) {
+    if (bits == 8) { for (int64_t m = 0; m < d; m++) dst[m] = (float)c[m]; return; }
+    int per = 8 / bits, mask = (1 << bits) - 1;
+    int64_t W = d / per;
+    for (int f = 0; f < per; f++) {
+        float *o = dst + f * W;
+        int sh = f * bits;
+        for (int64_t m = 0; m < W; m++) o[m] = (float)((c[m] >> sh) & mask);
+    }
+}
+
+static inline int64_t field_pos(int64_t c, int bits, int64_t d) {  /* channel c -> its place in field order */
+    int per = 8 / bits;
+    return (c % per) * (d / per) + c / per;
+}
+
+static void run_item(kv_job *J, int64_t item, float *buf, const int32_t *gmap) {
+    const int64_t M = J->M, d = J->d, dv = J->dv, H = J->H;
+    const int64_t bh = item / J->nsplit, split = item % J->nsplit, b = bh / H, h = bh % H;
+    const kv_stream *K = &J->k, *V = &J->v;
+    const int64_t knq = K->nq[bh], knr = K->nr[bh], vnq = V->nq[bh];
+    const int64_t L = knq + knr;
+    float *m_i = J->pm + item * M, *l_i = J->pl + item * M, *acc = J->pacc + item * M * dv;
+    float *accp = buf, *qs = accp + M * dv, *qz = qs + M * d, *lg = qz + M, *cb = lg + M * BN, *vb = cb + d + dv;
+    const float *q = J->q + bh * M * d;
+    for (int64_t r = 0; r < M; r++) { m_i[r] = -INFINITY; l_i[r] = 0.f; }
+    memset(acc, 0, sizeof(float) * M * dv);
+    memset(accp, 0, sizeof(float) * M * dv);
+    int64_t t0 = split * J->chunk, t1 = t0 + J->chunk;
+    if (t1 > L) t1 = L;
+    const uint8_t *kc = K->codes ? K->codes + b * K->c_b + h * K->c_h : 0;
+    const float *ks = K->scale ? K->scale + b * K->s_b + h * K->s_h : 0;
+    const float *kz = K->zero ? K->zero + b * K->s_b + h * K->s_h : 0;
+    const int32_t *kg = K->gid ? K->gid + b * K->g_b + h * K->g_h : 0;
+    const float *kr = K->res + b * K->r_b + h * K->r_h;
+    const uint8_t *vc = V->codes ? V->codes + b * V->c_b + h * V->c_h : 0;
+    const float *vs = V->scale ? V->scale + b * V->s_b + h * V->s_h : 0;
+    const float *vz = V->zero ? V->zero + b * V->s_b + h * V->s_h : 0;
+    const float *vr = V->res + b * V->r_b + h * V->r_h;
+    int64_t row = -1;
+    for (int64_t s0 = t0; s0 < t1; s0 += BN) {
+        int64_t n = t1 - s0 < BN ? t1 - s0 : BN;
+        for (int64_t j = 0; j < n; j++) {               /* logits of the block */
+            int64_t t = s0 + j;
+            if (t < knq) {
+                int64_t g = kg ? kg[t * K->g_t] : t / K->group;
+                if (g != row) {                          /* a new group row: fold its scale into the queries */
+                    row = g;
+                    const float *sg = ks + g * K->s_t, *zg = kz + g * K->s_t;
+                    for (int64_t r = 0; r < M; r++) {
+                        float z = 0.f;
+                        for (int64_t c = 0; c < d; c++) {
+                            qs[r * d + field_pos(c, K->bits, d)] = q[r * d + c] * sg[c];
+                            z += q[r * d + c] * zg[c];
+                        }
+                        qz[r] = z;
+                    }
+                }
+                unpack(kc + t * K->c_t, K->bits, d, cb);
+                for (int64_t r = 0; r < M; r++) {
+                    const float *w = qs + r * d;
+                    float s = 0.f;
+                    for (int64_t c = 0; c < d; c++) s += w[c] * cb[c];
+                    lg[r * BN + j] = (s + qz[r]) * J->scaling;
+                }
+            } else {
+                const float *x = kr + (t - knq) * K->r_t;
+                for (int64_t r = 0; r < M; r++) {
+                    const float *w = q + r * d;
+                    float s = 0.f;
+                    for (int64_t c = 0; c < d; c++) s += w[c] * x[c];
+                    lg[r * BN + j] = s * J->scaling;
+                }
+            }
+        }
+        for (int64_t r = 0; r < M; r++) {               /* online softmax over the block */
+            int64_t limit = L - J->qlen + r % J->qlen;   /* row g*q + i sees token t iff t <= L - q + i */
+            int64_t nv = limit - s0 + 1;
+            if (nv > n) nv = n;
+            float *p = lg + r * BN;
+            if (nv <= 0) { for (int64_t j = 0; j < n; j++) p[j] = 0.f; continue; }
+            float mx = m_i[r];
+            for (int64_t j = 0; j < nv; j++) if (p[j] > mx) mx = p[j];
+            float alpha = m_i[r] == -INFINITY ? 0.f : expf(m_i[r] - mx);
+            float sum = 0.f;
+            for (int64_t j = 0; j < nv; j++) { p[j] = expf(p[j] - mx); sum += p[j]; }
+            for (int64_t j = nv; j < n; j++) p[j] = 0.f;
+            l_i[r] = l_i[r] * alpha + sum;
+            m_i[r] = mx;
+            if (alpha != 1.f) {
+                for (int64_t c = 0; c < dv; c++) { acc[r * dv + c] *= alpha; accp[r * dv + c] *= alpha; }
+            }
+        }
+        for (int64_t j = 0; j < n; j++) {               /* weighted values of the block */
+            int64_t t = s0 + j;
+            if (t < vnq) {
+                unpack(vc + t * V->c_t, V->bits, dv, cb);
+                const float *st = vs + t * V->s_t, *zt = vz + t * V->s_t;
+                int per = 8 / V->bits;
+                int64_t W = dv / per, run = V->group / per;
+                if (V->group % per == 0) {               /* a group is a run of bytes: G / per per field */
+                    for (int f = 0; f < per; f++)
+                        for (int64_t g = 0; g < dv / V->group; g++) {
+                            const float sg = st[g], zg = zt[g];
+                            const float *x = cb + f * W + g * run;
+                            float *y = vb + f * W + g * run;
+                            for (int64_t m = 0; m < run; m++) y[m] = x[m] * sg + zg;
+                        }
+                } else {
+                    for (int64_t c = 0; c < dv; c++) vb[c] = cb[c] * st[gmap[c]] + zt[gmap[c]];
+                }
+                for (int64_t r = 0; r < M; r++) {
+                    float w = lg[r * BN + j];
+                    if (w == 0.f) continue;
+                    float *a = accp + r * dv;
+                    for (int64_t c = 0; c < dv; c++) a[c] += w * vb[c];
+                }
+            } else {
+                const float *x = vr + (t - vnq) * V->r_t;
+                for (int64_t r = 0; r < M; r++) {
+                    float w = lg[r * BN + j];
+                    if (w == 0.f) continue;
+                    float *a = acc + r * dv;
+                    for (int64_t c = 0; c < dv; c++) a[c] += w * x[c];
+                }
+            }
+        }
+    }
+    if (V->codes)                                        /* field order back to channel order */
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t c = 0; c < dv; c++) acc[r * dv + c] += accp[r * dv + field_pos(c, V->bits, dv)];
+}
+
+static void *worker(void *arg) {
+    kv_job *J = (kv_job *)arg;
+    const int64_t M = J->M, d = J->d, dv = J->dv, items = J->B * J->H * J->nsplit;
+    float *buf = (float *)malloc(sizeof(float) * (M * dv + M * d + M + M * BN + d + 2 * dv + 16));
+    int32_t *gmap = (int32_t *)malloc(sizeof(int32_t) * dv);  /* value channel in field order -> its group */
+    if (!buf || !gmap) { free(buf); free(gmap); return (void *)1; }
+    if (J->v.codes) {
+        for (int64_t c = 0; c < dv; c++) gmap[field_pos(c, J->v.bits, dv)] = (int32_t)(c / J->v.group);
+    }
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&J->next, 1, __ATOMIC_RELAXED);
+        if (item >= items) break;
+        run_item(J, item, buf, gmap);
+    }
+    free(buf);
+    free(gmap);
+    return 0;
+}
+
+/* Attention of J->q [B*H, M, d] over the two streams into J->out [B*H, M, dv]; 0 on success. */
+int kivi_decode(kv_job *J) {
+    const int64_t M = J->M, d = J->dv, items = J->B * J->H * J->nsplit;
+    int64_t nth = J->nthreads < 1 ? 1 : (J->nthreads > items ? items : J->nthreads);
+    J->pm = (float *)malloc(sizeof(float) * items * M);
+    J->pl = (float *)malloc(sizeof(float) * items * M);
+    J->pacc = (float *)malloc(sizeof(float) * items * M * d);
+    pthread_t th[64];
+    int64_t started = 0, failed = 0;
+    if (!J->pm || !J->pl || !J->pacc) failed = 1;
+    if (nth > 64) nth = 64;
+    J->next = 0;
+    for (int64_t i = 1; i < nth && !failed; i++) {
+        if (pthread_create(&th[started], 0, worker, J)) break;
+        started++;
+    }
+    if (!failed && worker(J)) failed = 1;
+    for (int64_t i = 0; i < started; i++) {
+        void *rc = 0;
+        pthread_join(th[i], &rc);
+        if (rc) failed = 1;
+    }
+    if (!failed) {
+        for (int64_t bh = 0; bh < J->B * J->H; bh++)     /* merge the splits of every head */
+            for (int64_t r = 0; r < M; r++) {
+                float top = -INFINITY, l = 0.f;
+                for (int64_t s = 0; s < J->nsplit; s++) {
+                    float m = J->pm[(bh * J->nsplit + s) * M + r];
+                    if (m > top) top = m;
+                }
+                float *o = J->out + (bh * M + r) * d;
+                for (int64_t c = 0; c < d; c++) o[c] = 0.f;
+                for (int64_t s = 0; s < J->nsplit; s++) {
+                    int64_t it = bh * J->nsplit + s;
+                    float m = J->pm[it * M + r];
+                    if (m == -INFINITY) continue;
+                    float w = expf(m - top);
+                    l += J->pl[it * M + r] * w;
+                    const float *a = J->pacc + (it * M + r) * d;
+                    for (int64_t c = 0; c < d; c++) o[c] += a[c] * w;
+                }
+                for (int64_t c = 0; c < d; c++) o[c] /= l;   /* l > 0: every row sees its own token */
+            }
+    }
+    free(J->pm); free(J->pl); free(J->pacc);
+    return (int)failed;
+}
+"""
