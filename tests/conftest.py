@@ -8,11 +8,18 @@ unrelated PyPI library). The built-in adapters are only ever ``polykv.adapters``
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# No garbage collection while torch, transformers and the test modules are imported: the import of a large
+# library triggers full collections over an ever larger heap, which on 2 busy cores cost seconds per process
+# (per pytest-xdist worker). pytest_runtestloop below collects once, freezes what the imports left (modules,
+# classes, functions: they live as long as the process) out of later collections, and turns collection back on.
+gc.disable()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +66,24 @@ else:
     # No deadlines: timing on a shared 2-core machine is not a property of the code under test.
     settings.register_profile("polykv", deadline=None, database=None, print_blob=True)
     settings.load_profile("polykv")
+
+
+_FROZE = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if not gc.get_freeze_count():  # not a session nested in a test (tests/foundation/test_slow_marker.py)
+        gc.collect()
+        gc.freeze()
+        session.stash[_FROZE] = True
+    gc.enable()
+
+
+def pytest_sessionfinish(session):
+    gc.enable()  # also after a session that stopped before its test loop
+    if session.stash.get(_FROZE, False):
+        gc.unfreeze()  # what the test loop froze is collected at exit again (nanobind reports the rest as leaks)
 
 
 @pytest.fixture(autouse=True)
