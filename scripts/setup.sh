@@ -21,10 +21,11 @@ if ! python -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "
     pip_install "torch==2.13.0"
 fi
 
-# Reinstall the package only when its packaging files or the checkout folder changed.
+# Reinstall the package only when its packaging files or the checkout folder changed, or a test extra is
+# missing (pytest-xdist: scripts/test.sh runs the suite on every core).
 STAMP=.venv/.polykv-install-stamp
 WANT="$(cat pyproject.toml setup.py | sha256sum | cut -c1-16) $ROOT"
-if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || ! python -c 'import polykv.adapters' 2>/dev/null; then
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || ! python -c 'import polykv.adapters, xdist' 2>/dev/null; then
     echo "setup: installing polykv (editable) with the test, report, kernels and integrations (lm_eval, ray) extras"
     pip_install -e '.[test,report,kernels,integrations]'
     echo "$WANT" > "$STAMP"

@@ -8,11 +8,18 @@ unrelated PyPI library). The built-in adapters are only ever ``polykv.adapters``
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# No garbage collection while torch, transformers and the test modules are imported: the import of a large
+# library triggers full collections over an ever larger heap, which on 2 busy cores cost seconds per process
+# (per pytest-xdist worker). pytest_runtestloop below collects once, freezes what the imports left (modules,
+# classes, functions: they live as long as the process) out of later collections, and turns collection back on.
+gc.disable()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +66,24 @@ else:
     # No deadlines: timing on a shared 2-core machine is not a property of the code under test.
     settings.register_profile("polykv", deadline=None, database=None, print_blob=True)
     settings.load_profile("polykv")
+
+
+_FROZE = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    if not gc.get_freeze_count():  # not a session nested in a test (tests/foundation/test_slow_marker.py)
+        gc.collect()
+        gc.freeze()
+        session.stash[_FROZE] = True
+    gc.enable()
+
+
+def pytest_sessionfinish(session):
+    gc.enable()  # also after a session that stopped before its test loop
+    if session.stash.get(_FROZE, False):
+        gc.unfreeze()  # what the test loop froze is collected at exit again (nanobind reports the rest as leaks)
 
 
 @pytest.fixture(autouse=True)
@@ -133,6 +158,11 @@ def saved_tiny_model(tmp_path_factory):
 REAL_MODEL_FIXTURES = ("default_model", "default_geometry")
 """Session fixtures that load the real default model."""
 
+ONE_WORKER_FIXTURES = ("local_ray",)
+"""Session fixtures that must exist once per run, not once per pytest-xdist worker: two local Rays started by
+two workers would compete for the same ports and session folder. Under ``--dist loadgroup`` (scripts/test.sh)
+every test using one of them runs on a single worker (see "Parallel runs" below)."""
+
 
 def _is_slow(item) -> bool:
     return item.get_closest_marker("slow") is not None
@@ -149,15 +179,21 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # tryfirst: before ``-m`` deselects, so the added marks count.
+    # tryfirst: before ``-m`` deselects, so the added marks count, and before pytest-xdist reads the groups.
+    one_worker = []
     for item in items:
         if item.get_closest_marker("model") is not None:
             item.add_marker(pytest.mark.slow)
         fixtures = getattr(item, "fixturenames", ())
+        if any(name in fixtures for name in ONE_WORKER_FIXTURES):
+            one_worker.append(item.nodeid)
         for name in REAL_MODEL_FIXTURES:
             if name in fixtures and item.get_closest_marker("model") is None:
                 raise pytest.UsageError(f"{item.nodeid} uses the real-model fixture {name!r} but is not "
                                         "marked: add @pytest.mark.model (it makes the test slow)")
+    folder = getattr(config, "workerinput", {}).get(ONE_WORKER_KEY)
+    if folder:  # a pytest-xdist worker: tell the controller's scheduler which tests share one worker
+        _write_atomically(Path(folder) / config.workerinput["workerid"], "".join(f"{n}\n" for n in one_worker))
 
 
 def _refuse(item, what: str):
@@ -205,3 +241,67 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# ---- Parallel runs (pytest-xdist) ------------------------------------------------------------------
+# scripts/test.sh runs ``-n auto --dist loadgroup``. Each worker collects the tests and writes the node ids that
+# use a ONE_WORKER_FIXTURES fixture into a folder the controller made; the controller's scheduler gives those
+# tests one group, hence one worker. (pytest-xdist's own ``xdist_group`` route renames node ids, which
+# pytest 9.2 no longer lets it do: the mark would be ignored without a word.)
+
+ONE_WORKER_KEY = "polykv_one_worker_dir"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _distributes(config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") == "loadgroup" \
+        and bool(getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None))
+
+
+def pytest_configure(config):
+    if _distributes(config):
+        import tempfile
+
+        config.stash[_ONE_WORKER_DIR] = tempfile.mkdtemp(prefix="polykv-one-worker-")
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_ONE_WORKER_DIR, None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_ONE_WORKER_DIR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    folder = node.config.stash.get(_ONE_WORKER_DIR, None)
+    if folder:
+        node.workerinput[ONE_WORKER_KEY] = folder
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    folder = config.stash.get(_ONE_WORKER_DIR, None)
+    if not folder:
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class OneWorkerGroups(LoadGroupScheduling):
+        """loadgroup, with the tests the workers listed in ``folder`` as one more group."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not hasattr(self, "_one_worker"):
+                self._one_worker = {line for f in Path(folder).iterdir() if not f.name.startswith(".")
+                                    for line in f.read_text(encoding="utf-8").splitlines()}
+            return "one-worker" if nodeid in self._one_worker else super()._split_scope(nodeid)
+
+    return OneWorkerGroups(config, log)

@@ -40,7 +40,10 @@ def _session(folder: Path, source: str, *args: str) -> tuple[int, _Reports]:
     # a file name of its own: a nested session would reuse a module of the same name from an earlier one
     (folder / f"test_{folder.name}.py").write_text(textwrap.dedent(source))
     reports = _Reports()
-    code = pytest.main([str(folder), "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+    # no:unraisableexception: that plugin ends a session with full garbage collections, seconds each in a
+    # process that has run most of the suite (its heap holds every module and model the suite loaded)
+    code = pytest.main([str(folder), "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                        "--import-mode=importlib",
                         "--rootdir", str(folder), "-c", str(folder / "pytest.ini"), *args], plugins=[reports])
     return int(code), reports
 
