@@ -138,6 +138,8 @@ def _write_cache(model, tokenizer, folder: Path, source: Path | None = None) -> 
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         (tmp / _COMPLETE_MARK).write_text(str(source or default_model_path()) + "\n", encoding="utf-8")
+        if (folder / _COMPLETE_MARK).is_file():  # another process (a parallel test worker) finished first:
+            return                                # keep its copy, which others may be reading already
         if folder.exists():  # an incomplete copy left by an interrupted run
             shutil.rmtree(folder)
         try:
