@@ -51,9 +51,8 @@ def serve(layer, step, module, query, key, value, attention_mask, *, scaling: fl
 def attend(step, low_rank, query, key, value, scaling: float, softcap=None, sinks=None):
     """The output [B, H, q, d] of ``query`` over what ``step`` attends (``key``/``value`` are its keys; a
     low-rank layer's codes, attended in code space and lifted), and the signals its states read, if computed."""
-    own = probe_attention(step, low_rank, softcap, sinks)  # a probe state that attends its forward itself
-    if own is not None:
-        return own(query, key, value, scaling, step.probe, step.first_position), None
+    if step.probe is not None and (own := probe_attention(step, low_rank, softcap, sinks)) is not None:
+        return own(query, key, value, scaling, step.probe, step.first_position), None  # the probe state attends
     if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling
         query = low_rank.queries(query)
     visible = None if step.window is None else window_visibility(
