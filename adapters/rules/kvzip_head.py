@@ -32,8 +32,8 @@ def compute_head_scores(model, token_batches, tokenizer=None, *, run_probe: prob
     head over the context is kept.
     """
     if run_probe is None:
-        raise ValueError("kvzip head scores are measured through the runtime's probe: pass "
-                         "run_probe=polykv.runtime.session.run_probe")
+        raise model_data.ModelDataError("kvzip head scores are measured through the runtime's probe: pass "
+                                        "run_probe=polykv.runtime.session.run_probe")
     tokenizer = tokenizer if tokenizer is not None else model_data.tokenizer_of(model)
     if tokenizer is None:
         raise ValueError("kvzip head scores need the model's tokenizer for the reconstruction prompts; pass "
