@@ -90,8 +90,11 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[i
     return best
 
 
-PROBE_ATTENTION_ELEMENTS = 1 << 22
-"""Logits per query-row block of :func:`attend_and_score` (16 MiB of float32)."""
+PROBE_ATTENTION_ELEMENTS = 1 << 21
+"""Logits per query-row block of :func:`attend_and_score` (8 MiB of float32; its probabilities take as much)."""
+SUBSET_MASS_FLOOR = 1e-12
+"""Below this share of a row's attention on the score's subset, the block's score is taken from the subset's own
+softmax of its logits (:func:`attend_and_score`)."""
 
 
 def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: tuple[int, int], sink: int,
@@ -100,12 +103,12 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     the scores of :func:`reconstruction_scores` [B, Hkv, end - start] float32).
 
     ``query``, ``keys``, ``span``, ``sink`` as in :func:`reconstruction_scores`; ``values`` [B, Hkv, T + n, dv].
-    Each block of query rows computes its logits over the keys it sees (the prompt, then its own chunk's up to
-    itself) once, float32. The columns of the score's subset [sink | keys[start:end] | own keys] are
-    exponentiated against the subset's own maximum and normalised by their own sum (the score's softmax,
-    exactly as :func:`reconstruction_scores` computes it); the other columns against the row's maximum; the
-    subset's columns are then rescaled by ``exp(subset max - row max)`` and the block meets the values, so the
-    attention output is the softmax over every key, as SDPA's. One exponential per logit serves both.
+    Each block of query rows forms its float32 logits over the keys it sees (the prompt, then its own chunk's up to
+    itself) once, and their softmax, which meets the values (the attention output, as SDPA's). The score's
+    softmax over the subset [sink | keys[start:end] | own keys] is the same probabilities divided by the
+    subset's share of the row: ``p_j / sum_{k in subset} p_k`` (equal to it to float32 rounding). A block where
+    some row puts less than :data:`SUBSET_MASS_FLOOR` on the subset (its probabilities there could underflow)
+    takes the subset's softmax of the kept logits instead, as :func:`reconstruction_scores` does.
     """
     B, H, n, d = query.shape
     Hkv, W, dv = keys.shape[1], keys.shape[2], values.shape[-1]
@@ -116,8 +119,6 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     vals = values.to(work)
     q = (query.to(work) * scaling).view(B, Hkv, G, n, d)
     out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=query.device)
-    subset = [(a, b) for a, b in ((0, sink), (start, end)) if b > a]
-    others = [(a, b) for a, b in ((sink, start), (end, T)) if b > a]
     rows = max(1, PROBE_ATTENTION_ELEMENTS // (B * H * W))
     best = None
     for a in range(0, n, rows):
@@ -126,20 +127,17 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         logits = (q[:, :, :, a:b].reshape(B, Hkv, G * r, d) @ keys_t[..., :width]).view(B, Hkv, G, r, width)
         later = torch.arange(b, device=query.device).view(1, b) > torch.arange(a, b, device=query.device).view(-1, 1)
         logits[..., T:].masked_fill_(later, float("-inf"))                                    # causal on own keys
-        own = subset + [(T, width)]
-        top = torch.stack([logits[..., i:j].amax(-1) for i, j in own]).amax(0).unsqueeze(-1)   # (B, Hkv, G, r, 1)
-        row_top = torch.stack([top.squeeze(-1)] + [logits[..., i:j].amax(-1) for i, j in others]).amax(0) \
-            .unsqueeze(-1) if others else top
-        inside = sum(logits[..., i:j].sub_(top).exp_().sum(-1, keepdim=True) for i, j in own)
-        outside = sum(logits[..., i:j].sub_(row_top).exp_().sum(-1, keepdim=True) for i, j in others)
-        got = (logits[..., start:end] / inside).amax(dim=(2, 3))                               # (B, Hkv, C)
+        probs = torch.softmax(logits, dim=-1)
+        out[:, :, :, a:b] = (probs.view(B, Hkv, G * r, width) @ vals[:, :, :width]).view(B, Hkv, G, r, dv)
+        mass = probs[..., start:end].sum(-1, keepdim=True) + probs[..., T:].sum(-1, keepdim=True)
+        if sink:
+            mass += probs[..., :sink].sum(-1, keepdim=True)
+        if bool((mass < SUBSET_MASS_FLOOR).any()):
+            subset = torch.cat([logits[..., :sink], logits[..., start:end], logits[..., T:]], dim=-1)
+            got = torch.softmax(subset, dim=-1)[..., sink:sink + end - start].amax(dim=(2, 3))
+        else:
+            got = (probs[..., start:end] / mass).amax(dim=(2, 3))                             # (B, Hkv, C)
         best = got if best is None else torch.maximum(best, got)
-        rescale = (top - row_top).exp_()
-        for i, j in own:
-            logits[..., i:j].mul_(rescale)
-        total = rescale * inside + outside
-        rows_out = (logits.view(B, Hkv, G * r, width) @ vals[:, :, :width]).view(B, Hkv, G, r, dv)
-        out[:, :, :, a:b] = rows_out.div_(total)
     return out.view(B, H, n, dv), best
 
 

@@ -33,18 +33,23 @@ def test_one_pass_equals_sdpa_and_the_reference_scores(span, sink, block, monkey
     assert torch.allclose(out, sdpa(query, keys, values, 0.6), atol=1e-6, rtol=1e-5)
 
 
-def test_a_subset_far_below_the_rows_maximum_keeps_its_scores_and_the_output():
-    """The score's softmax is taken against its own subset's maximum: a context chunk attended 100 logits less
-    than another part of the prompt still scores its own probabilities (no underflow to 0), and the output
-    is SDPA's."""
+@pytest.mark.parametrize("lift", [30.0, 100.0])
+def test_a_subset_far_below_the_rows_maximum_keeps_its_scores_and_the_output(lift, monkeypatch):
+    """Every query attends prompt tokens outside the score's subset ``lift`` logits more than the rest: the
+    subset's share of each row is small (lift 30: it divides out) or underflows float32 (lift 100: the block
+    takes the subset's own softmax); either way the chunk scores its own probabilities, and the output is SDPA's."""
     g = torch.Generator().manual_seed(0)
-    query = torch.randn(1, 2, 6, 4, generator=g)
+    base = torch.randn(4, generator=g)
+    query = base + 0.1 * torch.randn(1, 2, 6, 4, generator=g)
     keys, values = torch.randn(1, 1, 20 + 6, 4, generator=g), torch.randn(1, 1, 20 + 6, 4, generator=g)
-    keys[:, :, 14:18] = query[0, 0, 0] * 60      # prompt tokens 14..17, outside the span, dominate every row
-    out, scores = attend_and_score(query, keys, values, (2, 10), 2, 1.0)
-    want = reconstruction_scores(query, keys, (2, 10), 2, 1.0)
+    keys[:, :, 14:18] = base * lift / float(base.norm()) ** 2 * 2      # logit ~lift at scaling 1/2
+    want = reconstruction_scores(query, keys, (2, 10), 2, 0.5)
+    out, scores = attend_and_score(query, keys, values, (2, 10), 2, 0.5)
     assert float(want.min()) > 0 and torch.allclose(scores, want, atol=0, rtol=1e-5)
-    assert torch.allclose(out, sdpa(query, keys, values, 1.0), atol=1e-6, rtol=1e-5)
+    assert torch.allclose(out, sdpa(query, keys, values, 0.5), atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(kvzip, "SUBSET_MASS_FLOOR", 0.0)             # the share alone, whatever it is
+    _, shares = attend_and_score(query, keys, values, (2, 10), 2, 0.5)
+    assert torch.allclose(shares, want, atol=0, rtol=1e-5) == (lift < 80)
 
 
 @pytest.mark.parametrize("sink", ["tokens", "prefix"])
