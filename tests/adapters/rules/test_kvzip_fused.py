@@ -94,3 +94,15 @@ def test_the_runtime_keeps_the_tokens_of_the_reference_scoring(sink, monkeypatch
     assert torch.allclose(fused[finite], reference[finite], atol=1e-7, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(kept, ref_kept))
     assert torch.allclose(logits, ref_logits, atol=1e-5)
+
+
+def test_bfloat16_probes_score_in_float32_and_attend_in_their_dtype():
+    """A bfloat16 model's probe: the scores are the float32 scores of its bfloat16 queries and keys (as the
+    reference's), the output is bfloat16 and within bfloat16 rounding of SDPA's."""
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 9, 8, generator=g).bfloat16()
+    keys, values = torch.randn(1, 2, 39, 8, generator=g).bfloat16(), torch.randn(1, 2, 39, 8, generator=g).bfloat16()
+    out, scores = attend_and_score(query, keys, values, (10, 22), 3, 0.35)
+    assert out.dtype == torch.bfloat16 and scores.dtype == torch.float32
+    assert torch.allclose(scores, reconstruction_scores(query, keys, (10, 22), 3, 0.35), atol=1e-7, rtol=1e-5)
+    assert torch.allclose(out.float(), sdpa(query, keys, values, 0.35).float(), atol=2e-2)
