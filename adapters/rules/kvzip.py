@@ -115,7 +115,7 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     G, T = H // Hkv, W - n
     start, end = span
     work = torch.float32
-    keys_t = keys.to(work).transpose(-1, -2)                                                  # (B, Hkv, d, T + n)
+    keys_t = keys.to(work).transpose(-1, -2).contiguous()   # (B, Hkv, d, T + n): row-major, the products' fast side
     vals = values.to(work)
     q = (query.to(work) * scaling).view(B, Hkv, G, n, d)
     out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=query.device)
@@ -125,8 +125,8 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         b = min(a + rows, n)
         r, width = b - a, T + b                  # rows a..b see the prompt and their own chunk's keys up to b
         logits = (q[:, :, :, a:b].reshape(B, Hkv, G * r, d) @ keys_t[..., :width]).view(B, Hkv, G, r, width)
-        later = torch.arange(b, device=query.device).view(1, b) > torch.arange(a, b, device=query.device).view(-1, 1)
-        logits[..., T:].masked_fill_(later, float("-inf"))                                    # causal on own keys
+        later = torch.ones(r, r, dtype=torch.bool, device=query.device).triu_(1)  # own keys a..b: causal
+        logits[..., T + a:].masked_fill_(later, float("-inf"))   # (own keys before a are seen by every row)
         probs = torch.softmax(logits, dim=-1)
         out[:, :, :, a:b] = (probs.view(B, Hkv, G * r, width) @ vals[:, :, :width]).view(B, Hkv, G, r, dv)
         mass = probs[..., start:end].sum(-1, keepdim=True) + probs[..., T:].sum(-1, keepdim=True)
