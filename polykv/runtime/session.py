@@ -298,8 +298,8 @@ def _restore(model, name: str, saved) -> None:
 
 
 def run_probe(model, rule: str, params: dict, ids: torch.Tensor) -> list:
-    """The runtime's :data:`polykv.contract.probe.ProbeRunner`: one prompt forward and its probe under a plan that keeps every
-    token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
+    """The runtime's :data:`polykv.contract.probe.ProbeRunner`: one prompt forward and its probe under a plan that
+    keeps every token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
     T = int(ids.shape[-1])
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=rule, capacity=T, params=dict(params)),
                         decode="full")
