@@ -5,8 +5,14 @@ context-reconstruction probe and the selection), both computing the logits of th
 (``logits_to_keep=1``: the comparison is between cache-building passes, no vocabulary projection of
 every prompt position); best of ``--repeats`` each.
 
-``--breakdown`` also times, inside the kvzip prefill, the probe's forwards (``ProbePass.run_chunks``) and the
-scoring within them (``reconstruction_scores``); the rest is the prompt forward and the selection.
+Each time is reported as wall time and as the process's CPU time (``time.process_time``, every thread's): on a
+shared machine the wall time of one run swings with the load of others, while the CPU time of a one-thread run
+(``OMP_NUM_THREADS=1``) barely moves, so ``OMP_NUM_THREADS=1 ... --repeats 2`` gives the steadier ratio.
+
+``--breakdown`` also times, inside the kvzip prefill, the probe's forwards (``ProbePass.run_chunks``) and within
+them the probe's attention fused with its scoring (``attend_and_score``, where the rule has it) and the separate
+scoring (``reconstruction_scores``, the path of layers the runtime attends); the rest is the prompt forward and the
+selection.
 
 Memory: two fresh subprocesses (vanilla, kvzip), each loading the model, running one prefill of T tokens,
 and reporting the process's peak resident memory (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the
@@ -86,9 +92,12 @@ class _Timed:
 
     def __init__(self, owner, name: str):
         self.owner, self.name, self.seconds = owner, name, 0.0
-        self.original = getattr(owner, name)
+        self.original = getattr(owner, name, None)
 
     def __enter__(self):
+        if self.original is None:  # not in this version of polykv: nothing to time
+            return self
+
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
@@ -99,11 +108,13 @@ class _Timed:
         return self
 
     def __exit__(self, *exc):
-        setattr(self.owner, self.name, self.original)
+        if self.original is not None:
+            setattr(self.owner, self.name, self.original)
 
 
 def breakdown_run(T: int) -> None:
-    """One kvzip prefill of T tokens, split into probe forwards and scoring, beside one vanilla prefill."""
+    """One kvzip prefill of T tokens, split into probe forwards, their attention and scoring, beside one vanilla
+    prefill."""
     import polykv
     import polykv.adapters.rules.kvzip as kvzip
     from polykv.runtime.probe_pass import ProbePass
@@ -115,36 +126,43 @@ def breakdown_run(T: int) -> None:
         _vanilla(model, ids)
         v = time.perf_counter() - start
         with polykv.apply(model, plan) as session, _Timed(ProbePass, "run_chunks") as probe, \
-                _Timed(kvzip, "reconstruction_scores") as scoring:
+                _Timed(kvzip, "reconstruction_scores") as scoring, _Timed(kvzip, "attend_and_score") as fused:
             start = time.perf_counter()
             _kvzip(session, ids)
             k = time.perf_counter() - start
     rest = k - probe.seconds
     print(f"breakdown at {T} tokens (threads {torch.get_num_threads()}), in units of the vanilla prefill ({v:.2f} s): "
           f"kvzip {k / v:.2f}x = prompt forward and selection {rest / v:.2f}x + probe forwards "
-          f"{(probe.seconds - scoring.seconds) / v:.2f}x + scoring {scoring.seconds / v:.2f}x")
+          f"{(probe.seconds - scoring.seconds - fused.seconds) / v:.2f}x + probe attention with its scoring "
+          f"{fused.seconds / v:.2f}x + separate scoring {scoring.seconds / v:.2f}x")
 
 
 def time_run(T: int, repeats: int) -> None:
+    """Vanilla and kvzip prefills of T tokens, alternating, ``repeats`` times each; the best wall and CPU times."""
     import polykv
 
     model, ids, plan = _setup(T)
-    times = {"vanilla": [], "kvzip": []}
+    wall = {"vanilla": [], "kvzip": []}
+    cpu = {"vanilla": [], "kvzip": []}
     probe = 0
     with torch.no_grad():
         _vanilla(model, ids[:, :256])  # warm-up
     with torch.no_grad():
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             _vanilla(model, ids)
-            times["vanilla"].append(time.perf_counter() - start)
+            wall["vanilla"].append(time.perf_counter() - start)
+            cpu["vanilla"].append(time.process_time() - start_cpu)
             with polykv.apply(model, plan) as session:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 probe = _kvzip(session, ids)
-                times["kvzip"].append(time.perf_counter() - start)
-    v, k = min(times["vanilla"]), min(times["kvzip"])
+                wall["kvzip"].append(time.perf_counter() - start)
+                cpu["kvzip"].append(time.process_time() - start_cpu)
+    v, k = min(wall["vanilla"]), min(wall["kvzip"])
+    vc, kc = min(cpu["vanilla"]), min(cpu["kvzip"])
     print(f"time at {T} tokens (threads {torch.get_num_threads()}, best of {repeats}): vanilla prefill {v:.2f} s, "
-          f"kvzip prefill {k:.2f} s (probe: {probe} extra forward tokens), ratio {k / v:.2f}x")
+          f"kvzip prefill {k:.2f} s (probe: {probe} extra forward tokens), ratio {k / v:.2f}x; CPU time: vanilla "
+          f"{vc:.2f} s, kvzip {kc:.2f} s, ratio {kc / vc:.2f}x")
 
 
 def memory_run(T: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from polykv.contract.allocators import Allocator
 from polykv.contract.hookspecs import hookimpl
-from polykv.contract.model_data import need_of
+from polykv.contract.model_data import compute_data, need_of
 from polykv.contract.rules import PHASES, ScoredRule
 from polykv.contract.selection import Merge, Selection
 from polykv.contract.stores import WriteCost
@@ -22,7 +22,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.plan import AllocationGroup, OpSpec, per_layer_plan, uniform_plan
 from polykv.registry import Registry
 from polykv.runtime.plugin_results import store_head
-from polykv.runtime.session import apply
+from polykv.runtime.session import apply, run_probe
 from polykv.testing import feed_random, tiny_model
 
 _CHECK_MODELS: dict = {}
@@ -179,7 +179,8 @@ def check_rule(rule_class, params=None, *, capacity: int = 12, prompt: int = 40,
     need = need_of(rule_class)
     if need is not None and model_data is None:
         gen = torch.Generator().manual_seed(seed)
-        model_data = {need.key: need.compute(model, [torch.randint(1, 128, (1, 64), generator=gen)])}
+        model_data = {need.key: compute_data(need, model, [torch.randint(1, 128, (1, 64), generator=gen)],
+                                             run_probe=run_probe)}
     _, calls, _ = _run_checked(model, plan, registry, prompt=prompt, steps=steps, batch=batch,
                                model_data=model_data, seed=seed, counted=(rule_class,))
     for phase in sorted(phases):

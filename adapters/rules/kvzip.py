@@ -90,6 +90,57 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[i
     return best
 
 
+PROBE_ATTENTION_ELEMENTS = 1 << 21
+"""Logits per query-row block of :func:`attend_and_score` (8 MiB of float32; its probabilities take as much)."""
+SUBSET_MASS_FLOOR = 1e-12
+"""Below this share of a row's attention on the score's subset, the block's score is taken from the subset's own
+softmax of its logits (:func:`attend_and_score`)."""
+
+
+def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: tuple[int, int], sink: int,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe forward's attention and its KVzip score in one pass: (output [B, H, n, dv] in the query's dtype,
+    the scores of :func:`reconstruction_scores` [B, Hkv, end - start] float32).
+
+    ``query``, ``keys``, ``span``, ``sink`` as in :func:`reconstruction_scores`; ``values`` [B, Hkv, T + n, dv].
+    Each block of query rows forms its float32 logits over the keys it sees (the prompt, then its own chunk's up to
+    itself) once, and their softmax, which meets the values (the attention output, as SDPA's). The score's
+    softmax over the subset [sink | keys[start:end] | own keys] is the same probabilities divided by the
+    subset's share of the row: ``p_j / sum_{k in subset} p_k`` (equal to it to float32 rounding). A block where
+    some row puts less than :data:`SUBSET_MASS_FLOOR` on the subset (its probabilities there could underflow)
+    takes the subset's softmax of the kept logits instead, as :func:`reconstruction_scores` does.
+    """
+    B, H, n, d = query.shape
+    Hkv, W, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    G, T = H // Hkv, W - n
+    start, end = span
+    work = torch.float32
+    keys_t = keys.to(work).transpose(-1, -2).contiguous()   # (B, Hkv, d, T + n): row-major, the products' fast side
+    vals = values.to(work)
+    q = (query.to(work) * scaling).view(B, Hkv, G, n, d)
+    out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=query.device)
+    rows = max(1, PROBE_ATTENTION_ELEMENTS // (B * H * W))
+    best = None
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        r, width = b - a, T + b                  # rows a..b see the prompt and their own chunk's keys up to b
+        logits = (q[:, :, :, a:b].reshape(B, Hkv, G * r, d) @ keys_t[..., :width]).view(B, Hkv, G, r, width)
+        later = torch.ones(r, r, dtype=torch.bool, device=query.device).triu_(1)  # own keys a..b: causal
+        logits[..., T + a:].masked_fill_(later, float("-inf"))   # (own keys before a are seen by every row)
+        probs = torch.softmax(logits, dim=-1)
+        out[:, :, :, a:b] = (probs.view(B, Hkv, G * r, width) @ vals[:, :, :width]).view(B, Hkv, G, r, dv)
+        mass = probs[..., start:end].sum(-1, keepdim=True) + probs[..., T:].sum(-1, keepdim=True)
+        if sink:
+            mass += probs[..., :sink].sum(-1, keepdim=True)
+        if bool((mass < SUBSET_MASS_FLOOR).any()):
+            subset = torch.cat([logits[..., :sink], logits[..., start:end], logits[..., T:]], dim=-1)
+            got = torch.softmax(subset, dim=-1)[..., sink:sink + end - start].amax(dim=(2, 3))
+        else:
+            got = (probs[..., start:end] / mass).amax(dim=(2, 3))                             # (B, Hkv, C)
+        best = got if best is None else torch.maximum(best, got)
+    return out.view(B, H, n, dv), best
+
+
 class ReconstructionScores(RuleState):
     """The scores of every prompt token, filled chunk by chunk from the probe's forwards ([B, Hkv, T] float32)."""
 
@@ -104,21 +155,40 @@ class ReconstructionScores(RuleState):
 
     def reset(self) -> None:
         self.scores: torch.Tensor | None = None
+        self.attended = None  # the probe chunk whose scores attend_probe recorded in its attention pass
 
-    def observe(self, obs) -> None:
-        if obs.probe is None:  # the prompt's own forwards: nothing to record
-            return
-        T = obs.first_position
-        B, Hkv = obs.keys.shape[0], obs.keys.shape[1]
+    def _sink(self, start: int) -> int:
+        return min(self.n_sink, start) if self.sink == "tokens" else min(self.prefix_tokens, start)
+
+    def _scores_for(self, B: int, Hkv: int, T: int, device) -> torch.Tensor:
+        """The [B, Hkv, T] scores being filled (fresh, with the sinks' scores, when the prompt changed)."""
         if self.scores is None or self.scores.shape != (B, Hkv, T):
-            self.scores = torch.zeros(B, Hkv, T, dtype=torch.float32, device=obs.keys.device)
+            self.scores = torch.zeros(B, Hkv, T, dtype=torch.float32, device=device)
             if self.sink == "tokens":  # kvpress: the first n_sink tokens score 1.0, other prefix tokens 0
                 self.scores[..., :self.n_sink] = 1.0
             else:  # the reference: the whole prefix is the sink, never evicted
                 self.scores[..., :self.prefix_tokens] = float("inf")
+        return self.scores
+
+    def attend_probe(self, query, keys, values, scaling: float, probe, first_position: int) -> torch.Tensor:
+        """The probe forward's attention output, its scores recorded from the same logits
+        (:func:`attend_and_score`; :mod:`polykv.contract.probe`)."""
+        start, end = probe.span
+        out, got = attend_and_score(query, keys, values, (start, end), self._sink(start), scaling)
+        self._scores_for(keys.shape[0], keys.shape[1], first_position, keys.device)[..., start:end] = got
+        self.attended = probe
+        return out
+
+    def observe(self, obs) -> None:
+        if obs.probe is None:  # the prompt's own forwards: nothing to record
+            return
+        if self.attended is obs.probe:  # attend_probe already scored this forward
+            self.attended = None
+            return
         start, end = obs.probe.span
-        sink = min(self.n_sink, start) if self.sink == "tokens" else min(self.prefix_tokens, start)
-        self.scores[..., start:end] = reconstruction_scores(obs.query, obs.keys, (start, end), sink, obs.scaling)
+        scores = self._scores_for(obs.keys.shape[0], obs.keys.shape[1], obs.first_position, obs.keys.device)
+        scores[..., start:end] = reconstruction_scores(obs.query, obs.keys, (start, end), self._sink(start),
+                                                       obs.scaling)
 
     def gather(self, selection) -> None:
         if self.scores is not None:

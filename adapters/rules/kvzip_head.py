@@ -20,14 +20,20 @@ CALIBRATION_SINK = 4
 every softmax and take no part in the head scores' maximum."""
 
 
-def compute_head_scores(model, token_batches, tokenizer=None, *, chunk_size: int = 2048) -> HeadScores:
+def compute_head_scores(model, token_batches, tokenizer=None, *, run_probe: probe.ProbeRunner | None = None,
+                        chunk_size: int = 2048) -> HeadScores:
     """KVzip's head scores s[l, h] = max_j S[l, h, j] from ONE calibration context, through the runtime's probe.
 
     ``token_batches`` (LongTensor [1, T] each, plain text) are joined into one context; the first
     :data:`CALIBRATION_SINK` tokens are its sinks. The reconstruction probe of rule ``kvzip`` runs over the
     rest (its prompts built from ``tokenizer``: :func:`prompt_params`; else the tokenizer saved beside the
-    model) and the maximum reconstruction probability of each layer and KV head over the context is kept.
+    model) through ``run_probe``, the runtime's probe runner (``polykv.runtime.session.run_probe``, which the
+    runtime passes when it computes the data), and the maximum reconstruction probability of each layer and KV
+    head over the context is kept.
     """
+    if run_probe is None:
+        raise model_data.ModelDataError("kvzip head scores are measured through the runtime's probe: pass "
+                                        "run_probe=polykv.runtime.session.run_probe")
     tokenizer = tokenizer if tokenizer is not None else model_data.tokenizer_of(model)
     if tokenizer is None:
         raise ValueError("kvzip head scores need the model's tokenizer for the reconstruction prompts; pass "
@@ -38,14 +44,15 @@ def compute_head_scores(model, token_batches, tokenizer=None, *, chunk_size: int
                          f"{CALIBRATION_SINK}")
     params = dict(prompt_params(tokenizer), chunk_size=int(chunk_size), n_sink=CALIBRATION_SINK,
                   prefix_tokens=CALIBRATION_SINK, sink="tokens")
-    states = probe.run_probe(model, "kvzip", params, ids.to(next(model.parameters()).device))
+    states = run_probe(model, "kvzip", params, ids.to(next(model.parameters()).device))
     scores = torch.stack([st.scores[0, :, CALIBRATION_SINK:].amax(dim=-1) for st in states]).float().cpu()
     return HeadScores.measured(scores, model, num_tokens=int(ids.shape[1]) - CALIBRATION_SINK)
 
 
 HEAD_SCORES = ModelDataNeed(
     key=HEAD_SCORES_KEY, suffix=HEAD_SCORES_SUFFIX, compute=compute_head_scores, load=HeadScores.load,
-    check=lambda data, model: data.check_model(model), description="kvzip head scores", takes_tokenizer=True)
+    check=lambda data, model: data.check_model(model), description="kvzip head scores", takes_tokenizer=True,
+    takes_probe=True)
 """What rule ``kvzip-head`` needs measured on the model: computed once over the offline corpus (or by
 calibration), saved as ``x.kvzip-heads.safetensors`` beside a profile or in the model-data cache."""
 

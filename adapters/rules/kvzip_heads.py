@@ -26,7 +26,8 @@ FORMAT_VERSION = 1
 HEAD_SCORES_SUFFIX = ".kvzip-heads.safetensors"
 """Side file of a profile that keeps the head scores: ``x.profile.json`` -> ``x.kvzip-heads.safetensors``."""
 RECOMPUTE = ("remove the file to recompute the scores from the offline corpus, or write them with "
-             "polykv.adapters.rules.kvzip_head.compute_head_scores(model, batches, tokenizer=...).save(path)")
+             "polykv.adapters.rules.kvzip_head.compute_head_scores(model, batches, tokenizer=..., "
+             "run_probe=polykv.runtime.session.run_probe).save(path)")
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import polykv.runtime  # noqa: F401 (kvzip-head's scores are measured through the probe pass importing it installs)
 from polykv.atomic import check_output
 from polykv.contract.model_data import compute_over_corpus, need_of
 from polykv.errors import OutputError, PolykvError, ProfileError
@@ -22,6 +21,7 @@ from polykv.models.devices import check_device
 from polykv.plan.bases_need import KV_BASES_NEED
 from polykv.models.local_folder import check_model_folder, is_model_name, load_by_name
 from polykv.registry import get_registry
+from polykv.runtime.session import run_probe
 
 
 def register(subparsers) -> None:
@@ -75,7 +75,7 @@ def run(args) -> int:
         check_model_folder(args.model, weights=True)
     model, tokenizer = load_by_name(args.model, dtype=args.dtype, device=args.device, error=ProfileError)
     start = time.perf_counter()
-    data, batches = compute_over_corpus(need, model, tokenizer)
+    data, batches = compute_over_corpus(need, model, tokenizer, run_probe=run_probe)
     try:
         data.save(args.output)
     except Exception as exc:  # noqa: BLE001 - a full disk reaches a plugin's writer as anything; nothing is left

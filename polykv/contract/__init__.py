@@ -53,7 +53,7 @@ _MOVED = {
     **dict.fromkeys(("QueryWindow", "AccumulatedAttention", "Observation", "CompositeState", "state_bytes", "NEEDS",
                      "COLUMN_SUMS", "COLUMN_SUMS_PER_HEAD", "LAST_ROWS", "attention_probabilities"),
                     "polykv.contract.state"),
-    **dict.fromkeys(("ProbeChunk", "probe_tokens", "run_probe"), "polykv.contract.probe"),
+    **dict.fromkeys(("ProbeChunk", "probe_tokens"), "polykv.contract.probe"),
     "WriteCost": "polykv.contract.stores",
     "AllocationRequest": "polykv.contract.allocators",
     **dict.fromkeys(("pyramid_capacities", "trim_to"), "polykv.contract.schedules"),

@@ -66,6 +66,25 @@ class ModelDataNeed:
     takes_tokenizer: bool = False
     """True: ``compute`` also takes ``tokenizer=`` (the tokenizer the data is computed with, e.g. to build the
     token ids of a probe's prompts); called without it, the need finds the model's own or refuses."""
+    takes_probe: bool = False
+    """True: ``compute`` also takes ``run_probe=``, the runtime's probe runner
+    (:data:`polykv.contract.probe.ProbeRunner`): data measured through a probe is computed by a plugin that cannot
+    import the runtime, so whoever computes it hands the runner in (:func:`compute_data`)."""
+
+
+def compute_data(need: ModelDataNeed, model: Any, batches: list, *, tokenizer: Any = None,
+                 run_probe: Callable | None = None) -> Any:
+    """``need.compute(model, batches)`` with what the need declares it takes: ``tokenizer=`` and ``run_probe=``
+    (the runtime's :data:`polykv.contract.probe.ProbeRunner`; a need that takes it is refused without it)."""
+    extra: dict[str, Any] = {}
+    if need.takes_tokenizer:
+        extra["tokenizer"] = tokenizer
+    if need.takes_probe:
+        if run_probe is None:
+            raise ModelDataError(f"{need.description or 'data'} '{need.key}' is measured through the runtime's "
+                                 f"probe: pass run_probe=polykv.runtime.session.run_probe to compute it")
+        extra["run_probe"] = run_probe
+    return need.compute(model, batches, **extra)
 
 
 def need_of(rule_class: Any) -> ModelDataNeed | None:
@@ -195,14 +214,15 @@ def _load_checked(need: ModelDataNeed, path: str, model: Any, origin: str) -> An
 def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mapping[str, Any] | None = None,
                     files: Mapping[str, Iterable[tuple[str, str]]] | None = None, tokenizer: Any = None,
                     missing: str = "compute", fingerprint: str | None = None,
-                    used_by: Mapping[str, str] | None = None) -> dict[str, Any]:
+                    used_by: Mapping[str, str] | None = None, run_probe: Callable | None = None) -> dict[str, Any]:
     """``{need.key: data}`` for every need, found in this order: ``given`` (kept as is); the first existing
     file of ``files[need.key]`` (``(path, origin)`` pairs, e.g. a plan's ``model_data`` reference, a
     profile's side file); the cache (:func:`cached_file`, by model ``fingerprint``); else, with
     ``missing="compute"``, computed over the offline corpus with ``tokenizer`` (a one-line
     :class:`ModelDataNote` with the cost) and cached, or with ``missing="refuse"`` a one-line
     :class:`ModelDataError` naming every file looked for. Loaded files are checked against ``model``.
-    ``used_by``: per key, which rule and layers read it (for messages)."""
+    ``used_by``: per key, which rule and layers read it (for messages); ``run_probe``: the runtime's probe runner,
+    for data computed through a probe (:func:`compute_data`)."""
     if missing not in MISSING_CHOICES:
         raise ModelDataError(f"missing_model_data must be one of {list(MISSING_CHOICES)}, got {missing!r}")
     out = dict(given or {})
@@ -243,7 +263,7 @@ def find_model_data(model: Any, needs: Iterable[ModelDataNeed], *, given: Mappin
             raise ModelDataError(f"{what}: not found{where}; pass tokenizer=... to compute it from the offline "
                                  f"corpus, or model_data={{'{need.key}': ...}}")
         _warn_replaced(unusable, "data computed from the offline corpus")
-        out[need.key] = _compute(need, model, tokenizer, cached)
+        out[need.key] = _compute(need, model, tokenizer, cached, run_probe)
     return out
 
 
@@ -266,20 +286,22 @@ def _warn_replaced(unusable: list[str], instead: str) -> None:
         warnings.warn(f"polykv: {note}; using {instead} instead", ModelDataNote, stacklevel=_caller_level())
 
 
-def compute_over_corpus(need: ModelDataNeed, model: Any, tokenizer: Any) -> tuple[Any, list]:
-    """``need``'s data computed over the offline corpus (:func:`corpus_batches`) with ``tokenizer``, and the batches
-    it was computed on: what the runtime does for missing data, and ``polykv model-data`` on purpose."""
+def compute_over_corpus(need: ModelDataNeed, model: Any, tokenizer: Any, *,
+                        run_probe: Callable | None = None) -> tuple[Any, list]:
+    """``need``'s data computed over the offline corpus (:func:`corpus_batches`) with ``tokenizer`` (and
+    ``run_probe``, :func:`compute_data`), and the batches it was computed on: what the runtime does for missing
+    data, and ``polykv model-data`` on purpose."""
     batches = corpus_batches(tokenizer, next(model.parameters()).device)
-    data = need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer else need.compute(model, batches)
-    return data, batches
+    return compute_data(need, model, batches, tokenizer=tokenizer, run_probe=run_probe), batches
 
 
-def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None) -> Any:
+def _compute(need: ModelDataNeed, model: Any, tokenizer: Any, cached: str | None,
+             run_probe: Callable | None = None) -> Any:
     import time
     import warnings
 
     start = time.perf_counter()
-    data, batches = compute_over_corpus(need, model, tokenizer)
+    data, batches = compute_over_corpus(need, model, tokenizer, run_probe=run_probe)
     seconds = time.perf_counter() - start
     saved = ""
     if cached is not None:

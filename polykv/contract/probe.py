@@ -11,10 +11,23 @@ chunk's keys and values (they never enter the stores, and positions and ``tokens
 the prompt), and only then lets every layer select. The cost is the chunks' tokens as extra forward
 tokens (:func:`probe_tokens`).
 
+A probe state whose record is a function of the forward's attention logits may compute the attention itself,
+so that the logits are formed once: a state with a method ``attend_probe(query, keys, values, scaling, probe,
+first_position)`` (query [B, H, n, d], keys and values [B, Hkv, T + n, d] post-RoPE, the chunk's own last)
+returns the forward's softmax attention output [B, H, n, dv] and records what it reads meanwhile. The runtime
+hands it the probe forwards of full-attention layers with plain softmax and no padding (the first such state
+of a layer attends; the others observe as usual); its :meth:`observe` still follows.
+
+Per-model data measured through a probe (KVzip's head scores) cannot import the runtime that runs it: a
+:class:`~polykv.contract.model_data.ModelDataNeed` with ``takes_probe`` gets the runtime's :data:`ProbeRunner`
+as ``run_probe=`` from whoever computes it.
+
 Shapes: B batch, T prompt tokens, n tokens of one probe chunk.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -47,20 +60,9 @@ def same_probe(a, b) -> bool:
                                     for x, y in zip(a, b))
 
 
-_PROBE_RUNNER = None
-
-
-def set_probe_runner(runner) -> None:
-    """The runtime installs the function :func:`run_probe` delegates to (the contract cannot import it)."""
-    global _PROBE_RUNNER
-    _PROBE_RUNNER = runner
-
-
-def run_probe(model, rule: str, params: dict, ids: torch.Tensor) -> list:
-    """Run ``ids`` [1, T] through ``model`` under a plan whose every layer's prefill is ``rule`` with
-    ``params`` keeping all T tokens, through the runtime's own prompt forward and probe; returns each layer's
-    prefill rule state (in layer order) as the probe left it (nothing was selected). Per-model data measured
-    through a probe (KVzip's head scores) is computed with it."""
-    if _PROBE_RUNNER is None:
-        raise RuntimeError("the polykv runtime is not loaded: import polykv before computing data through a probe")
-    return _PROBE_RUNNER(model, rule, params, ids)
+ProbeRunner = Callable[[Any, str, dict, torch.Tensor], list]
+"""``run_probe(model, rule, params, ids)``: run ``ids`` [1, T] through ``model`` under a plan whose every layer's
+prefill is ``rule`` with ``params`` keeping all T tokens, through the runtime's own prompt forward and probe;
+returns each layer's prefill rule state (in layer order) as the probe left it (nothing was selected). The runtime
+provides it (``polykv.runtime.session.run_probe``) to the compute of per-model data that declares
+``takes_probe``."""

@@ -39,7 +39,7 @@ from polykv.profiling import axes_endtoend as axes
 from polykv.profiling.calibrate_axes import measure_pairs, pair_stats, pair_uppers, rank_pairs, with_ranks
 from polykv.profiling.calibrate_settings import (CalibrationResult, CalibrationSettings, candidate_configs,
                                                  check_head_losses, default_rules)
-from polykv.contract.model_data import needs_of_rules, tokenizer_of
+from polykv.contract.model_data import compute_data, needs_of_rules, tokenizer_of
 from polykv.profiling.objectives import METRIC_OF, build as followups, describe as describe_objective, parse_objectives
 from polykv.profiling.profile import Profile, ProfileProvenance, StatTable, model_info, now_iso
 from polykv.profiling.profile_checks import MIX_METRIC, mix_tables
@@ -47,6 +47,7 @@ from polykv.profiling.routing_stats import attention_entropy, rule_cosines
 from polykv.profiling.sensitivity import LayerContext, full_reference, layer_l2
 from polykv.profiling import endtoend as e2e
 from polykv.profiling import validation as val
+from polykv.runtime.session import run_probe
 
 
 def _probes(registry, name: str) -> bool:
@@ -163,8 +164,8 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     if rpairs:
         needs += (KV_BASES_NEED,)
     batches = [s.view(1, -1) for s in seqs]
-    model_data = {need.key: need.compute(model, batches, tokenizer=tokenizer) if need.takes_tokenizer
-                  else need.compute(model, batches) for need in needs}
+    model_data = {need.key: compute_data(need, model, batches, tokenizer=tokenizer, run_probe=run_probe)
+                  for need in needs}
     inv_freq, rope_scaling = rope_of_model(model)
     ctx = LayerContext(registry=registry, quantizer=quantizer, model_data=model_data,
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling, seed=settings.seed,

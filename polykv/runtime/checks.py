@@ -189,8 +189,9 @@ def check_model_data(model_data, plan: Plan, registry, model) -> None:
             raise RuntimeConfigError(f"apply(model_data=...): model_data['{need.key}']: {exc}") from None
 
 def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str, Any] | None = None,
-                    tokenizer=None, missing: str = "compute") -> dict[str, Any]:
-    """The per-model data ``plan``'s rules read (see :func:`apply`), by key."""
+                    tokenizer=None, missing: str = "compute", run_probe=None) -> dict[str, Any]:
+    """The per-model data ``plan``'s rules read (see :func:`apply`), by key (``run_probe``: the runtime's probe
+    runner, for data measured through a probe)."""
     rules = sorted(plan.rules_used())
     given = {k: v for k, v in (given or {}).items() if v is not None}
     needs = [n for n in plan_needs(plan, registry) if n.key not in given]
@@ -208,7 +209,7 @@ def plan_model_data(model, plan: Plan, registry, geometry, *, given: Mapping[str
     if tokenizer is None and missing == "compute":
         tokenizer = tokenizer_of(model)
     return find_model_data(model, needs, given=given, files=files, tokenizer=tokenizer, missing=missing,
-                           fingerprint=geometry.fingerprint, used_by=used_by)
+                           fingerprint=geometry.fingerprint, used_by=used_by, run_probe=run_probe)
 
 def plan_needs(plan: Plan, registry) -> list:
     """The per-model data ``plan`` reads: its rules' (:func:`polykv.contract.model_data.needs_of_rules`), and the

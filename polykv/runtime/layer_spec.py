@@ -26,6 +26,7 @@ from polykv.attention.low_rank import LowRank
 from polykv.attention.signals import AttentionSignals, attention_with_signals, signal_request
 from polykv.errors import RuntimeConfigError
 from polykv.runtime.plugin_results import StoreContract, StreamSpec
+from polykv.runtime.probe_pass import probe_attention
 from polykv.models.geometry import FULL, SLIDING, ModelGeometry
 from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
@@ -208,6 +209,8 @@ def serve(layer, step, module, query, key, value, attention_mask, *, scaling: fl
 def attend(step, low_rank, query, key, value, scaling: float, softcap=None, sinks=None):
     """The output [B, H, q, d] of ``query`` over what ``step`` attends (``key``/``value`` are its keys; a
     low-rank layer's codes, attended in code space and lifted), and the signals its states read, if computed."""
+    if step.probe is not None and (own := probe_attention(step, low_rank, softcap, sinks)) is not None:
+        return own(query, key, value, scaling, step.probe, step.first_position), None  # the probe state attends
     if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling
         query = low_rank.queries(query)
     view = step.view

@@ -106,3 +106,18 @@ def run_probe_chunks(model, forward, cache, chunks, device, cache_keyword: str) 
             forward(chunk.ids.to(device), use_cache=True, **{cache_keyword: cache}, **keep)
     finally:
         cache.probe = None
+
+
+def probe_attention(step, low_rank, softcap, sinks):
+    """The ``attend_probe`` of the first state of a probe ``step`` that computes the probe's attention itself
+    (:mod:`polykv.contract.probe`), or None: only on full-attention layers with plain softmax, full-width keys
+    and no padding (elsewhere the runtime attends and the states observe)."""
+    if step.probe is None or low_rank is not None or step.window is not None or softcap is not None \
+            or sinks is not None or step.valid is not None:
+        return None
+    for state in step.states:
+        for leaf in state.leaves():
+            attend = getattr(leaf, "attend_probe", None)
+            if callable(attend):
+                return attend
+    return None

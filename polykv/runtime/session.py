@@ -27,7 +27,6 @@ import torch
 from polykv.attention import attach
 from polykv.contract.model_data import NEED_ATTRIBUTE
 from polykv.contract.params import token_id_params
-from polykv.contract.probe import set_probe_runner
 from polykv.contract.rules import checks_enabled
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
@@ -142,7 +141,7 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     data = {}   # per-model data: given, read by rules that declare it, or a layer's ranks (their bases)
     if model_data is not None or plan.low_rank or any(getattr(cls, NEED_ATTRIBUTE, None) for cls in rules):
         data = plan_model_data(model, plan, registry, geometry, given=model_data, tokenizer=tokenizer,
-                               missing=missing_model_data)
+                               missing=missing_model_data, run_probe=run_probe)
     session = Session(model, plan, registry=registry, modules=modules, model_data=data, seed=seed,
                       geometry=geometry)
     session.storage_dtype = storage_dtype
@@ -356,9 +355,9 @@ def _restore(model, name: str, saved) -> None:
         setattr(model, name, saved)
 
 
-def _probe_states(model, rule: str, params: dict, ids: torch.Tensor) -> list:
-    """:func:`polykv.contract.probe.run_probe`: one prompt forward and its probe under a plan that keeps every
-    token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
+def run_probe(model, rule: str, params: dict, ids: torch.Tensor) -> list:
+    """The runtime's :data:`polykv.contract.probe.ProbeRunner`: one prompt forward and its probe under a plan that
+    keeps every token with ``rule`` in every layer's prefill; each layer's prefill state as the probe left it."""
     T = int(ids.shape[-1])
     plan = uniform_plan(geometry_of_model(model), prefill=OpSpec(rule=rule, capacity=T, params=dict(params)),
                         decode="full")
@@ -368,5 +367,3 @@ def _probe_states(model, rule: str, params: dict, ids: torch.Tensor) -> list:
         model(ids, use_cache=True, **{session.cache_keyword: cache})
     return states
 
-
-set_probe_runner(_probe_states)  # the contract's run_probe runs a probe through the runtime (it cannot import it)

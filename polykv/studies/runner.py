@@ -44,6 +44,7 @@ from polykv.profiling.profile import load_profile
 from polykv.registry import get_registry
 from polykv.runtime.answer import answer_from_context, compress_context, stop_ids
 from polykv.runtime.fork import capture_prefill
+from polykv.runtime.session import run_probe
 from polykv.runtime.tokenizer_params import fill_tokenizer_params
 from polykv.studies import fidelity
 from polykv.studies.designs import Policy, build_policies, check_policies_fit
@@ -124,7 +125,7 @@ def plan_model_data(model, tokenizer, plans: list[Plan], profile: str | None, *,
         for need in needs:
             files.setdefault(need.key, []).append((side_file(profile, need.suffix), "profile side file"))
     return find_model_data(model, needs, files=files, tokenizer=tokenizer,
-                           fingerprint=geometry_of_model(model).fingerprint)
+                           fingerprint=geometry_of_model(model).fingerprint, run_probe=run_probe)
 
 
 def policy_model_data(model, tokenizer, policies: list[Policy], profile: str | None, *,

@@ -10,6 +10,7 @@ import torch
 import polykv
 from polykv.adapters.rules.kvzip import KVzipRule, prompt_params
 from polykv.adapters.rules.kvzip_head import CALIBRATION_SINK, compute_head_scores
+from polykv.runtime.session import run_probe
 from polykv.models.geometry import geometry_of_model
 from polykv.adapters.rules.kvzip_heads import HeadScores
 from polykv.plan import AllocationGroup, OpSpec
@@ -33,7 +34,7 @@ def model():
 
 def test_head_scores_are_the_max_reconstruction_probability_of_the_reference(model):
     batches = [token_ids(1, 30, seed=1), token_ids(1, 25, seed=2)]
-    got = compute_head_scores(model, batches, tokenizer=Tok(), chunk_size=20)
+    got = compute_head_scores(model, batches, tokenizer=Tok(), run_probe=run_probe, chunk_size=20)
     ids = torch.cat(batches, dim=1)
     params = dict(prompt_params(Tok()), chunk_size=20, n_sink=CALIBRATION_SINK, prefix_tokens=CALIBRATION_SINK)
     chunks = [(c.span[0], c.span[1], c.ids) for c in KVzipRule(**params).probe_chunks(ids)]
@@ -123,4 +124,4 @@ def test_missing_scores_are_computed_through_the_probe_and_cached(model, monkeyp
     assert [p.name for p in pathlib.Path(md.cache_dir()).rglob("*.kvzip-heads.safetensors")] == \
         ["kvzip-head.kvzip-heads.safetensors"]
     batches = md.corpus_batches(Tok(), "cpu")
-    assert torch.allclose(got.scores, compute_head_scores(model, batches, tokenizer=Tok()).scores)
+    assert torch.allclose(got.scores, compute_head_scores(model, batches, tokenizer=Tok(), run_probe=run_probe).scores)
