@@ -16,7 +16,8 @@ import torch
 from polykv.adapters.rules.kvzap_model import KVZAP_SUFFIX, SURROGATES, KVzapSurrogate, is_kvzap_file
 from polykv.adapters.rules.kvzap_train import train_kvzap
 from polykv.adapters.rules.kvzip import KVzipAllocator
-from polykv.contract import PHASES, ModelDataNeed, RuleState, ScoredRule, SelectionContext, param
+from polykv.contract import PHASES, ModelDataNeed, ParamError, RuleState, ScoredRule, SelectionContext, param
+from polykv.errors import RuntimeConfigError
 
 KVZAP_KEY = "kvzap"
 
@@ -119,6 +120,17 @@ class KVzapRule(ScoredRule):
             return int(self.window)
         return 128 if self.threshold is not None else 0
 
+    def check_capacity(self, capacity: int) -> None:
+        """The protected tokens alone (``n_sink`` + the window) may not fill ``capacity``: the scores would decide
+        nothing."""
+        kept = int(self.n_sink) + self.recent
+        if kept >= int(capacity):
+            name = "window" if self.recent else "n_sink"
+            window = "window (null: 128 with a threshold, 0 without)" if self.window is None else "window"
+            raise ParamError(name, f"rule 'kvzap': n_sink + {window} = {kept} tokens are kept in every head but the "
+                                   f"capacity is {int(capacity)} tokens per KV head, so the predicted scores would "
+                                   f"decide nothing; lower n_sink or window (e.g. window=0) or raise the capacity")
+
     def new_state(self) -> PredictedScores:
         return PredictedScores(self.surrogate, (int(self.n_sink), self.recent))
 
@@ -189,11 +201,12 @@ class KVzapAllocator(KVzipAllocator):
 
     def layer_statistic(self, ctx) -> torch.Tensor:
         state = ctx.state.component(PredictedScores) if ctx.state is not None else None
-        if state is None:
-            raise ValueError(f"layer {ctx.layer_idx}: allocator 'kvzap' ranks the predicted scores of rule 'kvzap', "
-                             f"but this layer's prefill rule is not kvzap (route the group's layers to it)")
+        if state is None:   # check_op sees an op without its phase: such a plan is refused here, at the first layer
+            raise RuntimeConfigError(f"layer {ctx.layer_idx}: allocator 'kvzap' ranks the predicted scores of rule "
+                                     f"'kvzap', but this layer's prefill rule is not kvzap; set the prefill rule of "
+                                     f"every layer of the allocation group to kvzap")
         if ctx.valid is not None:
-            raise ValueError(f"layer {ctx.layer_idx}: allocator 'kvzap' cannot read a ragged layer")
+            raise RuntimeConfigError(f"layer {ctx.layer_idx}: allocator 'kvzap' cannot read a ragged layer")
         rule = KVzapRule(surrogate=state.surrogate)
         scores = state.filled(ctx, lambda first: rule.predict(ctx, first)).clone()
         scores[protected_mask(ctx, *state.protect)] = math.inf

@@ -79,8 +79,12 @@ class KVzapSurrogate:
                 "mlp_b1": (L, H, h), "mlp_w2": (L, H, h), "mlp_b2": (L, H)}
         for name, shape in want.items():
             if tuple(getattr(self, name).shape) != shape:
-                raise ProfileError(f"{self.path or 'kvzap surrogate'}: tensor '{name}' is {tuple(getattr(self, name).shape)}, "
-                                   f"expected {shape} (from feat_mean {tuple(self.feat_mean.shape)}); {RETRAIN}")
+                got = tuple(getattr(self, name).shape)
+                raise ProfileError(f"{self.path or 'kvzap surrogate'}: tensor '{name}' is {got}, expected {shape} "
+                                   f"(from feat_mean {tuple(self.feat_mean.shape)}); {RETRAIN}")
+        if not bool((self.feat_std > 0).all()):
+            raise ProfileError(f"{self.path or 'kvzap surrogate'}: tensor 'feat_std' holds a deviation <= 0 (features "
+                               f"are divided by it); {RETRAIN}")
         if Fd % 3:
             raise ProfileError(f"{self.path or 'kvzap surrogate'}: {Fd} features per head is not 3d/2 for a head "
                                f"size d; {RETRAIN}")
@@ -105,21 +109,22 @@ class KVzapSurrogate:
         """Raise a ValueError (one line) unless this surrogate covers layer ``layer_idx`` with that shape."""
         if not 0 <= layer_idx < self.num_layers or (kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
             where = f"{self.path}: " if self.path else ""
-            raise ValueError(f"{where}the kvzap surrogate covers {self.num_layers} layers x {self.num_kv_heads} KV heads "
-                             f"of size {self.head_dim}, not layer {layer_idx} with {kv_heads} KV heads of size "
+            raise ValueError(f"{where}the kvzap surrogate covers {self.num_layers} layers x {self.num_kv_heads} KV "
+                             f"heads of size {self.head_dim}, not layer {layer_idx} with {kv_heads} KV heads of size "
                              f"{head_dim}: it was trained on another model; {RETRAIN}")
 
     def predict_features(self, layer_idx: int, phi: torch.Tensor, surrogate: str = "mlp") -> torch.Tensor:
         """Predicted log-scores from features ``phi`` [B, Hkv, T, F] of one layer: [B, Hkv, T] float32."""
-        dev = phi.device
-        x = (phi.float() - self.feat_mean[layer_idx, None, :, None].to(dev)) / self.feat_std[layer_idx, None, :, None].to(dev)
+        def held(name: str) -> torch.Tensor:           # this layer's tensor, heads first, on the features' device
+            return getattr(self, name)[layer_idx].to(phi.device)
+
+        x = (phi.float() - held("feat_mean")[None, :, None]) / held("feat_std")[None, :, None]    # (B, Hkv, T, F)
         if surrogate == "linear":
-            return torch.einsum("bhtf,hf->bht", x, self.lin_w[layer_idx].to(dev)) + self.lin_b[layer_idx, None, :, None].to(dev)
+            return torch.einsum("bhtf,hf->bht", x, held("lin_w")) + held("lin_b")[None, :, None]
         if surrogate != "mlp":
             raise ValueError(f"surrogate must be one of {list(SURROGATES)}, got {surrogate!r}")
-        hid = torch.einsum("bhtf,hfk->bhtk", x, self.mlp_w1[layer_idx].to(dev)) + self.mlp_b1[layer_idx, None, :, None].to(dev)
-        out = torch.einsum("bhtk,hk->bht", F.gelu(hid), self.mlp_w2[layer_idx].to(dev))
-        return out + self.mlp_b2[layer_idx, None, :, None].to(dev)
+        hid = torch.einsum("bhtf,hfk->bhtk", x, held("mlp_w1")) + held("mlp_b1")[None, :, None]   # (B, Hkv, T, h)
+        return torch.einsum("bhtk,hk->bht", F.gelu(hid), held("mlp_w2")) + held("mlp_b2")[None, :, None]
 
     def predict(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, *, rope_scaling: float = 1.0,
                 surrogate: str = "mlp") -> torch.Tensor:
@@ -128,7 +133,8 @@ class KVzapSurrogate:
         return self.predict_features(layer_idx, features(keys, values, rope_scaling), surrogate)
 
     def check_model(self, model: Any) -> None:
-        """Raise unless ``model`` has these layers, KV heads and head size and (when both are known) this fingerprint."""
+        """Raise unless ``model`` has these layers, KV heads and head size and (when both are known) this
+        fingerprint."""
         geo = model_data.model_geometry(model)
         where = f"{self.path}: " if self.path else ""
         if not model_data.fingerprints_match(self.fingerprint, geo.fingerprint):

@@ -42,7 +42,7 @@ VALIDATION = 0.05
 def _attention_modules(model: Any) -> list:
     mods = [m for m in model.modules() if hasattr(m, "k_proj") and isinstance(getattr(m, "layer_idx", None), int)]
     if not mods:
-        raise ValueError("found no attention modules (modules with k_proj and layer_idx) in the model")
+        raise model_data.ModelDataError("found no attention modules (modules with k_proj and layer_idx) in the model")
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
@@ -63,7 +63,8 @@ def text_samples(model: Any, ids: torch.Tensor, prompt: dict, *, positions: int,
     handles = []
     for i, m in enumerate(attn):
         for j, src in enumerate((m.k_proj, m.v_proj)):
-            handles.append(src.register_forward_hook(lambda _m, _a, out, i=i, j=j: caught[i][j].append(out.detach())))
+            handles.append(src.register_forward_hook(
+                lambda _m, _a, out, i=i, j=j: caught[i][j].append(out.detach())))
     try:
         states = probe.run_probe(model, "kvzip", dict(prompt), ids)
     finally:
@@ -89,7 +90,8 @@ def _digest(ids: torch.Tensor) -> str:
 
 
 def _cached_samples(path: str, meta: dict):
-    """The samples a checkpoint file holds when it was written for ``meta`` (model, text, positions, seed); else None."""
+    """The samples a checkpoint file holds when it was written for ``meta`` (model, text, positions, seed), else
+    None."""
     if not os.path.isfile(path):
         return None
     try:
@@ -117,9 +119,14 @@ def collect(model: Any, token_batches: list, prompt: dict, *, positions: int, se
     xs, ys, tokens, start, computed = [], [], 0, time.perf_counter(), 0
     n = len(token_batches)
     for i, batch in enumerate(token_batches):
-        ids = torch.as_tensor(batch).reshape(1, -1).long()
+        ids = torch.as_tensor(batch).long()
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise model_data.ModelDataError(f"text {i} is a {list(ids.shape)} tensor; give one text per batch, [1, T] "
+                                            f"or [T] ids")
+        ids = ids.reshape(1, -1)
         if ids.shape[1] <= SINK + 1:
-            raise ValueError(f"text {i} has {ids.shape[1]} tokens; kvzap training needs more than {SINK + 1} per text")
+            raise model_data.ModelDataError(f"text {i} has {ids.shape[1]} tokens; kvzap training needs more than "
+                                            f"{SINK + 1} per text")
         meta = {"fingerprint": fp, "text": _digest(ids), "positions": str(positions), "seed": str(seed + i)}
         path = os.path.join(checkpoint, f"text-{i:05d}.safetensors") if checkpoint else None
         got = _cached_samples(path, meta) if path else None
@@ -158,6 +165,11 @@ def fit_linear(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> tuple[to
     return w.float(), ybar.float()
 
 
+def mlp_forward(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """G MLPs ``p`` (as :func:`fit_mlp` returns them) on x [G, N, F]: [G, N]."""
+    return (F.gelu(torch.baddbmm(p["b1"][:, None], x, p["w1"])) * p["w2"][:, None]).sum(-1) + p["b2"][:, None]
+
+
 def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, hidden: int, epochs: int, batch_size: int = 512, lr: float = 5e-3,
             seed: int = 0, progress: Callable[[str], None] | None = None, xv=None, yv=None) -> dict:
     """G independent MLPs F -> hidden -> GELU -> 1 on standardised features x [G, N, F] (any float dtype), y [G, N]:
@@ -178,7 +190,7 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, hidden: int, epochs: int, batch
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
 
     def forward(xb):
-        return (F.gelu(torch.baddbmm(p["b1"][:, None], xb.float(), p["w1"])) * p["w2"][:, None]).sum(-1) + p["b2"][:, None]
+        return mlp_forward(p, xb.float())
 
     for epoch in range(epochs):
         order = torch.randperm(N, generator=gen)
@@ -215,15 +227,19 @@ def train_kvzap(model: Any, token_batches, tokenizer: Any = None, *, positions: 
     """Train both regressors of every layer and KV head of ``model`` on ``token_batches`` (one text each, LongTensor
     [1, T]) against the ``kvzip`` rule's scores; ``tokenizer`` builds the reconstruction prompts (:func:`prompt_params`;
     ``prompt`` gives their ids directly; default: the tokenizer saved beside the model)."""
+    for name, value, low in (("positions", positions, 1), ("epochs", epochs, 0), ("batch_size", batch_size, 1),
+                             ("hidden", 1 if hidden is None else hidden, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise model_data.ModelDataError(f"train_kvzap: {name} must be an integer >= {low}, got {value!r}")
     if prompt is None:
         tokenizer = tokenizer if tokenizer is not None else model_data.tokenizer_of(model)
         if tokenizer is None:
-            raise ValueError("training the kvzap surrogate needs the model's tokenizer for KVzip's reconstruction "
-                             "prompts; pass tokenizer=...")
+            raise model_data.ModelDataError("training the kvzap surrogate needs the model's tokenizer for KVzip's "
+                                            "reconstruction prompts; pass tokenizer=...")
         prompt = prompt_params(tokenizer)
     batches = list(token_batches)
     if not batches:
-        raise ValueError("training the kvzap surrogate needs at least one text")
+        raise model_data.ModelDataError("training the kvzap surrogate needs at least one text")
     was_training = model.training
     model.eval()
     try:
@@ -245,13 +261,14 @@ def train_kvzap(model: Any, token_batches, tokenizer: Any = None, *, positions: 
     h = int(hidden) if hidden is not None else max(8, int(getattr(config, "hidden_size", 8 * Fd)) // 8)
     xv = ((x[:, val].float() - mean[:, None]) / std[:, None]) if n_val else None
     yv = y[:, val] if n_val else None
-    mlp = fit_mlp(xt, yt, hidden=h, epochs=int(epochs), batch_size=int(batch_size), seed=seed, progress=progress, xv=xv, yv=yv)
+    mlp = fit_mlp(xt, yt, hidden=h, epochs=int(epochs), batch_size=int(batch_size), seed=seed, progress=progress,
+                  xv=xv, yv=yv)
     info = {"texts": len(batches), "tokens": tokens, "samples": N - n_val, "validation_samples": n_val,
             "positions_per_text": int(positions), "hidden": h, "epochs": int(epochs), "activation": "gelu",
             "target": "log kvzip score", "features": "key magnitudes + value"}
     if n_val:
         lin = (torch.einsum("gnf,gf->gn", xv, lin_w) + lin_b[:, None])
-        mlp_pred = (F.gelu(torch.baddbmm(mlp["b1"][:, None], xv, mlp["w1"])) * mlp["w2"][:, None]).sum(-1) + mlp["b2"][:, None]
+        mlp_pred = mlp_forward(mlp, xv)
         info.update(linear_mse=f"{float(((lin - yv) ** 2).mean()):.4g}", linear_corr=f"{_pearson(lin, yv):.3g}",
                     mlp_mse=f"{float(((mlp_pred - yv) ** 2).mean()):.4g}", mlp_corr=f"{_pearson(mlp_pred, yv):.3g}",
                     target_var=f"{float(yv.var(dim=1).mean()):.4g}")
