@@ -288,3 +288,27 @@ def test_gemma3_trains_and_serves():
     with polykv.apply(gemma, plan, model_data={"kvzap": s}) as session:
         session.calls.prefill(token_ids(1, 40, seed=5))
         assert session.cache.layers[1].head_counts().tolist() == [[10]]
+
+
+def test_in_decode_each_new_token_is_predicted_once_and_the_cache_stays_within_capacity_and_slack(model):
+    s = random_surrogate(L=2, Hkv=2, d=16, fingerprint=geometry_of_model(model).fingerprint)
+    plan = polykv.uniform_plan(geometry_of_model(model), prefill="full",
+                               decode=OpSpec(rule="kvzap", capacity=12, params={"window": 2}))
+    plan = attrs.evolve(plan, trigger=attrs.evolve(plan.trigger, decode_slack=3))
+    predicted = []
+    original = KVzapRule.predict
+
+    def counting(self, ctx, first=0):
+        out = original(self, ctx, first)
+        predicted.append(out.shape[-1])
+        return out
+    KVzapRule.predict = counting
+    try:
+        with polykv.apply(model, plan, model_data={"kvzap": s}) as session:
+            session.calls.generate(token_ids(1, 20, seed=13), max_new_tokens=12, do_sample=False)
+            counts = [layer.head_counts() for layer in session.cache.layers]
+    finally:
+        KVzapRule.predict = original
+    assert all(int(c.max()) <= 12 + 3 for c in counts)
+    # several selections per layer, yet no token predicted twice (rescoring would predict 12+ tokens each time)
+    assert len(predicted) >= 2 * 3 and sum(predicted) <= 2 * (20 + 12)
