@@ -8,7 +8,7 @@ code, and writes it where you say: to ship it beside a profile (``<profile stem>
 
     polykv model-data --list
     polykv model-data default kvzip-head -o profiles/smollm2-135m-instruct.kvzip-head.safetensors
-    polykv model-data default kvzap --texts 40 --tokens 1000 -o profiles/smollm2-135m-instruct.kvzap.safetensors
+    polykv model-data default kvzap --texts 5 --tokens 800 -o profiles/smollm2-135m-instruct.kvzap.safetensors
 
 ``--texts``/``--tokens`` size the offline-corpus sample (default: the runtime's, 4 texts of 512 tokens). Data whose
 computation reports progress (the kvzap surrogate's training) prints it to stderr with an estimate of the time left,
