@@ -9,6 +9,7 @@ from polykv.adapters.rules.full import FullRule
 from polykv.adapters.rules.h2o import H2ORule
 from polykv.adapters.rules.key_norm import KeyNormRule
 from polykv.adapters.rules.keydiff import KeyDiffRule
+from polykv.adapters.rules.kvzap import KVzapAllocator, KVzapRule
 from polykv.adapters.rules.kvzip import KVzipAllocator, KVzipRule
 from polykv.adapters.rules.kvzip_head import KVzipHeadAllocator, KVzipHeadRule
 from polykv.adapters.rules.pyramidkv import PyramidKVAllocator, PyramidKVRule
@@ -22,8 +23,9 @@ from polykv.contract import hookimpl
 
 RULES: tuple = (FullRule, StreamingLLMRule, H2ORule, SnapKVRule, TOVARule, TriAttentionRule, RandomRule,
                 KeyNormRule, PyramidKVRule, CAKERule, ScissorhandsRule, AdaKVRule, CaMRule, D2ORule,
-                ExpectedAttentionRule, KeyDiffRule, KVzipRule, KVzipHeadRule)
-ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator, KVzipAllocator, KVzipHeadAllocator)
+                ExpectedAttentionRule, KeyDiffRule, KVzipRule, KVzipHeadRule, KVzapRule)
+ALLOCATORS: tuple = (PyramidKVAllocator, CAKEAllocator, D2OAllocator, KVzipAllocator, KVzipHeadAllocator,
+                      KVzapAllocator)
 
 
 @hookimpl

@@ -328,6 +328,10 @@ class KVzipAllocator(Allocator):
     """Budgets from the prompt's scores: batches of one row only."""
     reads_rule_state = True
 
+    def bound(self, capacities, context_tokens: int) -> list[int]:
+        """One head may take the whole prompt: its budget is a share of ``total x Hkv`` tokens, not of ``total``."""
+        return [int(context_tokens) for _ in capacities]
+
     def layer_statistic(self, ctx) -> torch.Tensor:
         state = ctx.state.component(ReconstructionScores) if ctx.state is not None else None
         if state is None or state.scores is None:

@@ -379,12 +379,23 @@ RULE_OPTIONS = {
     "d2o": {"ragged": False},
     "kvzip": {"params": {"repeat_ids": [5, 6], "continue_ids": [7], "suffix_ids": [8], "chunk_size": 16}},  # ids for the tiny vocab
     "kvzip-head": {"model_data": None},   # (set below: the head scores of the checker's model)
+    "kvzap": {"model_data": None},        # (set below: a surrogate of the checker's model's shape)
 }
 ALLOCATOR_PARAMS = {"cake": {"window": 4}}   # the default window (32) exceeds the checker's capacities
 ALLOCATOR_OPTIONS = {"kvzip": lambda: {"rule": polykv.get_registry().rule("kvzip"),  # it ranks kvzip's own scores
                                        "rule_params": RULE_OPTIONS["kvzip"]["params"]},
                      "kvzip-head": lambda: {"rule": polykv.get_registry().rule("kvzip-head"),  # and kvzip-head's
-                                            "model_data": _head_scores(3)}}
+                                            "model_data": _head_scores(3)},
+                     "kvzap": lambda: {"rule": polykv.get_registry().rule("kvzap"),  # and kvzap's predictions
+                                       "model_data": _surrogate(3)}}
+
+
+def _surrogate(layers: int):
+    """A kvzap surrogate of the contract checkers' tiny models' shape (2 KV heads of size 16), trained on nothing:
+    the tokenizer its training needs does not exist there."""
+    from tests.adapters.rules.test_kvzap import random_surrogate
+
+    return {"kvzap": random_surrogate(L=layers, Hkv=2, d=16)}
 
 
 def _head_scores(layers: int):
@@ -407,6 +418,8 @@ def test_every_builtin_rule_passes_check_rule(name):
     options = dict(RULE_OPTIONS.get(name, {}))
     if name == "kvzip-head":
         options["model_data"] = _head_scores(2)
+    if name == "kvzap":
+        options["model_data"] = _surrogate(2)
     calls = check_rule(polykv.get_registry().rule(name), **options)
     cls = polykv.get_registry().rule(name)
     assert all(calls[phase] > 0 for phase in cls.phases), calls

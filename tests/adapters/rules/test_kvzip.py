@@ -219,3 +219,19 @@ def test_scores_in_query_row_chunks_equal_one_chunk(monkeypatch):
     rows = kvzip.reconstruction_scores(query, keys, (10, 22), 3, 0.35)
     assert whole.shape == (2, 2, 12) and torch.allclose(rows, whole, atol=1e-7, rtol=1e-6)
     assert float(whole.min()) > 0 and float(whole.max()) <= 1
+
+
+def test_global_budget_bound_covers_one_head_taking_the_whole_prompt():
+    """The group keeps total x Hkv tokens ranked over every head: one head may hold more than ``total`` (up to the
+    prompt), so the memory model's per-head bound is the prompt, not min(total, prompt)."""
+    from polykv.adapters.rules.kvzip import KVzipAllocator
+    from polykv.contract.allocators import AllocationRequest
+
+    T, Hkv = 45, 2
+    scores = torch.rand(2, Hkv, T) * 0.1
+    scores[0, 0] += 1.0                                               # layer 0, head 0 ranks above everything else
+    request = AllocationRequest(group_layers=(0, 1), layers=(0, 1), statistics=tuple(scores), total=24,
+                                capacities=(12, 12), context_tokens=T, num_kv_heads=Hkv, final=True)
+    counts = KVzipAllocator().allocate(request)
+    assert int(counts.sum()) == 24 * Hkv and int(counts[0, 0]) == T   # more than total = 24 tokens in one head
+    assert all(int(counts[i].max()) <= b for i, b in enumerate(KVzipAllocator().bound((12, 12), T)))

@@ -8,6 +8,7 @@ import torch
 from polykv.adapters.rules import RULES
 from polykv.contract.rules import PHASES, SIGNALS, RetentionRule
 from polykv.adapters.rules.kvzip_heads import HeadScores
+from tests.adapters.rules.test_kvzap import random_surrogate
 from polykv.adapters.rules.query_stats import QueryStats
 from polykv.registry import Registry
 from polykv.contract.probe import ProbeChunk
@@ -30,7 +31,7 @@ def test_every_builtin_rule_is_registered_and_declared():
     assert sorted(r.name for r in RULES) == NAMES == sorted(
         ["full", "streamingllm", "h2o", "snapkv", "tova", "triattention", "random", "key-norm", "pyramidkv", "cake",
          "scissorhands", "adakv", "cam", "d2o",
-         "expected-attention", "keydiff", "kvzip", "kvzip-head"])
+         "expected-attention", "keydiff", "kvzip", "kvzip-head", "kvzap"])
     for rule in RULES:
         assert issubclass(rule, RetentionRule)
         assert rule.phases and rule.phases <= set(PHASES)
@@ -62,7 +63,8 @@ def observed_state(rule, ctx):
 def test_selection_shape_and_order(make_ctx, name, phase, capacity):
     rule = REGISTRY.rule(name)()
     ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
-                   model_data={"triattention": stats(), "kvzip-head": HeadScores(scores=torch.tensor([[0.2, 0.7]]))},
+                   model_data={"triattention": stats(), "kvzip-head": HeadScores(scores=torch.tensor([[0.2, 0.7]])),
+                               "kvzap": random_surrogate(L=1, Hkv=2, d=8)},
                    rope_inv_freq=stats().inv_freq)
     if name == "full":
         with pytest.raises(ValueError, match="keeps every token"):
