@@ -142,6 +142,7 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
     """No rule needs calibration code of its own: every registered prefill rule gets a finite error."""
     from polykv.adapters.rules.kvzip_heads import HeadScores
     from polykv.adapters.rules.query_stats import compute_query_stats
+    from tests.adapters.rules.test_kvzap import random_surrogate
 
     reg = get_registry()
     seqs = sequences(1)
@@ -151,7 +152,9 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
     heads = HeadScores.measured(torch.rand(model.config.num_hidden_layers, model.config.num_key_value_heads,
                                            generator=torch.Generator().manual_seed(0)), model, num_tokens=1)
     ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(),
-                       model_data={"triattention": stats, "kvzip-head": heads},
+                       model_data={"triattention": stats, "kvzip-head": heads, "kvzap": random_surrogate(
+                           L=model.config.num_hidden_layers, Hkv=model.config.num_key_value_heads,
+                           d=model.config.hidden_size // model.config.num_attention_heads)},
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling)
     cap = _stack([capture_sequence(model, s) for s in seqs], 1)
     rules = [n for n in reg.names("rule") if n != "full" and "prefill" in reg.rule(n).phases

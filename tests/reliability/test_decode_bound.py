@@ -31,7 +31,12 @@ def model_data(model):
     from polykv.adapters.rules.query_stats import compute_query_stats
 
     ids = torch.randint(1, 64, (2, 64), generator=torch.Generator().manual_seed(0))
-    return {"triattention": compute_query_stats(model, [ids[:1], ids[1:]])}
+    # kvzap reads a trained surrogate; one of the model's shape, trained on nothing, exercises its selection
+    # (tests/adapters/rules/test_kvzap.py checks the predictions and the training)
+    from tests.adapters.rules.test_kvzap import random_surrogate
+
+    return {"triattention": compute_query_stats(model, [ids[:1], ids[1:]]),
+            "kvzap": random_surrogate(L=1, Hkv=1, d=16)}
 
 
 # The quick subset (-m "not slow") soaks every rule and width at slack 1; the larger slacks make the grid
