@@ -202,7 +202,7 @@ def check_signals(device, small) -> str:
     on CUDA also the pass's time against SDPA over one layer of the timing model's shape."""
     from polykv.contract.state import SignalRequest, attention_column_sums, attention_last_rows
     from polykv.attention import kernels as attention
-    from polykv.runtime import layer_spec as attention_function   # where the prefill pass looks signal_request up
+    from polykv.attention import attach as attention_function   # where the prefill pass looks signal_request up
     from polykv.attention.signals import attention_with_signals
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

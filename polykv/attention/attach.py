@@ -18,6 +18,9 @@ would not be what attention reads. The runtime's session (its plan cache's layer
 here, the last two with a :class:`HandOverCache` that stores nothing; nothing is looked up on the module and
 nothing global names a session. The model-wide mask is never built (:func:`no_mask`): each attend builds its own
 per layer.
+
+:func:`attend` is what a runtime layer's step does in attention once its refusals passed: the keys it holds (the
+prompt, the dense view, or straight from the stores), through SDPA, the eager path or the one-pass signal kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
+from polykv.attention.kernels import eager_attention, sdpa, window_visibility
+from polykv.attention.signals import AttentionSignals, attention_with_signals, signal_request
 from polykv.errors import RuntimeConfigError
 
 NAME = "polykv"
@@ -80,6 +85,47 @@ def polykv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     return attend(module, query, _plain(key), value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def attend(step, low_rank, query, key, value, scaling: float, softcap=None, sinks=None):
+    """The output [B, H, q, d] of ``query`` over what ``step`` (a layer cache's forward step) attends
+    (``key``/``value`` are its keys; a low-rank layer's codes, attended in code space and lifted), and the signals
+    its states read, if computed."""
+    if low_rank is not None:  # codes: logits (P^T q) . c with the head dim's own scaling
+        query = low_rank.queries(query)
+    view = step.view
+    visible = None if step.window is None else window_visibility(
+        view.positions, step.first_position, query.shape[2], window=step.window, attention_type=step.attention_type,
+        same_rows=step.phase == "prefill")
+    signals = None
+    if step.stores is not None:
+        out = step.stores.attend(query, scaling)
+    elif softcap is not None or sinks is not None:
+        out = eager_attention(query, key, value, scaling, view.valid, visible=visible, softcap=softcap, sinks=sinks)
+    elif visible is None:
+        out, signals = attention_and_signals(step, query, key, value, scaling, view.valid)
+    else:
+        out = sdpa(query, key, value, scaling, view.valid, visible=visible)
+    return (out if low_rank is None else low_rank.lift(out)), signals
+
+
+def attention_and_signals(step, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                          valid: torch.Tensor | None) -> tuple[torch.Tensor, AttentionSignals | None]:
+    """A forward (``step``) of a full-attention layer: the output [B, H, q, d] and the signals its states need.
+
+    The states observing the step declare what they read (``RuleState.needs``).
+    :func:`~polykv.attention.signals.attention_with_signals` computes the output and every declared
+    signal in one pass when that saves work: in prefill when some state reads column sums (every
+    query row contributes), and in every decode step whose states read anything (one query row: its
+    probabilities are the attention's own). Otherwise plain SDPA and no signals: in prefill the newest
+    rows alone cost ``r x K`` whenever they are computed, so states compute them when they select (a
+    layer waiting for its allocation group holds no rows meanwhile), and the keep-everything plan
+    stays vanilla.
+    """
+    request = signal_request(step.states)
+    if request.needs_every_row or (request and step.phase == "decode"):
+        return attention_with_signals(query, key, value, scaling, request, valid)
+    return sdpa(query, key, value, scaling, valid), None
 
 
 def no_mask(batch_size: int = 1, q_length: int = 1, kv_length: int = 1, q_offset: int = 0, kv_offset: int = 0,

@@ -59,7 +59,7 @@ class GroupRun:
             return
         T = layer.tokens_seen
         layers = self.layers
-        caps = tuple(int(layers[i].spec.plan_capacity("prefill", T)) for i in self.group.layers)
+        caps = tuple(int(layers[i].spec.plan.prefill.resolve_capacity(T)) for i in self.group.layers)
         request = AllocationRequest(group_layers=tuple(self.group.layers), layers=done,
                                     statistics=tuple(self.statistics[i] for i in done), total=sum(caps),
                                     capacities=caps, context_tokens=T, num_kv_heads=layer.head_counts().shape[1],

@@ -14,7 +14,7 @@ one object per distinct ``share_key`` (a query window of each length, accumulate
 a plan restored from it gets copies of exactly the states its own prefill would have built.
 
 One thing a plan does change during prefill: a layer whose states read every attention row (H2O's
-column sums) attends in the one-pass signal kernel, others in SDPA (:func:`polykv.runtime.layer_spec.attend`);
+column sums) attends in the one-pass signal kernel, others in SDPA (:func:`polykv.attention.attach.attend`);
 the two agree to float rounding, not bit for bit. So plans are grouped by which layers take the
 signal pass (their *attention signature*), the model runs over the prompt once per group, and each
 plan is restored from its own group's prefill: still exactly its own ``Session.prefill``.
@@ -36,6 +36,7 @@ from polykv.models.geometry import geometry_of_model
 from polykv.plan import Plan, full_plan
 from polykv.runtime.cache import PlanCache
 from polykv.runtime.calls import check_chunk_size
+from polykv.runtime.layer_cache import new_states
 from polykv.runtime.probe_pass import run_probe_chunks
 from polykv.runtime import session as sessions  # sessions.apply: looked up when called, so it can be wrapped
 from polykv.runtime.storage import StorageView
@@ -89,7 +90,7 @@ def plan_states(session) -> list[list]:
     """Per layer, fresh states of every rule and allocator of ``session``'s plan."""
     out = []
     for spec in session.layer_specs:
-        states = [st for st in spec.new_states().values() if st is not None]
+        states = [st for st in new_states(spec).values() if st is not None]
         out.append(states)
     for group, allocator in session.allocation_groups:
         for layer in group.layers:

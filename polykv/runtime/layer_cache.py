@@ -1,6 +1,6 @@
-"""The cache of one decoder layer under a plan (:class:`LayerCache`); :class:`~polykv.runtime.cache.PlanCache`
-holds one per layer inside a transformers ``Cache``; what it is built from is a
-:class:`~polykv.runtime.layer_spec.LayerSpec`.
+"""The cache of one decoder layer under a plan (:class:`LayerCache`), built from a
+:class:`~polykv.runtime.layer_spec.LayerSpec`, and its forward's step in attention (:func:`serve`);
+:class:`~polykv.runtime.cache.PlanCache` holds one layer per decoder layer inside a transformers ``Cache``.
 
 Each layer holds a :class:`~polykv.runtime.storage.LayerStorage` (key and value stores and the original
 position of every stored token, uniform or ragged across KV heads) and its rules at work: the rule objects of its
@@ -12,9 +12,10 @@ states keep following the kept tokens.
 
 A forward runs in two halves joined by one :class:`~polykv.runtime.layer_spec.ForwardStep`:
 :meth:`LayerCache.update` (the model's call, right after RoPE) begins it (:meth:`LayerCache.begin`) and returns
-the keys and values attention reads, carrying the step (:func:`polykv.attention.attach.hand_over`); attention
-(:func:`polykv.runtime.layer_spec.serve`) attends as the step says and hands it back to
-:meth:`LayerCache.after_attention`, which lets every state observe the forward, then selects and stores (prefill)
+the keys and values attention reads, carrying the step (:func:`polykv.attention.attach.hand_over`); transformers'
+attention call reaches :func:`serve` with the layer and step as explicit arguments, which refuses what the runtime
+cannot serve, attends as the step says (:func:`polykv.attention.attach.attend`) and hands the step back to
+:meth:`LayerCache.after_attention`: every state observes the forward, then the layer selects and stores (prefill)
 or evicts (decode).
 
 Prefill (the first forward on an empty cache, or every chunk of a chunked prefill): attention runs on the raw
@@ -38,16 +39,18 @@ import functools
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from polykv.attention.attach import hand_over
+from polykv.attention.attach import attend, hand_over
 from polykv.contract.rules import SelectionContext
 from polykv.contract.selection import Selection
 from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.errors import RuntimeConfigError
-from polykv.plan import PASSTHROUGH_BITS
-from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_step
-from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec, serve
+from polykv.models.geometry import SLIDING
+from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_step, reads_stores
+from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec
 from polykv.runtime.plugin_results import checked_selection
-from polykv.runtime.storage import LayerStorage, StorageView, joined
+from polykv.runtime.probe_pass import probe_attention
+from polykv.runtime.ragged import over_budget
+from polykv.runtime.storage import LayerStorage, StorageView, joined, new_store
 from polykv.storage.token_buffer import layer_hold, reserve_tokens
 
 
@@ -72,7 +75,7 @@ class LayerCache(CacheLayerMixin):
             contract = spec.store_contract(storage_dtype=settings.storage_dtype, full=settings.check)
         self.storage = LayerStorage(self._new_store, self.reserve_for, contract=contract,
                                     exact_growth=spec.decode_rule is not None or spec.token_bound is not None)
-        self.states = spec.new_states()
+        self.states = new_states(spec)
         """``{"prefill": RuleState | None, "decode": RuleState | None}`` of the layer's rules (one object when
         shared)."""
         self.extra_states: list = []
@@ -90,7 +93,7 @@ class LayerCache(CacheLayerMixin):
         """The prompt's keys, values and positions while prefill runs, unstored (after the prefill rule ran:
         its selection); None once :meth:`store_prompt` moved it into the stores."""
         self.read_stores = True
-        """Decode forwards attend straight from the stores when they can (:meth:`reads_stores`); False:
+        """Decode forwards attend straight from the stores when they can (:func:`~polykv.runtime.layer_parts.reads_stores`); False:
         build the dense view (dequantized, ragged heads padded) and run SDPA (the comparison path)."""
         self.low_rank = None
         """The spec's bases on the cache's device and dtype (set with the first forward), or None."""
@@ -157,28 +160,25 @@ class LayerCache(CacheLayerMixin):
         allocator gave it, else the plan's op at the tokens seen (None: everything)."""
         budget = self.budget
         if budget is None:
-            return self.spec.plan_capacity(phase, self.tokens_seen), None
+            return getattr(self.spec.plan, phase).resolve_capacity(self.tokens_seen), None
         if isinstance(budget, torch.Tensor):
             return int(budget.max()), budget
         return int(budget), None
 
-    def hold_tokens(self, kept: int, ragged: bool) -> int | None:
-        """Most tokens per head this layer keeps between forwards from now on
-        (:func:`polykv.storage.token_buffer.layer_hold`):
-        ``capacity + decode_slack`` when the decode op evicts (a ragged head: its own ``kept + slack``),
-        capped by a window's bound; None when nothing cuts the layer back."""
+    def reserve_for(self, kept: int, ragged: bool) -> int:
+        """Token rows a head holding ``kept`` tokens reserves (the reserve policy of
+        :mod:`polykv.storage.token_buffer`): the layer is cut back to ``capacity + decode_slack`` when its decode op
+        evicts (a ragged head: its own ``kept + slack``), capped by a window's bound."""
         cap = None
         if self.spec.decode_rule is not None:
             cap = kept if ragged else self.capacity("decode")[0]
-        return layer_hold(capacity=cap, decode_slack=self.settings.decode_slack, bound=self.spec.token_bound)
-
-    def reserve_for(self, kept: int, ragged: bool) -> int:
-        """Token rows a head holding ``kept`` tokens reserves (:func:`polykv.storage.token_buffer.reserve_tokens`)."""
-        return reserve_tokens(kept, self.hold_tokens(kept, ragged), slack=self.settings.decode_slack)
+        slack = self.settings.decode_slack
+        return reserve_tokens(kept, layer_hold(capacity=cap, decode_slack=slack, bound=self.spec.token_bound),
+                              slack=slack)
 
     def _new_store(self, stream: str):
-        return self.spec.new_store(stream, dtype=self.dtype, device=self.device,
-                                   storage_dtype=self.settings.storage_dtype)
+        return new_store(self.spec.quantizer, self.spec.plan, stream, dtype=self.dtype, device=self.device,
+                         storage_dtype=self.settings.storage_dtype)
 
     # -- transformers layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -239,7 +239,7 @@ class LayerCache(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, ends_prompt: bool = True,
                probe=None, **kwargs):
         """The transformers layer interface: :meth:`begin` a forward and return the keys and values it attends
-        (a low-rank layer's codes), carrying the step to attention (:func:`polykv.runtime.layer_spec.serve`)."""
+        (a low-rank layer's codes), carrying the step to attention (:func:`serve`)."""
         step = probe_step(self, key_states, value_states, probe) if probe is not None \
             else self.begin(key_states, value_states, ends_prompt=ends_prompt)
         self.attended = False
@@ -249,7 +249,7 @@ class LayerCache(CacheLayerMixin):
         """Take the q new post-RoPE keys/values [B, Hkv, q, d] of a forward; return its :class:`ForwardStep`.
 
         Prefill: they join the unstored prompt, which the step attends. Decode: they are appended to the stores,
-        and the step attends the stores (:meth:`reads_stores`) or their dense view. ``ends_prompt``: whether
+        and the step attends the stores (:func:`~polykv.runtime.layer_parts.reads_stores`) or their dense view. ``ends_prompt``: whether
         the prompt is complete after this forward (False between the chunks of a chunked prefill)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -265,7 +265,7 @@ class LayerCache(CacheLayerMixin):
             self.prompt = view = joined(self.prompt, key_states, value_states, self.tokens_seen)
         else:
             self.storage.append(key_states, value_states, self.tokens_seen)
-            if not states and self.reads_stores():  # attention reads the stores; no dense view is built
+            if not states and reads_stores(self):  # attention reads the stores; no dense view is built
                 stores = self.storage
                 view = StorageView(keys=key_states, values=value_states, positions=None, valid=None)
             else:
@@ -274,24 +274,6 @@ class LayerCache(CacheLayerMixin):
         return ForwardStep(layer_idx=self.layer_idx, phase="decode" if self.prefilled else "prefill", view=view,
                            stores=stores, first_position=self.tokens_seen, states=states,
                            ends_prompt=ends_prompt, attention_type=spec.attention_type, window=spec.window)
-
-    def reads_stores(self) -> bool:
-        """Whether this decode forward attends straight from the stores
-        (:func:`polykv.attention.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
-        of the dense view: a full-attention layer with plain softmax attention whose stores read in token
-        blocks, no rule state observing every forward (states read the dense keys), and something the view
-        would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
-        the longest). A uniform 16-bit layer's view is its buffers, so it keeps SDPA over them. An
-        eviction still builds the view, in the forwards where it fires."""
-        plan, st = self.spec.plan, self.storage
-        if not (self.read_stores and self.spec.plain and self.spec.window is None):
-            return False
-        if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
-            return False
-        pair = (st.segments[0].key, st.segments[0].value) if st.ragged else (st.key_store, st.value_store)
-        if not all(callable(getattr(x, "token_blocks", None)) for x in pair):  # every store is built alike
-            return False
-        return not self.observing_states()
 
     # -- after attention -------------------------------------------------------------------------
     def after_attention(self, step: ForwardStep, query: torch.Tensor, scaling: float, signals=None) -> None:
@@ -414,10 +396,54 @@ class LayerCache(CacheLayerMixin):
         return out
 
 
-def over_budget(totals: list[int], Hkv: int, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
-    """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv`` tokens over
-    its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them); ``totals``: tokens
-    each batch row stores over its heads. With every head holding the same count this is "some head holds more
-    than capacity + slack"."""
-    budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
-    return any(t > budget + slack * Hkv for t in totals)
+def new_states(spec: LayerSpec) -> dict:
+    """Fresh states of the layer's two rules; equal ``share_key`` -> one object serves both."""
+    pre = spec.prefill_rule.new_state() if spec.prefill_rule is not None else None
+    dec = spec.decode_rule.new_state() if spec.decode_rule is not None else None
+    if pre is not None and dec is not None and pre.share_key is not None and pre.share_key == dec.share_key:
+        dec = pre
+    return {"prefill": pre, "decode": dec}
+
+
+# -- the step in attention ------------------------------------------------------------------------------------
+
+def serve(layer: LayerCache, step: ForwardStep, module, query, key, value, attention_mask, *, scaling: float,
+          dropout: float = 0.0, **kwargs):
+    """Attend ``step`` of ``layer`` (both from the layer's ``update``) for ``module``; ``query`` [B, H, q, d].
+    Returns the output as transformers wants it, [B, q, H, d], and no attention weights."""
+    layer_idx = step.layer_idx
+    if attention_mask is not None:
+        raise RuntimeConfigError(
+            f"layer {layer_idx}: the attention function received a 4D attention mask (one passed by the caller, or "
+            f"one the model builds itself); the polykv runtime builds its own masks and supports only unpadded "
+            f"batches: pass no 4D mask (a model that builds its own masks cannot be served)")
+    if kwargs.get("output_attentions"):
+        raise RuntimeConfigError("output_attentions is not supported by the polykv runtime (attention runs in SDPA)")
+    if dropout and module.training:
+        raise RuntimeConfigError(f"layer {layer_idx}: the polykv runtime serves attention in eval mode; this model "
+                                 f"asks for attention dropout in training mode (call model.eval())")
+    if kwargs.get("sliding_window") is not None:  # the model's own window: only a windowed model passes one
+        _check_window(step, layer_idx, kwargs["sliding_window"])
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if layer.spec.plain and (softcap is not None or sinks is not None):
+        raise RuntimeConfigError(
+            f"layer {layer_idx}: polykv.apply found no logit softcapping and no attention sinks on this attention "
+            f"module, but its forward asks for them; the model's attention modules disagree with what they attend "
+            f"with, so the polykv runtime cannot serve this model")
+    if step.probe is not None and (own := probe_attention(step, layer.low_rank, softcap, sinks)) is not None:
+        out, signals = own(query, key, value, scaling, step.probe, step.first_position), None  # the probe state's
+    else:
+        out, signals = attend(step, layer.low_rank, query, key, value, scaling, softcap, sinks)
+    layer.after_attention(step, query, scaling, signals=signals)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_window(step, layer_idx, model_window) -> None:
+    """The model's own ``sliding_window`` argument must agree with the layer's recorded attention type."""
+    if step.attention_type == SLIDING and step.window == int(model_window):
+        return
+    raise RuntimeConfigError(
+        f"layer {layer_idx}: the model attends with sliding window {model_window} but its geometry records "
+        f"'{step.attention_type}' (window {step.window}); the config's layer_types/sliding_window disagree with "
+        f"the attention modules, so the polykv runtime cannot serve this model")

@@ -1,6 +1,7 @@
 """The optional parts of a layer cache, picked from its plan layer when the cache is built, so a layer without
 them runs none of their code: a window's token bound (:class:`WindowBound`), a shared layer pair's merge
-(:class:`SharedPrompt`) and a probe forward (:func:`probe_step`). Ragged heads live in
+(:class:`SharedPrompt`), a probe forward (:func:`probe_step`) and decode attention straight from the stores
+(:func:`reads_stores`). Ragged heads live in
 :class:`~polykv.runtime.ragged.RaggedHeads`, low-rank codes in :class:`~polykv.attention.low_rank.LowRank`,
 allocation budgets in :mod:`polykv.runtime.allocation`.
 
@@ -13,6 +14,7 @@ import torch
 
 from polykv.contract.selection import Selection, ragged_top_k
 from polykv.errors import RuntimeConfigError
+from polykv.plan import PASSTHROUGH_BITS
 from polykv.runtime.layer_spec import ForwardStep
 from polykv.runtime.storage import LayerStorage, StorageView, joined
 
@@ -68,3 +70,22 @@ def probe_step(layer, key_states: torch.Tensor, value_states: torch.Tensor, prob
                        view=joined(raw, key_states, value_states, layer.tokens_seen), stores=None,
                        first_position=layer.tokens_seen, states=states, ends_prompt=False,
                        attention_type=layer.spec.attention_type, window=layer.spec.window, probe=probe)
+
+
+def reads_stores(layer) -> bool:
+    """Whether a decode forward of ``layer`` (a :class:`~polykv.runtime.layer_cache.LayerCache`) attends straight
+    from the stores (:func:`polykv.attention.online_softmax.decode_attention_from_stores`, per head for a ragged layer) instead
+    of the dense view: a full-attention layer with plain softmax attention whose stores read in token
+    blocks, no rule state observing every forward (states read the dense keys), and something the view
+    would cost: a quantized stream (dequantizing the whole layer) or ragged heads (padding them to
+    the longest). A uniform 16-bit layer's view is its buffers, so it keeps SDPA over them. An
+    eviction still builds the view, in the forwards where it fires."""
+    plan, st = layer.spec.plan, layer.storage
+    if not (layer.read_stores and layer.spec.plain and layer.spec.window is None):
+        return False
+    if not st.ragged and plan.k_bits == PASSTHROUGH_BITS and plan.v_bits == PASSTHROUGH_BITS:
+        return False
+    pair = (st.segments[0].key, st.segments[0].value) if st.ragged else (st.key_store, st.value_store)
+    if not all(callable(getattr(x, "token_blocks", None)) for x in pair):  # every store is built alike
+        return False
+    return not layer.observing_states()

@@ -14,9 +14,10 @@ from typing import Any, Mapping
 import torch
 
 from polykv.plan import LayerPlan
-from polykv.runtime.layer_spec import attend
+from polykv.attention.attach import attend
 from polykv.runtime.layer_cache import LayerCache
-from polykv.runtime.layer_spec import CacheSettings, layer_spec
+from polykv.runtime.layer_spec import CacheSettings
+from polykv.runtime.session import layer_spec
 from polykv.runtime.storage import LayerStorage, new_store, quantizer_of
 
 

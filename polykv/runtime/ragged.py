@@ -136,3 +136,12 @@ class RaggedHeads:
             self.segments.append(Segment(key=k, value=v, pos=pos))
         self.key_store = self.value_store = None
         self._pos = None
+
+
+def over_budget(totals: list[int], Hkv: int, capacity: int, head_capacity: torch.Tensor | None, slack: int) -> bool:
+    """True when some batch row stores more than the layer's budget: ``(capacity + slack) * Hkv`` tokens over
+    its KV heads (the per-head budgets' sum + ``slack * Hkv`` when an allocator gave them); ``totals``: tokens
+    each batch row stores over its heads. With every head holding the same count this is "some head holds more
+    than capacity + slack"."""
+    budget = capacity * Hkv if head_capacity is None else int(head_capacity.sum())
+    return any(t > budget + slack * Hkv for t in totals)

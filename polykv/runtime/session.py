@@ -29,16 +29,19 @@ from polykv.contract.model_data import NEED_ATTRIBUTE
 from polykv.contract.params import token_id_params
 from polykv.contract.rules import checks_enabled
 from polykv.errors import RuntimeConfigError
-from polykv.models.geometry import ModelGeometry, geometry_of_model, rope_of_model
-from polykv.plan import OpSpec, Plan, uniform_plan, validate_plan
+from polykv.attention.low_rank import LowRank
+from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model, rope_of_model
+from polykv.models.kv_bases import KV_BASES_KEY
+from polykv.plan import LayerPlan, OpSpec, Plan, uniform_plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime import calls
 from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, cache_keyword, given_cache
-from polykv.runtime.layer_spec import CacheSettings, LayerSpec, layer_spec
+from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.checks import (SERVED, attention_modules, check_layer_shapes, check_model_data,
                                    check_probe_phases, check_rank_rules, check_seed, check_servable, check_stores,
                                    model_type, plain_softmax, plan_model_data)
+from polykv.runtime.storage import quantizer_of
 from polykv.runtime.tokenizer_params import check_token_ids, check_tokenizer, fill_tokenizer_params
 
 SUPPORTED_ATTN = ("sdpa", "eager")
@@ -147,6 +150,31 @@ def apply(model, plan: Plan, *, model_data: Mapping[str, Any] | None = None, reg
     session.storage_dtype = storage_dtype
     session.check = checks_enabled(check)
     return session
+
+
+def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry | None = None,
+               model_data: Mapping[str, Any] | None = None, *, plain: bool = True) -> LayerSpec:
+    """The :class:`~polykv.runtime.layer_spec.LayerSpec` of plan layer ``lp``: its rule and quantizer objects from
+    ``registry``, its attention type and window from ``geometry`` (None: full attention), its bases from
+    ``model_data`` when the plan gives it a rank; ``plain``: no softcap or sinks on its attention module."""
+    rules = {}
+    for phase in ("prefill", "decode"):
+        op = getattr(lp, phase)
+        rules[phase] = None if op.keeps_everything else registry.rule(op.rule)(**op.params)
+    windowed = geometry is not None and geometry.is_windowed(lp.layer)
+    return LayerSpec(plan=lp, prefill_rule=rules["prefill"], decode_rule=rules["decode"],
+                     quantizer=quantizer_of(registry, lp),
+                     attention_type=geometry.layer_types[lp.layer] if windowed else FULL,
+                     window=geometry.sliding_window if windowed else None,
+                     token_bound=geometry.token_bound(lp.layer) if geometry is not None else None,
+                     low_rank=_low_rank(lp, model_data or {}) if lp.low_rank else None, plain=plain)
+
+
+def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]) -> LowRank:
+    """The bases of a layer the plan gives a rank."""
+    bases = model_data[KV_BASES_KEY]
+    return LowRank(None if lp.k_rank is None else bases.basis("key", lp.layer, lp.k_rank),
+                   None if lp.v_rank is None else bases.basis("value", lp.layer, lp.v_rank))
 
 
 class OneCaller:

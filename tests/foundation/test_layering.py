@@ -149,7 +149,7 @@ REMOVED_PATHS = {
     "polykv.runtime.signals": "polykv.attention.signals",
     # the newcomer path through the runtime: one module per responsibility (0.3)
     "polykv.runtime.layer_rules": "polykv.runtime.layer_cache",
-    "polykv.runtime.attention": "polykv.runtime.layer_spec",
+    "polykv.runtime.attention": "polykv.runtime.layer_cache",
     "polykv.runtime.support": "polykv.runtime.checks",
     "polykv.runtime.plan_checks": "polykv.runtime.checks",
 }

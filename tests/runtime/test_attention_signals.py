@@ -15,7 +15,7 @@ import polykv
 import polykv.contract.rules as operators
 import polykv.attention.signals as attention_signals
 import polykv.contract.state as rule_state
-import polykv.runtime.layer_spec as attention
+import polykv.attention.attach as attention
 from polykv.contract.rules import SelectionContext, window_rows
 from polykv.plan import AllocationGroup, OpSpec
 from polykv.contract.state import (AccumulatedAttention, CompositeState, Observation, QueryWindow,
