@@ -311,8 +311,8 @@ class ScoredRule(RetentionRule):
 # -- the checks ScoredRule runs on a rule's own scores ----------------------------------------------------
 # A rule's ``score()`` must return a float tensor of exactly [B, Hkv, T] (always checked); with the expensive
 # checks on, no NaN may sit among the scores that decide. A failure is one PluginContractError line naming the
-# layer, the phase and the rule; the runtime's checks of everything else plugins return live in
-# polykv.runtime.plugin_results.
+# layer, the phase and the rule; a selection's check is polykv.contract.selection.checked_selection, and the
+# runtime's checks of everything else plugins return live in polykv.runtime.plugin_results.
 
 def checked_scores(rule, scores: Any, ctx) -> torch.Tensor:
     """``rule.score(ctx)`` must be a float tensor of shape exactly [B, Hkv, T] ([B, 1, T] is allowed

@@ -7,7 +7,7 @@ position of every stored token, uniform or ragged across KV heads) and its rules
 spec, their states (:attr:`LayerCache.states`) and the extra states that observe the same forwards (an
 allocator's, a prefill capture's). A selection runs the phase's rule on a view of the layer's tokens through a
 :class:`~polykv.contract.rules.SelectionContext` (:meth:`LayerCache.context`), is checked
-(:func:`~polykv.runtime.plugin_results.checked_selection`), and every observing state gathers with it, so the
+(:func:`~polykv.contract.selection.checked_selection`), and every observing state gathers with it, so the
 states keep following the kept tokens.
 
 A forward runs in two halves joined by one :class:`~polykv.runtime.layer_spec.ForwardStep`:
@@ -41,13 +41,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from polykv.attention.attach import attend, hand_over
 from polykv.contract.rules import SelectionContext
-from polykv.contract.selection import Selection
+from polykv.contract.selection import Selection, checked_selection
 from polykv.contract.state import AccumulatedAttention, Observation, QueryWindow, state_bytes
 from polykv.errors import RuntimeConfigError
 from polykv.models.geometry import SLIDING
 from polykv.runtime.layer_parts import SharedPrompt, WindowBound, probe_step, reads_stores
 from polykv.runtime.layer_spec import CacheSettings, ForwardStep, LayerSpec
-from polykv.runtime.plugin_results import checked_selection
 from polykv.runtime.probe_pass import probe_attention
 from polykv.runtime.ragged import over_budget
 from polykv.runtime.storage import LayerStorage, StorageView, joined, new_store

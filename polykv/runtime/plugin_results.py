@@ -1,5 +1,6 @@
-"""Checks on what plugins return, in one place: rules' scores and selections, stores' lengths, shapes
-and bytes, allocators' budgets. The runtime calls them at each call of a plugin method, and
+"""Checks on what plugins return: stores' lengths, shapes and bytes and allocators' budgets here; a rule's scores
+and selection where the contract defines them (:func:`polykv.contract.rules.checked_scores`,
+:func:`polykv.contract.selection.checked_selection`). The runtime calls them at each call of a plugin method, and
 :mod:`polykv.testing` calls the same ones, so a broken plugin fails with the same one line either way:
 a :class:`~polykv.errors.PluginContractError` naming the layer, the phase, the plugin and what was
 expected vs what it got.
@@ -26,105 +27,9 @@ import attrs
 import torch
 
 from polykv.contract.rules import where
-from polykv.contract.selection import Selection, as_selection
 from polykv.contract.stores import UNQUANTIZED_BITS
 from polykv.errors import PluginContractError
 from polykv.storage.token_buffer import reserved_stream_bytes
-
-
-# -- rules -----------------------------------------------------------------------------------------
-
-def checked_selection(result, ctx, capacity: int, *, where: str) -> Selection:
-    """``result`` of ``rule.select(ctx, capacity)`` as a checked :class:`Selection`.
-
-    Rectangular selections on uniform storage must be [B, Hkv, capacity]; every kept entry is a real
-    (non-padding) column, strictly ascending per head (so unique); ragged counts never exceed a head's
-    tokens and sum, per batch row, to at most ``capacity * Hkv`` (the sum of the per-head budgets when
-    an allocator gave them). Ragged selections are trimmed to the longest head. A merge's targets must
-    be kept tokens and its weights (and ``target_scale``) finite.
-    """
-    if not isinstance(result, (torch.Tensor, Selection)):
-        raise PluginContractError(f"{where} select() returned a {type(result).__name__}; expected a [B, Hkv, k] "
-                                  f"int64 tensor or a polykv.contract.selection.Selection (fix the rule's select())")
-    sel = as_selection(result)
-    idx = sel.index
-    B, Hkv, T = ctx.positions.shape
-    fix = "(fix the rule's select())"
-    if idx.dtype != torch.int64 or idx.dim() != 3 or tuple(idx.shape[:2]) != (B, Hkv):
-        raise PluginContractError(f"{where} returned indices of shape {tuple(idx.shape)} and dtype {idx.dtype}; "
-                                  f"expected ({B}, {Hkv}, k) int64 {fix}")
-    if not sel.ragged and ctx.valid is None and ctx.head_capacity is None and idx.shape[2] != capacity:
-        raise PluginContractError(f"{where} returned indices of shape {tuple(idx.shape)} and dtype {idx.dtype}; "
-                                  f"expected ({B}, {Hkv}, {capacity}) int64 {fix}")
-    kept = None
-    if sel.ragged:
-        sel = _checked_counts(sel, ctx, capacity, where, fix)
-        idx, kept = sel.index, sel.kept_mask()
-    if idx.numel():
-        inside = (idx >= 0) & (idx < T)
-        steps = idx[..., 1:] > idx[..., :-1]
-        if kept is not None:  # a ragged selection's padding columns are neither checked nor compared
-            inside, steps = inside[kept], steps | ~kept[..., :-1]
-        if not bool(inside.all()):
-            raise PluginContractError(f"{where} returned indices outside [0, {T}) {fix}")
-        if not bool(steps.all()):
-            raise PluginContractError(f"{where} returned indices that are not strictly ascending within "
-                                      f"[0, {T}) (a repeated or unsorted column) {fix}")
-        if ctx.valid is not None:
-            real = ctx.valid.gather(-1, idx.clamp(0, T - 1))
-            if not bool((real if kept is None else real[kept]).all()):
-                raise PluginContractError(f"{where} kept a padding column (ctx.valid is False there) {fix}")
-    if sel.merge is not None:
-        _check_merge(sel.merge, idx, sel.kept_mask() if kept is None else kept, B, Hkv, T, where, fix)
-    return sel
-
-
-def _checked_counts(sel: Selection, ctx, capacity: int, where: str, fix: str) -> Selection:
-    """A ragged selection's per-head counts: none above a head's tokens, each batch row within the layer's budget;
-    the selection trimmed to its longest head."""
-    idx = sel.index
-    B, Hkv = idx.shape[:2]
-    counts = sel.head_counts().to(idx.device)
-    lengths = ctx.head_lengths().to(idx.device)
-    if tuple(counts.shape) != (B, Hkv) or bool((counts < 0).any()) or bool((counts > lengths).any()):
-        raise PluginContractError(f"{where} returned per-head counts {counts.tolist()} for heads storing "
-                                  f"{lengths.tolist()} tokens {fix}")
-    budget = capacity * Hkv if ctx.head_capacity is None else ctx.head_capacity.sum(-1)
-    if bool((counts.sum(-1) > torch.as_tensor(budget, device=idx.device)).any()):
-        raise PluginContractError(f"{where} kept {counts.sum(-1).tolist()} tokens per batch row, more than the "
-                                  f"layer's budget {torch.as_tensor(budget).tolist()} {fix}")
-    K = int(counts.max()) if counts.numel() else 0
-    return sel if idx.shape[2] == K else attrs.evolve(sel, index=idx[..., idx.shape[2] - K:])
-
-
-def _check_merge(merge, idx, kept, B, Hkv, T, where, fix) -> None:
-    E = merge.evicted.shape[-1]
-    if (merge.evicted.dim() != 3 or tuple(merge.targets.shape[:3]) != (B, Hkv, E)
-            or merge.weights.shape != merge.targets.shape or not merge.streams <= {"key", "value"}
-            or (merge.target_scale is not None and tuple(merge.target_scale.shape) != (B, Hkv, T))):
-        scale = None if merge.target_scale is None else tuple(merge.target_scale.shape)
-        raise PluginContractError(f"{where} returned a merge of inconsistent shapes: evicted "
-                                  f"{tuple(merge.evicted.shape)}, targets {tuple(merge.targets.shape)}, weights "
-                                  f"{tuple(merge.weights.shape)}, target_scale {scale}, streams "
-                                  f"{sorted(merge.streams)}; expected evicted [{B}, {Hkv}, E], targets and "
-                                  f"weights [{B}, {Hkv}, E, M], target_scale [{B}, {Hkv}, {T}] {fix}")
-    is_kept = torch.zeros(B, Hkv, T, dtype=torch.bool, device=idx.device)
-    is_kept.scatter_(-1, idx.clamp(0, T - 1), kept)
-    used = merge.weights != 0
-    hits = is_kept.gather(-1, merge.targets.reshape(B, Hkv, -1).clamp(0, T - 1)).view_as(used)
-    finite = torch.isfinite(merge.weights).all()
-    if merge.target_scale is not None:
-        finite = finite & torch.isfinite(merge.target_scale).all()
-    inside = ((merge.evicted >= 0) & (merge.evicted < T)).all() & ((merge.targets >= 0) & (merge.targets < T)).all()
-    if bool(hits[used].all() & finite & inside):  # one sync for the three
-        return
-    if not bool(inside):
-        raise PluginContractError(f"{where} returned merge columns outside [0, {T}) {fix}")
-    if not bool(finite):
-        raise PluginContractError(f"{where} returned merge weights or target_scale that are not finite "
-                                  f"(NaN or inf); expected finite weights {fix}")
-    raise PluginContractError(f"{where} merges into tokens it does not keep (a target with a non-zero weight is "
-                              f"not in the selection) {fix}")
 
 
 # -- allocators ------------------------------------------------------------------------------------
@@ -286,17 +191,3 @@ class StoreContract:
                     f"{self._head(stream, 'prefill')} holds {measured} resident bytes for {n} tokens ({B} x {H} "
                     f"heads, {rows} rows reserved); expected {predicted} from its predict_reserved_bytes / "
                     f"predict_bytes (count every tensor the store keeps: codes, scales, zeros, residuals)")
-
-
-class NoContract:
-    """The store checks of a storage built outside a layer cache (tests), or of a 16-bit layer's own buffers
-    while the expensive checks are off: none."""
-
-    def after(self, call, storage, *, keys=None, values=None) -> None:
-        pass
-
-    def read(self, stream, x, tokens, batch, heads, **_):
-        return x
-
-    def written(self, stream, store, mask, cost):
-        return cost

@@ -25,7 +25,6 @@ import attrs
 import torch
 
 from polykv.attention.online_softmax import decode_attention_from_stores, decode_attention_per_head
-from polykv.runtime.plugin_results import NoContract
 from polykv.contract.stores import KVStore, WriteCost
 from polykv.contract.selection import Selection
 from polykv.plan import PASSTHROUGH_BITS, LayerPlan
@@ -63,7 +62,7 @@ def new_store(quantizer, lp: LayerPlan, stream: str, *, dtype: torch.dtype, devi
 
 def passthrough_store(*, dtype: torch.dtype, device: torch.device) -> KVStore:
     """The 16-bit store: unquantized tensors in the compute dtype. Its gathers are not checked again: the runtime
-    gathers a layer's stores only with selections it checked (:func:`~polykv.runtime.plugin_results.checked_selection`)
+    gathers a layer's stores only with selections it checked (:func:`~polykv.contract.selection.checked_selection`)
     or built itself (a window's newest tokens, a ragged head's own columns)."""
     return PassthroughStore(dtype=dtype, device=device, checks_gathers=False)
 
@@ -327,3 +326,17 @@ class LayerStorage(RaggedHeads):
         if not self.ragged:
             return self._pos.nbytes()
         return sum(s.pos.nbytes() for s in self.segments)
+
+
+class NoContract:
+    """The store checks of a storage built outside a layer cache (tests), or of a 16-bit layer's own buffers
+    while the expensive checks are off: none."""
+
+    def after(self, call, storage, *, keys=None, values=None) -> None:
+        pass
+
+    def read(self, stream, x, tokens, batch, heads, **_):
+        return x
+
+    def written(self, stream, store, mask, cost):
+        return cost

@@ -301,7 +301,7 @@ class PassthroughStore(KVStore):
     checks_gathers : bool
         Check every :meth:`gather` index (:func:`check_index`). False only for a store whose gathers are
         checked before they reach it: a layer's own 16-bit store, which the runtime gathers with selections it
-        has checked (:func:`polykv.runtime.plugin_results.checked_selection`) or built itself.
+        has checked (:func:`polykv.contract.selection.checked_selection`) or built itself.
     """
 
     bits = UNQUANTIZED_BITS
