@@ -115,10 +115,8 @@ def _parse_op(r: FieldReader, layer: int, phase: str, raw: Any) -> OpSpec:
     rule = r.str_(raw["rule"], field + ".rule", layer=layer)
     if not rule:
         r.fail("rule name is empty", layer=layer, field=field + ".rule")
-    cap = raw.get("capacity")
-    ratio = raw.get("capacity_ratio")
-    cap = r.int_(cap, field + ".capacity", layer=layer, optional=True)
-    ratio = r.float_(ratio, field + ".capacity_ratio", layer=layer, optional=True)
+    cap = r.int_(raw.get("capacity"), field + ".capacity", layer=layer, optional=True)
+    ratio = r.float_(raw.get("capacity_ratio"), field + ".capacity_ratio", layer=layer, optional=True)
     params = r.dict_(raw.get("params", {}), field + ".params", layer=layer)
     op = OpSpec(rule=rule, capacity=cap, capacity_ratio=ratio, params=params)
     check_op(op, layer=layer, phase=phase, source=r.source)
