@@ -25,6 +25,8 @@ MAX_DEPTH = 64
 """Deepest nesting of arrays and objects any polykv file needs (plans and profiles use fewer than 8)."""
 
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+_SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")
+"""A lone surrogate can only come from one of these: the character itself, or a ``\\uD800``-``\\uDFFF`` escape."""
 
 MAX_DOCUMENT_BYTES = 64 << 20
 """Largest single JSON document (plan, profile, study spec, model config) polykv reads: the largest it
@@ -121,15 +123,18 @@ def _check_strings(value: Any, path: str = "") -> None:
 
 
 def loads_strict(text: str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``text`` as strict JSON: no NaN/Infinity, no duplicate keys, no lone surrogates, bounded depth."""
-    _check_depth(text, max_depth)
+    """Parse ``text`` as strict JSON: no NaN/Infinity, no duplicate keys, no lone surrogates, bounded depth (the
+    depth and surrogate scans run only on a text that could fail them)."""
+    if text.count("[") + text.count("{") > max_depth:
+        _check_depth(text, max_depth)
     try:
         value = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_pairs)
     except json.JSONDecodeError as exc:
         raise JsonInputError(exc.msg, exc.lineno, exc.colno) from None
     except RecursionError:
         raise JsonInputError(f"nested too deeply to read (more than {max_depth} levels)") from None
-    _check_strings(value)
+    if _SURROGATE.search(text):
+        _check_strings(value)
     return value
 
 

@@ -13,7 +13,7 @@ from polykv.models import (MODEL_ALIASES, NAMED_MODELS, cached_complete, default
 from polykv.models.geometry import fingerprints_match, geometry_from_config
 from polykv.plan import MAX_CONTEXT_TOKENS, load_plan
 from polykv.plan.groups import check_group_bounds
-from polykv.plan.validation import check_side_files
+from polykv.plan.side_files import check_side_files
 from polykv.registry import get_registry
 from polykv.runtime.checks import layer_spans
 from polykv.storage.layer_share import SHARE_PARAMS, retained_count

@@ -8,7 +8,7 @@ import sys
 from polykv.atomic import check_output
 from polykv.commands.demo import set_threads
 from polykv.models.devices import check_threads
-from polykv.plan.validation import check_side_files
+from polykv.plan.side_files import check_side_files
 from polykv.registry import get_registry
 from polykv.studies.distributed import run_study_ray
 from polykv.studies.report import check_report_folder, write_report

@@ -36,7 +36,7 @@ def parse_groups(reader, raw: Any) -> tuple[AllocationGroup, ...]:
 
 def check_groups(plan: Plan, *, source: str) -> None:
     """Members exist, belong to one group, and evict in prefill (the allocators and their params are checked
-    against the registry by :func:`polykv.plan.validation.validate_plan`)."""
+    against the registry by :func:`polykv.plan.io.validate_plan`)."""
     seen: dict[int, int] = {}
     for gi, g in enumerate(plan.allocation):
         field = f"allocation[{gi}]"

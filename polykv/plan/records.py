@@ -5,7 +5,7 @@ and round-trips byte for byte: top-level fields one per line, one line per layer
 :meth:`Plan.save` (atomic, :mod:`polykv.plan.writing`), load with :func:`polykv.plan.io.load_plan`. Build plans
 in Python with :func:`uniform_plan`, :func:`full_plan` and :func:`per_layer_plan`. The file format is
 documented in ``docs/plan-format.md``; :mod:`polykv.plan.io` parses and checks files strictly, and
-:func:`polykv.plan.validation.validate_plan` checks a plan against the plugins and a model. The records know
+:func:`polykv.plan.io.validate_plan` checks a plan against the plugins and a model. The records know
 neither: the reader and the checks import them, never the other way round.
 """
 
@@ -126,12 +126,13 @@ FULL_OP = OpSpec()
 
 
 def _rank(instance, attribute, value) -> None:
-    if value is None:
-        return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise PlanError(f"{attribute.name} must be a whole number of channels >= 1 (or None for full rank), got "
                         f"{value!r}", layer=getattr(instance, "layer", None), field=attribute.name,
                         hint="e.g. half the head dim; the rank may not exceed the head dim")
+
+
+_optional_rank = attrs.validators.optional(_rank)   # None is full rank
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -157,10 +158,10 @@ class LayerPlan:
     ``docs/sharing.md``); set on the upper layer of the pair. None: no sharing."""
     share_params: dict[str, Any] = attrs.field(factory=dict, converter=_params("share_params"))
     """The merge's parameters (``interpolation``, ``retention_ratio``); missing ones take the defaults."""
-    k_rank: int | None = attrs.field(default=None, converter=_plain("k_rank"), validator=_rank)
+    k_rank: int | None = attrs.field(default=None, converter=_plain("k_rank"), validator=_optional_rank)
     """Channels of each stored key code ``c = P^T k`` (P: the layer's offline key basis per KV head);
     None stores full-width keys, exactly as without a basis."""
-    v_rank: int | None = attrs.field(default=None, converter=_plain("v_rank"), validator=_rank)
+    v_rank: int | None = attrs.field(default=None, converter=_plain("v_rank"), validator=_optional_rank)
     """Channels of each stored value code ``e = U^T v``; None stores full-width values."""
 
     @property

@@ -13,6 +13,7 @@ import numbers
 from typing import Any
 
 from polykv.errors import PlanError
+from polykv.plan.records import SCHEMA_VERSION, SHARE_SCHEMA_VERSION
 from polykv.storage.layer_share import SHARE_PARAMS
 
 
@@ -55,6 +56,17 @@ def check_shares(plan, *, source: str = "<plan>", geometry=None) -> None:
             _check_member(plan, member, lp.layer, source)
         if geometry is not None:
             _check_geometry(geometry, lower.layer, lp.layer, source)
+
+
+def check_share_version(plan, *, source: str) -> None:
+    """A version-1 file holds no field of version 2 (``share``)."""
+    if plan.schema_version == SCHEMA_VERSION:
+        for lp in plan.layers:
+            if lp.share is not None or lp.share_params:
+                raise PlanError(f"share needs schema_version {SHARE_SCHEMA_VERSION}, but the file says "
+                                f"{SCHEMA_VERSION}", source=source, layer=lp.layer, field=f"layers[{lp.layer}].share",
+                                hint=f"set \"schema_version\": {SHARE_SCHEMA_VERSION} (polykv writes it for plans "
+                                "that share)")
 
 
 def _check_member(plan, member, upper: int, source: str) -> None:

@@ -16,7 +16,7 @@ from polykv.atomic import write_text_atomic
 from polykv.errors import PlanError
 
 if TYPE_CHECKING:
-    from polykv.plan.records import AllocationGroup, LayerPlan, OpSpec, Plan
+    from polykv.plan.records import AllocationGroup, LayerPlan, OpSpec, Plan, Provenance
 
 RANK_FIELDS = ("k_rank", "v_rank")
 """Layer fields of schema version 2: channels of the stored key and value codes (absent = full rank)."""
@@ -61,14 +61,18 @@ def groups_to_json(groups: tuple[AllocationGroup, ...]) -> list[dict[str, Any]]:
     return out
 
 
+def provenance_dict(provenance: Provenance) -> dict[str, Any]:
+    """The ``provenance`` object of a plan file: every field, the optional ones only when set."""
+    return {k: v for k, v in attrs.asdict(provenance).items() if v is not None or k not in OPTIONAL_PROVENANCE}
+
+
 def plan_dict(plan: Plan, folder: str | None = None) -> dict[str, Any]:
     """The plan as JSON data; ``model_data`` paths relative to ``folder`` when given (the plan file's folder)."""
     out = {
         "schema_version": plan.written_schema_version,
         "model": attrs.asdict(plan.model) if plan.model else None,
         "trigger": attrs.asdict(plan.trigger),
-        "provenance": {k: v for k, v in attrs.asdict(plan.provenance).items()
-                       if v is not None or k not in OPTIONAL_PROVENANCE},
+        "provenance": provenance_dict(plan.provenance),
         "layers": [layer_dict(lp) for lp in plan.layers],
     }
     if plan.allocation:

@@ -20,7 +20,7 @@ from polykv.registry import get_registry
 from polykv.contract.params import ParamError, ParamSpec, check_params
 from polykv.plan import AllocationGroup, FULL_OP, FULL_RULE, LayerPlan, OpSpec, Plan, Provenance, per_layer_plan
 from polykv.plan.groups import check_group_bounds, check_groups
-from polykv.plan.validation import check_group_allocators
+from polykv.plan.io import check_group_allocators
 from polykv.profiling.budget import Budget, bits_to_bytes, layer_bits
 
 METRIC_SPEC = ParamSpec(str, nullable=True, description="a metric table of the profile (null: the profile's routing "

@@ -132,6 +132,8 @@ REMOVED_PATHS = {
     # plan files (``polykv.plan`` itself is now the package, re-exporting what the module held)
     "polykv.plan_io": "polykv.plan.io",
     "polykv.plan_groups": "polykv.plan.groups",
+    # reading a plan file and checking it are one module (0.3); the side-file checks are polykv.plan.side_files
+    "polykv.plan.validation": "polykv.plan.io",
     # models (``polykv.models`` itself is now the package, re-exporting what the module held)
     "polykv.geometry": "polykv.models.geometry",
     "polykv.families": "polykv.models.families",

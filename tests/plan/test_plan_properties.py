@@ -15,8 +15,7 @@ from polykv.models.geometry import ModelGeometry
 from polykv.plan import (BUDGET_KINDS, FULL_OP, MAX_BUDGET_VALUE, MAX_CONTEXT_TOKENS, MAX_LOSS, LayerPlan, ModelInfo,
                          OpSpec, Plan, Provenance, TriggerSettings)
 from polykv.plan.records import SCHEMA_VERSIONS
-from polykv.plan.io import parse_plan_text
-from polykv.plan.validation import validate_plan
+from polykv.plan.io import parse_plan_text, validate_plan
 from polykv.plan.writing import dumps, plan_dict
 from polykv.registry import get_registry
 

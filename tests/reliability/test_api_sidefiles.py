@@ -109,7 +109,7 @@ def test_damaged_query_statistics_are_refused_when_loaded(tmp_path, stats, expec
 
 
 def test_a_valid_side_file_outside_the_plans_folder_or_without_fingerprint_gets_one_note(model, tmp_path):
-    from polykv.plan.validation import check_side_files
+    from polykv.plan.side_files import check_side_files
 
     (tmp_path / "plans").mkdir()
     HeadScores(scores=torch.rand(2, 2), fingerprint=None, num_tokens=8).save(str(tmp_path / "s.kvzip-heads.safetensors"))

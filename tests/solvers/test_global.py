@@ -10,7 +10,7 @@ import pytest
 
 import polykv
 from polykv.plan import load_plan
-from polykv.plan.validation import validate_plan
+from polykv.plan.io import validate_plan
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import Profile, load_profile, moend_configs
 from polykv.solvers import solve
