@@ -246,10 +246,11 @@ def local_ray():
 # ---- Parallel runs (pytest-xdist) ------------------------------------------------------------------
 # scripts/test.sh runs ``-n auto --dist loadgroup``. Each worker collects the tests and writes the node ids that
 # use a ONE_WORKER_FIXTURES fixture into a folder the controller made; the controller's scheduler gives those
-# tests one group, hence one worker. (pytest-xdist's own ``xdist_group`` route renames node ids, which
-# pytest 9.2 no longer lets it do: the mark would be ignored without a word.)
+# tests one group, hence one worker, and sends that group out first. (pytest-xdist's own ``xdist_group`` route
+# renames node ids, which pytest 9.2 no longer lets it do: the mark would be ignored without a word.)
 
 ONE_WORKER_KEY = "polykv_one_worker_dir"
+ONE_WORKER_GROUP = "one-worker"
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -296,12 +297,19 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadGroupScheduling
 
     class OneWorkerGroups(LoadGroupScheduling):
-        """loadgroup, with the tests the workers listed in ``folder`` as one more group."""
+        """loadgroup, with the tests the workers listed in ``folder`` as one more group, sent out first: it is the
+        run's longest piece of work (one worker runs it from start to end), so the other workers' tests fill the
+        time around it instead of waiting for it at the end."""
 
         def _split_scope(self, nodeid: str) -> str:
             if not hasattr(self, "_one_worker"):
                 self._one_worker = {line for f in Path(folder).iterdir() if not f.name.startswith(".")
                                     for line in f.read_text(encoding="utf-8").splitlines()}
-            return "one-worker" if nodeid in self._one_worker else super()._split_scope(nodeid)
+            return ONE_WORKER_GROUP if nodeid in self._one_worker else super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if ONE_WORKER_GROUP in self.workqueue:
+                self.workqueue.move_to_end(ONE_WORKER_GROUP, last=False)
+            super()._assign_work_unit(node)
 
     return OneWorkerGroups(config, log)

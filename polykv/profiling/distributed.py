@@ -13,29 +13,17 @@ writes nothing until the end (an interrupted Ray run computes its layers again).
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 from typing import Any, Callable, Sequence
 
 import attrs
 
+from polykv.profiling import ray_fanout
 from polykv.errors import PolykvError, ProfileError
 from polykv.models.geometry import geometry_of_model
 from polykv.profiling.calibrate import calibrate
 from polykv.profiling.calibrate_settings import CalibrationResult, CalibrationSettings
-
-WAIT_S = 0.5
-"""Longest time the driver blocks in Ray before Python can see a Ctrl-C."""
-
-
-def ray_module():
-    try:
-        import ray
-    except ImportError:
-        raise ProfileError("calibrating on Ray needs the 'ray' package, which is not installed; install it with: "
-                           "pip install 'polykv-compose[ray]'") from None
-    return ray
 
 
 class CalibrationWorker:
@@ -74,74 +62,43 @@ def calibrate_ray(loader: Callable[[], tuple], sequences: Sequence, settings: Ca
     a local one (``"auto"`` or ``"host:6379"`` joins a cluster). ``progress(done, total)`` is called after each
     layer; ``on_dispatch(worker_pid, layer)`` after each layer is sent. ``driver``: the ``(model, tokenizer)`` the
     driver already loaded (else it calls ``loader`` too)."""
-    ray = ray_module()
+    ray = ray_fanout.ray_module(ProfileError, "calibrating on Ray")
     start = time.perf_counter()
     model, tokenizer = driver if driver is not None else loader()
     L = geometry_of_model(model).num_layers
-    started_here = not ray.is_initialized()
     remote = ray.remote(CalibrationWorker)
     actors: list = []
+    rows: dict[int, dict] = {}
 
     def new_actor():
         return remote.options(num_cpus=cpus_per_worker, max_restarts=0).remote(loader, threads or
                                                                                max(1, int(cpus_per_worker)))
 
+    def collect(i: int, layer: int, got: dict) -> None:
+        if "__error__" in got:
+            raise ProfileError(f"layer {layer} (on a Ray worker): {got['__error__'][1]}")
+        rows[layer] = got
+        if progress is not None:
+            progress(len(rows), L)
+
+    def gave_up(layer: int, attempts: int, exc: BaseException) -> ProfileError:
+        return ProfileError(f"layer {layer}: the Ray worker died {attempts} times calibrating it "
+                            f"({type(exc).__name__}); see the Ray logs of the worker (out of memory?)")
+
+    started_here = ray_fanout.start(ray, address)
     try:
-        if started_here:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
         if workers is None:
-            workers = int(ray.cluster_resources().get("CPU", 1) // cpus_per_worker)
+            workers = ray_fanout.room_for(ray, cpus_per_worker)
         if workers < 1:
             raise ProfileError(f"the Ray cluster has room for no worker ({ray.cluster_resources()}) with "
                                f"{cpus_per_worker} CPUs each; lower --cpus-per-worker")
         actors = [new_actor() for _ in range(min(workers, L))]
-        queue, attempts = collections.deque(range(L)), collections.Counter()
-        running: dict = {}  # ref -> (actor index, layer)
-        rows: dict[int, dict] = {}
-        pids: dict[int, int] = {}
-
-        def dispatch(i: int) -> None:
-            if queue:
-                layer = queue.popleft()
-                attempts[layer] += 1
-                running[actors[i].layer.remote(list(sequences), settings, list(heldout), layer, corpus)] = (i, layer)
-                if on_dispatch is not None:
-                    if i not in pids:
-                        pids[i] = ray.get(actors[i].pid.remote())
-                    on_dispatch(pids[i], layer)
-
-        for i in range(len(actors)):
-            dispatch(i)
-        while running:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=WAIT_S)
-            if not ready:
-                continue
-            i, layer = running.pop(ready[0])
-            try:
-                got = ray.get(ready[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                    ray.exceptions.ObjectLostError) as exc:
-                if attempts[layer] >= max_attempts:
-                    raise ProfileError(f"layer {layer}: the Ray worker died {attempts[layer]} times calibrating it "
-                                       f"({type(exc).__name__}); see the Ray logs of the worker (out of memory?)") \
-                        from None
-                queue.appendleft(layer)
-                ray.kill(actors[i], no_restart=True)
-                actors[i] = new_actor()
-                pids.pop(i, None)
-                dispatch(i)
-                continue
-            if "__error__" in got:
-                raise ProfileError(f"layer {layer} (on a Ray worker): {got['__error__'][1]}")
-            rows[layer] = got
-            if progress is not None:
-                progress(len(rows), L)
-            dispatch(i)
+        ray_fanout.fan_out(ray, actors, new_actor, range(L),
+                           lambda actor, layer: actor.layer.remote(list(sequences), settings, list(heldout), layer,
+                                                                   corpus),
+                           collect, gave_up, max_attempts=max_attempts, on_dispatch=on_dispatch)
     finally:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        if started_here:
-            ray.shutdown()
+        ray_fanout.release(ray, actors, started_here)
     result = calibrate(model, sequences, settings, heldout=heldout, corpus=corpus, tokenizer=tokenizer,
                        precomputed=rows)
     return attrs.evolve(result, seconds=time.perf_counter() - start)

@@ -11,11 +11,10 @@ its plan sent again (``max_attempts`` in all); an error raised by polykv code in
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Mapping, Sequence
 
+from polykv.profiling import ray_fanout
 from polykv.errors import PolykvError, SolverError
-from polykv.profiling.distributed import WAIT_S, ray_module
 from polykv.profiling.plan_meter import PlanMeter
 
 
@@ -56,18 +55,15 @@ class MeterPool:
         if workers is not None and workers < 1 or not cpus_per_worker > 0:
             raise SolverError(f"Ray workers {workers} / CPUs per worker {cpus_per_worker}: give a positive number of "
                               f"workers and of CPUs per worker (--workers, --cpus-per-worker)")
-        self.ray = ray_module()
+        self.ray = ray_fanout.ray_module(SolverError, "measuring plans on Ray")
         self.loader, self.meter_args = loader, dict(meter_args)
         self.cpus, self.threads, self.max_attempts = cpus_per_worker, threads, int(max_attempts)
-        self.started_here = not self.ray.is_initialized()
         self.actors: list = []
         self.prefills: dict[int, int] = {}
         """Per worker, the prefills its meter has run."""
-        if self.started_here:
-            self.ray.init(address=None if address in (None, "local") else address, include_dashboard=False,
-                          logging_level="WARNING", log_to_driver=True)
+        self.started_here = ray_fanout.start(self.ray, None if address in (None, "local") else address)
         if workers is None:
-            workers = int(self.ray.cluster_resources().get("CPU", 1) // cpus_per_worker)
+            workers = ray_fanout.room_for(self.ray, cpus_per_worker)
         if workers < 1:
             self.close()
             raise SolverError(f"the Ray cluster has room for no worker ({self.ray.cluster_resources()}) with "
@@ -81,52 +77,27 @@ class MeterPool:
 
     def measure(self, plans: Sequence[Any]) -> list[float]:
         """The measured KL of each plan, in order."""
-        ray = self.ray
-        queue, attempts = collections.deque(range(len(plans))), collections.Counter()
         out: list[float | None] = [None] * len(plans)
-        running: dict = {}  # ref -> (actor index, plan index)
 
-        def dispatch(i: int) -> None:
-            if queue:
-                j = queue.popleft()
-                attempts[j] += 1
-                running[self.actors[i].measure.remote(plans[j])] = (i, j)
-
-        for i in range(len(self.actors)):
-            dispatch(i)
-        while running:
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=WAIT_S)
-            if not ready:
-                continue
-            i, j = running.pop(ready[0])
-            try:
-                value, prefills, error = ray.get(ready[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                    ray.exceptions.ObjectLostError) as exc:
-                if attempts[j] >= self.max_attempts:
-                    raise SolverError(f"candidate plan {j + 1} of {len(plans)}: the Ray worker died {attempts[j]} "
-                                      f"times measuring it ({type(exc).__name__}); see the Ray logs of the worker "
-                                      f"(out of memory?)") from None
-                queue.appendleft(j)
-                ray.kill(self.actors[i], no_restart=True)
-                self.actors[i] = self._new()
-                self.prefills.pop(i, None)
-                dispatch(i)
-                continue
+        def collect(i: int, j: int, answer: tuple) -> None:
+            value, prefills, error = answer
             if error is not None:
                 raise SolverError(f"measuring a candidate plan on a Ray worker: {error[1]}")
             out[j] = value
             self.prefills[i] = prefills
-            dispatch(i)
+
+        def gave_up(j: int, attempts: int, exc: BaseException) -> SolverError:
+            return SolverError(f"candidate plan {j + 1} of {len(plans)}: the Ray worker died {attempts} times "
+                               f"measuring it ({type(exc).__name__}); see the Ray logs of the worker (out of memory?)")
+
+        ray_fanout.fan_out(self.ray, self.actors, self._new, range(len(plans)),
+                           lambda actor, j: actor.measure.remote(plans[j]), collect, gave_up,
+                           max_attempts=self.max_attempts, on_replace=lambda i: self.prefills.pop(i, None))
         return [float(v) for v in out]
 
     def close(self) -> None:
-        for actor in self.actors:
-            self.ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self.started_here and self.ray.is_initialized():
-            self.ray.shutdown()
-            self.started_here = False
+        ray_fanout.release(self.ray, self.actors, self.started_here)
+        self.actors, self.started_here = [], False
 
     def __enter__(self) -> "MeterPool":
         return self

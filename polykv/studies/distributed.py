@@ -24,29 +24,15 @@ with that many threads. Every node must have polykv (and the model: ``llm-smollm
 
 from __future__ import annotations
 
-import collections
 import os
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from polykv.profiling import ray_fanout
 from polykv.errors import StudyError
 from polykv.registry import get_registry
 from polykv.studies.results import ResultsWriter
 from polykv.studies.runner import LoadedStudy, Prepared, load_model, pending_work
-
-WAIT_S = 0.5
-"""Longest time the driver blocks in Ray before Python can see a Ctrl-C."""
-INSTALL_HINT = "install it with: pip install 'polykv-compose[ray]'"
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise StudyError(f"running a study on Ray needs the 'ray' package, which is not installed; {INSTALL_HINT}") \
-            from None
-    return ray
-
 
 class StudyWorker:
     """One Ray worker: the study's model loaded once, running units of (item, policies) on request."""
@@ -73,13 +59,6 @@ class StudyWorker:
         """Result records of ``policy_names`` on ``item`` of the spec's task ``task_index`` (one prefill)."""
         task = (self.study.registry or get_registry()).task(self.study.spec.tasks[task_index].task)()
         return list(self.study.run_item(task, item, [self._by_name[n] for n in policy_names]))
-
-
-class _Slot:
-    """A worker and the unit it is running."""
-
-    def __init__(self, actor):
-        self.actor, self.unit, self.ref, self.pid = actor, None, None, None
 
 
 def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: int | None = None,
@@ -119,14 +98,14 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
         ``{"run": records written, "skipped": already in the file, "retried": units sent again after a
         worker died, "workers": workers used}``.
     """
-    ray = _ray()
+    ray = ray_fanout.ray_module(StudyError, "running a study on Ray")
     from tqdm import tqdm
 
     spec = prepared.spec
     writer = ResultsWriter.for_study(prepared.results_path, spec)
-    started_here = not ray.is_initialized()
     remote_cls = ray.remote(StudyWorker)
-    slots: list[_Slot] = []
+    actors: list = []
+    started_here = False
 
     def new_actor():
         opts = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker, "max_restarts": 0}
@@ -134,18 +113,15 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
         return remote_cls.options(**opts).remote(prepared, threads or max(1, int(cpus_per_worker)), device)
 
     try:
-        if started_here:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+        started_here = ray_fanout.start(ray, address)
         if workers is None:
-            res = ray.cluster_resources()
-            workers = int(res.get("GPU", 0) // gpus_per_worker) if gpus_per_worker else \
-                int(res.get("CPU", 1) // cpus_per_worker)
+            workers = ray_fanout.room_for(ray, cpus_per_worker, gpus_per_worker)
         if workers < 1:
             raise StudyError(f"the Ray cluster has room for no worker ({ray.cluster_resources()}) with "
                              f"{cpus_per_worker} CPU and {gpus_per_worker} GPU each; lower the request")
-        slots = [_Slot(new_actor()) for _ in range(workers)]
+        actors = [new_actor() for _ in range(workers)]
         try:
-            policy_records, tasks = _get(ray, slots[0].actor.plan_of_work.remote())
+            policy_records, tasks = ray_fanout.wait_get(ray, actors[0].plan_of_work.remote())
         except ray.exceptions.RayActorError as exc:
             raise StudyError(f"{spec.source}: the first Ray worker could not load the study: {exc}") from None
         for record in policy_records:
@@ -155,70 +131,32 @@ def run_study_ray(prepared: Prepared, *, address: str | None = None, workers: in
         counts = {"run": 0, "skipped": skipped, "retried": 0, "workers": workers}
         bar = tqdm(total=sum(len(u[2]) for u in units), disable=not progress, unit="run", dynamic_ncols=True,
                    desc=f"study {spec.name} (ray, {workers} workers)")
-        queue = collections.deque(units)
-        attempts: collections.Counter = collections.Counter()
 
-        def dispatch(slot: _Slot) -> None:
-            if not queue:
-                slot.unit = slot.ref = None
-                return
-            if on_dispatch is not None and slot.pid is None:  # asked before the unit is queued behind it
-                slot.pid = _get(ray, slot.actor.pid.remote())
-            slot.unit = queue.popleft()
-            attempts[_key(slot.unit)] += 1
-            slot.ref = slot.actor.run_unit.remote(*slot.unit)
-            if on_dispatch is not None:
-                on_dispatch(slot.pid, _key(slot.unit))
+        def collect(i: int, unit: tuple, records: list[dict]) -> None:
+            for record in records:
+                if (record["policy"], record["task"], record["item"]) in writer.done:
+                    continue  # sent twice and both came back: the first copy stands
+                writer.append(record)
+                counts["run"] += 1
+                bar.update(1)
+                if on_result is not None:
+                    on_result(record)
+
+        def gave_up(unit: tuple, attempts: int, exc: BaseException) -> StudyError:
+            return StudyError(f"{spec.source}: task '{tasks[unit[0]][0]}' item {unit[1].id}: the worker died "
+                              f"{attempts} times running it ({type(exc).__name__}); see the Ray logs of the worker "
+                              "(out of memory?)")
 
         try:
-            for slot in slots:
-                dispatch(slot)
-            while any(s.ref is not None for s in slots):
-                refs = [s.ref for s in slots if s.ref is not None]
-                ready, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S)
-                if not ready:
-                    continue
-                slot = next(s for s in slots if s.ref is ready[0])
-                try:
-                    records = ray.get(ready[0])
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                        ray.exceptions.ObjectLostError) as exc:
-                    unit = slot.unit
-                    if attempts[_key(unit)] >= max_attempts:
-                        raise StudyError(f"{spec.source}: task '{tasks[unit[0]][0]}' item {unit[1].id}: the worker "
-                                         f"died {attempts[_key(unit)]} times running it ({type(exc).__name__}); see "
-                                         "the Ray logs of the worker (out of memory?)") from None
-                    queue.appendleft(unit)
-                    counts["retried"] += 1
-                    ray.kill(slot.actor, no_restart=True)
-                    slot.actor, slot.pid = new_actor(), None
-                    dispatch(slot)
-                    continue
-                for record in records:
-                    if (record["policy"], record["task"], record["item"]) in writer.done:
-                        continue  # sent twice and both came back: the first copy stands
-                    writer.append(record)
-                    counts["run"] += 1
-                    bar.update(1)
-                    if on_result is not None:
-                        on_result(record)
-                dispatch(slot)
+            counts["retried"] = ray_fanout.fan_out(
+                ray, actors, new_actor, units, lambda actor, unit: actor.run_unit.remote(*unit), collect, gave_up,
+                max_attempts=max_attempts, key=_key, on_dispatch=on_dispatch)
         finally:
             bar.close()
         return counts
     finally:
-        for slot in slots:
-            ray.kill(slot.actor, no_restart=True)
-        if started_here:
-            ray.shutdown()
+        ray_fanout.release(ray, actors, started_here)
         writer.close()
-
-
-def _get(ray, ref):
-    """``ray.get(ref)``, waiting in short steps so that Ctrl-C stops the driver."""
-    while not ray.wait([ref], timeout=WAIT_S)[0]:
-        pass
-    return ray.get(ref)
 
 
 def _key(unit: tuple) -> tuple[int, str, tuple[str, ...]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from polykv.cli import main
 from polykv.models.local_folder import load_by_name
+from polykv.plan import load_plan
 from polykv.profiling.budget import Budget
 from polykv.profiling.profile import CandidateConfig, Profile, moend_configs
 from polykv.solvers import solve
@@ -54,12 +54,12 @@ def _same(a, b) -> None:
     assert ma["steps"] == mb["steps"]
 
 
-@pytest.mark.parametrize("objectives", [None, ["continuation", "reconstruction"]])
-def test_refine_on_ray_is_the_serial_search(local_ray, saved_tiny_model, objectives):
+def test_refine_on_ray_is_the_serial_search(local_ray, saved_tiny_model):
+    """Through the Python API, on objectives other than the profile's (the CLI test below covers the default ones)."""
     folder = saved_tiny_model(32)
     model, tokenizer = load_by_name(folder, dtype="float32")
     profile = _profile(model)
-    extra = {"validate": 1} if objectives is None else {"objectives": objectives}
+    extra = {"objectives": ["continuation", "reconstruction"]}
     serial = _serial(folder, profile, **extra)
     on = MeasureOn(model=model, tokenizer=tokenizer, name="tiny",
                    ray=OnRay(loader=functools.partial(load_by_name, folder, dtype="float32"), workers=2, threads=1))
@@ -71,20 +71,24 @@ def test_refine_on_ray_is_the_serial_search(local_ray, saved_tiny_model, objecti
 
 
 def test_the_cli_refines_on_ray_to_the_serial_plan(local_ray, saved_tiny_model, tmp_path):
+    """``solve --ray``: the profile's own objectives, with a validation sequence; the plan and its whole record
+    (validation included) are the serial run's."""
     folder = saved_tiny_model(32)
     model, _ = load_by_name(folder, dtype="float32")
     path = tmp_path / "p.profile.json"
     _profile(model).save(str(path))
+    params = {**PARAMS, "validate": 1}
     common = ["solve", str(path), "--budget", "2x", "--context", str(T), "--solver", "refine", "--model", folder,
-              "--tokens", str(T), *[f"--param={k}={v}" for k, v in PARAMS.items() if k != "tokens"]]
+              "--tokens", str(T), *[f"--param={k}={v}" for k, v in params.items() if k != "tokens"]]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the workers' thread count: the same float sums, hence the same bits
     try:
         assert main([*common, "-o", str(tmp_path / "serial.plan.json")]) == 0
         assert main([*common, "-o", str(tmp_path / "ray.plan.json"), "--ray", "--workers", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
-    serial, ray = (json.loads((tmp_path / f"{n}.plan.json").read_text()) for n in ("serial", "ray"))
-    assert serial["layers"] == ray["layers"]
-    ms, mr = serial["provenance"]["measured"], ray["provenance"]["measured"]
-    assert ms["steps"] == mr["steps"] and ms["refine_kl"] == mr["refine_kl"] and "ray_measured" in mr
+    serial, ray = (load_plan(str(tmp_path / f"{n}.plan.json")) for n in ("serial", "ray"))
+    _same(serial, ray)
+    m = ray.provenance.measured
+    assert m["validation"]["sequences"] == 1 and m["accepted"] >= 1
+    assert m["ray_measured"] >= m["measured"] - 1
