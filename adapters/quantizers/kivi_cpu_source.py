@@ -20,6 +20,8 @@ dim 64, for 128 (every per-token loop then has a constant length and is unrolled
 other; the code width is a constant in each branch of the unpacking; the softmax's exponentials use an inline
 ``exp`` (a polynomial within 2 ulp of ``expf``) that vectorises where ``expf`` is a library call per element;
 a group row's scale is folded into the queries in field order by strided reads (no division per channel);
+tokens go four at a time where they can (four keys of one group row against each scaled query row, four
+values into each row's sum), so the query rows and the sums are read and written once for four tokens;
 pointers that never alias are marked ``restrict``.
 """
 
@@ -92,6 +94,25 @@ static inline __attribute__((always_inline)) float exp_neg(float x) {
     return y * two.f;
 }
 
+/* One quantized value token dequantized into dst (field order): codes * scale + minimum of its group. */
+static inline __attribute__((always_inline))
+void value_row(const uint8_t *restrict c, const float *restrict st, const float *restrict zt, int bits, int per,
+               int64_t group, int64_t dv, const int32_t *restrict gmap, float *restrict cb, float *restrict dst) {
+    unpack_any(c, bits, dv, cb);
+    const int64_t W = dv / per, run = group / per;
+    if (group % per == 0) {                              /* a group is a run of bytes: G / per per field */
+        for (int f = 0; f < per; f++)
+            for (int64_t g = 0; g < dv / group; g++) {
+                const float sg = st[g], zg = zt[g];
+                const float *restrict x = cb + f * W + g * run;
+                float *restrict y = dst + f * W + g * run;
+                for (int64_t m = 0; m < run; m++) y[m] = x[m] * sg + zg;
+            }
+    } else {
+        for (int64_t c2 = 0; c2 < dv; c2++) dst[c2] = cb[c2] * st[gmap[c2]] + zt[gmap[c2]];
+    }
+}
+
 /* One work item; D and DV are the head dims (constants in the specialised copies below, so the per-token
    loops have constant trip counts and vectorise). */
 static inline __attribute__((always_inline))
@@ -105,7 +126,7 @@ void run_item_dims(kv_job *J, int64_t item, float *buf, const int32_t *gmap, con
     const int64_t L = knq + knr;
     const float scaling = J->scaling;
     float *m_i = J->pm + item * M, *l_i = J->pl + item * M, *acc = J->pacc + item * M * dv;
-    float *accp = buf, *qs = accp + M * dv, *qz = qs + M * d, *lg = qz + M, *cb = lg + M * BN, *vb = cb + d + dv;
+    float *accp = buf, *qs = accp + M * dv, *qz = qs + M * d, *lg = qz + M, *cb = lg + M * BN, *vb = cb + d + dv, *vb2 = vb + dv, *vb4 = vb2 + dv;
     const float *q = J->q + bh * M * d;
     for (int64_t r = 0; r < M; r++) { m_i[r] = -INFINITY; l_i[r] = 0.f; }
     memset(acc, 0, sizeof(float) * M * dv);
@@ -143,7 +164,37 @@ void run_item_dims(kv_job *J, int64_t item, float *buf, const int32_t *gmap, con
                         qz[r] = z;
                     }
                 }
+                if (j + 3 < n && t + 3 < knq && (kg ? kg[(t + 1) * K->g_t] == row && kg[(t + 2) * K->g_t] == row
+                                                       && kg[(t + 3) * K->g_t] == row : (t + 3) / K->group == row)) {
+                    /* four tokens of one group: the scaled queries are read once for all four */
+                    for (int p = 0; p < 4; p++) unpack_any(kc + (t + p) * K->c_t, kbits, d, vb4 + p * d);
+                    for (int64_t r = 0; r < M; r++) {
+                        const float *restrict w = qs + r * d;
+                        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                        for (int64_t c = 0; c < d; c++) {
+                            s0 += w[c] * vb4[c]; s1 += w[c] * vb4[d + c]; s2 += w[c] * vb4[2 * d + c];
+                            s3 += w[c] * vb4[3 * d + c];
+                        }
+                        lg[r * BN + j] = (s0 + qz[r]) * scaling; lg[r * BN + j + 1] = (s1 + qz[r]) * scaling;
+                        lg[r * BN + j + 2] = (s2 + qz[r]) * scaling; lg[r * BN + j + 3] = (s3 + qz[r]) * scaling;
+                    }
+                    j += 3;
+                    continue;
+                }
                 unpack_any(kc + t * K->c_t, kbits, d, cb);
+                const int64_t u = t + 1;
+                if (j + 1 < n && u < knq && (kg ? kg[u * K->g_t] : u / K->group) == row) {
+                    unpack_any(kc + u * K->c_t, kbits, d, vb);  /* two tokens of one group: the scaled queries */
+                    for (int64_t r = 0; r < M; r++) {           /* are read once for both */
+                        const float *restrict w = qs + r * d;
+                        float s = 0.f, s1 = 0.f;
+                        for (int64_t c = 0; c < d; c++) { s += w[c] * cb[c]; s1 += w[c] * vb[c]; }
+                        lg[r * BN + j] = (s + qz[r]) * scaling;
+                        lg[r * BN + j + 1] = (s1 + qz[r]) * scaling;
+                    }
+                    j++;
+                    continue;
+                }
                 for (int64_t r = 0; r < M; r++) {
                     const float *restrict w = qs + r * d;
                     float s = 0.f;
@@ -181,19 +232,34 @@ void run_item_dims(kv_job *J, int64_t item, float *buf, const int32_t *gmap, con
         for (int64_t j = 0; j < n; j++) {               /* weighted values of the block */
             int64_t t = s0 + j;
             if (t < vnq) {
-                unpack_any(vc + t * V->c_t, vbits, dv, cb);
-                const float *st = vs + t * V->s_t, *zt = vz + t * V->s_t;
-                const int64_t W = dv / vper, run = V->group / vper;
-                if (V->group % vper == 0) {              /* a group is a run of bytes: G / per per field */
-                    for (int f = 0; f < vper; f++)
-                        for (int64_t g = 0; g < dv / V->group; g++) {
-                            const float sg = st[g], zg = zt[g];
-                            const float *restrict x = cb + f * W + g * run;
-                            float *restrict y = vb + f * W + g * run;
-                            for (int64_t m = 0; m < run; m++) y[m] = x[m] * sg + zg;
-                        }
-                } else {
-                    for (int64_t c = 0; c < dv; c++) vb[c] = cb[c] * st[gmap[c]] + zt[gmap[c]];
+                if (j + 3 < n && t + 3 < vnq) {         /* four tokens at once */
+                    for (int p = 0; p < 4; p++)
+                        value_row(vc + (t + p) * V->c_t, vs + (t + p) * V->s_t, vz + (t + p) * V->s_t, vbits, vper,
+                                  V->group, dv, gmap, cb, vb4 + p * dv);
+                    for (int64_t r = 0; r < M; r++) {
+                        const float *wr = lg + r * BN + j;
+                        const float w0 = wr[0], w1 = wr[1], w2 = wr[2], w3 = wr[3];
+                        if (w0 == 0.f && w1 == 0.f && w2 == 0.f && w3 == 0.f) continue;
+                        float *restrict a = accp + r * dv;
+                        for (int64_t c = 0; c < dv; c++)
+                            a[c] += (w0 * vb4[c] + w1 * vb4[dv + c]) + (w2 * vb4[2 * dv + c] + w3 * vb4[3 * dv + c]);
+                    }
+                    j += 3;
+                    continue;
+                }
+                value_row(vc + t * V->c_t, vs + t * V->s_t, vz + t * V->s_t, vbits, vper, V->group, dv, gmap, cb, vb);
+                if (j + 1 < n && t + 1 < vnq) {          /* two tokens at once: each row's sum is read and written once */
+                    const int64_t u = t + 1;
+                    value_row(vc + u * V->c_t, vs + u * V->s_t, vz + u * V->s_t, vbits, vper, V->group, dv, gmap, cb,
+                              vb2);
+                    for (int64_t r = 0; r < M; r++) {
+                        const float w0 = lg[r * BN + j], w1 = lg[r * BN + j + 1];
+                        if (w0 == 0.f && w1 == 0.f) continue;
+                        float *restrict a = accp + r * dv;
+                        for (int64_t c = 0; c < dv; c++) a[c] += w0 * vb[c] + w1 * vb2[c];
+                    }
+                    j++;
+                    continue;
                 }
                 for (int64_t r = 0; r < M; r++) {
                     float w = lg[r * BN + j];
@@ -234,7 +300,7 @@ static void run_item(kv_job *J, int64_t item, float *buf, const int32_t *gmap) {
 static void *worker(void *arg) {
     kv_job *J = (kv_job *)arg;
     const int64_t M = J->M, d = J->d, dv = J->dv, items = J->B * J->H * J->nsplit;
-    float *buf = (float *)malloc(sizeof(float) * (M * dv + M * d + M + M * BN + d + 2 * dv + 16));
+    float *buf = (float *)malloc(sizeof(float) * (M * dv + M * d + M + M * BN + d + 3 * dv + 4 * (d + dv) + 16));
     int32_t *gmap = (int32_t *)malloc(sizeof(int32_t) * dv);  /* value channel in field order -> its group */
     if (!buf || !gmap) { free(buf); free(gmap); return (void *)1; }
     if (J->v.codes) {
