@@ -8,10 +8,14 @@ query attends over them in three ways, timed in the same run (best of ``--reps``
 * ``blockwise``: :func:`polykv.attention.online_softmax.blockwise_attention` over the stores' token blocks
   (dequantize one block, attend, combine with an online softmax; never a full-precision copy);
 * the Triton kernel's agreement with the blockwise reference (on CPU it runs in Triton's
-  interpreter, so it is checked, not timed, at ``--kernel-tokens``).
+  interpreter, so it is checked, not timed, at ``--kernel-tokens``);
+* on CPU, the compiled C kernel (:mod:`polykv.adapters.quantizers.kivi_cpu`, what a CPU decode runs) against
+  SDPA over a float32 cache of the same tokens (what vanilla attention reads), timed the same way, with its
+  agreement.
 
     python bench/attention_kernels.py                          # 2k, 4k and 16k tokens, K4V4 and K2V2, CPU
     python bench/attention_kernels.py --contexts 2048 --bits 4/4 --threads 2
+    python bench/attention_kernels.py --contexts 8000 --bits 4/4 --reps 30    # the CPU kernel at 8k, one thread
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from polykv.adapters.quantizers import kivi_cpu  # noqa: E402
 from polykv.adapters.quantizers.kivi import KiviQuantizer  # noqa: E402
 from polykv.attention.online_softmax import blockwise_attention, token_blocks  # noqa: E402
 
@@ -112,8 +117,37 @@ def main(argv=None) -> int:
                     - blockwise_attention(q, kv, vv, scaling=scaling, block_size=args.block).float()).abs().max()
             print(f"{bits:>8} {T:>7} {dense[0] * 1e3:>9.2f} {dense[1] * 1e3:>7.2f} {block[0] * 1e3:>13.2f} "
                   f"{block[1] * 1e3:>7.2f} {dense[0] / block[0]:>6.2f} {dense[1] / block[1]:>6.2f} {diff.item():>11.2e}")
+    if device.type == "cpu":
+        cpu_kernel_speed(args, scaling)
     kernel_agreement(args, device, dtype, scaling, sync)
     return 0
+
+
+def cpu_kernel_speed(args, scaling) -> None:
+    """The compiled CPU kernel over the codes against SDPA over a float32 cache holding the same tokens."""
+    if kivi_cpu.library() is None:
+        print("CPU kernel: not built here (see the warning above); not timed")
+        return
+    print("CPU kernel over the codes vs SDPA over a float32 cache of the same tokens (ratio > 1: kernel faster):")
+    print(f"{'K/V bits':>8} {'tokens':>7} {'SDPA ms':>8} {'cpu':>7} {'kernel ms':>10} {'cpu':>7} {'ratio':>6} "
+          f"{'cpu':>6} {'max |diff|':>11}")
+    for bits in args.bits:
+        kb, vb = (int(x) for x in bits.split("/"))
+        for T in args.contexts:
+            ks, vs = filled_stores(T, kb, vb, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=torch.float32,
+                                   device="cpu")
+            q = torch.randn(1, args.heads, 1, args.head_dim, generator=torch.Generator().manual_seed(1))
+            kv, vv = token_blocks(ks), token_blocks(vs)
+            K, V = ks.dequantize(), vs.dequantize()
+            qv = q.view(1, args.kv_heads, args.heads // args.kv_heads, args.head_dim)
+            sdpa, kernel = timed([lambda: F.scaled_dot_product_attention(qv, K, V, scale=scaling),
+                                  lambda: kivi_cpu.decode_attention(q, kv, vv, scaling=scaling)], args.reps,
+                                 lambda: None)
+            diff = (kivi_cpu.decode_attention(q, kv, vv, scaling=scaling)
+                    - F.scaled_dot_product_attention(qv, K, V, scale=scaling).view_as(q)).abs().max()
+            print(f"{bits:>8} {T:>7} {sdpa[0] * 1e3:>8.3f} {sdpa[1] * 1e3:>7.3f} {kernel[0] * 1e3:>10.3f} "
+                  f"{kernel[1] * 1e3:>7.3f} {sdpa[0] / kernel[0]:>6.2f} {sdpa[1] / kernel[1]:>6.2f} "
+                  f"{diff.item():>11.2e}")
 
 
 def kernel_agreement(args, device, dtype, scaling, sync) -> None:

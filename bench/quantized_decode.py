@@ -3,6 +3,8 @@
 Configurations, every one on the same prompt (random token ids) after one prefill:
 
 * ``vanilla``: the model with its own attention and a transformers ``DynamicCache``;
+* ``full-16``: a polykv plan that keeps every token at 16 bits: the runtime's own per-step cost against vanilla,
+  with nothing compressed (what a quantized plan gains or loses beyond it is the quantizer's);
 * ``evict-8x``: 16-bit keys and values, ``--rule`` (default streamingllm) keeping context / 8 tokens;
 * ``k4v4``: every token kept, keys and values at 4 bits (KIVI, group 32, residual 32);
 * ``k4v4-evict-8x``: the 8x eviction plan with 4-bit keys and values;
@@ -37,8 +39,8 @@ from polykv.plan import OpSpec
 from polykv.runtime.cache import cache_keyword, output_cache
 
 KIVI = {"group_size": 32, "residual": 32}
-CONFIGS = ("vanilla", "evict-8x", "k4v4", "k4v4-evict-8x", "k4v4-blockwise")
-DEFAULT = CONFIGS[:4]
+CONFIGS = ("vanilla", "full-16", "evict-8x", "k4v4", "k4v4-evict-8x", "k4v4-blockwise")
+DEFAULT = CONFIGS[:5]
 
 
 def plans(geo, context: int, rule: str) -> dict:
@@ -47,6 +49,7 @@ def plans(geo, context: int, rule: str) -> dict:
     decodes = "decode" in polykv.get_registry().rule(rule).phases
     evict = {"prefill": op, "decode": op if decodes else None, "decode_slack": 16}
     return {"vanilla": None,
+            "full-16": polykv.uniform_plan(geo),
             "evict-8x": polykv.uniform_plan(geo, **evict),
             "k4v4": polykv.uniform_plan(geo, k_bits=4, v_bits=4, quantizer_params=KIVI),
             "k4v4-evict-8x": polykv.uniform_plan(geo, k_bits=4, v_bits=4, quantizer_params=KIVI, **evict),

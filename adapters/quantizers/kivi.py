@@ -17,7 +17,7 @@ from polykv.contract import KVStore, ParamError, Quantizer, param, storage
 from polykv.adapters.quantizers.kivi_keys import (KiviKeyStore, key_bound_bytes, key_bytes,
                                                   key_reserved_bound_bytes)
 from polykv.adapters.quantizers.kivi_values import KiviValueStore, value_bound_bytes, value_bytes
-from polykv.adapters.quantizers.packing import packed_width
+from polykv.adapters.quantizers.code_format import packed_width
 
 STREAMS = ("key", "value")
 

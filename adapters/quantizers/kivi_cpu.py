@@ -52,7 +52,7 @@ class _Stream(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_void_p) for n in ("codes", "scale", "zero", "gid", "res")]
                 + [(n, ctypes.c_int64) for n in ("c_b", "c_h", "c_t", "s_b", "s_h", "s_t", "g_b", "g_h", "g_t",
                                                  "r_b", "r_h", "r_t")]
-                + [("nq", ctypes.c_void_p), ("nr", ctypes.c_void_p)]
+                + [("nq", ctypes.c_void_p), ("nr", ctypes.c_void_p), ("nq_all", ctypes.c_int64), ("nr_all", ctypes.c_int64)]
                 + [(n, ctypes.c_int32) for n in ("layout", "bits", "group", "pad")])
 
 
@@ -145,9 +145,14 @@ def _stream(view, keep: list) -> _Stream:
     """The C description of one token-blocks view; tensors the kernel reads are kept alive in ``keep``."""
     s = _Stream(layout=LAYOUT_CODE[view.layout], bits=view.bits, group=max(int(getattr(view, "group_size", 1)), 1))
     res = _float_rows(view.residual)
-    nq, nr = (c.to(torch.int64).contiguous() for c in view.head_counts())
-    keep += [res, nq, nr]
-    s.res, s.nq, s.nr = res.data_ptr(), nq.data_ptr(), nr.data_ptr()
+    keep.append(res)
+    s.res = res.data_ptr()
+    if view.ragged:   # counts per head; otherwise every head holds the same, passed by value
+        nq, nr = (c.to(torch.int64).contiguous() for c in view.head_counts())
+        keep += [nq, nr]
+        s.nq, s.nr = nq.data_ptr(), nr.data_ptr()
+    else:
+        s.nq_all, s.nr_all = view.num_quantized, res.shape[2]
     s.r_b, s.r_h, s.r_t = res.stride()[:3]
     if view.codes is not None:
         codes = view.codes if view.codes.stride(-1) == 1 else view.codes.contiguous()
@@ -165,6 +170,18 @@ def _stream(view, keep: list) -> _Stream:
             s.gid = gid.data_ptr()
             s.g_b, s.g_h, s.g_t = gid.stride()[:3]
     return s
+
+
+def _splits(heads: int, tokens: int, threads: int) -> int:
+    """Splits of each head's tokens: about four work items per thread, and a whole number of items per thread
+    where that takes no split under :data:`MIN_SPLIT` tokens (9 items on 2 threads leave one thread a fifth
+    of the work to do alone at the end; 12 do not)."""
+    most = max(1, -(-tokens // MIN_SPLIT))
+    n = max(1, min(most, -(-4 * threads // heads)))
+    for even in range(n, min(most, n + threads) + 1):
+        if heads * even % threads == 0:
+            return even
+    return n
 
 
 def decode_attention(query: torch.Tensor, keys, values, *, scaling: float) -> torch.Tensor:
@@ -191,15 +208,15 @@ def decode_attention(query: torch.Tensor, keys, values, *, scaling: float) -> to
             k_len is not None and not torch.equal(k_len, v_len)):
         raise ValueError("keys and values disagree on the per-head lengths; a token must be kept or dropped in both")
     T = keys.padded_len
-    lengths = k_len if k_len is not None else torch.full((B, Hkv), T, dtype=torch.int64)
-    if int(lengths.min()) < q:
-        raise ValueError(f"attention over {int(lengths.min())} stored tokens with {q} queries: the queries' own "
+    shortest = T if k_len is None else int(k_len.min())
+    if shortest < q:
+        raise ValueError(f"attention over {shortest} stored tokens with {q} queries: the queries' own "
                          f"tokens must be stored (append them before attending)")
     M = (H // Hkv) * q
     rows = query.float().reshape(B, Hkv, M, d).contiguous()
     out = torch.empty(B, Hkv, M, dv, dtype=torch.float32)
     threads = max(1, torch.get_num_threads())
-    nsplit = max(1, min(-(-T // MIN_SPLIT), -(-4 * threads // (B * Hkv))))
+    nsplit = _splits(B * Hkv, T, threads)
     keep: list = []
     job = _Job(q=rows.data_ptr(), out=out.data_ptr(), k=_stream(keys, keep), v=_stream(values, keep), B=B, H=Hkv,
                M=M, qlen=q, d=d, dv=dv, nsplit=nsplit, chunk=-(-T // nsplit), nthreads=threads, scaling=float(scaling))

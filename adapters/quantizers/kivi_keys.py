@@ -9,7 +9,7 @@ Layout (logical storage order = quantized tokens, then residual tokens):
 dtype, one row per group; ``group_ids`` [B, Hkv, Tq] int32, the group row of every quantized token,
 or None while groups are implicit (token i belongs to group i // G, true until the first gather);
 ``residual`` [B, Hkv, Tr, d] in the compute dtype, Tr < R without eviction. Codes, scales, minima and
-group ids are the rows in use of preallocated buffers (:mod:`polykv.adapters.quantizers.code_buffers`).
+group ids are the rows in use of preallocated buffers (:mod:`polykv.adapters.quantizers.kivi_store`).
 """
 
 from __future__ import annotations
@@ -17,26 +17,22 @@ from __future__ import annotations
 import torch
 
 from polykv.contract import storage
-from polykv.adapters.quantizers import minmax
-from polykv.adapters.quantizers.code_buffers import CodeBuffers
-from polykv.adapters.quantizers.packed_stream import PackedStream
-from polykv.adapters.quantizers.packing import pack, packed_width
+from polykv.adapters.quantizers.code_format import encode, group_params, pack, packed_width, quantize_groups
+from polykv.adapters.quantizers.kivi_store import KiviStore
 
 
-class KiviKeyStore(CodeBuffers):
+class KiviKeyStore(KiviStore):
     """Keys of one layer at ``bits`` in {2, 4, 8}; see the module docstring for the layout."""
+
+    what, layout, _grow_in_blocks = "kivi keys", "channel", False
 
     def __init__(self, *, bits: int, group_size: int, residual: int, dtype: torch.dtype,
                  device: torch.device | str):
-        self.bits, self.group_size, self.residual_len = bits, group_size, residual
-        self.dtype, self.device = dtype, torch.device(device)
-        self._shape: tuple[int, int, int] | None = None  # (B, Hkv, d)
-        self._new_buffers(grow_in_blocks=False, codes=torch.uint8, scale=dtype, zero=dtype, ids=torch.int32)
-        self.residual: torch.Tensor | None = None
+        super().__init__(bits=bits, group_size=group_size, residual=residual, dtype=dtype, device=device,
+                         ids=torch.int32)
 
-    def _init(self, B: int, H: int, d: int) -> None:
-        self._allocate(codes=(packed_width(d, self.bits),), scale=(d,), zero=(d,), ids=())
-        self.residual = torch.empty(B, H, 0, d, dtype=self.dtype, device=self.device)
+    def _trails(self, d: int) -> dict[str, tuple[int, ...]]:
+        return {"codes": (packed_width(d, self.bits),), "scale": (d,), "zero": (d,), "ids": ()}
 
     @property
     def group_ids(self) -> torch.Tensor | None:
@@ -66,7 +62,6 @@ class KiviKeyStore(CodeBuffers):
         self._reserve_rows({"codes": codes, "scale": groups, "zero": groups,
                             "ids": codes if self._explicit_ids else 0})
 
-
     def token_group_ids(self) -> torch.Tensor:
         """[B, Hkv, Tq] int64: the group row of every quantized token (materialised if implicit)."""
         if self.group_ids is not None:
@@ -76,61 +71,22 @@ class KiviKeyStore(CodeBuffers):
         return ids.expand(B, H, -1)
 
     # -- quantization -----------------------------------------------------------------------------
-    def _quantize_blocks(self, x: torch.Tensor) -> None:
-        """Quantize completed blocks x [B, H, n, d] (n a multiple of G) and append them."""
+    def _to_quantize(self, held: int) -> int:
+        """Every completed block of ``residual`` keys."""
+        return held // self.residual_len * self.residual_len
+
+    def _quantize_rows(self, x: torch.Tensor) -> None:
+        """Quantize completed blocks x [B, H, n, d] (n a multiple of G) per channel, G tokens a group."""
         B, H, n, d = x.shape
         G = self.group_size
-        g = x.float().reshape(B, H, n // G, G, d)  # (B, H, groups, G, d): a group = G tokens of one channel
-        scale, zero = minmax.group_params(g.amin(3), g.amax(3), self.bits, self.dtype)
-        q = minmax.encode(g, scale.unsqueeze(3), zero.unsqueeze(3), self.bits).reshape(B, H, n, d)
+        codes, scale, zero = quantize_groups(x, (B, H, n // G, G, d), 3, self.bits, self.dtype)
         if self._explicit_ids:
             first = self.scale.shape[2]
             new_ids = first + torch.arange(n, device=self.device, dtype=torch.int32) // G
             self._put("ids", new_ids.expand(B, H, n))
-        self._put("codes", pack(q, self.bits))
+        self._put("codes", codes)
         self._put("scale", scale)
         self._put("zero", zero)
-
-    def append(self, x: torch.Tensor) -> None:
-        """Append ``x`` [B, Hkv, t, d]; every completed block of ``residual`` keys is quantized."""
-        if self._shape is None:
-            self._shape = storage.check_chunk(x, None, "kivi keys")
-            self._init(*self._shape)
-        storage.check_chunk(x, self._shape, "kivi keys")
-        if not x.shape[2]:
-            return
-        x = storage.own_copy(x, dtype=self.dtype, device=self.device)
-        res = x if not self.residual.shape[2] else torch.cat([self.residual, x], dim=2)
-        full = res.shape[2] // self.residual_len * self.residual_len
-        if full:
-            self._quantize_blocks(res[:, :, :full])
-            res = res[:, :, full:].clone()  # own storage: a slice would keep the whole buffer alive
-        self.residual = res
-
-    # -- reads ------------------------------------------------------------------------------------
-    def dequantize(self) -> torch.Tensor:
-        """[B, Hkv, T, d] in the compute dtype: quantized tokens, then the residual."""
-        if self._shape is None:
-            raise ValueError("kivi keys: the store is empty; append tokens before reading it")
-        B, H, d = self._shape
-        Tq, G = self.num_quantized, self.group_size
-        out = torch.empty(B, H, len(self), d, dtype=self.dtype, device=self.device)
-        if self.group_ids is None:  # implicit groups: G consecutive tokens per row
-            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, self.scale.unsqueeze(3),
-                               self.zero.unsqueeze(3), (B, H, Tq // G, G, d))
-        else:
-            ids = self.group_ids.long()
-            minmax.decode_into(out[:, :, :Tq], self.codes, self.bits, storage.gather_tokens(self.scale, ids),
-                               storage.gather_tokens(self.zero, ids), (B, H, Tq, d))
-        out[:, :, Tq:] = self.residual
-        return out
-
-    def token_blocks(self) -> PackedStream:
-        """The stored tensors as a token-blocks view (attention reads codes directly; no copy)."""
-        if self._shape is None:
-            raise ValueError("kivi keys: the store is empty; append tokens before reading it")
-        return PackedStream(layout="channel", bits=self.bits, group_size=self.group_size, codes=self.codes,
-                            scale=self.scale, zero=self.zero, group_ids=self.group_ids, residual=self.residual)
 
     def gather(self, index: torch.Tensor) -> None:
         """Keep tokens ``index`` [B, Hkv, k] (strictly ascending, logical order); never requantizes.
@@ -141,14 +97,9 @@ class KiviKeyStore(CodeBuffers):
         that kept fewest, and a head's older residual survivors are quantized now, once, as new
         groups of up to G of them per channel (their first quantization).
         """
-        index = storage.check_index(index.to(self.device), self._shape, len(self), "kivi keys")
-        B, H, d = self._shape
-        Tq, k, G = self.num_quantized, index.shape[2], self.group_size
-        n_res = (index >= Tq).sum(-1)  # (B, H)
-        keep_res = int(n_res.min()) if k else 0
-        nq = k - keep_res
-        iq, ir = index[..., :nq], index[..., nq:] - Tq
-        promoted = iq >= Tq  # (B, H, nq)
+        n_res, keep_res, nq, iq, ir, promoted = self._split_index(index)
+        B, H, _ = self._shape
+        Tq = self.num_quantized
         if Tq:
             at = iq.clamp(max=Tq - 1)
             codes = storage.gather_tokens(self.codes, at)
@@ -157,7 +108,7 @@ class KiviKeyStore(CodeBuffers):
             codes = torch.zeros(B, H, nq, self.codes.shape[3], dtype=torch.uint8, device=self.device)
             ids = torch.zeros(B, H, nq, dtype=torch.int64, device=self.device)
         scale, zero = self.scale, self.zero
-        n_promoted = int((n_res - keep_res).max()) if k else 0
+        n_promoted = int((n_res - keep_res).max()) if nq + keep_res else 0
         if nq and n_promoted:
             codes, ids, scale, zero = self._promote(iq, promoted, n_promoted, codes, ids)
         self._set("codes", codes)
@@ -172,15 +123,12 @@ class KiviKeyStore(CodeBuffers):
         n_new = -(-n_promoted // G)
         rank = torch.cumsum(promoted, dim=-1) - 1
         slot = torch.where(promoted, rank // G, torch.full_like(rank, n_new))  # n_new = discard row
-        at = slot.unsqueeze(-1).expand(B, H, slot.shape[2], d)
-        inf = torch.full((B, H, n_new + 1, d), float("inf"), device=self.device)
-        mn = inf.scatter_reduce(2, at, x, "amin")[:, :, :n_new]
-        mx = (-inf).scatter_reduce(2, at, x, "amax")[:, :, :n_new]
-        empty = torch.isinf(mn)  # a row no token of this head uses: never read, kept finite
-        mn, mx = mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
-        pscale, pzero = minmax.group_params(mn, mx, self.bits, self.dtype)  # (B, H, n_new, d)
+        mn, mx = _row_extremes(x, slot, n_new + 1)
+        empty = torch.isinf(mn[:, :, :n_new])  # a row no token of this head uses: never read, kept finite
+        pscale, pzero = group_params(mn[:, :, :n_new].masked_fill(empty, 0.0),
+                                     mx[:, :, :n_new].masked_fill(empty, 0.0), self.bits, self.dtype)
         row = slot.clamp(max=n_new - 1)
-        q = minmax.encode(x, storage.gather_tokens(pscale, row), storage.gather_tokens(pzero, row), self.bits)
+        q = encode(x, storage.gather_tokens(pscale, row), storage.gather_tokens(pzero, row), self.bits)
         codes = torch.where(promoted.unsqueeze(-1), pack(q, self.bits), codes)
         ids = torch.where(promoted, first + slot, ids)
         return (codes, ids, torch.cat([self.scale, pscale], dim=2), torch.cat([self.zero, pzero], dim=2))
@@ -209,9 +157,8 @@ class KiviKeyStore(CodeBuffers):
         recomputed. Untouched groups keep their codes; residual tokens are replaced in full precision.
         """
         B, H, d = self._shape
-        storage.check_write(mask, x, (B, H, len(self), d), "kivi keys")
         Tq = self.num_quantized
-        mq, mr = mask[..., :Tq], mask[..., Tq:]
+        mq, written = self._split_write(mask, x)     # the residual's tokens are written here
         members = rows = 0
         if bool(mq.any()):
             ids = self.token_group_ids()                                              # (B, H, Tq)
@@ -219,48 +166,37 @@ class KiviKeyStore(CodeBuffers):
             n_rows = self.scale.shape[2]
             row_hit = torch.zeros(B, H, n_rows, dtype=torch.long, device=self.device).scatter_add_(2, ids, mq.long()) > 0
             member_hit = row_hit.gather(2, ids)                                       # (B, H, Tq)
-            at = ids.unsqueeze(-1).expand(B, H, Tq, d)
-            inf = torch.full((B, H, n_rows, d), float("inf"), device=self.device)
-            mn = inf.scatter_reduce(2, at, new, "amin")
-            mx = (-inf).scatter_reduce(2, at, new, "amax")
-            pscale, pzero = minmax.group_params(mn.masked_fill(~row_hit.unsqueeze(-1), 0.0),
+            mn, mx = _row_extremes(new, ids, n_rows)
+            pscale, pzero = group_params(mn.masked_fill(~row_hit.unsqueeze(-1), 0.0),
                                                 mx.masked_fill(~row_hit.unsqueeze(-1), 0.0), self.bits, self.dtype)
             self._set("scale", torch.where(row_hit.unsqueeze(-1), pscale, self.scale))
             self._set("zero", torch.where(row_hit.unsqueeze(-1), pzero, self.zero))
             scale, zero = storage.gather_tokens(self.scale, ids), storage.gather_tokens(self.zero, ids)
-            q = minmax.encode(new, scale, zero, self.bits)
+            q = encode(new, scale, zero, self.bits)
             self._set("codes", torch.where(member_hit.unsqueeze(-1), pack(q, self.bits), self.codes))
             members, rows = int(member_hit.sum()), int(row_hit.sum())
-        self.residual = torch.where(mr.unsqueeze(-1), x[:, :, Tq:].to(self.dtype), self.residual)
-        return storage.WriteCost(tokens_written=int(mask.sum()), tokens_requantized=members,
+        return storage.WriteCost(tokens_written=written, tokens_requantized=members,
                                  groups_requantized=rows * d)
 
-    def split_heads(self) -> list["KiviKeyStore"]:
-        """One store per (batch row, KV head), row-major, keeping that head's codes (no requantization).
+    def _fill_head(self, b: int, h: int) -> "KiviKeyStore":
+        """Head (b, h)'s store; group rows that head does not use (padding of a per-head compaction) are dropped."""
+        s = super()._fill_head(b, h)
+        s._set("codes", self.codes[b:b + 1, h:h + 1])
+        scale, zero = self.scale[b:b + 1, h:h + 1], self.zero[b:b + 1, h:h + 1]
+        if self.group_ids is None:
+            s._set_groups(None, scale, zero)
+        else:
+            s._set_groups(*s._compact(self.group_ids[b:b + 1, h:h + 1].long(), scale, zero))
+        return s
 
-        Group rows a head does not use (padding of a per-head compaction) are dropped.
-        """
-        B, H, d = self._shape
-        ids = self.token_group_ids() if self.group_ids is not None else None
-        out = []
-        for b in range(B):
-            for h in range(H):
-                s = KiviKeyStore(bits=self.bits, group_size=self.group_size, residual=self.residual_len,
-                                 dtype=self.dtype, device=self.device)
-                s._shape = (1, 1, d)
-                s._init(1, 1, d)
-                s._set("codes", self.codes[b:b + 1, h:h + 1])
-                s.residual = self.residual[b:b + 1, h:h + 1].clone()
-                scale, zero = self.scale[b:b + 1, h:h + 1], self.zero[b:b + 1, h:h + 1]
-                if ids is None:
-                    s._set_groups(None, scale, zero)
-                else:
-                    s._set_groups(*s._compact(ids[b:b + 1, h:h + 1], scale, zero))
-                out.append(s)
-        return out
 
-    def resident_bytes(self) -> int:
-        return storage.held_bytes(*self._buffer_tensors(), self.residual)
+def _row_extremes(x: torch.Tensor, rows: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel minimum and maximum of the tokens ``x`` [B, H, n, d] that map to each of ``n_rows`` group
+    rows (``rows`` [B, H, n]): two [B, H, n_rows, d] float32 tensors, +inf / -inf in a row no token maps to."""
+    B, H, n, d = x.shape
+    at = rows.unsqueeze(-1).expand(B, H, n, d)
+    inf = torch.full((B, H, n_rows, d), float("inf"), device=x.device)
+    return inf.scatter_reduce(2, at, x, "amin"), (-inf).scatter_reduce(2, at, x, "amax")
 
 
 def key_bytes(*, bits: int, group_size: int, residual: int, batch: int, kv_heads: int, head_dim: int,

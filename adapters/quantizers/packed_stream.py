@@ -6,7 +6,7 @@ exactly as the store's ``dequantize`` would) or hands its codes, scales and resi
 of the query's device (:meth:`PackedStream.fused_kernel`: :mod:`polykv.adapters.quantizers.kivi_cpu` on the CPU,
 :mod:`polykv.adapters.quantizers.kivi_triton` on a GPU). Nothing is copied when a view is taken.
 
-Layouts (see kivi_keys.py / kivi_values.py; logical order = quantized tokens, then residual):
+Layouts (see kivi_keys.py / kivi_values.py and code_format.py; logical order = quantized tokens, then residual):
 
 - ``"channel"`` (keys): ``codes`` [B, Hkv, Tq, d*b/8] uint8, ``scale``/``zero`` [B, Hkv, Ng, d], one
   row per group of G tokens; ``group_ids`` [B, Hkv, Tq] or None (token i in row i // G);
@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from polykv.contract import storage
-from polykv.adapters.quantizers import kivi_cpu, minmax
+from polykv.adapters.quantizers import code_format, kivi_cpu
 
 LAYOUTS = ("channel", "token", "none")
 
@@ -53,31 +53,14 @@ class PackedStream(storage.TokenRows):
         """Code rows ``start .. stop - 1`` (stop <= Tq) dequantized: [B, Hkv, n, d] in the compute dtype,
         written into ``out`` when given (e.g. the front of a block whose tail is residual rows).
 
-        Uses :func:`minmax.decode_into`, the arithmetic of the stores' ``dequantize``, so a token
-        dequantizes to the same bits here as in the dense read.
+        Uses :func:`code_format.decode_rows`, as the stores' ``dequantize`` does, so a token dequantizes to
+        the same bits here as in the dense read.
         """
         B, H, _, d = self.residual.shape
-        n, G = stop - start, self.group_size
         if out is None:
-            out = torch.empty(B, H, n, d, dtype=self.residual.dtype, device=self.residual.device)
-        codes = self.codes[:, :, start:stop]
-        if self.layout == "token":  # per token: (B, H, n, d / G) rows, G channels each
-            minmax.decode_into(out, codes, self.bits, self.scale[:, :, start:stop].unsqueeze(-1),
-                               self.zero[:, :, start:stop].unsqueeze(-1), (B, H, n, d // G, G))
-            return out
-        if self.group_ids is None and start % G == 0 and n % G == 0:  # whole groups: broadcast each row
-            rows = slice(start // G, stop // G)
-            minmax.decode_into(out, codes, self.bits, self.scale[:, :, rows].unsqueeze(3),
-                               self.zero[:, :, rows].unsqueeze(3), (B, H, n // G, G, d))
-            return out
-        if self.group_ids is None:  # implicit groups: token i uses row i // G
-            rows = torch.arange(start, stop, device=out.device) // G
-            scale, zero = self.scale[:, :, rows], self.zero[:, :, rows]
-        else:
-            ids = self.group_ids[:, :, start:stop].long()
-            scale, zero = storage.gather_tokens(self.scale, ids), storage.gather_tokens(self.zero, ids)
-        minmax.decode_into(out, codes, self.bits, scale, zero, (B, H, n, d))
-        return out
+            out = torch.empty(B, H, stop - start, d, dtype=self.residual.dtype, device=self.residual.device)
+        return code_format.decode_rows(out, self.layout, self.bits, self.group_size, self.codes, self.scale,
+                                       self.zero, self.group_ids, start)
 
     # -- fused kernel -----------------------------------------------------------------------------
     def fused_kernel(self):

@@ -123,8 +123,13 @@ REMOVED_PATHS = {
     "polykv.adapters.quantizers.passthrough": "polykv.storage.token_buffer",
     # KIVI's min-max codes, bit packing and fused kernel live in its plugin (they were core modules in 0.2's
     # development; the 0.1 paths in the plugin folder import again)
-    "polykv.storage.minmax": "polykv.adapters.quantizers.minmax",
-    "polykv.storage.packing": "polykv.adapters.quantizers.packing",
+    "polykv.storage.minmax": "polykv.adapters.quantizers.code_format",
+    "polykv.storage.packing": "polykv.adapters.quantizers.code_format",
+    # KIVI's code format (min-max groups and their packing) is one module, and what its two stores share is
+    # one base (0.3)
+    "polykv.adapters.quantizers.minmax": "polykv.adapters.quantizers.code_format",
+    "polykv.adapters.quantizers.packing": "polykv.adapters.quantizers.code_format",
+    "polykv.adapters.quantizers.code_buffers": "polykv.adapters.quantizers.kivi_store",
     "polykv.attention.kivi_triton": "polykv.adapters.quantizers.kivi_triton",
     # attention math
     "polykv.online_softmax": "polykv.attention.online_softmax",

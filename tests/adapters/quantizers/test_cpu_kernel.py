@@ -44,6 +44,16 @@ def _kernel_built():
         pytest.fail(f"the CPU decode kernel did not build here: {kivi_cpu._state.get('error')}")
 
 
+@pytest.mark.parametrize("d", [48, 64, 128])
+@pytest.mark.parametrize("k_bits,v_bits,group_size", [(4, 4, 16), (2, 8, 16), (8, 2, 4), (16, 4, 16), (4, 16, 2)])
+def test_the_head_dims_compiled_for_themselves_match_any_other(d, k_bits, v_bits, group_size, cases):
+    """Head dims 64 and 128 run a copy of the kernel compiled for that dim (constant loop lengths); 48 runs the
+    copy for any dim. Each equals the blockwise reference, over a context long enough for several splits."""
+    ks, vs = cases.filled_pair(k_bits, v_bits, B=1, Hkv=2, T=700, d=d, group_size=group_size, residual=32)
+    for q in (1, 2):
+        _check(_query(1, 6, q, d), token_blocks(ks), token_blocks(vs), scaling=d ** -0.5)
+
+
 @pytest.mark.parametrize("k_bits", BITS)
 @pytest.mark.parametrize("v_bits", BITS)
 @pytest.mark.parametrize("G,q", [(1, 1), (3, 1), (2, 3)])
@@ -215,3 +225,25 @@ def test_nothing_is_compiled_at_import(tmp_path):
     env = {"POLYKV_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("heads,tokens,threads,items", [(3, 8000, 2, 12), (3, 8000, 1, 6), (8, 8000, 2, 8),
+                                                        (3, 100, 2, 3), (3, 8000, 16, 96)])
+def test_splits_give_every_thread_as_many_items(heads, tokens, threads, items):
+    """Four items a thread at least, a whole number each where splits stay over MIN_SPLIT tokens (a short context
+    cannot be cut finer: 100 tokens are one split a head)."""
+    assert heads * kivi_cpu._splits(heads, tokens, threads) == items
+
+
+def test_kernel_on_several_threads_matches_one(cases):
+    ks, vs = cases.filled_pair(4, 4, B=1, Hkv=3, T=3000, d=64, group_size=32, residual=32)
+    query = _query(1, 9, 1, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kivi_cpu.decode_attention(query, token_blocks(ks), token_blocks(vs), scaling=0.125)
+        torch.set_num_threads(3)
+        three = kivi_cpu.decode_attention(query, token_blocks(ks), token_blocks(vs), scaling=0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(three, one, atol=2e-6, rtol=1e-5)

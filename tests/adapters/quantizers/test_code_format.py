@@ -1,9 +1,9 @@
-"""Bit packing: exact round trip and the promised sizes (int4 = half a byte, int2 = a quarter)."""
+"""The code format's bit packing: exact round trip and the promised sizes (int4 = half a byte, int2 = a quarter)."""
 
 import pytest
 import torch
 
-from polykv.adapters.quantizers.packing import pack, packed_width, unpack, unpack_into
+from polykv.adapters.quantizers.code_format import pack, packed_width, unpack, unpack_into
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
