@@ -93,7 +93,10 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[i
 
 
 PROBE_ATTENTION_ELEMENTS = 1 << 21
-"""Logits per query-row block of :func:`attend_and_score` (8 MiB of float32; the softmax overwrites them)."""
+"""Logits per query-row block of :func:`attend_and_score` and per intra-op thread, up to
+:data:`MAX_BLOCK_THREADS` threads (8 MiB of float32 each; the softmax overwrites them)."""
+MAX_BLOCK_THREADS = 4
+"""Blocks of :func:`attend_and_score` grow with the CPU's intra-op threads up to this many (32 MiB of logits)."""
 SUBSET_MASS_FLOOR = 1e-12
 """Below this share of a row's attention on the score's subset, the block's score is taken from the subset's own
 softmax of its logits (:func:`attend_and_score`)."""
@@ -140,7 +143,8 @@ def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     vals = values.to(work).unsqueeze(2).expand(B, Hkv, P, W, dv).reshape(B * Hkv * P, W, dv)
     q = (query.to(work) * scaling).view(B, Hkv, G, n, d)
     out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=device)
-    rows = min(max(P, PROBE_ATTENTION_ELEMENTS // (B * H * W) // P * P), n)    # (a multiple of P: groups divide)
+    share = min(torch.get_num_threads(), MAX_BLOCK_THREADS) if device.type == "cpu" else 1
+    rows = min(max(P, PROBE_ATTENTION_ELEMENTS * share // (B * H * W) // P * P), n)   # (a multiple of P: groups divide)
     block = torch.empty(B * H * rows * W, dtype=work, device=device)  # every block's logits, then probabilities
     later = torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
     best = torch.zeros(B, Hkv, end - start, dtype=work, device=device)
