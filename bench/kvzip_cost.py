@@ -7,7 +7,10 @@ every prompt position); best of ``--repeats`` each.
 
 Each time is reported as wall time and as the process's CPU time (``time.process_time``, every thread's): on a
 shared machine the wall time of one run swings with the load of others, while the CPU time of a one-thread run
-(``OMP_NUM_THREADS=1``) barely moves, so ``OMP_NUM_THREADS=1 ... --repeats 2`` gives the steadier ratio.
+(``OMP_NUM_THREADS=1``) barely moves, so ``OMP_NUM_THREADS=1 ... --repeats 2`` gives the steadier ratio. With
+several threads the script also reports the busiest thread's CPU time (Linux ``/proc/self/task``): run with
+``OMP_WAIT_POLICY=PASSIVE`` (idle threads sleep instead of spinning), it is the prefill's critical path, close to its
+wall time on an otherwise idle machine, and a loaded machine barely moves it.
 
 ``--breakdown`` also times, inside the kvzip prefill, the probe's forwards (``ProbePass.run_chunks``) and within
 them the probe's attention fused with its scoring (``attend_and_score``, where the rule has it) and the separate
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -65,6 +69,29 @@ def _vanilla(model, ids):
 def _kvzip(session, ids):
     session.prefill(ids, logits_to_keep=1)
     return session.cache.probe_tokens
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of the process's threads so far (Linux ``/proc/self/task``; empty elsewhere)."""
+    got = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return got
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        got[task] = (int(fields[11]) + int(fields[12])) / tick   # utime + stime
+    return got
+
+
+def _busiest(before: dict[str, float]) -> float:
+    """The largest CPU time any thread spent since ``before`` (a :func:`_thread_cpu`)."""
+    return max((cpu - before.get(task, 0.0) for task, cpu in _thread_cpu().items()), default=0.0)
 
 
 def _rss_now() -> int:
@@ -144,25 +171,32 @@ def time_run(T: int, repeats: int) -> None:
     model, ids, plan = _setup(T)
     wall = {"vanilla": [], "kvzip": []}
     cpu = {"vanilla": [], "kvzip": []}
+    busiest = {"vanilla": [], "kvzip": []}
     probe = 0
     with torch.no_grad():
         _vanilla(model, ids[:, :256])  # warm-up
     with torch.no_grad():
         for _ in range(repeats):
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, threads = time.perf_counter(), time.process_time(), _thread_cpu()
             _vanilla(model, ids)
             wall["vanilla"].append(time.perf_counter() - start)
             cpu["vanilla"].append(time.process_time() - start_cpu)
+            busiest["vanilla"].append(_busiest(threads))
             with polykv.apply(model, plan) as session:
-                start, start_cpu = time.perf_counter(), time.process_time()
+                start, start_cpu, threads = time.perf_counter(), time.process_time(), _thread_cpu()
                 probe = _kvzip(session, ids)
                 wall["kvzip"].append(time.perf_counter() - start)
                 cpu["kvzip"].append(time.process_time() - start_cpu)
+                busiest["kvzip"].append(_busiest(threads))
     v, k = min(wall["vanilla"]), min(wall["kvzip"])
     vc, kc = min(cpu["vanilla"]), min(cpu["kvzip"])
     print(f"time at {T} tokens (threads {torch.get_num_threads()}, best of {repeats}): vanilla prefill {v:.2f} s, "
           f"kvzip prefill {k:.2f} s (probe: {probe} extra forward tokens), ratio {k / v:.2f}x; CPU time: vanilla "
           f"{vc:.2f} s, kvzip {kc:.2f} s, ratio {kc / vc:.2f}x")
+    vb, kb = min(busiest["vanilla"]), min(busiest["kvzip"])
+    if torch.get_num_threads() > 1 and vb > 0:
+        print(f"busiest thread's CPU time (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}): vanilla "
+              f"{vb:.2f} s, kvzip {kb:.2f} s, ratio {kb / vb:.2f}x")
 
 
 def memory_run(T: int) -> None:

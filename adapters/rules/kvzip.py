@@ -20,6 +20,8 @@ that leaves them unset (the rule's ``tokenizer_params``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from polykv.contract import Allocator, ParamError, RuleState, ScoredRule, SelectionContext, allocators, param, probe
@@ -91,53 +93,83 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, span: tuple[i
 
 
 PROBE_ATTENTION_ELEMENTS = 1 << 21
-"""Logits per query-row block of :func:`attend_and_score` (8 MiB of float32; its probabilities take as much)."""
+"""Logits per query-row block of :func:`attend_and_score` and per intra-op thread, up to
+:data:`MAX_BLOCK_THREADS` threads (8 MiB of float32 each; the softmax overwrites them)."""
+MAX_BLOCK_THREADS = 4
+"""Blocks of :func:`attend_and_score` grow with the CPU's intra-op threads up to this many (32 MiB of logits)."""
 SUBSET_MASS_FLOOR = 1e-12
 """Below this share of a row's attention on the score's subset, the block's score is taken from the subset's own
 softmax of its logits (:func:`attend_and_score`)."""
+MAX_ROW_GROUPS = 8
+"""At most this many row groups per KV head in :func:`attend_and_score` (:func:`row_groups`)."""
 
 
+def row_groups(items: int, device) -> int:
+    """Row groups per KV head for a CPU batch of ``items`` (batch x KV heads) matrix products: enough that the
+    products spread evenly over the intra-op threads (MKL gives each thread whole products: 3 KV heads on 2 threads
+    leave one thread idle a third of the time), 1 on one thread or off the CPU."""
+    if torch.device(device).type != "cpu":
+        return 1
+    threads = torch.get_num_threads()
+    return min(threads // math.gcd(items, threads), MAX_ROW_GROUPS)
+
+
+@torch.no_grad()
 def attend_and_score(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: tuple[int, int], sink: int,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A probe forward's attention and its KVzip score in one pass: (output [B, H, n, dv] in the query's dtype,
     the scores of :func:`reconstruction_scores` [B, Hkv, end - start] float32).
 
     ``query``, ``keys``, ``span``, ``sink`` as in :func:`reconstruction_scores`; ``values`` [B, Hkv, T + n, dv].
     Each block of query rows forms its float32 logits over the keys it sees (the prompt, then its own chunk's up to
-    itself) once, and their softmax, which meets the values (the attention output, as SDPA's). The score's
-    softmax over the subset [sink | keys[start:end] | own keys] is the same probabilities divided by the
+    itself) once, and their softmax (in place), which meets the values (the attention output, as SDPA's). The
+    score's softmax over the subset [sink | keys[start:end] | own keys] is the same probabilities divided by the
     subset's share of the row: ``p_j / sum_{k in subset} p_k`` (equal to it to float32 rounding). A block where
     some row puts less than :data:`SUBSET_MASS_FLOOR` on the subset (its probabilities there could underflow)
-    takes the subset's softmax of the kept logits instead, as :func:`reconstruction_scores` does.
+    takes the subset's softmax of its logits (formed again) instead, as :func:`reconstruction_scores` does.
+
+    ``groups``: the block's G x r query rows of each KV head run as this many products of equal size, each against
+    its own copy of the keys and values (None: :func:`row_groups`); a block whose rows do not divide runs as one.
+    Nothing is recorded for autograd (the probe's forwards run without it: :mod:`polykv.runtime.probe_pass`).
     """
     B, H, n, d = query.shape
     Hkv, W, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     G, T = H // Hkv, W - n
     start, end = span
-    work = torch.float32
-    keys_t = keys.to(work).transpose(-1, -2).contiguous()   # (B, Hkv, d, T + n): row-major, the products' fast side
-    vals = values.to(work)
+    work, device = torch.float32, query.device
+    P = max(1, int(groups)) if groups is not None else row_groups(B * Hkv, device)
+    # (B * Hkv * P, d, T + n): each KV head's keys P times over, row-major, the products' fast side
+    keys_t = keys.to(work).transpose(-1, -2).unsqueeze(2).expand(B, Hkv, P, d, W).reshape(B * Hkv * P, d, W)
+    vals = values.to(work).unsqueeze(2).expand(B, Hkv, P, W, dv).reshape(B * Hkv * P, W, dv)
     q = (query.to(work) * scaling).view(B, Hkv, G, n, d)
-    out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=query.device)
-    rows = max(1, PROBE_ATTENTION_ELEMENTS // (B * H * W))
-    best = None
+    out = torch.empty(B, Hkv, G, n, dv, dtype=query.dtype, device=device)
+    share = min(torch.get_num_threads(), MAX_BLOCK_THREADS) if device.type == "cpu" else 1
+    rows = min(max(P, PROBE_ATTENTION_ELEMENTS * share // (B * H * W) // P * P), n)   # (a multiple of P: groups divide)
+    block = torch.empty(B * H * rows * W, dtype=work, device=device)  # every block's logits, then probabilities
+    later = torch.ones(rows, rows, dtype=torch.bool, device=device).triu_(1)
+    best = torch.zeros(B, Hkv, end - start, dtype=work, device=device)
     for a in range(0, n, rows):
         b = min(a + rows, n)
         r, width = b - a, T + b                  # rows a..b see the prompt and their own chunk's keys up to b
-        logits = (q[:, :, :, a:b].reshape(B, Hkv, G * r, d) @ keys_t[..., :width]).view(B, Hkv, G, r, width)
-        later = torch.ones(r, r, dtype=torch.bool, device=query.device).triu_(1)  # own keys a..b: causal
-        logits[..., T + a:].masked_fill_(later, float("-inf"))   # (own keys before a are seen by every row)
-        probs = torch.softmax(logits, dim=-1)
-        out[:, :, :, a:b] = (probs.view(B, Hkv, G * r, width) @ vals[:, :, :width]).view(B, Hkv, G, r, dv)
-        mass = probs[..., start:end].sum(-1, keepdim=True) + probs[..., T:].sum(-1, keepdim=True)
+        p = P if (G * r) % P == 0 else 1
+        qs = q[:, :, :, a:b].reshape(B * Hkv * p, G * r // p, d)
+        ks, vs = keys_t[::P // p, :, :width], vals[::P // p, :width]
+        probs = torch.bmm(qs, ks, out=block[:B * H * r * width].view(B * Hkv * p, G * r // p, width))
+        p5 = probs.view(B, Hkv, G, r, width)
+        p5[..., T + a:].masked_fill_(later[:r, :r], float("-inf"))   # own keys a..b: causal (those before a: seen)
+        torch.softmax(probs, dim=-1, out=probs)
+        out[:, :, :, a:b] = torch.bmm(probs, vs).view(B, Hkv, G, r, dv)
+        mass = p5[..., start:end].sum(-1, keepdim=True) + p5[..., T:].sum(-1, keepdim=True)
         if sink:
-            mass += probs[..., :sink].sum(-1, keepdim=True)
+            mass += p5[..., :sink].sum(-1, keepdim=True)
         if bool((mass < SUBSET_MASS_FLOOR).any()):
+            logits = torch.bmm(qs, ks).view(B, Hkv, G, r, width)
+            logits[..., T + a:].masked_fill_(later[:r, :r], float("-inf"))
             subset = torch.cat([logits[..., :sink], logits[..., start:end], logits[..., T:]], dim=-1)
             got = torch.softmax(subset, dim=-1)[..., sink:sink + end - start].amax(dim=(2, 3))
         else:
-            got = (probs[..., start:end] / mass).amax(dim=(2, 3))                             # (B, Hkv, C)
-        best = got if best is None else torch.maximum(best, got)
+            got = p5[..., start:end].div_(mass).amax(dim=(2, 3))                              # (B, Hkv, C)
+        torch.maximum(best, got, out=best)
     return out.view(B, H, n, dv), best
 
 

@@ -101,9 +101,10 @@ def run_probe_chunks(model, forward, cache, chunks, device, cache_keyword: str) 
     the held prompt and stores nothing of them; only the last position's logits are computed."""
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
     try:
-        for chunk in chunks:
-            cache.probe = chunk
-            forward(chunk.ids.to(device), use_cache=True, **{cache_keyword: cache}, **keep)
+        with torch.no_grad():  # the forwards' outputs are dropped: only the states' records of them remain
+            for chunk in chunks:
+                cache.probe = chunk
+                forward(chunk.ids.to(device), use_cache=True, **{cache_keyword: cache}, **keep)
     finally:
         cache.probe = None
 
