@@ -26,6 +26,7 @@ prompt, the dense view, or straight from the stores), through SDPA, the eager pa
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -170,6 +171,41 @@ def attached(model, modules=()) -> Iterator[None]:
     finally:
         for c, impl in saved:
             c._attn_implementation_internal = impl
+
+
+class AttentionInputs:
+    """The hidden states entering the attention module of the layers whose states read them
+    (:data:`~polykv.attention.signals.ATTENTION_INPUT`): a forward pre-hook on each such module keeps its input
+    [B, q, D] in :attr:`held` until that layer's step pops it. A session owns one and hands :attr:`held` to its
+    caches (``CacheSettings.attention_inputs``); :meth:`hooked` installs the hooks with the session's attention swap
+    and removes them on exit. Layers not listed get no hook and their steps find nothing."""
+
+    def __init__(self, modules: dict):
+        self.modules = dict(modules)
+        """``layer index -> attention module`` of the layers whose input is kept."""
+        self.held: dict[int, torch.Tensor] = {}
+        """``layer index -> [B, q, D]`` input of the layer's current forward (popped by its step)."""
+
+    @contextlib.contextmanager
+    def hooked(self, modules: dict | None = None) -> Iterator[None]:
+        """Within the block the attention modules of :attr:`modules` (or of ``modules``, ``layer -> module``)
+        keep their input; nothing is kept or hooked after it."""
+        handles = [m.register_forward_pre_hook(functools.partial(self._keep, i), with_kwargs=True)
+                   for i, m in (self.modules if modules is None else modules).items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.held.clear()
+
+    def _keep(self, layer_idx: int, module, args, kwargs) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            raise RuntimeConfigError(f"layer {layer_idx}: a rule of this layer reads the hidden states entering the "
+                                     f"attention module, but {type(module).__name__} was called without a "
+                                     f"[batch, tokens, hidden] 'hidden_states' input; this model cannot serve it")
+        self.held[layer_idx] = hidden.detach()
 
 
 class HandOverLayer(CacheLayerMixin):
