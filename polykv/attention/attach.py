@@ -177,27 +177,44 @@ class AttentionInputs:
     """The hidden states entering the attention module of the layers whose states read them
     (:data:`~polykv.attention.signals.ATTENTION_INPUT`): a forward pre-hook on each such module keeps its input
     [B, q, D] in :attr:`held` until that layer's step pops it. A session owns one and hands :attr:`held` to its
-    caches (``CacheSettings.attention_inputs``); :meth:`hooked` installs the hooks with the session's attention swap
-    and removes them on exit. Layers not listed get no hook and their steps find nothing."""
+    caches (``CacheSettings.attention_inputs``); each new cache hooks the layers whose states read the input
+    (:meth:`hook_readers`), and the session's exit removes every hook (:meth:`unhook`). Layers whose states do not
+    read it get no hook and their steps find nothing."""
 
-    def __init__(self, modules: dict):
+    def __init__(self, modules):
         self.modules = dict(modules)
-        """``layer index -> attention module`` of the layers whose input is kept."""
+        """``layer index -> attention module`` of every layer that may be hooked."""
         self.held: dict[int, torch.Tensor] = {}
         """``layer index -> [B, q, D]`` input of the layer's current forward (popped by its step)."""
+        self.handles: dict = {}
+        """``layer index -> hook handle`` of the hooked layers."""
+
+    def hook_readers(self, layers) -> None:
+        """Hook, once, the attention module of each of ``layers`` (the runtime's layer caches: ``layer_idx`` and
+        ``observing_states()``) whose states read the attention input."""
+        for layer in layers:
+            i = layer.layer_idx
+            if i not in self.handles and signal_request(layer.observing_states()).attention_input:
+                self.handles[i] = self.modules[i].register_forward_pre_hook(functools.partial(self._keep, i),
+                                                                            with_kwargs=True)
+
+    def unhook(self) -> None:
+        """Remove every hook; nothing stays held."""
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+        self.held.clear()
 
     @contextlib.contextmanager
-    def hooked(self, modules: dict | None = None) -> Iterator[None]:
-        """Within the block the attention modules of :attr:`modules` (or of ``modules``, ``layer -> module``)
-        keep their input; nothing is kept or hooked after it."""
-        handles = [m.register_forward_pre_hook(functools.partial(self._keep, i), with_kwargs=True)
-                   for i, m in (self.modules if modules is None else modules).items()]
+    def hooked(self) -> Iterator[None]:
+        """Within the block every module of :attr:`modules` keeps its input (a capture of every layer)."""
+        for i, m in self.modules.items():
+            self.handles.setdefault(i, m.register_forward_pre_hook(functools.partial(self._keep, i),
+                                                                   with_kwargs=True))
         try:
             yield
         finally:
-            for h in handles:
-                h.remove()
-            self.held.clear()
+            self.unhook()
 
     def _keep(self, layer_idx: int, module, args, kwargs) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)

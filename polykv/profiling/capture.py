@@ -89,7 +89,7 @@ def capturing(model, attention_inputs: bool = False) -> Iterator[tuple[dict[int,
     """Within the block, a forward of ``model`` given the yielded cache (``use_cache=True``) fills the yielded
     dict {layer index: LayerCapture}; ``attention_inputs``: each capture keeps its layer's attention input too."""
     layers = int(model.config.get_text_config().num_hidden_layers)
-    inputs = AttentionInputs(dict(enumerate(attention_modules(model, layers)))) if attention_inputs else None
+    inputs = AttentionInputs(enumerate(attention_modules(model, layers))) if attention_inputs else None
     capture = Capture(inputs)
     with attached(model), (inputs.hooked() if inputs is not None else contextlib.nullcontext()):
         yield capture.found, HandOverCache(layers, capture)

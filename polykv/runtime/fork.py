@@ -199,12 +199,11 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
     """One prefill of ``input_ids`` observed by ``states`` (per layer), then the ``probe``'s forwards (their
     keys and values discarded, as in the runtime); its layer snapshots."""
     T = int(input_ids.shape[1])
-    reading = {i: m for i, (m, have) in enumerate(zip(session.attention_modules, states))
-               if signal_request(have.values()).attention_input}   # the states that read the attention input get it
-    with torch.no_grad(), session, session.attention_inputs.hooked(reading):
+    with torch.no_grad(), session:
         cache = session.new_cache()
         for layer, have in zip(cache.layers, states):
             layer.extra_states = list(have.values())
+        session.attention_inputs.hook_readers(cache.layers)   # the recorded states that read the attention input
         cache.prefill_continues = True  # selection never runs: the raw K/V stay in each layer
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
         for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position

@@ -30,14 +30,12 @@ from polykv.contract.params import token_id_params
 from polykv.contract.rules import checks_enabled
 from polykv.errors import RuntimeConfigError
 from polykv.attention.low_rank import LowRank
-from polykv.attention.signals import signal_request
 from polykv.models.geometry import FULL, ModelGeometry, geometry_of_model, rope_of_model
 from polykv.models.kv_bases import KV_BASES_KEY
 from polykv.plan import LayerPlan, OpSpec, Plan, uniform_plan, validate_plan
 from polykv.registry import get_registry
 from polykv.runtime import calls
 from polykv.runtime.cache import LEGACY_CACHE_KEYWORD, PlanCache, cache_keyword, given_cache
-from polykv.runtime.layer_cache import new_states
 from polykv.runtime.layer_spec import CacheSettings, LayerSpec
 from polykv.runtime.probe_pass import ProbePass
 from polykv.runtime.checks import (SERVED, attention_modules, check_layer_shapes, check_model_data,
@@ -172,11 +170,6 @@ def layer_spec(lp: LayerPlan, registry, geometry: ModelGeometry | None = None,
                      low_rank=_low_rank(lp, model_data or {}) if lp.low_rank else None, plain=plain)
 
 
-def reads_attention_input(spec: LayerSpec) -> bool:
-    """Whether a state of the layer's rules reads the hidden states entering its attention (``ATTENTION_INPUT``)."""
-    return signal_request(new_states(spec).values()).attention_input
-
-
 def _low_rank(lp: LayerPlan, model_data: Mapping[str, Any]) -> LowRank:
     """The bases of a layer the plan gives a rank."""
     bases = model_data[KV_BASES_KEY]
@@ -249,9 +242,8 @@ class Session:
         self.uncached_thread: int | None = None
         """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
         self._cache_kw = cache_keyword(model)
-        self.attention_inputs = attach.AttentionInputs(
-            {s.plan.layer: modules[s.plan.layer] for s in self._specs if reads_attention_input(s)})
-        """The pre-hooks that keep the attention input of the layers whose rules read it (none: no hook)."""
+        self.attention_inputs = attach.AttentionInputs(enumerate(modules))
+        """The pre-hooks that keep the attention input of the layers whose states read it (none: no hook)."""
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -264,8 +256,7 @@ class Session:
         model = self.model
         with contextlib.ExitStack() as stack:
             stack.enter_context(attach.attached(model, self._modules))
-            if self.attention_inputs.modules:  # only layers whose rules read it are hooked
-                stack.enter_context(self.attention_inputs.hooked())
+            stack.callback(self.attention_inputs.unhook)
             for name, patched in (("generate", functools.update_wrapper(functools.partial(calls.generate, self),
                                                                         calls.generate)),
                                   ("forward", self.guarded_forward(model.forward))):
@@ -350,6 +341,7 @@ class Session:
                                  model_data=self.model_data, generator=gen,
                                  attention_inputs=self.attention_inputs.held)
         self._cache = PlanCache(specs=self._specs, settings=settings, groups=self._groups)
+        self.attention_inputs.hook_readers(self._cache.layers)   # the layers whose states read it
         return self._cache
 
     @property

@@ -28,6 +28,7 @@ from polykv.plan import AllocationGroup, OpSpec
 from polykv.registry import Registry
 from polykv.runtime import calls
 from polykv.runtime.cache import cache_keyword
+from polykv.runtime.fork import capture_prefill, restore_prefill
 from polykv.runtime.session import run_probe
 from polykv.testing import random_model, tiny_model, token_ids
 
@@ -370,12 +371,25 @@ def test_plans_without_a_rule_that_reads_the_attention_input_install_no_hook(mod
     snap = polykv.uniform_plan(geometry_of_model(model), prefill=OpSpec(rule="snapkv", capacity=12),
                                decode=OpSpec(rule="h2o", capacity=8))
     with polykv.apply(model, snap) as session:
-        assert hooks() == before and session.attention_inputs.modules == {}
         session.prefill(token_ids(1, 20))
+        assert hooks() == before and session.attention_inputs.handles == {}
     s = random_surrogate(L=2, Hkv=2, D=64, fingerprint=geometry_of_model(model).fingerprint)
     per_layer = polykv.per_layer_plan(geometry_of_model(model), [{}, {"prefill": OpSpec(rule="kvzap", capacity=10)}])
     with polykv.apply(model, per_layer, model_data={"kvzap": s}) as session:
-        assert hooks() == before + 1 and list(session.attention_inputs.modules) == [1]   # the kvzap layer only
         session.prefill(token_ids(1, 20))
+        session.prefill(token_ids(1, 20))                                        # a second cache: hooked once
+        assert hooks() == before + 1 and list(session.attention_inputs.handles) == [1]   # the kvzap layer only
         assert session.attention_inputs.held == {}                             # each step took its own
     assert hooks() == before                                                      # removed on exit
+
+
+def test_a_prefill_snapshot_restores_what_the_plans_own_prefill_keeps(model):
+    s = random_surrogate(L=2, Hkv=2, D=64, fingerprint=geometry_of_model(model).fingerprint)
+    plan = attrs.evolve(_plan(model, capacity=16), allocation=(AllocationGroup(allocator="kvzap", layers=(0, 1)),))
+    prompt = token_ids(1, 48, seed=14)
+    snap = capture_prefill(model, prompt, [plan], model_data={"kvzap": s})
+    with polykv.apply(model, plan, model_data={"kvzap": s}) as session:
+        session.prefill(prompt)
+        want = [layer.positions.tolist() for layer in session.cache.layers]
+        restored = restore_prefill(session, snap)
+        assert [layer.positions.tolist() for layer in restored.layers] == want
