@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from polykv.attention.signals import signal_request
 from polykv.memory import predict_resident
 from polykv.models.geometry import geometry_of_model
 
@@ -144,13 +145,17 @@ def chunked_prefill_against_vanilla(model, geometry, prompt: torch.Tensor, split
             (more - ref[:, split:]).abs().max().item())
 
 
-def feed_random(cache, geo, q: int, gen: torch.Generator, dtype: torch.dtype, batch: int = 1) -> None:
+def feed_random(cache, geo, q: int, gen: torch.Generator, dtype: torch.dtype, batch: int = 1,
+                hidden_size: int | None = None) -> None:
     """One forward of ``q`` tokens through every layer of a plan ``cache``, without the model: random post-RoPE
-    keys, values [batch, Hkv, q, d] and queries [batch, H, q, d] through the attention and eviction path."""
+    keys, values [batch, Hkv, q, d] and queries [batch, H, q, d] through the attention and eviction path, and
+    random attention inputs [batch, q, hidden_size] (default H x d) for the layers whose states read them."""
     H, Hkv, d, B = geo.num_heads, geo.num_kv_heads, geo.head_dim, batch
     for i, layer in enumerate(cache.layers):
         k, v = (torch.randn(B, Hkv, q, d, generator=gen).to(dtype) for _ in range(2))
         step = cache.begin(k, v, i)
+        if signal_request(step.states).attention_input:   # what the session's pre-hook would have kept
+            layer.settings.attention_inputs[i] = torch.randn(B, q, hidden_size or H * d, generator=gen).to(dtype)
         layer.after_attention(step, torch.randn(B, H, q, d, generator=gen).to(dtype), d ** -0.5)
 
 

@@ -1,9 +1,10 @@
 """KVzap: query-agnostic eviction by a learned per-token surrogate of KVzip's scores (rule and allocator ``kvzap``).
 
 Jégou & Jeblick, "KVzap" (arXiv:2601.07891); kvpress ``KVzapPress`` (kvzap_press.py), ``DMSPress`` (its threshold
-mode), ``kvzap/train.py``. Each token's predicted log KVzip score comes from the token alone (its stored key and
-value in the head, :mod:`polykv.adapters.rules.kvzap_model`): no probe, no query, one small regressor per layer
-and KV head. It is computed once per token (the rule's state keeps it, aligned with storage) and never rescored.
+mode), ``kvzap/train.py``. Each token's predicted log KVzip score, in every KV head, comes from the token alone:
+the hidden state entering the layer's attention with it (:mod:`polykv.adapters.rules.kvzap_model`): no probe, no
+query, one small regressor per layer with one output per KV head. It is computed once per token, when the layer
+sees it (the rule's state keeps it, aligned with storage), and never rescored.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from polykv.adapters.rules.kvzap_model import KVZAP_SUFFIX, SURROGATES, KVzapSurrogate, is_kvzap_file
 from polykv.adapters.rules.kvzap_train import train_kvzap
 from polykv.adapters.rules.kvzip import KVzipAllocator
-from polykv.contract import PHASES, ModelDataNeed, ParamError, RuleState, ScoredRule, SelectionContext, param
+from polykv.contract import (PHASES, ModelDataNeed, ParamError, RuleState, ScoredRule, SelectionContext, param,
+                             state as states)
 from polykv.errors import RuntimeConfigError
 
 KVZAP_KEY = "kvzap"
@@ -30,10 +32,12 @@ profile as ``x.kvzap.safetensors``); missing, the runtime trains one over the of
 
 
 class PredictedScores(RuleState):
-    """The predicted log-score of every stored token ([B, Hkv, T] float32, NaN until predicted): columns are
-    predicted once, the first time a selection or the allocator reads them, then follow the stored tokens."""
+    """The predicted log-score of every stored token ([B, Hkv, T] float32): each forward's new tokens are predicted
+    as the layer sees them, from the hidden states entering its attention (``Observation.attention_input``, the
+    need :data:`~polykv.contract.state.ATTENTION_INPUT`), then follow the stored tokens."""
 
     metadata_name = "rule_state"
+    needs = frozenset({states.ATTENTION_INPUT})
 
     def __init__(self, surrogate: str, protect: tuple[int, int] = (0, 0)):
         self.surrogate, self.protect = surrogate, (int(protect[0]), int(protect[1]))
@@ -46,22 +50,30 @@ class PredictedScores(RuleState):
 
     def observe(self, obs) -> None:
         B, Hkv, K = obs.keys.shape[:3]
-        new = torch.full((B, Hkv, obs.num_new), math.nan, device=obs.keys.device)
-        if self.scores is None or self.scores.shape != (B, Hkv, K - obs.num_new):
-            self.scores = torch.full((B, Hkv, K), math.nan, device=obs.keys.device)
-        else:
-            self.scores = torch.cat([self.scores, new], dim=-1)
+        q, where = obs.num_new, f"layer {obs.layer_idx} ({obs.phase}): rule 'kvzap'"
+        hidden = obs.attention_input
+        if hidden is None or tuple(hidden.shape[:2]) != (B, q):
+            got = "none" if hidden is None else f"a {list(hidden.shape)} tensor"
+            raise RuntimeConfigError(f"{where} predicts each token's score from the hidden states entering the "
+                                     f"attention module, [{B}, {q}, hidden size] for this forward, but it got {got}; "
+                                     f"run the model inside polykv.apply, which captures them for kvzap layers")
+        before = self.scores if self.scores is not None else torch.empty(B, Hkv, 0, device=obs.keys.device)
+        if tuple(before.shape) != (B, Hkv, K - q):
+            raise RuntimeConfigError(f"{where} holds the scores of {tuple(before.shape)} (batch, KV heads, tokens) "
+                                     f"but this forward attends {K - q} earlier tokens: it must observe every forward "
+                                     f"of the layer from the first; start a new cache")
+        data = obs.model_data.get(KVZAP_KEY) if obs.model_data is not None else None
+        new = surrogate_of(data, obs.layer_idx, obs.phase).predict(obs.layer_idx, hidden, surrogate=self.surrogate,
+                                                                   kv_heads=Hkv)
+        self.scores = torch.cat([before, new.to(before.device)], dim=-1)
 
-    def filled(self, ctx: SelectionContext, predict) -> torch.Tensor:
-        """The scores of ``ctx``'s stored tokens, predicting (``predict(first_column)`` -> [B, Hkv, T - first]) the
-        columns not predicted yet (always a trailing block: new tokens are appended last)."""
+    def read(self, ctx: SelectionContext) -> torch.Tensor:
+        """The scores of ``ctx``'s stored tokens [B, Hkv, T] (read-only)."""
         if self.scores is None or self.scores.shape != ctx.positions.shape:
-            self.scores = torch.full(ctx.positions.shape, math.nan, device=ctx.keys.device)
-        missing = torch.isnan(self.scores).flatten(0, 1).any(dim=0).nonzero()
-        if missing.numel():
-            first = int(missing[0])
-            self.scores[..., first:] = torch.where(torch.isnan(self.scores[..., first:]), predict(first),
-                                                   self.scores[..., first:])
+            have = None if self.scores is None else tuple(self.scores.shape)
+            raise RuntimeConfigError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'kvzap' holds predicted scores of "
+                                     f"{have} but the layer stores {tuple(ctx.positions.shape)} (batch, KV heads, "
+                                     f"tokens): its state did not observe every forward of the layer")
         return self.scores
 
     def gather(self, selection) -> None:
@@ -75,12 +87,22 @@ class PredictedScores(RuleState):
         return batch * kv_heads * tokens * 4
 
 
+def surrogate_of(data, layer_idx: int, phase: str) -> KVzapSurrogate:
+    """The kvzap surrogate of ``model_data["kvzap"]`` (``data``), or a one-line error saying how to get one."""
+    if data is None:
+        raise ValueError(f"layer {layer_idx} ({phase}): rule 'kvzap' needs its surrogate in "
+                         f"model_data['{KVZAP_KEY}']; train it with `polykv model-data MODEL kvzap -o FILE` and "
+                         f"pass KVzapSurrogate.load(FILE), or let polykv.apply train one from the offline corpus")
+    return data
+
+
 class KVzapRule(ScoredRule):
     """Keep, per KV head, the tokens whose predicted (log) KVzip score is highest, or above ``threshold``.
 
-    Score of stored token j in KV head h of layer l: ``s = f_{l,h}(phi_j)``, the surrogate ``surrogate`` of
-    ``ctx.model_data["kvzap"]`` (:class:`~polykv.adapters.rules.kvzap_model.KVzapSurrogate`) on the token's key
-    magnitudes and value. The first ``n_sink`` and the newest ``window`` tokens of every head are always kept.
+    Score of stored token j in KV head h of layer l: ``s = f_l(x_j)[h]``, the surrogate ``surrogate`` of
+    ``model_data["kvzap"]`` (:class:`~polykv.adapters.rules.kvzap_model.KVzapSurrogate`) on the hidden state
+    ``x_j`` that entered the layer's attention with token j, predicted when the layer sees it (the rule's state).
+    The first ``n_sink`` and the newest ``window`` tokens of every head are always kept.
 
     * ``threshold = None`` (fixed ratio, kvpress ``kvzap_mlp_head``): the top ``capacity`` per head.
     * ``threshold = tau`` (the paper's DMS-style mode): each head keeps its tokens with ``s > tau`` (and the
@@ -101,8 +123,6 @@ class KVzapRule(ScoredRule):
     name = "kvzap"
     phases = frozenset(PHASES)
     signal = "none"
-    needs_values = True
-    reads_rope = True  # the key magnitudes pair dimensions f and f + d/2 of RoPE coordinates
     shared_across_heads = False
     surrogate: str = param("mlp", choices=SURROGATES, description="regressor: mlp or linear")
     threshold: float | None = param(None, low=-1e6, high=1e6,
@@ -137,29 +157,9 @@ class KVzapRule(ScoredRule):
     def protected(self, ctx: SelectionContext, capacity: int) -> tuple[int, int]:
         return int(self.n_sink), self.recent
 
-    def _surrogate(self, ctx: SelectionContext) -> KVzapSurrogate:
-        data = ctx.model_data.get(KVZAP_KEY) if ctx.model_data is not None else None
-        if data is None:
-            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'kvzap' needs its surrogate in "
-                             f"model_data['{KVZAP_KEY}']; train it with `polykv model-data MODEL kvzap -o FILE` and "
-                             f"pass KVzapSurrogate.load(FILE), or let polykv.apply train one from the offline corpus")
-        data.check_layer(ctx.layer_idx, ctx.num_kv_heads, ctx.keys.shape[-1])
-        return data
-
-    def predict(self, ctx: SelectionContext, first: int = 0) -> torch.Tensor:
-        """Predicted log-scores of stored columns ``first:``: [B, Hkv, T - first] float32."""
-        if ctx.values is None:
-            raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'kvzap' reads the stored values; this "
-                             f"context carries none")
-        return self._surrogate(ctx).predict(ctx.layer_idx, ctx.keys[:, :, first:], ctx.values[:, :, first:],
-                                            rope_scaling=ctx.rope_scaling, surrogate=self.surrogate)
-
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        """The predicted log KVzip scores of the stored tokens: [B, Hkv, T] float32."""
-        state = ctx.state.component(PredictedScores) if ctx.state is not None else None
-        if state is None:
-            return self.predict(ctx)
-        return state.filled(ctx, lambda first: self.predict(ctx, first))
+        """The predicted log KVzip scores of the stored tokens: [B, Hkv, T] float32 (from the rule's state)."""
+        return scores_of(ctx)
 
     def select(self, ctx: SelectionContext, capacity: int):
         if self.threshold is None:
@@ -172,6 +172,16 @@ class KVzapRule(ScoredRule):
         budget = ctx.head_capacity if ctx.head_capacity is not None else torch.full((B, Hkv), int(capacity))
         counts = torch.minimum(keep.sum(-1), budget.to(keep.device).long().expand(B, Hkv)).clamp_min(1)
         return super().select(attrs.evolve(ctx, head_capacity=counts), capacity)
+
+
+def scores_of(ctx: SelectionContext) -> torch.Tensor:
+    """The predicted scores ``ctx``'s kvzap state holds for its stored tokens, or a one-line error without one."""
+    got = ctx.state.component(PredictedScores) if ctx.state is not None else None
+    if got is None:
+        raise ValueError(f"layer {ctx.layer_idx} ({ctx.phase}): rule 'kvzap' reads the scores its state predicted "
+                         f"from the attention inputs it observed; this context carries no kvzap state (run the rule "
+                         f"through polykv.apply)")
+    return got.read(ctx)
 
 
 def protected_mask(ctx: SelectionContext, n_first: int, n_last: int) -> torch.Tensor:
@@ -207,7 +217,6 @@ class KVzapAllocator(KVzipAllocator):
                                      f"every layer of the allocation group to kvzap")
         if ctx.valid is not None:
             raise RuntimeConfigError(f"layer {ctx.layer_idx}: allocator 'kvzap' cannot read a ragged layer")
-        rule = KVzapRule(surrogate=state.surrogate)
-        scores = state.filled(ctx, lambda first: rule.predict(ctx, first)).clone()
+        scores = state.read(ctx).clone()
         scores[protected_mask(ctx, *state.protect)] = math.inf
         return scores[0]                                                          # (Hkv, T)

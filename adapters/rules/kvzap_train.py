@@ -1,17 +1,17 @@
 """Training KVzap's surrogate (:mod:`polykv.adapters.rules.kvzap_model`) against the ``kvzip`` rule's own scores.
 
 For each text (a LongTensor [1, T] of plain text, e.g. an offline-corpus text) the ``kvzip`` rule's
-reconstruction probe runs through the runtime (the ``run_probe`` the runtime hands in: polykv.runtime.session.run_probe; the rule's defaults: the
-first 4 tokens are sinks, one chunk per 2048 tokens), which gives every layer's scores [Hkv, T]; forward hooks on
-the same pass read each layer's ``k_proj`` and ``v_proj`` outputs (then its ``k_norm`` where the model has one): the
-keys before RoPE, and the values. Up to
-``positions`` random tokens per text (after the sinks) become samples: features (:func:`kvzap_model.features`) ->
-``log max(score, 1e-9)``. Then, per layer and KV head, 5% of the samples are held out and
+reconstruction probe runs through the runtime (the ``run_probe`` the runtime hands in:
+polykv.runtime.session.run_probe; the rule's defaults: the first 4 tokens are sinks, one chunk per 2048 tokens),
+which gives every layer's scores [Hkv, T]; forward pre-hooks on the same pass read the hidden states entering each
+layer's attention module in the prompt's (full-cache) forward. Up to ``positions`` random tokens per text (after
+the sinks) become samples: attention input [D] -> ``log max(score, 1e-9)`` in each KV head [Hkv]. Then, per
+layer, 5% of the samples are held out and
 
-* ``linear``: ridge regression (alpha 1, float64 normal equations) on standardised features, as the reference's
-  linear KVzap;
-* ``mlp``: F -> h -> GELU -> 1, MSE, AdamW (lr 5e-3), ``epochs`` epochs of batches of 512, cosine schedule, gradient
-  norm clipped at 1.0 per regressor (``kvzap/train.py``); h = hidden size / 8 by default (the released models).
+* ``linear``: ridge regression (alpha 1, float64 normal equations) on standardised inputs, D -> Hkv, as the
+  reference's linear KVzap;
+* ``mlp``: D -> h -> GELU -> Hkv, MSE, AdamW (lr 5e-3), ``epochs`` epochs of batches of 512, cosine schedule,
+  gradient norm clipped at 1.0 per layer (``kvzap/train.py``); h = D / 8 by default (the released models).
 
 Per-text samples can be kept in a ``checkpoint`` folder so an interrupted run resumes where it stopped.
 """
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from polykv.adapters.rules.kvzap_model import KVzapSurrogate, features
+from polykv.adapters.rules.kvzap_model import KVzapSurrogate
 from polykv.adapters.rules.kvzip import prompt_params
 from polykv.contract import model_data
 
@@ -46,27 +46,25 @@ def _attention_modules(model: Any) -> list:
     return sorted(mods, key=lambda m: m.layer_idx)
 
 
-def _normed(module: Any, norm: str, x: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, T, Hkv, d] through the attention module's per-head norm ``norm`` (Gemma 3, Qwen 3's ``k_norm``) when
-    it has one: a norm over the last axis, so the layout it is applied in does not matter."""
-    got = getattr(module, norm, None)
-    return got(x) if isinstance(got, torch.nn.Module) else x
+def _attention_input(layer_idx: int, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states [B, q, D] an attention module's forward was called with."""
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise model_data.ModelDataError(f"layer {layer_idx}: the attention module was called without a [batch, "
+                                        f"tokens, hidden] 'hidden_states' input; kvzap cannot be trained on this model")
+    return hidden.detach()
 
 
 @torch.no_grad()
 def text_samples(model: Any, ids: torch.Tensor, prompt: dict, *, positions: int, seed: int,
                  run_probe: Callable) -> tuple:
-    """Samples of one text ``ids`` [1, T]: (features [L, Hkv, P, F] float16, targets [L, Hkv, P] float32);
+    """Samples of one text ``ids`` [1, T]: (attention inputs [L, P, D] float16, targets [L, Hkv, P] float32);
     ``run_probe``: the runtime's probe runner (:data:`polykv.contract.probe.ProbeRunner`)."""
-    geo = model_data.model_geometry(model)
-    Hkv, d = geo.num_kv_heads, geo.head_dim
+    Hkv = model_data.model_geometry(model).num_kv_heads
     attn = _attention_modules(model)
-    caught: list[tuple[list, list]] = [([], []) for _ in attn]
-    handles = []
-    for i, m in enumerate(attn):
-        for j, src in enumerate((m.k_proj, m.v_proj)):
-            handles.append(src.register_forward_hook(
-                lambda _m, _a, out, i=i, j=j: caught[i][j].append(out.detach())))
+    caught: list[list] = [[] for _ in attn]
+    handles = [m.register_forward_pre_hook(lambda _m, args, kwargs, i=i: caught[i].append(
+        _attention_input(attn[i].layer_idx, args, kwargs)), with_kwargs=True) for i, m in enumerate(attn)]
     try:
         states = run_probe(model, "kvzip", dict(prompt), ids)
     finally:
@@ -76,10 +74,8 @@ def text_samples(model: Any, ids: torch.Tensor, prompt: dict, *, positions: int,
     gen = torch.Generator().manual_seed(seed)
     pick = (torch.randperm(T - SINK, generator=gen)[:positions] + SINK).sort().values
     xs, ys = [], []
-    for m, (ks, vs), state in zip(attn, caught, states):
-        k = _normed(m, "k_norm", torch.cat(ks, dim=1)[:, :T].reshape(1, T, Hkv, d)).transpose(1, 2)  # (1, Hkv, T, d)
-        v = _normed(m, "v_norm", torch.cat(vs, dim=1)[:, :T].reshape(1, T, Hkv, d)).transpose(1, 2)
-        xs.append(features(k[:, :, pick.to(k.device)], v[:, :, pick.to(v.device)])[0].cpu().half())  # (Hkv, P, F)
+    for (first, *_probe), state in zip(caught, states):   # the prompt's forward comes first, then the probe's
+        xs.append(first[0, pick.to(first.device)].cpu().half())                                     # (P, D)
         if state.scores.shape[-1] != T:  # a window-bounded layer (Gemma 3's sliding ones) kept only its window: it
             ys.append(torch.zeros(Hkv, len(pick)))  # never evicts by score, and its regressors learn "keep" (log 1)
             continue
@@ -113,8 +109,8 @@ def _cached_samples(path: str, meta: dict):
 def collect(model: Any, token_batches: list, prompt: dict, *, positions: int, seed: int,
             checkpoint: str | None, progress: Callable[[str], None] | None,
             run_probe: Callable) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Samples of every text, resuming from ``checkpoint``: (features [L, Hkv, N, F] float16, targets [L, Hkv, N],
-    tokens read)."""
+    """Samples of every text, resuming from ``checkpoint``: (attention inputs [L, N, D] float16, targets
+    [L, Hkv, N], tokens read)."""
     fp = model_data.model_geometry(model).fingerprint
     device = next(model.parameters()).device
     if checkpoint:
@@ -130,7 +126,8 @@ def collect(model: Any, token_batches: list, prompt: dict, *, positions: int, se
         if ids.shape[1] <= SINK + 1:
             raise model_data.ModelDataError(f"text {i} has {ids.shape[1]} tokens; kvzap training needs more than "
                                             f"{SINK + 1} per text")
-        meta = {"fingerprint": fp, "text": _digest(ids), "positions": str(positions), "seed": str(seed + i)}
+        meta = {"fingerprint": fp, "text": _digest(ids), "positions": str(positions), "seed": str(seed + i),
+                "inputs": "attention input"}
         path = os.path.join(checkpoint, f"text-{i:05d}.safetensors") if checkpoint else None
         got = _cached_samples(path, meta) if path else None
         resumed = got is not None
@@ -152,43 +149,46 @@ def collect(model: Any, token_batches: list, prompt: dict, *, positions: int, se
             eta = spent / computed * (n - i - 1) if computed else 0.0
             progress(f"kvzap: kvzip scores of text {i + 1}/{n} ({ids.shape[1]} tokens"
                      f"{', from the checkpoint' if resumed else ''}); {spent:.0f} s so far, about {eta:.0f} s left")
-    return torch.cat(xs, dim=2), torch.cat(ys, dim=2), tokens
+    return torch.cat(xs, dim=1), torch.cat(ys, dim=2), tokens
 
 
 def fit_linear(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge per regressor on standardised features x [G, N, F] (float), targets y [G, N]: (w [G, F], b [G])."""
+    """Ridge per regressor on standardised inputs x [G, N, F] (float), targets y [G, N, O] (O outputs each, fitted
+    alike): (w [G, F, O], b [G, O])."""
     G, N, Fd = x.shape
     xtx = torch.zeros(G, Fd, Fd, dtype=torch.float64)
-    xty = torch.zeros(G, Fd, dtype=torch.float64)
-    ybar = y.double().mean(dim=1)                                                    # (G,)
+    xty = torch.zeros(G, Fd, y.shape[-1], dtype=torch.float64)
+    ybar = y.double().mean(dim=1)                                                    # (G, O)
     for a in range(0, N, 4096):
         xc = x[:, a:a + 4096].double()
         xtx += xc.transpose(1, 2) @ xc
-        xty += (xc * (y[:, a:a + 4096].double() - ybar[:, None])[..., None]).sum(dim=1)
+        xty += xc.transpose(1, 2) @ (y[:, a:a + 4096].double() - ybar[:, None])
     w = torch.linalg.solve(xtx + alpha * torch.eye(Fd, dtype=torch.float64), xty)
     return w.float(), ybar.float()
 
 
 def mlp_forward(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """G MLPs ``p`` (as :func:`fit_mlp` returns them) on x [G, N, F]: [G, N]."""
-    return (F.gelu(torch.baddbmm(p["b1"][:, None], x, p["w1"])) * p["w2"][:, None]).sum(-1) + p["b2"][:, None]
+    """G MLPs ``p`` (as :func:`fit_mlp` returns them) on x [G, N, F]: [G, N, O]."""
+    return torch.baddbmm(p["b2"][:, None], F.gelu(torch.baddbmm(p["b1"][:, None], x, p["w1"])), p["w2"])
 
 
 def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, hidden: int, epochs: int, batch_size: int = 512, lr: float = 5e-3,
             seed: int = 0, progress: Callable[[str], None] | None = None, xv=None, yv=None) -> dict:
-    """G independent MLPs F -> hidden -> GELU -> 1 on standardised features x [G, N, F] (any float dtype), y [G, N]:
-    ``{"w1" [G, F, h], "b1" [G, h], "w2" [G, h], "b2" [G]}``. Every regressor sees the same batches; the summed
-    loss gives each one its own MSE gradient, and each one's gradient norm is clipped to 1.0 on its own. Targets are
-    standardised per regressor while training (the returned second layer undoes it)."""
+    """G independent MLPs F -> hidden -> GELU -> O on standardised inputs x [G, N, F] (any float dtype), targets
+    y [G, N, O]: ``{"w1" [G, F, h], "b1" [G, h], "w2" [G, h, O], "b2" [G, O]}``. Every MLP sees the same batches;
+    each one's loss is its MSE over its outputs, the summed loss gives each its own gradient, and each one's
+    gradient norm is clipped to 1.0 on its own. Targets are standardised per output while training (the returned
+    second layer undoes it)."""
     G, N, Fd = x.shape
+    O = y.shape[-1]
     gen = torch.Generator().manual_seed(seed)
-    y_mean, y_std = y.float().mean(dim=1), y.float().std(dim=1, unbiased=False).clamp_min(1e-6)   # (G,)
+    y_mean, y_std = y.float().mean(dim=1), y.float().std(dim=1, unbiased=False).clamp_min(1e-6)   # (G, O)
     y = (y.float() - y_mean[:, None]) / y_std[:, None]                  # trained on standardised targets
 
     def uniform(*shape, fan_in):
         return ((torch.rand(*shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)).requires_grad_()
     p = {"w1": uniform(G, Fd, hidden, fan_in=Fd), "b1": uniform(G, hidden, fan_in=Fd),
-         "w2": uniform(G, hidden, fan_in=hidden), "b2": uniform(G, fan_in=hidden)}
+         "w2": uniform(G, hidden, O, fan_in=hidden), "b2": uniform(G, O, fan_in=hidden)}
     opt = torch.optim.AdamW(list(p.values()), lr=lr)
     steps = max(1, epochs * math.ceil(N / batch_size))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
@@ -200,7 +200,7 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, hidden: int, epochs: int, batch
         order = torch.randperm(N, generator=gen)
         for a in range(0, N, batch_size):
             idx = order[a:a + batch_size]
-            loss = ((forward(x[:, idx]) - y[:, idx].float()) ** 2).mean(dim=1).sum()
+            loss = ((forward(x[:, idx]) - y[:, idx]) ** 2).mean(dim=(1, 2)).sum()
             opt.zero_grad()
             loss.backward()
             with torch.no_grad():
@@ -220,7 +220,8 @@ def fit_mlp(x: torch.Tensor, y: torch.Tensor, *, hidden: int, epochs: int, batch
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over regressors of the correlation of a and b [G, N]."""
+    """Mean over regressors and outputs of the correlation of a and b [G, N, O] over the N samples."""
+    a, b = a.transpose(1, 2).flatten(0, 1), b.transpose(1, 2).flatten(0, 1)                  # (G * O, N)
     a, b = a - a.mean(1, keepdim=True), b - b.mean(1, keepdim=True)
     return float(((a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-12)).mean())
 
@@ -256,34 +257,30 @@ def train_kvzap(model: Any, token_batches, tokenizer: Any = None, *, positions: 
                                progress=progress, run_probe=run_probe)
     finally:
         model.train(was_training)
-    L, Hkv, N, Fd = x.shape
-    x, y = x.reshape(L * Hkv, N, Fd), y.reshape(L * Hkv, N)
+    L, N, D = x.shape
+    y = y.transpose(1, 2)                                                               # (L, N, Hkv)
     order = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
     n_val = max(1, int(round(N * VALIDATION))) if N >= 20 else 0
     val, tr = order[:n_val], order[n_val:]
     xt = x[:, tr].float()
-    mean, std = xt.mean(dim=1), xt.std(dim=1, unbiased=False).clamp_min(1e-6)             # (G, F)
+    mean, std = xt.mean(dim=1), xt.std(dim=1, unbiased=False).clamp_min(1e-6)             # (L, D)
     xt = (xt - mean[:, None]) / std[:, None]
     yt = y[:, tr]
     lin_w, lin_b = fit_linear(xt, yt)
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    h = int(hidden) if hidden is not None else max(8, int(getattr(config, "hidden_size", 8 * Fd)) // 8)
+    h = int(hidden) if hidden is not None else max(8, D // 8)
     xv = ((x[:, val].float() - mean[:, None]) / std[:, None]) if n_val else None
     yv = y[:, val] if n_val else None
     mlp = fit_mlp(xt, yt, hidden=h, epochs=int(epochs), batch_size=int(batch_size), seed=seed, progress=progress,
                   xv=xv, yv=yv)
     info = {"texts": len(batches), "tokens": tokens, "samples": N - n_val, "validation_samples": n_val,
             "positions_per_text": int(positions), "hidden": h, "epochs": int(epochs), "activation": "gelu",
-            "target": "log kvzip score", "features": "key magnitudes + value"}
+            "target": "log kvzip score", "features": "attention input"}
     if n_val:
-        lin = (torch.einsum("gnf,gf->gn", xv, lin_w) + lin_b[:, None])
+        lin = torch.baddbmm(lin_b[:, None], xv, lin_w)
         mlp_pred = mlp_forward(mlp, xv)
         info.update(linear_mse=f"{float(((lin - yv) ** 2).mean()):.4g}", linear_corr=f"{_pearson(lin, yv):.3g}",
                     mlp_mse=f"{float(((mlp_pred - yv) ** 2).mean()):.4g}", mlp_corr=f"{_pearson(mlp_pred, yv):.3g}",
                     target_var=f"{float(yv.var(dim=1).mean()):.4g}")
-    shape = (L, Hkv)
-    return KVzapSurrogate(feat_mean=mean.view(*shape, Fd), feat_std=std.view(*shape, Fd),
-                          lin_w=lin_w.view(*shape, Fd), lin_b=lin_b.view(shape),
-                          mlp_w1=mlp["w1"].view(*shape, Fd, h), mlp_b1=mlp["b1"].view(*shape, h),
-                          mlp_w2=mlp["w2"].view(*shape, h), mlp_b2=mlp["b2"].view(shape),
+    return KVzapSurrogate(feat_mean=mean, feat_std=std, lin_w=lin_w, lin_b=lin_b, mlp_w1=mlp["w1"],
+                          mlp_b1=mlp["b1"], mlp_w2=mlp["w2"], mlp_b2=mlp["b2"],
                           fingerprint=model_data.model_geometry(model).fingerprint, info=info)

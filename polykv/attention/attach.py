@@ -26,6 +26,7 @@ prompt, the dense view, or straight from the stores), through SDPA, the eager pa
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -170,6 +171,58 @@ def attached(model, modules=()) -> Iterator[None]:
     finally:
         for c, impl in saved:
             c._attn_implementation_internal = impl
+
+
+class AttentionInputs:
+    """The hidden states entering the attention module of the layers whose states read them
+    (:data:`~polykv.attention.signals.ATTENTION_INPUT`): a forward pre-hook on each such module keeps its input
+    [B, q, D] in :attr:`held` until that layer's step pops it. A session owns one and hands :attr:`held` to its
+    caches (``CacheSettings.attention_inputs``); each new cache hooks the layers whose states read the input
+    (:meth:`hook_readers`), and the session's exit removes every hook (:meth:`unhook`). Layers whose states do not
+    read it get no hook and their steps find nothing."""
+
+    def __init__(self, modules):
+        self.modules = dict(modules)
+        """``layer index -> attention module`` of every layer that may be hooked."""
+        self.held: dict[int, torch.Tensor] = {}
+        """``layer index -> [B, q, D]`` input of the layer's current forward (popped by its step)."""
+        self.handles: dict = {}
+        """``layer index -> hook handle`` of the hooked layers."""
+
+    def hook_readers(self, layers) -> None:
+        """Hook, once, the attention module of each of ``layers`` (the runtime's layer caches: ``layer_idx`` and
+        ``observing_states()``) whose states read the attention input."""
+        for layer in layers:
+            i = layer.layer_idx
+            if i not in self.handles and signal_request(layer.observing_states()).attention_input:
+                self.handles[i] = self.modules[i].register_forward_pre_hook(functools.partial(self._keep, i),
+                                                                            with_kwargs=True)
+
+    def unhook(self) -> None:
+        """Remove every hook; nothing stays held."""
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles.clear()
+        self.held.clear()
+
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Within the block every module of :attr:`modules` keeps its input (a capture of every layer)."""
+        for i, m in self.modules.items():
+            self.handles.setdefault(i, m.register_forward_pre_hook(functools.partial(self._keep, i),
+                                                                   with_kwargs=True))
+        try:
+            yield
+        finally:
+            self.unhook()
+
+    def _keep(self, layer_idx: int, module, args, kwargs) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            raise RuntimeConfigError(f"layer {layer_idx}: a rule of this layer reads the hidden states entering the "
+                                     f"attention module, but {type(module).__name__} was called without a "
+                                     f"[batch, tokens, hidden] 'hidden_states' input; this model cannot serve it")
+        self.held[layer_idx] = hidden.detach()
 
 
 class HandOverLayer(CacheLayerMixin):

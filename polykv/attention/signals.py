@@ -200,7 +200,10 @@ COLUMN_SUMS_PER_HEAD = "column_sums_per_head"
 """[B, H, K]: this forward's attention summed over its queries, per query head."""
 LAST_ROWS = "last_rows"
 """[B, H, r, K]: the attention rows of this forward's last r queries (r = the state's ``needed_rows``)."""
-NEEDS = (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS)
+ATTENTION_INPUT = "attention_input"
+"""[B, q, D]: the hidden states entering the layer's attention module (what its q/k/v projections read) for the
+forward's q new tokens; the runtime captures them only for layers whose states name it (no attention pass)."""
+NEEDS = (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, ATTENTION_INPUT)
 
 
 @attrs.define(frozen=True)
@@ -211,6 +214,8 @@ class SignalRequest:
     column_sums_per_head: bool = False
     last_rows: int = 0
     """Rows of the newest queries (0 = none)."""
+    attention_input: bool = False
+    """Whether some state reads the attention input (captured before attention, not by it: not in ``bool``)."""
 
     def __bool__(self) -> bool:
         return self.column_sums or self.column_sums_per_head or self.last_rows > 0
@@ -223,7 +228,7 @@ class SignalRequest:
 
 def signal_request(states) -> SignalRequest:
     """The union of what ``states`` (RuleStates or None; composites searched) declare in ``needs``."""
-    col = per_head = False
+    col = per_head = hidden = False
     rows = 0
     for st in states:
         for leaf in ([] if st is None else st.leaves()):
@@ -233,9 +238,10 @@ def signal_request(states) -> SignalRequest:
                 raise ValueError(f"{type(leaf).__name__}.needs names {sorted(unknown)}; known: {list(NEEDS)}")
             col |= COLUMN_SUMS in needs
             per_head |= COLUMN_SUMS_PER_HEAD in needs
+            hidden |= ATTENTION_INPUT in needs
             if LAST_ROWS in needs:
                 rows = max(rows, int(getattr(leaf, "needed_rows", 0)))
-    return SignalRequest(col, per_head, rows)
+    return SignalRequest(col, per_head, rows, hidden)
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -32,8 +32,8 @@ from typing import Any, Hashable, Iterator
 import attrs
 import torch
 
-from polykv.attention.signals import (COLUMN_SUMS, COLUMN_SUMS_PER_HEAD, LAST_ROWS, NEEDS,  # noqa: F401
-                                      AttentionSignals, SignalRequest, attention_column_sums,
+from polykv.attention.signals import (ATTENTION_INPUT, COLUMN_SUMS, COLUMN_SUMS_PER_HEAD,  # noqa: F401
+                                      LAST_ROWS, NEEDS, AttentionSignals, SignalRequest, attention_column_sums,
                                       attention_column_sums_per_head, attention_last_rows, attention_probabilities,
                                       lower_right_causal, signal_request)
 
@@ -65,6 +65,12 @@ class Observation:
     """The :class:`~polykv.contract.probe.ProbeChunk` of a probe forward (``phase == "probe"``: ``query`` holds the
     chunk's queries, ``keys`` the whole prompt's then the chunk's own, ``first_position`` the prompt length);
     None for every prompt and decode forward."""
+    attention_input: torch.Tensor | None = None
+    """[B, q, D] the hidden states entering the layer's attention module for the q new tokens (the normed input its
+    q/k/v projections read), when a state of the layer names :data:`ATTENTION_INPUT` in ``needs``; else None."""
+    model_data: Any = None
+    """The session's per-model data by key (as ``SelectionContext.model_data``), for states that apply it as they
+    observe (kvzap's surrogate); None where the caller has none."""
     _computed: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)
 
     @property

@@ -29,6 +29,7 @@ import attrs
 import numpy as np
 import torch
 
+from polykv.attention.signals import signal_request
 from polykv.errors import ProfileError
 from polykv.models.geometry import geometry_of_model, rope_of_model
 from polykv.plan.bases_need import KV_BASES_NEED
@@ -179,7 +180,9 @@ def calibrate(model, sequences: Sequence[torch.Tensor], settings: CalibrationSet
     done = {layer: dict(precomputed[layer]) if precomputed and layer in precomputed else
             ckpt.load(layer, required=saved) for layer in range(L)}
     todo = [layer for layer in range(L) if done[layer] is None and (layers is None or layer in layers)]
-    captures = [capture_sequence(model, s) for s in seqs] if todo or settings.pairs else []
+    hidden = any(signal_request([registry.rule(r)(**settings.rule_params.get(r, {})).new_state()]).attention_input
+                 for r in rules)   # kvzap: the captures keep each layer's attention input
+    captures = [capture_sequence(model, s, attention_inputs=hidden) for s in seqs] if todo or settings.pairs else []
     kl_cols = e2e.kl_columns(configs, settings.kl_configs) if held else []
     measured = _Items([it for o in objectives for it in items.get(o, ())], P)
     snapshots = below = plain = None

@@ -93,8 +93,9 @@ class PrefixRun:
         if layer.spec.prefill_rule.declares_probe():
             self._from_prefill(layer, rule_name, params)
         else:  # selection waits for select()
+            hidden = None if cap.attention_input is None else cap.attention_input[:, :prefix]
             observe_prompt(layer, cap.key[:, :, :prefix], cap.value[:, :, :prefix], cap.query[:, :, :prefix],
-                           cap.scaling)
+                           cap.scaling, hidden)
         self._prompt, self._states = layer.prompt, layer.states
 
     def _from_prefill(self, layer, rule_name: str, params) -> None:

@@ -150,7 +150,7 @@ def capture_groups(model, plans: Sequence[Plan], *, registry=None, input_ids: to
         key = (attention_signature(per_layer), probe_key(chunks), plan_ranks(plan))
         groups.setdefault(key, []).append(per_layer)
         probes[key] = chunks
-        data.setdefault(key, session.model_data)
+        data.setdefault(key, {}).update(session.model_data)
     if not groups:
         raise RuntimeConfigError("capture_prefill needs at least one plan to know which rule states to record")
     return {key: (_union(per_plan), probes[key], data[key]) for key, per_plan in groups.items()}
@@ -185,13 +185,12 @@ def capture_prefill(model, input_ids: torch.Tensor, plans: Sequence[Plan], *, re
     T = int(input_ids.shape[1])
     step = chunk_size or T
     full = full_plan(geometry_of_model(model))
-    session = sessions.apply(model, full, registry=registry)
     variants = {}
-    for key, (states, chunks, data) in groups.items():
+    for key, (states, chunks, data) in groups.items():  # the plans' model data: states may apply it as they observe
         ranks = key[2]
-        run = session if ranks is None else sessions.apply(  # the plan's ranks: its prefill attends in code space
-            model, attrs.evolve(full, layers=[attrs.evolve(lp, k_rank=k, v_rank=v) for lp, (k, v) in
-                                              zip(full.layers, ranks)]), registry=registry, model_data=data)
+        run = sessions.apply(model, full if ranks is None else attrs.evolve(  # ranks: the prefill attends in codes
+            full, layers=[attrs.evolve(lp, k_rank=k, v_rank=v) for lp, (k, v) in zip(full.layers, ranks)]),
+            registry=registry, model_data=data)
         variants[key] = _capture_one(model, run, input_ids, states, step, chunks)
     return PrefillSnapshot(variants=variants, input_ids=input_ids)
 
@@ -204,6 +203,7 @@ def _capture_one(model, session, input_ids: torch.Tensor, states: list[dict], st
         cache = session.new_cache()
         for layer, have in zip(cache.layers, states):
             layer.extra_states = list(have.values())
+        session.attention_inputs.hook_readers(cache.layers)   # the recorded states that read the attention input
         cache.prefill_continues = True  # selection never runs: the raw K/V stay in each layer
         keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
         for start in range(0, T, step):  # only the cache matters: no vocabulary projection of every position

@@ -288,7 +288,8 @@ class LayerCache(CacheLayerMixin):
             obs = Observation(
                 layer_idx=self.layer_idx, phase=step.phase, query=query, keys=view.keys, positions=view.positions,
                 valid=view.valid, first_position=step.first_position, scaling=scaling, signals=signals,
-                rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe)
+                rope_inv_freq=self.settings.rope_inv_freq, probe=step.probe, model_data=self.settings.model_data,
+                attention_input=self.settings.attention_inputs.pop(self.layer_idx, None))
             for st in states:
                 st.observe(obs)
         if step.probe is not None:  # the probe's keys and values go with its step; nothing is stored or counted

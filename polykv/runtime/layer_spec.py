@@ -76,6 +76,9 @@ class CacheSettings:
     """Per-model data the plan's rules read (``apply(model_data=...)``)."""
     generator: torch.Generator | None = None
     """The generator of sampling rules (seeded once per cache)."""
+    attention_inputs: dict = attrs.field(factory=dict)
+    """``layer -> [B, q, D]`` hidden states entering the attention module of the layers whose states read them,
+    kept by the session's pre-hooks (:class:`~polykv.attention.attach.AttentionInputs`); each step pops its own."""
 
 
 @attrs.define(frozen=True, kw_only=True, eq=False)

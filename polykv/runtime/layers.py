@@ -42,10 +42,13 @@ def forward_layer(layer: LayerCache, keys: torch.Tensor, values: torch.Tensor, q
 
 
 def observe_prompt(layer: LayerCache, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
-                   scaling: float) -> None:
+                   scaling: float, attention_input: torch.Tensor | None = None) -> None:
     """A prompt [B, Hkv, T, d] held by ``layer`` and observed by its states (which compute what they read
-    themselves), selection left for later (``layer.select_prompt``)."""
+    themselves; ``attention_input`` [B, T, D]: the hidden states that entered the layer's attention, for states that
+    read them), selection left for later (``layer.select_prompt``)."""
     step = layer.begin(keys, values, ends_prompt=False)
+    if attention_input is not None:
+        layer.settings.attention_inputs[layer.layer_idx] = attention_input
     layer.after_attention(step, query, scaling)
 
 

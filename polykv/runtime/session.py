@@ -242,6 +242,8 @@ class Session:
         self.uncached_thread: int | None = None
         """The thread whose ``generate(use_cache=False)`` runs now: each of its forwards gets a fresh cache."""
         self._cache_kw = cache_keyword(model)
+        self.attention_inputs = attach.AttentionInputs(enumerate(modules))
+        """The pre-hooks that keep the attention input of the layers whose states read it (none: no hook)."""
 
     # -- context manager ---------------------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -254,6 +256,7 @@ class Session:
         model = self.model
         with contextlib.ExitStack() as stack:
             stack.enter_context(attach.attached(model, self._modules))
+            stack.callback(self.attention_inputs.unhook)
             for name, patched in (("generate", functools.update_wrapper(functools.partial(calls.generate, self),
                                                                         calls.generate)),
                                   ("forward", self.guarded_forward(model.forward))):
@@ -335,8 +338,10 @@ class Session:
         inv = self.rope_inv_freq.to(device) if self.rope_inv_freq is not None else None
         settings = CacheSettings(decode_slack=self.plan.trigger.decode_slack, storage_dtype=self.storage_dtype,
                                  check=self.check, rope_inv_freq=inv, rope_scaling=self.rope_scaling,
-                                 model_data=self.model_data, generator=gen)
+                                 model_data=self.model_data, generator=gen,
+                                 attention_inputs=self.attention_inputs.held)
         self._cache = PlanCache(specs=self._specs, settings=settings, groups=self._groups)
+        self.attention_inputs.hook_readers(self._cache.layers)   # the layers whose states read it
         return self._cache
 
     @property

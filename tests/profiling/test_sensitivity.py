@@ -154,9 +154,9 @@ def test_every_registered_rule_is_profiled_through_the_runtime(model, sequences)
     ctx = LayerContext(registry=reg, quantizer=reg.quantizer("kivi")(),
                        model_data={"triattention": stats, "kvzip-head": heads, "kvzap": random_surrogate(
                            L=model.config.num_hidden_layers, Hkv=model.config.num_key_value_heads,
-                           d=model.config.hidden_size // model.config.num_attention_heads)},
+                           D=model.config.hidden_size)},
                        rope_inv_freq=inv_freq, rope_scaling=rope_scaling)
-    cap = _stack([capture_sequence(model, s) for s in seqs], 1)
+    cap = _stack([capture_sequence(model, s, attention_inputs=True) for s in seqs], 1)   # kvzap reads them
     rules = [n for n in reg.names("rule") if n != "full" and "prefill" in reg.rule(n).phases
              and not reg.rule(n).declares_probe()]  # a probe rule selects from a prefill (test_endtoend.py)
     configs = [CandidateConfig(rule=r, keep=0.25, phase="prefill", k_bits=4, v_bits=4) for r in rules]

@@ -15,17 +15,26 @@ def _plan(params: dict | None = None, **extra) -> dict:
     return d
 
 
-def _surrogate(d, *, fingerprint="cfg-000000000000+s-000000000000", layers=2) -> str:
-    """A surrogate file of the tiny model's shape (2 layers, 2 KV heads, head size 32)."""
+def _surrogate(d, *, fingerprint="cfg-000000000000+s-000000000000", layers=2, version=None) -> str:
+    """A surrogate file of the tiny model's shape (2 layers of hidden size 128, 2 KV heads); ``version`` 1: the
+    format whose regressors read the stored keys and values (per KV head, 3d/2 = 48 features)."""
     import torch
+    from safetensors.torch import save_file
 
-    from polykv.adapters.rules.kvzap_model import KVzapSurrogate
+    from polykv.adapters.rules.kvzap_model import FORMAT, KVzapSurrogate
 
-    L, H, Fd, h = layers, 2, 48, 4
+    L, H, D, h = layers, 2, 128, 4
     path = d / "other.kvzap.safetensors"
-    KVzapSurrogate(feat_mean=torch.zeros(L, H, Fd), feat_std=torch.ones(L, H, Fd), lin_w=torch.zeros(L, H, Fd),
-                   lin_b=torch.zeros(L, H), mlp_w1=torch.zeros(L, H, Fd, h), mlp_b1=torch.zeros(L, H, h),
-                   mlp_w2=torch.zeros(L, H, h), mlp_b2=torch.zeros(L, H), fingerprint=fingerprint).save(path)
+    if version == 1:
+        Fd = 48
+        arrays = dict(feat_mean=torch.zeros(L, H, Fd), feat_std=torch.ones(L, H, Fd), lin_w=torch.zeros(L, H, Fd),
+                      lin_b=torch.zeros(L, H), mlp_w1=torch.zeros(L, H, Fd, h), mlp_b1=torch.zeros(L, H, h),
+                      mlp_w2=torch.zeros(L, H, h), mlp_b2=torch.zeros(L, H))
+        save_file(arrays, str(path), metadata={"format": FORMAT, "format_version": "1", "fingerprint": fingerprint})
+        return str(path)
+    KVzapSurrogate(feat_mean=torch.zeros(L, D), feat_std=torch.ones(L, D), lin_w=torch.zeros(L, D, H),
+                   lin_b=torch.zeros(L, H), mlp_w1=torch.zeros(L, D, h), mlp_b1=torch.zeros(L, h),
+                   mlp_w2=torch.zeros(L, h, H), mlp_b2=torch.zeros(L, H), fingerprint=fingerprint).save(path)
     return str(path)
 
 
@@ -61,6 +70,10 @@ add("kvzap-surrogate-damaged", "plan", lambda d: [
 add("kvzap-surrogate-too-few-layers", "plan", lambda d: [
     "plan", "validate", write(d, "p.json", _plan(model_data={"kvzap": _surrogate(d, fingerprint="", layers=1)})),
     "--model", model_folder(d)], "model_data.kvzap")
+# a surrogate of the first format (its regressors read the stored keys and values): refused, saying to retrain
+add("kvzap-surrogate-old-format", "plan", lambda d: [
+    "plan", "validate", write(d, "p.json", _plan(model_data={"kvzap": _surrogate(d, fingerprint="", version=1)})),
+    "--model", model_folder(d)], "retrain it with `polykv model-data MODEL kvzap")
 # the kvzap allocator over a layer whose prefill rule is another one: nothing to rank
 add("kvzap-allocator-over-another-rule", "plan", lambda d: [
     "plan", "validate", write(d, "p.json", _plan(allocation=[{"allocator": "kvzap", "layers": [0, 1]}]))],

@@ -391,11 +391,11 @@ ALLOCATOR_OPTIONS = {"kvzip": lambda: {"rule": polykv.get_registry().rule("kvzip
 
 
 def _surrogate(layers: int):
-    """A kvzap surrogate of the contract checkers' tiny models' shape (2 KV heads of size 16), trained on nothing:
+    """A kvzap surrogate of the contract checkers' tiny models' shape (hidden size 64, 2 KV heads), trained on nothing:
     the tokenizer its training needs does not exist there."""
     from tests.adapters.rules.test_kvzap import random_surrogate
 
-    return {"kvzap": random_surrogate(L=layers, Hkv=2, d=16)}
+    return {"kvzap": random_surrogate(L=layers, Hkv=2, D=64)}
 
 
 def _head_scores(layers: int):

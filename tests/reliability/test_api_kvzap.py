@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import polykv
 from polykv.adapters.rules.kvzap import KVzapRule
-from polykv.adapters.rules.kvzap_model import FORMAT, KVzapSurrogate
+from polykv.adapters.rules.kvzap_model import FORMAT, FORMAT_VERSION, KVzapSurrogate
 from polykv.adapters.rules.kvzap_train import train_kvzap
 from polykv.contract.model_data import ModelDataError
 from polykv.contract.params import ParamError
@@ -49,9 +49,10 @@ def test_a_threshold_that_is_no_finite_number_is_refused(value):
 
 
 @pytest.mark.parametrize("surrogate,parts", [
-    (dict(L=2, Hkv=2, d=16, fingerprint=FOREIGN), [FOREIGN, "polykv model-data"]),     # another model's
-    (dict(L=2, Hkv=2, d=8), ["size 8", "size 16"]),                                        # another head size
-    (dict(L=1, Hkv=2, d=16), ["1 layers", "2 x 2"]),                                        # too few layers
+    (dict(L=2, Hkv=2, D=64, fingerprint=FOREIGN), [FOREIGN, "polykv model-data"]),     # another model's
+    (dict(L=2, Hkv=2, D=32), ["hidden size 32", "hidden size 64"]),                        # another hidden size
+    (dict(L=2, Hkv=1, D=64), ["x 1 KV heads", "x 2"]),                                      # another KV head count
+    (dict(L=1, Hkv=2, D=64), ["1 layers", "has 2 of"]),                                     # too few layers
 ])
 def test_a_surrogate_of_another_model_is_refused_by_apply(model, forwards, surrogate, parts):
     with pytest.raises(PolykvError) as err:
@@ -80,13 +81,13 @@ def test_a_missing_surrogate_is_refused_when_asked_not_to_train_one(model, forwa
 ])
 def test_protected_tokens_that_fill_the_capacity_are_refused_by_validation(model, op, parts):
     with pytest.raises(PolykvError) as err:
-        polykv.apply(model, _plan(model, **op), model_data={"kvzap": random_surrogate(L=2, Hkv=2, d=16)})
+        polykv.apply(model, _plan(model, **op), model_data={"kvzap": random_surrogate(L=2, Hkv=2, D=64)})
     _one_line(err, *parts)
 
 
 def test_protected_tokens_that_fill_a_ratios_capacity_are_refused_before_any_layer_keeps(model):
     plan = _plan(model, capacity_ratio=0.1, params={"window": 8})
-    with polykv.apply(model, plan, model_data={"kvzap": random_surrogate(L=2, Hkv=2, d=16)}) as session:
+    with polykv.apply(model, plan, model_data={"kvzap": random_surrogate(L=2, Hkv=2, D=64)}) as session:
         with pytest.raises(RuntimeConfigError) as err:
             session.prefill(token_ids(1, 64))
     _one_line(err, "layer 0 (prefill)", "window", "capacity_ratio 0.1 of 64 tokens")
@@ -103,7 +104,7 @@ def test_the_allocator_over_layers_of_another_rule_is_refused_in_polykvs_class(m
 
 def test_a_batch_of_two_rows_under_the_allocator_is_refused(model):
     plan = attrs.evolve(_plan(model, capacity=16), allocation=(AllocationGroup(allocator="kvzap", layers=(0, 1)),))
-    with polykv.apply(model, plan, model_data={"kvzap": random_surrogate(L=2, Hkv=2, d=16)}) as session:
+    with polykv.apply(model, plan, model_data={"kvzap": random_surrogate(L=2, Hkv=2, D=64)}) as session:
         with pytest.raises(RuntimeConfigError) as err:
             session.prefill(token_ids(2, 64))
     _one_line(err, "allocator 'kvzap'", "batch of 2 rows")
@@ -127,12 +128,12 @@ def test_bad_training_input_is_refused_before_the_model_runs(model, forwards, ba
     assert forwards == []
 
 
-def _file(tmp_path, **tensors):
-    s = random_surrogate(L=2, Hkv=2, d=16)
+def _file(tmp_path, version=FORMAT_VERSION, **tensors):
+    s = random_surrogate(L=2, Hkv=2, D=16)
     arrays = {n: getattr(s, n) for n in ("feat_mean", "feat_std", "lin_w", "lin_b", "mlp_w1", "mlp_b1", "mlp_w2",
                                          "mlp_b2")}
     path = tmp_path / "s.kvzap.safetensors"
-    save_file({**arrays, **tensors}, str(path), metadata={"format": FORMAT, "format_version": "1"})
+    save_file({**arrays, **tensors}, str(path), metadata={"format": FORMAT, "format_version": str(version)})
     return str(path)
 
 
@@ -141,8 +142,11 @@ TRAIN = "polykv model-data"
 
 @pytest.mark.parametrize("make,parts", [
     (lambda p: _file(p, mlp_b2=torch.zeros(3, 2)), ["'mlp_b2'", "(3, 2)", "(2, 2)", TRAIN]),
-    (lambda p: _file(p, feat_std=torch.zeros(2, 2, 24)), ["'feat_std'", "<= 0", TRAIN]),
-    (lambda p: _file(p, lin_w=torch.full((2, 2, 24), math.nan)), ["lin_w", TRAIN]),
+    (lambda p: _file(p, feat_std=torch.zeros(2, 16)), ["'feat_std'", "<= 0", TRAIN]),
+    (lambda p: _file(p, lin_w=torch.full((2, 16, 2), math.nan)), ["lin_w", TRAIN]),
+    (lambda p: _file(p, mlp_w1=torch.zeros(2, 2, 16, 5)), ["'mlp_w1'", "[L, D, h]", TRAIN]),     # the old layout
+    (lambda p: _file(p, version=1), ["version 1", "stored keys and values", "retrain it with `polykv model-data"]),
+    (lambda p: _file(p, version=3), ["version '3'", TRAIN]),
     (lambda p: (p / "junk.kvzap.safetensors").write_bytes(b"junk") and str(p / "junk.kvzap.safetensors"),
      ["junk.kvzap.safetensors", "not a readable", TRAIN]),
     (lambda p: str(p / "absent.kvzap.safetensors"), ["absent.kvzap.safetensors", TRAIN]),

@@ -36,7 +36,7 @@ def model_data(model):
     from tests.adapters.rules.test_kvzap import random_surrogate
 
     return {"triattention": compute_query_stats(model, [ids[:1], ids[1:]]),
-            "kvzap": random_surrogate(L=1, Hkv=1, d=16)}
+            "kvzap": random_surrogate(L=1, Hkv=1, D=32)}
 
 
 # The quick subset (-m "not slow") soaks every rule and width at slack 1; the larger slacks make the grid

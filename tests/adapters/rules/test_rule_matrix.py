@@ -12,10 +12,12 @@ from tests.adapters.rules.test_kvzap import random_surrogate
 from polykv.adapters.rules.query_stats import QueryStats
 from polykv.registry import Registry
 from polykv.contract.probe import ProbeChunk
-from polykv.contract.state import Observation
+from polykv.contract.state import ATTENTION_INPUT, Observation
 from polykv.contract.selection import as_selection
 
 REGISTRY = Registry(load_entry_points=False)
+KVZAP_WIDTH = 12
+"""The hidden size of the attention inputs kvzap's random surrogate reads here."""
 NAMES = REGISTRY.names("rule")
 CASES = [(n, p) for n in NAMES for p in PHASES if p in REGISTRY.rule(n).phases]
 
@@ -44,7 +46,15 @@ def test_every_builtin_rule_is_registered_and_declared():
 def observed_state(rule, ctx):
     """The rule's own state after observing the context's queries as the newest tokens of one forward."""
     state = rule.new_state()
-    if state is not None:
+    if state is not None and ATTENTION_INPUT in state.needs:  # it predicts from each token's attention input as it
+        B, H, _, d = ctx.queries.shape  # arrives: one forward of the whole context (random inputs, random queries)
+        g = torch.Generator().manual_seed(0)
+        state.observe(Observation(layer_idx=ctx.layer_idx, phase=ctx.phase,
+                                  query=torch.randn(B, H, ctx.num_stored, d, generator=g), keys=ctx.keys,
+                                  positions=ctx.positions, valid=None, first_position=0, scaling=ctx.scaling,
+                                  attention_input=torch.randn(B, ctx.num_stored, KVZAP_WIDTH, generator=g),
+                                  model_data=ctx.model_data))
+    elif state is not None:
         state.observe(Observation(layer_idx=ctx.layer_idx, phase=ctx.phase, query=ctx.queries, keys=ctx.keys,
                                   positions=ctx.positions, valid=None, first_position=int(ctx.query_positions[0]),
                                   scaling=ctx.scaling))
@@ -64,7 +74,7 @@ def test_selection_shape_and_order(make_ctx, name, phase, capacity):
     rule = REGISTRY.rule(name)()
     ctx = make_ctx(B=2, H=4, Hkv=2, T=16, d=8, w=rule.query_window(rule.params) or 1, phase=phase, gaps=True,
                    model_data={"triattention": stats(), "kvzip-head": HeadScores(scores=torch.tensor([[0.2, 0.7]])),
-                               "kvzap": random_surrogate(L=1, Hkv=2, d=8)},
+                               "kvzap": random_surrogate(L=1, Hkv=2, D=KVZAP_WIDTH)},
                    rope_inv_freq=stats().inv_freq)
     if name == "full":
         with pytest.raises(ValueError, match="keeps every token"):
