@@ -14,6 +14,7 @@ K4V4 with the ``kivi`` quantizer: the files it adds.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import re
 import sys
@@ -62,11 +63,16 @@ def _called(model, path: str, ids: torch.Tensor) -> set:
         elif event == "return" and code.co_name == "<module>":
             in_module[0] -= 1
 
+    # Garbage from earlier work (a suspended generator in a reference cycle, say) is collected first and the
+    # collector paused while the path runs: its finalisers would otherwise be counted at random.
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         _run(model, path, ids)
     finally:
         sys.setprofile(None)
+        gc.enable()
     return called
 
 
