@@ -17,14 +17,12 @@ as the ratio of peaks and the ratio of the prefill's own increments (the stricte
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
-import sys
 import time
 
 import torch
+
+import peak_memory
 
 RATIO = 0.3
 SURROGATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "profiles",
@@ -51,24 +49,18 @@ def _setup(T: int, surrogate: str, kind: str = "mlp"):
     return model, ids, plan, {"kvzap": data}
 
 
-def _rss_now() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize() // 1024
-
-
 def child(kind: str, T: int, surrogate: str) -> None:
     import polykv
 
     model, ids, plan, data = _setup(T, surrogate)
     with torch.no_grad():
-        before = _rss_now()
+        before = peak_memory.rss_now()
         if kind == "vanilla":
             model(ids, use_cache=True, logits_to_keep=1)
         else:
             with polykv.apply(model, plan, model_data=data) as session:
                 session.prefill(ids, logits_to_keep=1)
-    print(json.dumps({"kind": kind, "before_kib": before,
-                      "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    peak_memory.report(kind, before)
 
 
 def time_run(T: int, repeats: int, surrogate: str, kind: str) -> None:
@@ -97,19 +89,7 @@ def time_run(T: int, repeats: int, surrogate: str, kind: str) -> None:
 
 
 def memory_run(T: int, surrogate: str) -> None:
-    got = {}
-    for kind in ("vanilla", "kvzap"):
-        run = subprocess.run([sys.executable, __file__, "--child", kind, "--tokens", str(T), "--surrogate", surrogate],
-                             capture_output=True, text=True)
-        if run.returncode:
-            raise SystemExit(f"the {kind} run failed: {run.stderr.strip().splitlines()[-1]}")
-        got[kind] = json.loads(run.stdout.strip().splitlines()[-1])
-    v, k = got["vanilla"], got["kvzap"]
-    dv, dk = v["peak_kib"] - v["before_kib"], k["peak_kib"] - k["before_kib"]
-    print(f"peak memory at {T} tokens (ru_maxrss of a fresh process each): vanilla {v['peak_kib'] / 1024:.0f} MiB, "
-          f"kvzap {k['peak_kib'] / 1024:.0f} MiB, ratio {k['peak_kib'] / v['peak_kib']:.3f}x; the prefill's own "
-          f"increment: vanilla {dv / 1024:.0f} MiB, kvzap {dk / 1024:.0f} MiB, ratio {dk / max(dv, 1):.3f}x",
-          flush=True)
+    peak_memory.compare(__file__, T, "kvzap", ["--tokens", str(T), "--surrogate", surrogate])
 
 
 def main(argv=None) -> int:

@@ -32,14 +32,13 @@ the longest prompt whose default 2048-token chunk fits is about 6100 tokens. Usa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
 
 import torch
+
+import peak_memory
 
 RATIO = 0.3
 
@@ -94,24 +93,18 @@ def _busiest(before: dict[str, float]) -> float:
     return max((cpu - before.get(task, 0.0) for task, cpu in _thread_cpu().items()), default=0.0)
 
 
-def _rss_now() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize() // 1024
-
-
 def child(kind: str, T: int) -> None:
     import polykv
 
     model, ids, plan = _setup(T)
     with torch.no_grad():
-        before = _rss_now()
+        before = peak_memory.rss_now()
         if kind == "vanilla":
             _vanilla(model, ids)
         else:
             with polykv.apply(model, plan) as session:
                 _kvzip(session, ids)
-    print(json.dumps({"kind": kind, "before_kib": before,
-                      "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+    peak_memory.report(kind, before)
 
 
 class _Timed:
@@ -200,18 +193,7 @@ def time_run(T: int, repeats: int) -> None:
 
 
 def memory_run(T: int) -> None:
-    got = {}
-    for kind in ("vanilla", "kvzip"):
-        run = subprocess.run([sys.executable, __file__, "--child", kind, "--memory-tokens", str(T)],
-                             capture_output=True, text=True)
-        if run.returncode:
-            raise SystemExit(f"the {kind} run failed: {run.stderr.strip().splitlines()[-1]}")
-        got[kind] = json.loads(run.stdout.strip().splitlines()[-1])
-    v, k = got["vanilla"], got["kvzip"]
-    dv, dk = v["peak_kib"] - v["before_kib"], k["peak_kib"] - k["before_kib"]
-    print(f"peak memory at {T} tokens (ru_maxrss of a fresh process each): vanilla {v['peak_kib'] / 1024:.0f} MiB, "
-          f"kvzip {k['peak_kib'] / 1024:.0f} MiB, ratio {k['peak_kib'] / v['peak_kib']:.3f}x; the prefill's own "
-          f"increment: vanilla {dv / 1024:.0f} MiB, kvzip {dk / 1024:.0f} MiB, ratio {dk / max(dv, 1):.3f}x")
+    peak_memory.compare(__file__, T, "kvzip", ["--memory-tokens", str(T)])
 
 
 def main(argv=None) -> int:
